@@ -1,0 +1,59 @@
+"""`python -m rlhf_inference.cpu_engine --model PATH --host H --port P`: serve a HF model.
+
+A stand-in for `vllm serve` in local mode and CI: same OpenAI completions protocol and
+the same weight-transfer endpoints (gloo instead of NCCL). See server.py for endpoints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import torch
+import uvicorn
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from .engine import Engine
+from .server import build_app
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m rlhf_inference.cpu_engine", description=__doc__)
+    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--seed", type=int, default=0, help="seeds requests that bring no seed")
+    p.add_argument("--max-num-seqs", type=int, default=256,
+                   help="most sequences (prompts x n) in one batched generation loop")
+    p.add_argument("--served-model-name", default=None, help="model name in the API "
+                   "(default: --model)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + output token limit (default: max_position_embeddings)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--weight-transfer-timeout", type=float, default=600.0,
+                   help="seconds to wait in the weight-transfer group before failing")
+    p.add_argument("--log-level", default="warning")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper())
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    torch.manual_seed(args.seed)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    engine = Engine(model, tokenizer, max_num_seqs=args.max_num_seqs, seed=args.seed,
+                    max_model_len=args.max_model_len)
+    app = build_app(engine, model_name=args.served_model_name or args.model,
+                    model_path=args.model, weight_timeout_s=args.weight_transfer_timeout)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""The engine: a model, a queue of sequences and one background worker thread.
+
+Requests are expanded into sequences (prompts x n) and queued. The worker thread takes
+everything queued (up to `max_num_seqs` sequences), runs ONE batched generation loop
+over them (`BatchGenerator`) and resolves each request's asyncio future when its last
+sequence is done. The event loop thread never runs model code, so `/health` answers
+while a batch is generating or weights are being received.
+
+Pausing works at step granularity, as vLLM's pause modes:
+- "keep": the running loop parks between two forward passes (KV cache kept) and the
+  queue is frozen; `resume` continues it. `start_weight_update` uses this mode, so a
+  weight update waits only for the current step.
+- "wait": stop taking new batches and wait until in-flight requests are done.
+- "abort": in-flight requests end at once with finish_reason "abort".
+Weights are changed only while paused and no step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from .generator import BatchGenerator, GenerationAborted, SamplingParams, Sequence
+
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
+@dataclass
+class _Request:
+    seqs: list[Sequence]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    remaining: int
+
+
+class Engine:
+    """Owns the model; thread-safe entry points for the HTTP layer."""
+
+    def __init__(self, model, tokenizer, *, max_num_seqs: int = 256, seed: int = 0,
+                 max_model_len: int | None = None):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len or int(
+            getattr(model.config, "max_position_embeddings", 2048)
+        )
+        self.vocab_size = int(model.config.vocab_size)
+        self.eos_token_ids = _eos_token_ids(model, tokenizer)
+        pad = tokenizer.pad_token_id
+        if pad is None:
+            pad = next(iter(self.eos_token_ids), 0)
+        self.generator = BatchGenerator(
+            self.model, eos_token_ids=self.eos_token_ids, pad_token_id=pad,
+            max_model_len=self.max_model_len,
+        )
+        self._rng = random.Random(seed)  # seeds for requests that bring none
+        self.weight_version: str | None = None
+        self.num_requests = 0
+        self._cv = threading.Condition()
+        self._queue: deque[tuple[_Request, Sequence]] = deque()
+        self._running: list[_Request] = []
+        self._paused = False
+        self._abort = False
+        self._in_step = False
+        self._stopped = False
+        self._worker = threading.Thread(target=self._work, name="cpu-engine-worker", daemon=True)
+        self._worker.start()
+
+    # ---- generation -------------------------------------------------------------
+
+    def new_sequences(self, prompt: list[int], params: SamplingParams, n: int,
+                      seed: int | None) -> list[Sequence]:
+        """n sequences for one prompt; sample i uses seed + i as vLLM's parallel sampling."""
+        with self._cv:
+            base = self._rng.getrandbits(63) if seed is None else seed
+        return [
+            Sequence(list(prompt), params, torch.Generator().manual_seed(_seed64(base + i)))
+            for i in range(n)
+        ]
+
+    async def generate(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Queue the sequences of one request; return them once all are finished."""
+        loop = asyncio.get_running_loop()
+        request = _Request(seqs, loop, loop.create_future(), len(seqs))
+        with self._cv:
+            self.num_requests += 1
+            self._queue.extend((request, s) for s in seqs)
+            self._cv.notify_all()
+        await request.future
+        return seqs
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._stopped or (self._queue and not self._paused))
+                if self._stopped:
+                    return
+                batch: list[tuple[_Request, Sequence]] = []
+                while self._queue and len(batch) < self.max_num_seqs:
+                    batch.append(self._queue.popleft())
+                self._in_step = True
+            seqs = [s for _, s in batch]
+            error: BaseException | None = None
+            try:
+                self.generator.generate(seqs, self._between_steps)
+            except BaseException as exc:  # resolve futures rather than kill the worker
+                error = exc
+            finally:
+                with self._cv:
+                    self._in_step = False
+                    self._cv.notify_all()
+            for request, _ in batch:
+                request.remaining -= 1
+                if error is not None or request.remaining == 0:
+                    _resolve(request, error)
+
+    def _between_steps(self) -> None:
+        """Runs in the worker between forward passes: park while paused, honour aborts."""
+        with self._cv:
+            if self._abort:
+                raise GenerationAborted
+            if self._paused:
+                self._in_step = False
+                self._cv.notify_all()
+                self._cv.wait_for(lambda: not self._paused or self._abort or self._stopped)
+                self._in_step = True
+                if self._abort:
+                    raise GenerationAborted
+
+    # ---- pause / resume (blocking: call from a thread) --------------------------
+
+    def pause(self, mode: str = "keep") -> None:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        with self._cv:
+            if mode == "wait":
+                self._cv.wait_for(lambda: not self._queue and not self._in_step)
+            self._paused = True
+            if mode == "abort":
+                self._abort = True
+                while self._queue:
+                    request, seq = self._queue.popleft()
+                    seq.finish_reason = "abort"
+                    request.remaining -= 1
+                    if request.remaining == 0:
+                        _resolve(request, None)
+                self._cv.notify_all()
+            self._cv.wait_for(lambda: not self._in_step)
+            self._abort = False
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    @property
+    def is_paused(self) -> bool:
+        return self._paused
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+
+    # ---- weights -----------------------------------------------------------------
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """HF parameter (and persistent buffer) names -> tensors, tied names included."""
+        return dict(self.model.state_dict(keep_vars=False))
+
+    def checksums(self) -> dict[str, str]:
+        """sha256 of each parameter's raw bytes, by HF name (as vLLM's weight_checker)."""
+        return {name: tensor_sha256(p) for name, p in self.model.named_parameters()}
+
+    def stats(self) -> dict:
+        g = self.generator
+        with self._cv:
+            queued = len(self._queue)
+        return {
+            "num_requests": self.num_requests,
+            "num_batches": g.num_batches,
+            "num_forward_steps": g.num_forward_steps,
+            "num_generated_tokens": g.num_generated_tokens,
+            "max_batch_size": g.max_batch_size,
+            "num_queued_sequences": queued,
+            "is_paused": self._paused,
+            "weight_version": self.weight_version,
+        }
+
+
+def tensor_sha256(tensor: torch.Tensor) -> str:
+    flat = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+
+
+def _resolve(request: _Request, error: BaseException | None) -> None:
+    def done():
+        if request.future.done():
+            return
+        if error is None:
+            request.future.set_result(None)
+        else:
+            request.future.set_exception(error)
+
+    request.loop.call_soon_threadsafe(done)
+
+
+def _seed64(seed: int) -> int:
+    return seed % (1 << 63)
+
+
+def _eos_token_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (gen_eos, tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(int(v) for v in value)
+    return ids

@@ -1,0 +1,201 @@
+"""One batched generation loop over a Hugging Face causal LM with a KV cache.
+
+`BatchGenerator.generate(seqs)` left-pads the prompts of all sequences into one batch
+(attention mask + position ids counted from each row's first real token), prefills
+once, then decodes one token per step for every unfinished row. Each sequence keeps
+its own sampling parameters, random generator and stop conditions; finished rows are
+dropped from the batch (and from the KV cache) so they cost nothing afterwards.
+
+Sampling follows vLLM's order: temperature, then top-k, then top-p, then a draw from
+the sequence's own `torch.Generator`. Temperature below 1e-5 is greedy. The logprobs
+returned are vLLM's default `raw_logprobs`: log_softmax of the raw logits, before any
+temperature / top-k / top-p processing.
+
+Simplifications (compared with vLLM): static batching (requests that arrive while a
+loop runs wait for the next loop, no continuous batching), no prefix caching, no stop
+strings, no penalties, no `min_tokens`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+SAMPLING_EPS = 1e-5  # vLLM's threshold below which temperature means greedy
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-sequence sampling parameters (one sample; `n` is expanded by the caller)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: off
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; 0: sampled token only; k: plus top k; -1: all
+
+
+@dataclass
+class Sequence:
+    """One sample being generated; filled in place by `BatchGenerator.generate`."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | None = None  # the stop token id that ended it (None for EOS)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class GenerationAborted(Exception):
+    """Raised by a `between_steps` hook to end all running sequences with "abort"."""
+
+
+class BatchGenerator:
+    """Runs batched generation loops on one model; counts forward passes.
+
+    Not thread-safe: one loop at a time (the engine's worker thread owns it).
+    """
+
+    def __init__(self, model, *, eos_token_ids: set[int], pad_token_id: int, max_model_len: int):
+        self.model = model
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.pad_token_id = pad_token_id
+        self.max_model_len = max_model_len
+        self.num_forward_steps = 0
+        self.num_batches = 0
+        self.num_generated_tokens = 0
+        self.max_batch_size = 0
+
+    @torch.inference_mode()
+    def generate(self, seqs: list[Sequence], between_steps: Callable[[], None] = lambda: None) -> None:
+        """Generate until every sequence in `seqs` is finished.
+
+        `between_steps` runs after each forward pass and sampling (the engine parks the
+        loop there while paused); it may raise `GenerationAborted`.
+        """
+        if not seqs:
+            return
+        self.num_batches += 1
+        self.max_batch_size = max(self.max_batch_size, len(seqs))
+        device = next(self.model.parameters()).device
+        width = max(len(s.prompt_token_ids) for s in seqs)
+        input_ids = torch.full((len(seqs), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for row, seq in enumerate(seqs):
+            ids = seq.prompt_token_ids
+            input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[row, width - len(ids):] = 1
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        input_ids, attention_mask, position_ids = (
+            t.to(device) for t in (input_ids, attention_mask, position_ids)
+        )
+        cache = DynamicCache(config=self.model.config)
+        active = list(range(len(seqs)))  # batch row -> index into seqs
+        last_position = position_ids[:, -1]
+        logits = self._forward(input_ids, attention_mask, position_ids, cache)
+        try:
+            while True:
+                next_tokens = self._sample_and_check(logits, [seqs[i] for i in active])
+                keep = [row for row, i in enumerate(active) if not seqs[i].finished]
+                if not keep:
+                    return
+                between_steps()
+                if len(keep) < len(active):
+                    rows = torch.tensor(keep, dtype=torch.long, device=device)
+                    cache.batch_select_indices(rows)
+                    attention_mask = attention_mask[rows]
+                    next_tokens = next_tokens[rows]
+                    last_position = last_position[rows]
+                    active = [active[row] for row in keep]
+                attention_mask = torch.cat(
+                    [attention_mask, attention_mask.new_ones((len(active), 1))], dim=1
+                )
+                last_position = last_position + 1
+                logits = self._forward(
+                    next_tokens[:, None], attention_mask, last_position[:, None], cache
+                )
+        except GenerationAborted:
+            for i in active:
+                if not seqs[i].finished:
+                    seqs[i].finish_reason = "abort"
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.num_forward_steps += 1
+        return out.logits[:, -1, :].float()
+
+    def _sample_and_check(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Sample one token per row, record logprobs, apply stop conditions."""
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
+        for row, seq in enumerate(seqs):
+            tokens[row] = _sample_one(logits[row], seq.params, seq.generator)
+        token_list = tokens.tolist()
+        sampled_lps = raw_logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+        for row, (seq, token, lp) in enumerate(zip(seqs, token_list, sampled_lps)):
+            seq.token_ids.append(token)
+            seq.logprobs.append(lp)
+            if seq.params.logprobs is not None:
+                seq.top_logprobs.append(_top_logprobs(raw_logprobs[row], seq.params.logprobs))
+            self.num_generated_tokens += 1
+            self._check_stop(seq, token)
+        return tokens
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        # Same precedence as vLLM: EOS, then stop_token_ids, then length.
+        if not seq.params.ignore_eos and token in self.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif token in seq.params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif (
+            len(seq.token_ids) >= seq.params.max_tokens
+            or len(seq.prompt_token_ids) + len(seq.token_ids) >= self.max_model_len
+        ):
+            seq.finish_reason = "length"
+
+
+def _sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """Temperature -> top-k -> top-p -> multinomial draw with the sequence's generator."""
+    if params.temperature < SAMPLING_EPS:
+        return int(logits.argmax())
+    x = logits / params.temperature
+    if 0 < params.top_k < x.numel():
+        kth = torch.topk(x, params.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_x, order = torch.sort(x, descending=False)
+        cumulative = torch.softmax(sorted_x, dim=-1).cumsum(-1)
+        drop_sorted = cumulative <= 1.0 - params.top_p
+        drop_sorted[-1] = False  # always keep the most likely token
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _top_logprobs(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
+    """The k most likely (token id, raw logprob) pairs; k = -1 means the whole vocabulary."""
+    if k == 0:
+        return []
+    k = logprobs.numel() if k < 0 else min(k, logprobs.numel())
+    values, ids = torch.topk(logprobs, k)
+    return list(zip(ids.tolist(), values.tolist()))

@@ -1,0 +1,140 @@
+"""Loading a job file: YAML -> overrides -> validated `RLHFJob`, with every problem
+reported by its field path (`spec.rollout.replicas: ...`)."""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+from pydantic.alias_generators import to_camel
+
+from .models import RLHFJob
+from .rules import RuleViolations
+
+
+@dataclass(frozen=True)
+class Problem:
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}" if self.path else self.message
+
+
+class JobError(ValueError):
+    """The job is invalid; `problems` lists each with its field path."""
+
+    def __init__(self, problems: list[Problem], source: str = ""):
+        self.problems = problems
+        self.source = source
+        head = f"{source}: " if source else ""
+        lines = "\n".join(f"  {p}" for p in problems)
+        super().__init__(f"{head}{len(problems)} problem(s) in the job spec:\n{lines}")
+
+
+def _format_loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The pydantic model class that owns the field at `loc` (for suggestions)."""
+    model: Any = RLHFJob
+    for part in loc:
+        if isinstance(part, int) or model is None:
+            return None
+        fields = {(f.alias or n): f for n, f in model.model_fields.items()}
+        field = fields.get(part)
+        if field is None:
+            return None
+        ann = field.annotation
+        candidates = [ann, *getattr(ann, "__args__", ())]
+        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+    return model
+
+
+def _problems(err: ValidationError) -> list[Problem]:
+    problems: list[Problem] = []
+    for e in err.errors():
+        loc = tuple(e["loc"])
+        cause = (e.get("ctx") or {}).get("error")
+        if isinstance(cause, RuleViolations):
+            prefix = _format_loc(loc)
+            problems += [Problem(f"{prefix}.{p}" if prefix else p, m) for p, m in cause.violations]
+            continue
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            owner = _model_at(loc[:-1])
+            known = [f.alias or n for n, f in owner.model_fields.items()] if owner else []
+            close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+            msg = "unknown field" + (f"; did you mean '{close[0]}'?" if close else "")
+            if known:
+                msg += f" (allowed: {', '.join(known)})"
+        elif e["type"] == "missing":
+            msg = "required field is missing"
+        elif msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        problems.append(Problem(_format_loc(loc), msg))
+    return problems
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`rollout.replicas=2` -> (['spec', 'rollout', 'replicas'], 2). Keys may be snake_case;
+    the `spec.` prefix is optional; the value is parsed as YAML."""
+    if "=" not in text:
+        raise JobError([Problem("--set", f"{text!r} is not of the form dotted.field=value")])
+    key, value = text.split("=", 1)
+    parts = [to_camel(p) for p in key.strip().split(".") if p]
+    if not parts:
+        raise JobError([Problem("--set", f"{text!r} has an empty field name")])
+    if parts[0] not in ("spec", "metadata"):
+        parts = ["spec", *parts]
+    return parts, yaml.safe_load(value) if value.strip() else ""
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = data
+        for i, part in enumerate(parts[:-1]):
+            nxt = node.setdefault(part, {})
+            if not isinstance(nxt, dict):
+                where = ".".join(parts[: i + 1])
+                raise JobError([Problem(where, f"--set {text!r}: {where} is not a mapping")])
+            node = nxt
+        node[parts[-1]] = value
+    return data
+
+
+def validate_job(data: Any, overrides: list[str] = (), source: str = "") -> RLHFJob:
+    """Validate a parsed job document; raise `JobError` listing every problem."""
+    if not isinstance(data, dict):
+        raise JobError([Problem("", "the job file must hold one YAML mapping (an RLHFJob)")], source)
+    data = apply_overrides(data, list(overrides))
+    try:
+        return RLHFJob.model_validate(data)
+    except ValidationError as err:
+        raise JobError(_problems(err), source) from None
+
+
+def load_job(path: str | Path, overrides: list[str] = ()) -> RLHFJob:
+    """Read and validate a job YAML file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise JobError([Problem("", f"cannot read {path}: {err.strerror}")], str(path)) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise JobError([Problem("", f"not valid YAML: {err}")], str(path)) from None
+    return validate_job(data, overrides, str(path))

@@ -1,0 +1,270 @@
+"""The RLHFJob API (`rlhf.dev/v1alpha1`): the one source of truth.
+
+The CRD schema (`rlhfctl crd`), the admission rules (CEL), the defaults, and the config
+that the trainer and rollout servers read all come from these pydantic models. YAML uses
+camelCase (`samplesPerPrompt`); Python uses the same words in snake_case
+(`samples_per_prompt`).
+
+Cross-field rules live in `RULES` (rules.py) so that the same rule is checked here, in
+`rlhfctl validate`, and by the API server at admission.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+API_GROUP = "rlhf.dev"
+API_VERSION = "v1alpha1"
+KIND = "RLHFJob"
+PLURAL = "rlhfjobs"
+SHORT_NAME = "rlj"
+MAX_NAME_LENGTH = 40  # `<name>-rollout-<hash>` and `<name>-trainer-worker-N` stay within 63
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        validate_default=True,
+        use_attribute_docstrings=True,
+    )
+
+
+class ModelSpec(_Model):
+    """The policy model to train."""
+
+    path: str = Field(min_length=1)
+    """Hugging Face model directory (in Kubernetes: a path on a mounted volume), or a
+    built-in model: `builtin://tiny-qwen2`."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights dtype for the rollout servers (`vllm serve --dtype`)."""
+
+
+class DataSpec(_Model):
+    """Where prompts come from."""
+
+    path: str = Field(min_length=1)
+    """A JSONL/JSON file of prompts, or a built-in task: `builtin://last-digit`,
+    `builtin://sum-mod-10`."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt text."""
+    answer_key: str = "answer"
+    """Column holding the reference answer passed to the reward."""
+    max_prompt_length: int = Field(default=1024, ge=1)
+    """Prompts longer than this many tokens are dropped (the count is reported)."""
+    shuffle: bool = True
+    """Shuffle the prompts each epoch (seeded by `schedule.seed`)."""
+
+
+class RewardSpec(_Model):
+    """How a response is scored."""
+
+    type: Literal["exact_match", "prefix_match"] = "exact_match"
+    """`exact_match`: 1 when the response (stripped) equals the answer;
+    `prefix_match`: 1 when the response starts with the answer."""
+
+
+class AlgorithmSpec(_Model):
+    """The RL algorithm: advantage estimator, policy loss and KL regularisation."""
+
+    advantage_estimator: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    """How advantages are computed from the group of samples of one prompt."""
+    loss_agg: Literal[
+        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+    ] = "token-mean"
+    """How per-token losses are reduced to one number."""
+    clip_low: float = Field(default=0.2, ge=0)
+    """PPO ratio clip below 1: ratio >= 1 - clipLow."""
+    clip_high: float = Field(default=0.2, ge=0)
+    """PPO ratio clip above 1: ratio <= 1 + clipHigh (DAPO's clip-higher uses 0.28)."""
+    dual_clip: float | None = Field(default=None, gt=1)
+    """Dual-clip constant c > 1 for negative advantages; null disables it."""
+    kl_coef: float = Field(default=0.0, ge=0)
+    """Weight of the KL(policy || reference) loss term; 0 loads no reference model."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token KL estimator (Schulman's k1, k2, k3)."""
+    num_mini_batches: int = Field(default=1, ge=1)
+    """Optimizer steps per RL step; the step's samples are split into this many parts."""
+
+
+class RolloutSpec(_Model):
+    """The rollout (generation) servers."""
+
+    engine: Literal["vllm", "cpu"] = "vllm"
+    """`vllm` on GPUs; `cpu` is the built-in Hugging Face engine (local mode always uses it)."""
+    image: str = "vllm/vllm-openai:v0.11.0"
+    """Container image of the rollout servers."""
+    replicas: int = Field(default=1, ge=1)
+    """Number of rollout servers."""
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    """GPUs per rollout server (vLLM tensor parallel size)."""
+    samples_per_prompt: int = Field(default=8, ge=1)
+    """Responses sampled for each prompt (the group size)."""
+    max_tokens: int = Field(default=1024, ge=1)
+    """Maximum response length in tokens."""
+    temperature: float = Field(default=1.0, ge=0)
+    """Sampling temperature."""
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    """Nucleus sampling probability mass."""
+    top_k: int = Field(default=-1, ge=-1)
+    """Top-k sampling; -1 disables it."""
+
+
+class TrainerSpec(_Model):
+    """The trainer processes (torchrun)."""
+
+    image: str = "ghcr.io/rlhf-operator/trainer:0.1.0"
+    """Container image of the trainer."""
+    num_nodes: int = Field(default=1, ge=1)
+    """Trainer pods (torchrun nodes)."""
+    nproc_per_node: int = Field(default=1, ge=1)
+    """Trainer processes per pod (GPUs per pod)."""
+    learning_rate: float = Field(default=1e-6, gt=0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(default=0.0, ge=0)
+    """AdamW weight decay."""
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    """Gradient clipping by global norm."""
+    micro_batch_size: int = Field(default=8, ge=1)
+    """Sequences per forward/backward pass on each process."""
+
+
+class ScheduleSpec(_Model):
+    """How long to train and how often to save."""
+
+    total_steps: int = Field(default=100, ge=1)
+    """Number of RL steps."""
+    prompts_per_step: int = Field(default=32, ge=1)
+    """Prompts sampled per RL step (each gets `rollout.samplesPerPrompt` responses)."""
+    save_every: int = Field(default=50, ge=0)
+    """Save a checkpoint every this many steps; 0 saves only the final model."""
+    seed: int = 0
+    """Seed for data order, sampling and the built-in model's weights."""
+
+
+class OutputSpec(_Model):
+    """Where results go."""
+
+    dir: str = ""
+    """Output directory; empty means `runs/<job name>` in local mode and `/output` in pods."""
+    keep_checkpoints: int = Field(default=3, ge=1)
+    """How many complete checkpoints to keep."""
+
+
+class RunPolicy(_Model):
+    """Restarts and lifetime, as for a Kubernetes Job."""
+
+    max_restarts: int = Field(default=3, ge=0)
+    """Whole-job restarts before the job is Failed."""
+    active_deadline_seconds: int | None = Field(default=None, ge=1)
+    """Fail the job after this many seconds of running."""
+    ttl_seconds_after_finished: int | None = Field(default=None, ge=0)
+    """Delete the job this many seconds after it finished."""
+
+
+class RLHFJobSpec(_Model):
+    """What to train and how."""
+
+    model: ModelSpec
+    """The policy model."""
+    data: DataSpec
+    """The prompts."""
+    reward: RewardSpec = RewardSpec()
+    """How responses are scored."""
+    algorithm: AlgorithmSpec = AlgorithmSpec()
+    """The RL algorithm."""
+    rollout: RolloutSpec = RolloutSpec()
+    """The rollout servers."""
+    trainer: TrainerSpec = TrainerSpec()
+    """The trainer."""
+    schedule: ScheduleSpec = ScheduleSpec()
+    """Steps, batch size and checkpoints."""
+    output: OutputSpec = OutputSpec()
+    """Outputs."""
+    run_policy: RunPolicy = RunPolicy()
+    """Restarts and lifetime."""
+    suspend: bool = False
+    """Scale everything to zero, keeping checkpoints; set back to false to resume."""
+
+    @property
+    def trainer_world_size(self) -> int:
+        return self.trainer.num_nodes * self.trainer.nproc_per_node
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.schedule.prompts_per_step * self.rollout.samples_per_prompt
+
+    @model_validator(mode="after")
+    def _check_rules(self) -> "RLHFJobSpec":
+        from .rules import check_spec
+
+        check_spec(self)
+        return self
+
+
+class ObjectMeta(BaseModel):
+    """The part of Kubernetes metadata that the job reads; the rest is kept as is."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(
+        min_length=1, max_length=MAX_NAME_LENGTH, pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+    )
+    namespace: str | None = None
+    labels: dict[str, str] = {}
+    annotations: dict[str, str] = {}
+
+
+class Condition(_Model):
+    """A Kubernetes-style condition."""
+
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str = ""
+    message: str = ""
+    last_transition_time: str | None = None
+
+
+class Progress(_Model):
+    """Training progress reported by the trainer."""
+
+    step: int = 0
+    """Last completed RL step."""
+    total_steps: int = 0
+    """Steps the job will run."""
+    reward_mean: float | None = None
+    """Mean reward of the last step."""
+    policy_version: int = 0
+    """Weight version the rollout servers hold."""
+    last_checkpoint: str | None = None
+    """Newest complete checkpoint."""
+
+
+class RLHFJobStatus(_Model):
+    """Observed state, written by the operator (and `progress` by the trainer)."""
+
+    phase: Literal[
+        "Pending", "Initializing", "Running", "Restarting", "Suspended", "Succeeded", "Failed"
+    ] = "Pending"
+    conditions: list[Condition] = []
+    observed_generation: int | None = None
+    restarts: int = 0
+    progress: Progress = Progress()
+
+
+class RLHFJob(BaseModel):
+    """An RL post-training job."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    api_version: Literal["rlhf.dev/v1alpha1"] = Field(alias="apiVersion")
+    kind: Literal["RLHFJob"]
+    metadata: ObjectMeta
+    spec: RLHFJobSpec
+    status: RLHFJobStatus | None = None
+
+    def to_config(self) -> dict[str, Any]:
+        """The resolved job as JSON-ready data (camelCase), as mounted into every pod."""
+        return self.model_dump(mode="json", by_alias=True, exclude={"status"})

@@ -1,0 +1,79 @@
+"""Cross-field rules of the job spec, each checked twice from one definition.
+
+Every rule has a Python check (used by pydantic validation, `rlhfctl validate` and the
+trainer) and a CEL expression that `rlhfctl crd` puts into the CRD, so the API server
+rejects the same specs at `kubectl apply` with the same field path and message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from .models import RLHFJobSpec
+
+
+@dataclass(frozen=True)
+class Rule:
+    field_path: str
+    """Path of the field to blame, relative to `spec`, in YAML names."""
+    cel: str
+    """The rule as a CEL expression over `self` = the spec."""
+    message: str
+    """What is wrong and what to change (static; the CEL message)."""
+    check: Callable[["RLHFJobSpec"], bool]
+    """True when the spec satisfies the rule."""
+    detail: Callable[["RLHFJobSpec"], str] = lambda s: ""
+    """The values involved, appended to the message in Python."""
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(
+        field_path="rollout.samplesPerPrompt",
+        cel="self.rollout.samplesPerPrompt >= 2",
+        message="must be at least 2: group advantage estimators (grpo, dr_grpo, rloo) "
+        "compare the samples of one prompt",
+        check=lambda s: s.rollout.samples_per_prompt >= 2,
+        detail=lambda s: f"got {s.rollout.samples_per_prompt}",
+    ),
+    Rule(
+        field_path="schedule.promptsPerStep",
+        cel="(self.schedule.promptsPerStep * self.rollout.samplesPerPrompt) % "
+        "(self.trainer.numNodes * self.trainer.nprocPerNode) == 0",
+        message="schedule.promptsPerStep x rollout.samplesPerPrompt must be divisible by "
+        "the trainer world size (trainer.numNodes x trainer.nprocPerNode)",
+        check=lambda s: s.samples_per_step % s.trainer_world_size == 0,
+        detail=lambda s: f"{s.schedule.prompts_per_step} x {s.rollout.samples_per_prompt} = "
+        f"{s.samples_per_step} samples over {s.trainer_world_size} processes",
+    ),
+    Rule(
+        field_path="algorithm.numMiniBatches",
+        cel="(self.schedule.promptsPerStep * self.rollout.samplesPerPrompt) % "
+        "(self.trainer.numNodes * self.trainer.nprocPerNode * self.algorithm.numMiniBatches) == 0",
+        message="must divide the samples each trainer process gets per step "
+        "(schedule.promptsPerStep x rollout.samplesPerPrompt / trainer world size)",
+        check=lambda s: s.samples_per_step % (s.trainer_world_size * s.algorithm.num_mini_batches)
+        == 0,
+        detail=lambda s: f"{s.algorithm.num_mini_batches} does not divide "
+        f"{s.samples_per_step // max(1, s.trainer_world_size)} samples per process",
+    ),
+)
+
+
+class RuleViolations(ValueError):
+    """One or more rules failed; `violations` holds (field path under spec, message)."""
+
+    def __init__(self, violations: list[tuple[str, str]]):
+        self.violations = violations
+        super().__init__("; ".join(f"spec.{p}: {m}" for p, m in violations))
+
+
+def check_spec(spec: "RLHFJobSpec") -> None:
+    violations = []
+    for rule in RULES:
+        if not rule.check(spec):
+            detail = rule.detail(spec)
+            violations.append((rule.field_path, rule.message + (f" ({detail})" if detail else "")))
+    if violations:
+        raise RuleViolations(violations)

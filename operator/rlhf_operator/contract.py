@@ -1,0 +1,80 @@
+"""The pod contract: the ONE place that computes each process's command and environment.
+
+The Kubernetes builders put these into pod templates; `rlhfctl run` starts the very same
+commands as local processes, with addresses replaced by 127.0.0.1 ports. What runs
+locally is therefore what runs in pods.
+
+Environment a trainer process can rely on (besides torchrun's RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT, LOCAL_RANK): RLHF_JOB_CONFIG, RLHF_ROLLOUT_ENDPOINTS,
+RLHF_WEIGHT_SYNC_ADDR, RLHF_OUTPUT_DIR, and RLHF_RESUME ("1": continue from the newest
+complete checkpoint in the output directory).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .api.models import RLHFJob
+
+ENV_JOB_CONFIG = "RLHF_JOB_CONFIG"
+ENV_ROLLOUT_ENDPOINTS = "RLHF_ROLLOUT_ENDPOINTS"
+ENV_WEIGHT_SYNC_ADDR = "RLHF_WEIGHT_SYNC_ADDR"
+ENV_OUTPUT_DIR = "RLHF_OUTPUT_DIR"
+ENV_RESUME = "RLHF_RESUME"
+
+ROLLOUT_PORT = 8000
+TRAINER_MASTER_PORT = 29500
+WEIGHT_SYNC_PORT = 29600
+
+
+@dataclass(frozen=True)
+class Process:
+    """A command and the environment it runs with."""
+
+    command: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def rollout_process(
+    job: RLHFJob, *, model_path: str, host: str, port: int, config_path: str, python: str = "python"
+) -> Process:
+    """One rollout server: vLLM (`vllm serve`) or the CPU engine, per `rollout.engine`."""
+    from rlhf_inference.launch import serve_command
+
+    command = serve_command(job.spec, model_path=model_path, host=host, port=port, name=job.metadata.name, python=python)
+    env = {ENV_JOB_CONFIG: config_path}
+    if job.spec.rollout.engine == "vllm":
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # enables the weight-transfer HTTP routes
+    return Process(command, env)
+
+
+def trainer_process(
+    job: RLHFJob,
+    *,
+    config_path: str,
+    rollout_endpoints: list[str],
+    weight_sync_addr: str,
+    output_dir: str,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    resume: bool = True,
+    python: str = "python",
+) -> Process:
+    """One trainer node: torchrun starting `nprocPerNode` processes of `python -m rlhf_trainer`.
+
+    With `master_addr` None (Kubernetes), torchrun takes the rendezvous address and node
+    rank from the PET_* variables that the Kubeflow training-operator sets on each pod.
+    """
+    t = job.spec.trainer
+    command = [python, "-m", "torch.distributed.run", f"--nnodes={t.num_nodes}", f"--nproc-per-node={t.nproc_per_node}"]
+    if master_addr is not None:
+        command += [f"--master-addr={master_addr}", f"--master-port={master_port}", "--node-rank=0"]
+    command += ["-m", "rlhf_trainer"]
+    env = {
+        ENV_JOB_CONFIG: config_path,
+        ENV_ROLLOUT_ENDPOINTS: ",".join(rollout_endpoints),
+        ENV_WEIGHT_SYNC_ADDR: weight_sync_addr,
+        ENV_OUTPUT_DIR: output_dir,
+        ENV_RESUME: "1" if resume else "0",
+    }
+    return Process(command, env)

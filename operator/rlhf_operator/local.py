@@ -1,0 +1,223 @@
+"""Local mode (`rlhfctl run job.yaml`): the job's processes on this machine.
+
+Starts `rollout.replicas` rollout servers (always the CPU engine: vLLM needs GPUs) and one
+torchrun trainer node with `trainer.nprocPerNode` processes, using the same commands and
+environment as the pods (`contract.py`), on 127.0.0.1 ports. Shows progress from
+`metrics.jsonl`; Ctrl-C stops everything and keeps the last complete checkpoint; a
+crashed process stops the run and its log tail is shown.
+
+Simplification: local mode runs one trainer node; `trainer.numNodes` > 1 is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from statistics import mean
+
+from .api.models import RLHFJob
+from .contract import Process, rollout_process, trainer_process
+
+HEALTH_TIMEOUT_S = 300.0
+
+
+class LocalRunError(RuntimeError):
+    """The local run could not start or a process failed."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def complete_checkpoints(output: Path) -> list[Path]:
+    """Checkpoints whose completion marker exists, oldest first."""
+    root = output / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob("step-*") if (p / "COMPLETE").exists()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+class _Child:
+    def __init__(self, name: str, proc: Process, log_path: Path):
+        self.name = name
+        self.log_path = log_path
+        self._log = open(log_path, "ab")
+        env = {**os.environ, **proc.env, "PYTHONUNBUFFERED": "1"}
+        self.popen = subprocess.Popen(
+            proc.command, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+
+    def poll(self) -> int | None:
+        return self.popen.poll()
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if self.popen.poll() is None:
+            try:
+                os.killpg(self.popen.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.popen.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(self.popen.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.popen.wait()
+        self._log.close()
+
+
+def _prepare_output(job: RLHFJob, output: Path, resume: bool, overwrite: bool) -> None:
+    done = complete_checkpoints(output)
+    if done and not (resume or overwrite):
+        raise LocalRunError(
+            f"{output} already holds checkpoints (newest: {done[-1].name}); pass --resume to "
+            "continue from it, --overwrite to start afresh, or choose another --output"
+        )
+    if overwrite:
+        for name in ("checkpoints", "final", "logs", "metrics.jsonl"):
+            target = output / name
+            if target.is_dir():
+                shutil.rmtree(target)
+            elif target.exists():
+                target.unlink()
+    output.mkdir(parents=True, exist_ok=True)
+    (output / "logs").mkdir(exist_ok=True)
+
+
+def _resolve_model(job: RLHFJob, output: Path) -> str:
+    path = job.spec.model.path
+    from rlhf_trainer.models.builtin import is_builtin, materialize
+
+    if is_builtin(path):
+        return str(materialize(path, output / "builtin-model", seed=job.spec.schedule.seed))
+    if not Path(path).exists():
+        raise LocalRunError(f"spec.model.path: {path!r} does not exist on this machine; give a local Hugging Face model directory or builtin://tiny-qwen2")
+    return path
+
+
+def _wait_healthy(children: list[_Child], urls: list[str]) -> None:
+    import httpx
+
+    deadline = time.monotonic() + HEALTH_TIMEOUT_S
+    pending = dict(zip(urls, children))
+    while pending:
+        for url, child in list(pending.items()):
+            if child.poll() is not None:
+                raise LocalRunError(f"{child.name} exited with code {child.poll()} while starting:\n{child.log_tail()}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    del pending[url]
+            except httpx.HTTPError:
+                pass
+        if time.monotonic() > deadline:
+            raise LocalRunError(f"rollout servers not healthy after {HEALTH_TIMEOUT_S:.0f}s: {', '.join(pending)}")
+        time.sleep(0.3)
+
+
+def _read_metrics(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a line being written
+    return rows
+
+
+def summarize(rows: list[dict]) -> str:
+    """Mean reward of the first and last 10 steps (what the demo promises)."""
+    rewards = [r["reward_mean"] for r in rows]
+    if not rewards:
+        return "no steps completed"
+    first, last = mean(rewards[:10]), mean(rewards[-10:])
+    ratio = f"{last / first:.1f}x" if first > 0 else "inf"
+    return f"reward_mean: first 10 steps {first:.3f}, last 10 steps {last:.3f} ({ratio})"
+
+
+def run_local(job: RLHFJob, *, output: str | None = None, resume: bool = False, overwrite: bool = False) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    console = Console(stderr=True)
+    spec = job.spec
+    if spec.trainer.num_nodes != 1:
+        raise LocalRunError(f"spec.trainer.numNodes: local mode runs one trainer node, got {spec.trainer.num_nodes}; use --set trainer.numNodes=1")
+    out = Path(output or spec.output.dir or f"runs/{job.metadata.name}").resolve()
+    _prepare_output(job, out, resume, overwrite)
+    model_path = _resolve_model(job, out)
+
+    resolved = job.model_copy(deep=True)
+    resolved.spec.model.path = model_path
+    resolved.spec.rollout.engine = "cpu"
+    resolved.spec.output.dir = str(out)
+    config_path = out / "job.json"
+    config_path.write_text(json.dumps(resolved.to_config(), indent=2))
+
+    ports = [_free_port() for _ in range(spec.rollout.replicas)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    children: list[_Child] = []
+    metrics_path = out / "metrics.jsonl"
+    total = spec.schedule.total_steps
+    with ExitStack() as stack:
+        stack.callback(lambda: [c.stop() for c in reversed(children)])
+        try:
+            for i, port in enumerate(ports):
+                proc = rollout_process(resolved, model_path=model_path, host="127.0.0.1", port=port, config_path=str(config_path), python=sys.executable)
+                children.append(_Child(f"rollout-{i}", proc, out / "logs" / f"rollout-{i}.log"))
+            console.print(f"[bold]{job.metadata.name}[/]: {spec.rollout.replicas} rollout server(s), {spec.trainer.nproc_per_node} trainer process(es); output in {out}")
+            _wait_healthy(children, urls)
+            trainer = trainer_process(
+                resolved, config_path=str(config_path), rollout_endpoints=urls,
+                weight_sync_addr=f"127.0.0.1:{_free_port()}", output_dir=str(out),
+                master_addr="127.0.0.1", master_port=_free_port(), resume=resume, python=sys.executable,
+            )
+            trainer_child = _Child("trainer", trainer, out / "logs" / "trainer.log")
+            children.append(trainer_child)
+
+            columns = [
+                TextColumn("step {task.completed}/{task.total}"), BarColumn(),
+                TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+            ]
+            with Progress(*columns, console=console, transient=False) as progress:
+                task = progress.add_task("train", total=total, info="starting")
+                while True:
+                    rows = _read_metrics(metrics_path)
+                    if rows:
+                        last = rows[-1]
+                        progress.update(task, completed=last["step"], info=f"reward {last['reward_mean']:.3f}  {last['tokens_per_second']:.0f} tok/s")
+                    for child in children:
+                        code = child.poll()
+                        if code is not None and (child is not trainer_child or code != 0):
+                            raise LocalRunError(f"{child.name} exited with code {code}; last lines of {child.log_path}:\n{child.log_tail()}")
+                    if trainer_child.poll() == 0:
+                        break
+                    time.sleep(0.5)
+        except KeyboardInterrupt:
+            kept = complete_checkpoints(out)
+            console.print(f"\nstopped; last complete checkpoint: {kept[-1] if kept else 'none'}")
+            return 130
+    console.print(summarize(_read_metrics(metrics_path)))
+    console.print(f"final model: {out / 'final'}")
+    return 0

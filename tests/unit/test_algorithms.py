@@ -1,0 +1,146 @@
+"""Each vectorised algorithm function against a plain loop written from the equation."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from rlhf_trainer.algorithms.advantages import compute_advantages
+from rlhf_trainer.algorithms.kl import kl_penalty
+from rlhf_trainer.algorithms.losses import AGGREGATIONS, agg_loss, policy_loss
+
+
+def random_mask(b, t, gen):
+    lengths = torch.randint(0, t + 1, (b,), generator=gen)
+    lengths[0] = 1  # a single-token response
+    lengths[-1] = 0  # an all-masked row
+    return (torch.arange(t).unsqueeze(0) < lengths.unsqueeze(1)).double()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_penalty_matches_loop(seed, estimator):
+    gen = torch.Generator().manual_seed(seed)
+    logp, ref = -torch.rand(4, 6, generator=gen, dtype=torch.float64) * 3, -torch.rand(4, 6, generator=gen, dtype=torch.float64) * 3
+    out = kl_penalty(logp, ref, estimator)
+    for i in range(4):
+        for j in range(6):
+            d = logp[i, j].item() - ref[i, j].item()
+            want = {"k1": d, "k2": 0.5 * d * d, "k3": math.exp(-d) + d - 1}[estimator]
+            assert out[i, j].item() == pytest.approx(want, abs=1e-12)
+    if estimator == "k3":
+        assert (out >= 0).all()
+
+
+def loop_advantages(estimator, rewards, lengths, group):
+    out = []
+    for g in range(0, len(rewards), group):
+        rs = rewards[g:g + group]
+        mean = sum(rs) / group
+        std = math.sqrt(sum((r - mean) ** 2 for r in rs) / (group - 1)) if group > 1 else 0.0
+        for i, r in enumerate(rs):
+            if estimator == "grpo":
+                a = (r - mean) / (std + 1e-6)
+            elif estimator == "dr_grpo":
+                a = r - mean
+            else:  # rloo: r minus the mean of the others
+                a = r - (sum(rs) - r) / (group - 1)
+            out.append(a)
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
+def test_group_advantages_match_loop(seed, estimator):
+    gen = torch.Generator().manual_seed(seed)
+    b, t, group = 12, 5, 4
+    mask = random_mask(b, t, gen)
+    mask[group:2 * group, 0] = 1  # group 1: identical rewards on non-empty responses
+    token_rewards = torch.zeros(b, t, dtype=torch.float64)
+    rewards = []
+    rng = random.Random(seed)
+    for i in range(b):
+        n = int(mask[i].sum())
+        r = rng.choice([0.0, 1.0, 0.5])
+        if i // group == 1:
+            r = 1.0  # a group of identical rewards -> zero advantage
+        if n:
+            token_rewards[i, n - 1] = r
+        rewards.append(r if n else 0.0)
+    adv = compute_advantages(estimator, token_rewards, mask, group_size=group)
+    want = loop_advantages(estimator, rewards, None, group)
+    for i in range(b):
+        for j in range(t):
+            expected = want[i] if mask[i, j] else 0.0
+            assert adv[i, j].item() == pytest.approx(expected, abs=1e-9)
+    assert adv[group:2 * group].abs().max() == 0
+
+
+def test_advantages_reject_partial_groups():
+    with pytest.raises(ValueError, match="groups of 4"):
+        compute_advantages("grpo", torch.zeros(6, 2), torch.ones(6, 2), group_size=4)
+
+
+def loop_agg(loss, mask, agg):
+    rows = []
+    total, count = 0.0, 0.0
+    for i in range(loss.shape[0]):
+        s = sum(loss[i, j].item() * mask[i, j].item() for j in range(loss.shape[1]))
+        n = sum(mask[i, j].item() for j in range(loss.shape[1]))
+        total, count = total + s, count + n
+        rows.append({"seq-mean-token-mean": s / n if n else 0.0, "seq-mean-token-sum": s,
+                     "seq-mean-token-sum-norm": s / loss.shape[1]}.get(agg))
+    if agg == "token-mean":
+        return total / count
+    return sum(rows) / len(rows)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("agg", AGGREGATIONS)
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+def test_policy_loss_matches_loop(seed, agg, dual_clip):
+    gen = torch.Generator().manual_seed(seed)
+    b, t = 6, 7
+    mask = random_mask(b, t, gen)
+    logp = -torch.rand(b, t, generator=gen, dtype=torch.float64)
+    old = logp + (torch.rand(b, t, generator=gen, dtype=torch.float64) - 0.5) * 1.5
+    adv = (torch.randn(b, t, generator=gen, dtype=torch.float64) * 2) * mask
+    clip_low, clip_high = 0.2, 0.28
+    loss, metrics = policy_loss(logp, old, adv, mask, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, agg=agg)
+    per_token = torch.zeros(b, t, dtype=torch.float64)
+    clipped = 0
+    for i in range(b):
+        for j in range(t):
+            ratio = math.exp(logp[i, j].item() - old[i, j].item())
+            a = adv[i, j].item()
+            l1, l2 = -a * ratio, -a * min(max(ratio, 1 - clip_low), 1 + clip_high)
+            l = max(l1, l2)
+            if dual_clip is not None and a < 0:
+                l = min(l, -a * dual_clip)
+            per_token[i, j] = l
+            clipped += int(l2 > l1) * int(mask[i, j].item())
+    assert loss.item() == pytest.approx(loop_agg(per_token, mask, agg), abs=1e-10)
+    assert metrics["clip_fraction"].item() == pytest.approx(clipped / mask.sum().item())
+
+
+def test_micro_batches_sum_to_the_whole_batch_loss():
+    """With the step's global counts, micro-batch losses add up to the full-batch loss."""
+    gen = torch.Generator().manual_seed(3)
+    b, t = 8, 5
+    mask = random_mask(b, t, gen)
+    loss = torch.rand(b, t, generator=gen, dtype=torch.float64)
+    for agg in AGGREGATIONS:
+        whole = agg_loss(loss, mask, agg)
+        parts = sum(agg_loss(loss[i:i + 3], mask[i:i + 3], agg, num_tokens=mask.sum().item(), num_seqs=b) for i in range(0, b, 3))
+        assert parts.item() == pytest.approx(whole.item(), abs=1e-12), agg
+
+
+def test_gradient_of_ratio_one_is_advantage_weighted_logprob():
+    """At ratio 1 (on-policy), the PPO loss gradient equals that of -A * logp (token-mean)."""
+    logp = torch.tensor([[-0.5, -1.0], [-2.0, -0.1]], requires_grad=True)
+    adv = torch.tensor([[1.0, 1.0], [-2.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    loss, _ = policy_loss(logp, logp.detach(), adv, mask)
+    loss.backward()
+    assert torch.allclose(logp.grad, -adv * mask / 3)

@@ -1,0 +1,5 @@
+"""`python -m rlhf_trainer`: one trainer process (started by torchrun)."""
+
+from .loop import main
+
+main()

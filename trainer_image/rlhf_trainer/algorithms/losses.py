@@ -1,0 +1,84 @@
+"""Policy loss (PPO clip with separate low/high clips and dual clip) and loss reduction.
+
+Per token, with ratio = exp(logp - old_logp) and advantage A:
+  l = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))     (Schulman 2017;
+      separate clip_high is DAPO's clip-higher, Yu et al. 2025)
+  dual clip (Ye et al. 2020), where A < 0:  l = min(l, -A * c)
+Reductions of a masked [B, T] loss (`agg`):
+  token-mean               sum(l * m) / sum(m)
+  seq-mean-token-mean      mean over rows of (row sum(l * m) / row sum(m))
+  seq-mean-token-sum       mean over rows of row sum(l * m)
+  seq-mean-token-sum-norm  mean over rows of (row sum(l * m) / T), T = mask.shape[-1] (Dr. GRPO)
+
+Micro-batching: pass `num_tokens` / `num_seqs` (the totals of the whole step, across
+processes) so that summing micro-batch losses gives the loss of the whole step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+def agg_loss(
+    loss: torch.Tensor,
+    mask: torch.Tensor,
+    agg: str = "token-mean",
+    *,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+) -> torch.Tensor:
+    """Reduce a per-token loss [B, T] to a scalar (see the module docstring)."""
+    mask = mask.to(loss.dtype)
+    masked = loss * mask
+    if agg == "token-mean":
+        denom = float(mask.sum()) if num_tokens is None else float(num_tokens)
+        return masked.sum() / max(denom, 1.0)
+    seqs = loss.shape[0] if num_seqs is None else num_seqs
+    if agg == "seq-mean-token-mean":
+        row = masked.sum(-1) / mask.sum(-1).clamp(min=1.0)
+    elif agg == "seq-mean-token-sum":
+        row = masked.sum(-1)
+    elif agg == "seq-mean-token-sum-norm":
+        row = masked.sum(-1) / mask.shape[-1]
+    else:
+        raise ValueError(f"algorithm.lossAgg: unknown aggregation {agg!r}; use one of {', '.join(AGGREGATIONS)}")
+    return row.sum() / max(float(seqs), 1.0)
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    agg: str = "token-mean",
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped policy loss; returns (loss, metrics with clip_fraction and approx_kl)."""
+    mask_f = mask.to(logprobs.dtype)
+    log_ratio = logprobs - old_logprobs
+    ratio = log_ratio.exp()
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    if dual_clip is not None:
+        loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * dual_clip), loss)
+    n_valid = mask_f.sum().clamp(min=1.0)
+    with torch.no_grad():
+        metrics = {
+            "clip_fraction": ((clipped > unclipped).to(mask_f.dtype) * mask_f).sum() / n_valid,
+            "approx_kl": (0.5 * log_ratio.square() * mask_f).sum() / n_valid,
+        }
+    return agg_loss(loss, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs), metrics
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Per-token entropy [..] of the categorical distributions given by `logits` [.., V]."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)

@@ -1,0 +1,118 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP), safe against a kill at any point.
+
+Layout under `<output>/checkpoints/`:
+  step-N/            DCP files of {"model", "optim"} (sharded state of every rank),
+                     trainer_state.json (step, data position), rng-rank<R>.pt
+  step-N/COMPLETE    written LAST, after every rank finished; only then does the
+                     checkpoint count, and only then does `latest` move to it
+  latest             name of the newest complete checkpoint
+The final model goes to `<output>/final/` in Hugging Face format (written to a temporary
+directory and renamed, so `final/` is never half-written).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+MARKER = "COMPLETE"
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name.split("-", 1)[1])
+
+
+def complete_checkpoints(output_dir: str | Path) -> list[Path]:
+    root = Path(output_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.glob("step-*") if (p / MARKER).exists()), key=_step_of)
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    done = complete_checkpoints(output_dir)
+    return done[-1] if done else None
+
+
+def save_checkpoint(output_dir: str | Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    trainer_state: dict[str, Any], *, keep: int) -> Path:
+    """Collective: every rank calls it. Returns the checkpoint directory."""
+    rank = dist.get_rank()
+    root = Path(output_dir) / "checkpoints"
+    path = root / f"step-{step}"
+    if (path / MARKER).exists():
+        return path  # already saved (e.g. a resumed run that ends where it resumed)
+    if rank == 0 and path.exists():
+        shutil.rmtree(path)  # a partial one left by a crash
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+    torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, path / f"rng-rank{rank}.pt")
+    dist.barrier()
+    if rank == 0:
+        (path / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}))
+        (path / MARKER).write_text("")
+        tmp = root / "latest.tmp"
+        tmp.write_text(path.name)
+        tmp.replace(root / "latest")
+        _prune(root, keep)
+    dist.barrier()
+    return path
+
+
+def _prune(root: Path, keep: int) -> None:
+    done = sorted((p for p in root.glob("step-*") if (p / MARKER).exists()), key=_step_of)
+    newest = _step_of(done[-1]) if done else -1
+    for old in done[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    for partial in root.glob("step-*"):
+        if not (partial / MARKER).exists() and _step_of(partial) < newest:
+            shutil.rmtree(partial, ignore_errors=True)
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Collective: restore model, optimizer and RNG; returns the trainer state."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    rng_file = path / f"rng-rank{dist.get_rank()}.pt"
+    if rng_file.exists():
+        rng = torch.load(rng_file, weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+    return json.loads((path / "trainer_state.json").read_text())
+
+
+def save_final(output_dir: str | Path, model: torch.nn.Module, tokenizer: Any) -> Path | None:
+    """Collective: gather full weights to rank 0 and write a Hugging Face directory."""
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() != 0:
+        dist.barrier()
+        return None
+    from transformers import AutoModelForCausalLM
+
+    final = Path(output_dir) / "final"
+    tmp = Path(output_dir) / "final.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    plain = AutoModelForCausalLM.from_config(model.config)
+    plain.load_state_dict(full)
+    plain.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    dist.barrier()
+    return final
