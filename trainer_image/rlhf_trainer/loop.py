@@ -327,6 +327,7 @@ class Trainer:
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     job = RLHFJob.model_validate(json.loads(Path(os.environ["RLHF_JOB_CONFIG"]).read_text()))
     info = init_distributed()
     try:

@@ -77,7 +77,7 @@ def parse_request(body: Any) -> CompletionRequest:
         raise RequestError(f"{param}: {first['msg']}", param) from exc
 
 
-def validate(req: CompletionRequest, *, vocab_size: int, max_model_len: int) -> None:
+def validate(req: CompletionRequest, *, vocab_size: int) -> None:
     """The checks vLLM's SamplingParams and renderer make, with the field named."""
     if req.stream:
         raise RequestError("stream is not supported by the CPU engine", "stream")

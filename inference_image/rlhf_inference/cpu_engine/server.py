@@ -83,15 +83,11 @@ def build_app(engine: Engine, *, model_name: str, model_path: str,
         req = protocol.parse_request(await json_body(request))
         if req.model is not None and req.model != model_name:
             raise RequestError(f"The model `{req.model}` does not exist.", "model", 404)
-        protocol.validate(req, vocab_size=engine.vocab_size, max_model_len=engine.max_model_len)
+        protocol.validate(req, vocab_size=engine.vocab_size)
         prompts = protocol.prompts_as_ids(req, engine.tokenizer, engine.vocab_size,
                                           engine.max_model_len)
         params = protocol.sampling_params(req)
-        per_prompt = [
-            engine.new_sequences(ids, params, req.n,
-                                 None if req.seed is None else req.seed)
-            for ids in prompts
-        ]
+        per_prompt = [engine.new_sequences(ids, params, req.n, req.seed) for ids in prompts]
         # All prompts of one request go into the queue at once: one batch if they fit.
         await engine.generate([s for seqs in per_prompt for s in seqs])
         return protocol.completion_response(req, model_name, engine.tokenizer, per_prompt)

@@ -130,11 +130,13 @@ class WeightSyncSender:
         replies = self._call_all("/update_weights",
                                  [{"update_info": update_info}] * len(self.endpoints))
         stats = {"bytes": 0, "buckets": 0, "num_tensors": len(metadata)}
+        broadcast: cf.Future | None = None
         try:
-            self._broadcast(self.group, metadata, tensors, stats, watch=replies)
-            _wait_all(replies, self.timeout_s)
+            broadcast = self._broadcast(self.group, metadata, tensors, stats, watch=replies)
+            _wait_all([*replies, broadcast], self.timeout_s)
         except BaseException:
-            self.group = None  # a collective may be half done: the group cannot be trusted
+            if broadcast is None or not broadcast.done() or broadcast.exception() is not None:
+                self.group = None  # a collective may be half done: the group is unusable
             raise
         _wait_all(self._call_all("/finish_weight_update",
                                  [{"weight_version": weight_version}] * len(self.endpoints)),
@@ -143,10 +145,12 @@ class WeightSyncSender:
         return stats
 
     def _broadcast(self, group: BroadcastGroup, metadata: list[TensorMeta],
-                   tensors: Iterable[torch.Tensor], stats: dict, watch: list[cf.Future]) -> None:
-        """Pack on this thread (the generator may run collectives of its own), broadcast
-        on a helper thread one bucket behind, so packing overlaps sending and a failed
-        server reply is noticed while a broadcast is blocked."""
+                   tensors: Iterable[torch.Tensor], stats: dict,
+                   watch: list[cf.Future]) -> cf.Future:
+        """Pack on this thread (the generator may run collectives of its own) and
+        broadcast on a helper thread one bucket behind, so packing overlaps sending and
+        a failed server reply is noticed while a broadcast is blocked. Returns the
+        helper's future (done once every bucket is sent)."""
         ready: queue.Queue[torch.Tensor | None] = queue.Queue(maxsize=1)
 
         def send_buckets() -> None:
@@ -155,18 +159,17 @@ class WeightSyncSender:
                 stats["bytes"] += bucket.numel()
                 stats["buckets"] += 1
 
-        sender = _run_in_thread(send_buckets)
-        watch = [*watch, sender]
+        helper = _run_in_thread(send_buckets)
         deadline = time.monotonic() + self.timeout_s
         try:
             for bucket in pack_buckets(_checked_bytes(metadata, tensors), self.bucket_bytes):
-                _put_watching(ready, bucket, watch, deadline)
+                _put_watching(ready, bucket, [*watch, helper], deadline)
         except BaseException:
             with contextlib.suppress(queue.Full):
                 ready.put(None, timeout=1.0)  # let the helper thread end if it can
             raise
-        _put_watching(ready, None, watch, deadline)
-        _wait_all([sender], max(0.0, deadline - time.monotonic()))
+        _put_watching(ready, None, [helper], deadline)
+        return helper
 
     def close(self) -> None:
         if self.group is not None:

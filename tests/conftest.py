@@ -1,0 +1,74 @@
+"""Shared fixtures: the built-in tiny model on disk and real CPU engine processes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """`builtin://tiny-qwen2` (seed 0) written once per test session."""
+    from rlhf_trainer.models.builtin import materialize
+
+    return materialize("builtin://tiny-qwen2", tmp_path_factory.mktemp("tiny-qwen2"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def start_engines(tmp_path_factory):
+    """Factory: `with start_engines(model_dir, count) as urls:` runs `count` CPU engines
+    (`python -m rlhf_inference.cpu_engine`) on free 127.0.0.1 ports until the block ends."""
+
+    @contextlib.contextmanager
+    def start(model_dir, count: int = 1, *extra_args: str, ready_timeout_s: float = 90.0):
+        logs = tmp_path_factory.mktemp("engine-logs")
+        procs, urls = [], []
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        try:
+            for i in range(count):
+                port = free_port()
+                log = open(logs / f"engine-{i}.log", "wb")
+                procs.append((subprocess.Popen(
+                    [sys.executable, "-m", "rlhf_inference.cpu_engine", "--model", str(model_dir),
+                     "--host", "127.0.0.1", "--port", str(port), "--num-threads", "1",
+                     "--served-model-name", "tiny", *extra_args],
+                    stdout=log, stderr=subprocess.STDOUT, env=env), log))
+                urls.append(f"http://127.0.0.1:{port}")
+            deadline = time.monotonic() + ready_timeout_s
+            for (proc, log), url in zip(procs, urls):
+                while True:
+                    if proc.poll() is not None:
+                        raise RuntimeError(f"engine exited with {proc.returncode}: "
+                                           + Path(log.name).read_text()[-3000:])
+                    with contextlib.suppress(httpx.HTTPError):
+                        if httpx.get(url + "/health", timeout=2).status_code == 200:
+                            break
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"engine at {url} not ready in {ready_timeout_s} s")
+                    time.sleep(0.2)
+            yield urls
+        finally:
+            for proc, log in procs:
+                proc.terminate()
+            for proc, log in procs:
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                log.close()
+
+    return start

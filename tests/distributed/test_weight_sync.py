@@ -1,0 +1,176 @@
+"""Weight sync: the trainer-side sender pushes every parameter to TWO engine processes
+over a gloo group; checksums are bit-exact and generation uses the new weights."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+import random
+import socket
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlhf_inference.cpu_engine.weights import packed_buckets
+from rlhf_trainer.weight_sync import WeightSyncError, WeightSyncSender, pack_buckets
+from rlhf_trainer.weight_sync.sender import _checked_bytes
+
+PROMPTS = [[6, 10, 4, 7, 15], [3, 15], [12, 11, 10, 9, 8, 7, 6, 5, 15], [5, 13, 8, 15]]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sha256(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def perturbed(model, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {n: p.detach() + 0.3 * torch.randn(p.shape, generator=gen)
+            for n, p in model.named_parameters()}
+
+
+def greedy(model, prompt, max_new_tokens=12) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def served_greedy(url: str) -> list[list[int]]:
+    body = {"prompt": PROMPTS, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    return [c["token_ids"] for c in httpx.post(url + "/v1/completions", json=body,
+                                               timeout=60).json()["choices"]]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir, start_engines):
+    with start_engines(tiny_model_dir, 2) as urls:
+        yield urls
+
+
+def test_packing_layout_matches_the_receiver():
+    """Sender buckets == receiver buckets (vLLM's rule: close once size > buffer)."""
+    rng = random.Random(0)
+    for _ in range(50):
+        sizes = [rng.choice([1, 3, 8, 100, 5000]) for _ in range(rng.randint(1, 30))]
+        buffer = rng.choice([1, 7, 64, 1000, 10**6])
+        tensors = [torch.full((s,), i % 251, dtype=torch.uint8) for i, s in enumerate(sizes)]
+        expected = [torch.cat([tensors[i] for i in idx])
+                    for idx in packed_buckets(sizes, buffer)]
+        got = list(pack_buckets(tensors, buffer))
+        assert len(got) == len(expected)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+        # every bucket but the last exceeds the buffer, and dropping its last tensor would not
+        for idx in list(packed_buckets(sizes, buffer))[:-1]:
+            assert sum(sizes[i] for i in idx) > buffer >= sum(sizes[i] for i in idx[:-1])
+
+
+def test_two_rounds_to_two_engines_bit_exact(engines, tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    original = served_greedy(engines[0])
+    assert original == [greedy(model, p) for p in PROMPTS]
+
+    sender = WeightSyncSender(engines, "127.0.0.1", free_port(), bucket_bytes=16 * 1024,
+                              timeout_s=60)
+    try:
+        sender.init()
+        assert sender.world_size == 3
+        group = sender.group
+        for round_, seed in enumerate([1, 2]):
+            new = perturbed(model, seed)
+            meta = [(n, list(t.shape), t.dtype) for n, t in new.items()]
+            stats = sender.send(meta, iter(new.values()), weight_version=f"v{round_}")
+            total = sum(t.numel() * t.element_size() for t in new.values())
+            assert stats["bytes"] == total and stats["num_tensors"] == len(new) == 27
+            assert stats["buckets"] == len(list(pack_buckets(
+                [torch.empty(t.numel() * t.element_size(), dtype=torch.uint8)
+                 for t in new.values()], 16 * 1024))) > 3
+            assert sender.group is group  # the group is reused across rounds
+
+            model.load_state_dict(new)
+            expected_greedy = [greedy(model, p) for p in PROMPTS]
+            for url in engines:
+                checksums = httpx.post(url + "/weight_checker",
+                                       json={"action": "checksum"}).json()["checksums"]
+                assert checksums == {n: sha256(t) for n, t in new.items()}
+                assert httpx.get(url + "/weight_info").json() == {"weight_version": f"v{round_}"}
+                assert httpx.get(url + "/is_paused").json() == {"is_paused": False}
+                assert served_greedy(url) == expected_greedy
+            assert expected_greedy != original  # the new weights really change the output
+    finally:
+        sender.close()
+
+
+def test_unknown_parameter_is_rejected_and_the_group_survives(engines, tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    sender = WeightSyncSender(engines, "127.0.0.1", free_port(), bucket_bytes=4096, timeout_s=60)
+    try:
+        sender.init()
+        bad = {"model.layers.0.mlp.nope.weight": torch.zeros(3, 4)}
+        with pytest.raises(WeightSyncError, match=r"127\.0\.0\.1.*HTTP 400.*nope"):
+            sender.send([(n, list(t.shape), t.dtype) for n, t in bad.items()],
+                        iter(bad.values()))
+        assert sender.group is not None  # every bucket was still received (and dropped)
+        params = {n: p.detach() for n, p in model.named_parameters()}
+        sender.send([(n, list(t.shape), t.dtype) for n, t in params.items()],
+                    iter(params.values()), weight_version="restored")
+        for url in engines:
+            checksums = httpx.post(url + "/weight_checker",
+                                   json={"action": "checksum"}).json()["checksums"]
+            assert checksums == {n: sha256(t) for n, t in params.items()}
+    finally:
+        sender.close()
+
+
+def test_tensor_not_matching_metadata_raises():
+    with pytest.raises(WeightSyncError, match=r"'w' is \(3,\) torch.float32, metadata says \(2, 2\)"):
+        list(_checked_bytes([("w", [2, 2], torch.float32)], iter([torch.zeros(3)])))
+    with pytest.raises(WeightSyncError, match="ended before 'v'"):
+        list(_checked_bytes([("w", [3], torch.float32), ("v", [1], torch.float32)],
+                            iter([torch.zeros(3)])))
+
+
+def test_sync_during_generation_waits_for_the_step_and_resumes(engines, tiny_model_dir):
+    """start_weight_update parks a running batch between two steps; after the update
+    the same batch runs on to the end."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    url = engines[0]
+    result = {}
+    body = {"prompt": PROMPTS * 16, "max_tokens": 110, "ignore_eos": True, "temperature": 1.0,
+            "return_token_ids": True}
+    worker = threading.Thread(target=lambda: result.update(
+        httpx.post(url + "/v1/completions", json=body, timeout=60).json()))
+    before = httpx.get(url + "/stats").json()
+    worker.start()
+    while httpx.get(url + "/stats").json()["num_forward_steps"] == before["num_forward_steps"]:
+        time.sleep(0.005)
+    assert httpx.post(url + "/start_weight_update").status_code == 200
+    parked = httpx.get(url + "/stats").json()["num_forward_steps"]
+    time.sleep(0.3)
+    assert httpx.get(url + "/stats").json()["num_forward_steps"] == parked
+    assert not result and httpx.get(url + "/is_paused").json() == {"is_paused": True}
+
+    sender = WeightSyncSender(engines, "127.0.0.1", free_port(), bucket_bytes=1 << 20,
+                              timeout_s=60)
+    try:
+        sender.init()
+        new = perturbed(model, 3)
+        sender.send([(n, list(t.shape), t.dtype) for n, t in new.items()], iter(new.values()))
+    finally:
+        sender.close()
+    worker.join(timeout=60)
+    assert [c["finish_reason"] for c in result["choices"]] == ["length"] * 64
+    assert all(len(c["token_ids"]) == 110 for c in result["choices"])
+    after = httpx.get(url + "/stats").json()
+    assert after["num_batches"] == before["num_batches"] + 1  # one batch, parked and resumed
+    checksums = httpx.post(url + "/weight_checker", json={"action": "checksum"}).json()
+    assert checksums["checksums"] == {n: sha256(t) for n, t in new.items()}

@@ -1,0 +1,214 @@
+"""The CPU engine against the official openai client and the HF model's own numbers."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+PROMPT = [6, 10, 4, 7, 15]  # "3714:"
+EOS = 1
+
+
+@pytest.fixture(scope="module")
+def engine_url(tiny_model_dir, start_engines):
+    with start_engines(tiny_model_dir, 1, "--max-num-seqs", "64") as urls:
+        yield urls[0]
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+
+
+@pytest.fixture(scope="module")
+def client(engine_url):
+    return openai.OpenAI(base_url=engine_url + "/v1", api_key="x", max_retries=0)
+
+
+def hf_logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]:
+    """log_softmax of the model's own full forward pass at each generated position."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0].float()
+    lp = torch.log_softmax(logits, -1)
+    return [lp[len(prompt) - 1 + j, t].item() for j, t in enumerate(tokens)]
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=EOS, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_openai_client_token_ids_logprobs_and_finish_reason(client, hf_model):
+    resp = client.completions.create(
+        model="tiny", prompt=[PROMPT], max_tokens=12, n=4, logprobs=0, temperature=1.0,
+        seed=11, extra_body={"return_token_ids": True})
+    assert resp.object == "text_completion" and resp.model == "tiny"
+    assert [c.index for c in resp.choices] == [0, 1, 2, 3]
+    total = 0
+    for choice in resp.choices:
+        assert choice.prompt_token_ids == PROMPT
+        tokens = choice.token_ids
+        total += len(tokens)
+        assert 1 <= len(tokens) <= 12
+        if tokens[-1] == EOS:
+            assert choice.finish_reason == "stop" and EOS not in tokens[:-1]
+        else:
+            assert choice.finish_reason == "length" and len(tokens) == 12
+        got = choice.logprobs.token_logprobs
+        assert got == pytest.approx(hf_logprobs(hf_model, PROMPT, tokens), abs=1e-4)
+        # logprobs=0: only the sampled token in each top_logprobs entry
+        assert [len(d) for d in choice.logprobs.top_logprobs] == [1] * len(tokens)
+        assert [list(d.values())[0] for d in choice.logprobs.top_logprobs] == got
+        assert len(choice.logprobs.tokens) == len(choice.logprobs.text_offset) == len(tokens)
+    assert resp.usage.prompt_tokens == len(PROMPT)
+    assert resp.usage.completion_tokens == total
+
+
+def test_greedy_equals_hf_generate_for_every_prompt_form(client, hf_model):
+    prompts = [PROMPT, [3, 13, 4, 14, 15], [12, 11, 10, 9, 8, 7, 6, 5, 15], [5, 15]]
+    resp = client.completions.create(model="tiny", prompt=prompts, max_tokens=20,
+                                     temperature=0, extra_body={"return_token_ids": True})
+    for prompt, choice in zip(prompts, resp.choices):  # one batch, left-padded
+        assert choice.prompt_token_ids == prompt
+        assert choice.token_ids == hf_greedy(hf_model, prompt, 20)
+    # text prompts go through the tokenizer: "3714:" is PROMPT
+    text = client.completions.create(model="tiny", prompt="3714:", max_tokens=20,
+                                      temperature=0, extra_body={"return_token_ids": True})
+    assert text.choices[0].prompt_token_ids == PROMPT
+    assert text.choices[0].token_ids == resp.choices[0].token_ids
+
+
+def test_stop_token_id_ends_with_stop(client, hf_model):
+    greedy = hf_greedy(hf_model, PROMPT, 20)
+    stop = greedy[1]  # [12, 10, 10, ...] for this model: stop on the first 10
+    stop_at = greedy.index(stop)
+    assert stop != EOS and 1 <= stop_at < 19
+    resp = client.completions.create(
+        model="tiny", prompt=[PROMPT], max_tokens=20, temperature=0,
+        extra_body={"return_token_ids": True, "stop_token_ids": [stop]})
+    choice = resp.choices[0]
+    assert choice.finish_reason == "stop"
+    assert choice.model_extra["stop_reason"] == stop
+    assert choice.token_ids == greedy[:stop_at + 1]
+
+
+def test_ignore_eos_runs_to_max_tokens(engine_url):
+    body = {"prompt": [[3, 15]] * 8, "max_tokens": 30, "temperature": 1.0, "seed": 5,
+            "ignore_eos": True, "return_token_ids": True}
+    choices = httpx.post(engine_url + "/v1/completions", json=body, timeout=60).json()["choices"]
+    assert all(c["finish_reason"] == "length" and len(c["token_ids"]) == 30 for c in choices)
+
+
+def test_same_seed_same_samples_and_n_samples_differ(client):
+    def sample(seed):
+        resp = client.completions.create(model="tiny", prompt=[PROMPT], max_tokens=16, n=4,
+                                         temperature=1.0, seed=seed, logprobs=0,
+                                         extra_body={"return_token_ids": True, "ignore_eos": True})
+        return [(c.token_ids, c.logprobs.token_logprobs) for c in resp.choices]
+
+    first, again, other = sample(1234), sample(1234), sample(99)
+    assert first == again
+    assert len({tuple(t) for t, _ in first}) == 4  # the n samples differ
+    assert [t for t, _ in first] != [t for t, _ in other]
+
+
+def test_concurrent_requests_share_batched_forward_steps(engine_url, hf_model):
+    prompts = [[3 + i % 10, 3 + (i * 7) % 10, 14, 3 + (i * 3) % 10, 15] for i in range(24)]
+    max_tokens = 10
+    before = httpx.get(engine_url + "/stats").json()
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as http:
+            replies = await asyncio.gather(*(
+                http.post(engine_url + "/v1/completions", json={
+                    "prompt": p, "max_tokens": max_tokens, "temperature": 0,
+                    "ignore_eos": True, "return_token_ids": True})
+                for p in prompts))
+        return [r.json()["choices"][0]["token_ids"] for r in replies]
+
+    outputs = asyncio.run(run())
+    after = httpx.get(engine_url + "/stats").json()
+    steps = after["num_forward_steps"] - before["num_forward_steps"]
+    assert after["num_requests"] - before["num_requests"] == len(prompts)
+    # one request at a time would take 24 x 10 forward passes
+    assert steps <= 3 * max_tokens, steps
+    assert after["max_batch_size"] > 1
+    for prompt, tokens in zip(prompts[:6], outputs[:6]):  # batching changes no result
+        with torch.no_grad():
+            ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens,
+                                    do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert tokens == ref[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("field,value", [
+    ("max_tokens", -1), ("n", 0), ("top_p", 0.0), ("temperature", -1.0), ("top_k", -2),
+    ("logprobs", -3), ("prompt", [[3, 99]]), ("stop_token_ids", [500]), ("stream", True),
+    ("max_tokens", 1000), ("n", "many"),
+])
+def test_bad_request_is_400_naming_the_field(engine_url, field, value):
+    body = {"prompt": [PROMPT], "max_tokens": 4, field: value}
+    resp = httpx.post(engine_url + "/v1/completions", json=body)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == field and error["code"] == 400 and error["message"]
+
+
+def test_openai_client_raises_on_bad_request(client):
+    with pytest.raises(openai.BadRequestError, match="n must be at least 1"):
+        client.completions.create(model="tiny", prompt=[PROMPT], max_tokens=4, n=0)
+
+
+def test_info_endpoints(engine_url):
+    assert httpx.get(engine_url + "/get_world_size").json() == {"world_size": 1}
+    models = httpx.get(engine_url + "/v1/models").json()
+    assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 128
+    checksums = httpx.post(engine_url + "/weight_checker", json={"action": "checksum"}).json()
+    assert len(checksums["checksums"]) == 27
+    compare = httpx.post(engine_url + "/weight_checker",
+                         json={"action": "compare", "baseline": checksums["checksums"]}).json()
+    assert compare == {"match": True, "mismatches": []}
+
+
+def test_pause_holds_new_generation_until_resume(engine_url):
+    assert httpx.post(engine_url + "/pause", params={"mode": "keep"}).json() == {"status": "paused"}
+    try:
+        assert httpx.get(engine_url + "/is_paused").json() == {"is_paused": True}
+        assert httpx.get(engine_url + "/health").status_code == 200
+        assert httpx.post(engine_url + "/weight_checker", json={"action": "checksum"}).status_code == 409
+        result = {}
+        worker = threading.Thread(target=lambda: result.update(httpx.post(
+            engine_url + "/v1/completions",
+            json={"prompt": [PROMPT], "max_tokens": 3}, timeout=30).json()))
+        worker.start()
+        time.sleep(0.7)
+        assert not result  # still waiting
+    finally:
+        assert httpx.post(engine_url + "/resume").json() == {"status": "resumed"}
+    worker.join(timeout=30)
+    assert result["choices"][0]["finish_reason"] in ("stop", "length")
+    assert httpx.get(engine_url + "/is_paused").json() == {"is_paused": False}
+
+
+def test_pause_abort_ends_waiting_requests(engine_url):
+    httpx.post(engine_url + "/pause", params={"mode": "keep"})
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(httpx.post(
+        engine_url + "/v1/completions",
+        json={"prompt": [PROMPT] * 3, "max_tokens": 50, "return_token_ids": True},
+        timeout=30).json()))
+    worker.start()
+    time.sleep(0.5)
+    assert httpx.post(engine_url + "/pause", params={"mode": "abort"}, timeout=30).status_code == 200
+    worker.join(timeout=30)
+    httpx.post(engine_url + "/resume")
+    assert [c["finish_reason"] for c in result["choices"]] == ["abort"] * 3
+    assert [c["token_ids"] for c in result["choices"]] == [[]] * 3

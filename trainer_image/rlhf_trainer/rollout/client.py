@@ -1,0 +1,188 @@
+"""Async rollout client for OpenAI-compatible servers (vLLM or the CPU engine).
+
+Token in, token out: each prompt goes as token ids to `POST /v1/completions` with
+`return_token_ids: true` and `logprobs: 0`, and the samples come back as the server's
+`token_ids` and `logprobs.token_logprobs` (vLLM's raw logprobs of the sampled tokens).
+Text is never re-tokenized.
+
+One request per prompt (with `n` samples), so each server batches whatever is in
+flight; each request goes to the endpoint with the fewest outstanding requests (ties:
+round robin). Connection errors are retried with exponential backoff, on any endpoint;
+read timeouts are not (the server may still be working on the request);
+HTTP errors are not retried (except 502/503/504) and raise `RolloutError` with the
+endpoint and the server's body. With `seed` set, prompt i gets its own seed derived
+from (seed, i), so a run is reproducible whatever endpoint serves it (as long as the
+servers hold the same weights).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import time
+from dataclasses import dataclass
+
+import httpx
+
+RETRY_STATUS = (502, 503, 504)
+# Errors where the request surely or probably did not run to completion on the server.
+# A read timeout is not retried: the server may still be generating it.
+RETRY_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout,
+                httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+
+
+@dataclass
+class Sample:
+    """One generated continuation of a prompt."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]  # raw logprob of each token in token_ids
+    finish_reason: str  # "stop" | "length" | "abort"
+
+
+class RolloutError(RuntimeError):
+    """A rollout request failed for good (after retries, or with a non-retryable error)."""
+
+
+def prompt_seed(seed: int, index: int) -> int:
+    """A 63-bit seed for prompt `index` of a call seeded with `seed`."""
+    digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+class RolloutClient:
+    """Sends prompts to all endpoints (least outstanding requests) and collects samples."""
+
+    def __init__(self, endpoints: list[str], *, timeout_s: float = 600.0,
+                 max_concurrency: int = 256, max_retries: int = 5,
+                 backoff_s: float = 0.5, model: str | None = None):
+        if not endpoints:
+            raise ValueError("RolloutClient needs at least one endpoint")
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        self.endpoints = [e.rstrip("/") for e in endpoints]
+        self.timeout_s = timeout_s
+        self.max_concurrency = max_concurrency
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.model = model
+        self.outstanding = dict.fromkeys(self.endpoints, 0)
+        self.requests_sent = dict.fromkeys(self.endpoints, 0)
+        self._turn = itertools.count()
+
+    # ---- endpoint choice ----------------------------------------------------------
+
+    def _pick(self) -> str:
+        """The endpoint with the fewest outstanding requests; ties go round robin."""
+        least = min(self.outstanding.values())
+        tied = [e for e in self.endpoints if self.outstanding[e] == least]
+        return tied[next(self._turn) % len(tied)]
+
+    # ---- generation -----------------------------------------------------------------
+
+    async def generate(self, prompts: list[list[int]], *, n: int, max_tokens: int,
+                       temperature: float, top_p: float = 1.0, top_k: int = -1,
+                       stop_token_ids: list[int] | None = None,
+                       seed: int | None = None) -> list[list[Sample]]:
+        """n samples for each prompt (token ids); one inner list per prompt, in order."""
+        if n < 1 or max_tokens < 1:
+            raise ValueError(f"n ({n}) and max_tokens ({max_tokens}) must be >= 1")
+        base = {
+            "n": n, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
+            "top_k": top_k, "logprobs": 0, "return_token_ids": True,
+        }
+        if stop_token_ids:
+            base["stop_token_ids"] = list(stop_token_ids)
+        if self.model is not None:
+            base["model"] = self.model
+        limit = asyncio.Semaphore(self.max_concurrency)
+        timeout = httpx.Timeout(self.timeout_s, connect=min(30.0, self.timeout_s))
+        limits = httpx.Limits(max_connections=self.max_concurrency,
+                              max_keepalive_connections=self.max_concurrency)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+            async def one(i: int, prompt: list[int]) -> list[Sample]:
+                body = {**base, "prompt": list(prompt)}
+                if seed is not None:
+                    body["seed"] = prompt_seed(seed, i)
+                async with limit:
+                    reply = await self._post(http, body)
+                return _samples(reply, prompt, n)
+
+            return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+
+    async def _post(self, http: httpx.AsyncClient, body: dict) -> dict:
+        last_error = ""
+        for attempt in range(self.max_retries + 1):
+            endpoint = self._pick()
+            self.outstanding[endpoint] += 1
+            self.requests_sent[endpoint] += 1
+            try:
+                response = await http.post(endpoint + "/v1/completions", json=body)
+            except RETRY_ERRORS as exc:
+                last_error = f"{endpoint}: {exc!r}"
+            else:
+                if response.status_code == 200:
+                    return response.json()
+                if response.status_code not in RETRY_STATUS:
+                    raise RolloutError(f"{endpoint}/v1/completions answered HTTP "
+                                       f"{response.status_code}: {response.text[:2000]}")
+                last_error = f"{endpoint}: HTTP {response.status_code}: {response.text[:500]}"
+            finally:
+                self.outstanding[endpoint] -= 1
+            if attempt < self.max_retries:
+                await asyncio.sleep(self.backoff_s * 2**attempt)
+        raise RolloutError(f"rollout request failed after {self.max_retries + 1} attempts; "
+                           f"last error: {last_error}")
+
+    def generate_sync(self, prompts: list[list[int]], **kwargs) -> list[list[Sample]]:
+        """`generate` for callers without an event loop (runs it with asyncio.run)."""
+        return asyncio.run(self.generate(prompts, **kwargs))
+
+    # ---- readiness ------------------------------------------------------------------
+
+    async def wait_ready_async(self, timeout_s: float = 300.0, interval_s: float = 0.5) -> None:
+        """Poll GET /health on every endpoint until all answer 200."""
+        deadline = time.monotonic() + timeout_s
+        waiting = set(self.endpoints)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(5.0)) as http:
+            while True:
+                for endpoint in sorted(waiting):
+                    try:
+                        if (await http.get(endpoint + "/health")).status_code == 200:
+                            waiting.discard(endpoint)
+                    except httpx.HTTPError:
+                        pass
+                if not waiting:
+                    return
+                if time.monotonic() > deadline:
+                    raise RolloutError(f"rollout servers not ready after {timeout_s} s: "
+                                       + ", ".join(sorted(waiting)))
+                await asyncio.sleep(interval_s)
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        """Block until every endpoint's /health answers 200 (RolloutError on timeout)."""
+        asyncio.run(self.wait_ready_async(timeout_s))
+
+
+def _samples(reply: dict, prompt: list[int], n: int) -> list[Sample]:
+    choices = sorted(reply.get("choices", []), key=lambda c: c["index"])
+    if len(choices) != n:
+        raise RolloutError(f"expected {n} choices, the server returned {len(choices)}")
+    samples = []
+    for choice in choices:
+        token_ids = choice.get("token_ids")
+        logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+        if token_ids is None or logprobs is None:
+            raise RolloutError("the server returned no token_ids / logprobs: it must "
+                               "support vLLM's return_token_ids and logprobs")
+        if len(logprobs) != len(token_ids):
+            raise RolloutError(f"{len(token_ids)} token ids but {len(logprobs)} logprobs")
+        samples.append(Sample(
+            prompt_token_ids=list(choice.get("prompt_token_ids") or prompt),
+            token_ids=list(token_ids),
+            logprobs=[float(x) for x in logprobs],
+            finish_reason=str(choice.get("finish_reason")),
+        ))
+    return samples
