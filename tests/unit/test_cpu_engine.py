@@ -212,3 +212,35 @@ def test_pause_abort_ends_waiting_requests(engine_url):
     httpx.post(engine_url + "/resume")
     assert [c["finish_reason"] for c in result["choices"]] == ["abort"] * 3
     assert [c["token_ids"] for c in result["choices"]] == [[]] * 3
+
+
+def test_pause_abort_ends_a_parked_running_batch(engine_url):
+    before = httpx.get(engine_url + "/stats").json()["num_forward_steps"]
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(httpx.post(
+        engine_url + "/v1/completions",
+        json={"prompt": [PROMPT] * 32, "max_tokens": 120, "ignore_eos": True,
+              "return_token_ids": True}, timeout=30).json()))
+    worker.start()
+    while httpx.get(engine_url + "/stats").json()["num_forward_steps"] == before:
+        time.sleep(0.005)
+    httpx.post(engine_url + "/pause", params={"mode": "keep"})  # parked mid-generation
+    assert httpx.post(engine_url + "/pause", params={"mode": "abort"}, timeout=30).status_code == 200
+    worker.join(timeout=30)
+    httpx.post(engine_url + "/resume")
+    choices = result["choices"]
+    assert [c["finish_reason"] for c in choices] == ["abort"] * 32
+    assert all(0 < len(c["token_ids"]) < 120 for c in choices)
+
+
+def test_pause_wait_lets_inflight_requests_finish(engine_url):
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(httpx.post(
+        engine_url + "/v1/completions",
+        json={"prompt": [PROMPT] * 8, "max_tokens": 60, "ignore_eos": True}, timeout=30).json()))
+    worker.start()
+    time.sleep(0.05)
+    assert httpx.post(engine_url + "/pause", params={"mode": "wait"}, timeout=30).status_code == 200
+    httpx.post(engine_url + "/resume")
+    worker.join(timeout=30)
+    assert [c["finish_reason"] for c in result["choices"]] == ["length"] * 8

@@ -67,7 +67,8 @@ class Engine:
         self._running: list[_Request] = []
         self._paused = False
         self._abort = False
-        self._in_step = False
+        self._in_step = False  # a forward pass / sampling step is running
+        self._batch_running = False  # a generation loop is running (maybe parked)
         self._stopped = False
         self._worker = threading.Thread(target=self._work, name="cpu-engine-worker", daemon=True)
         self._worker.start()
@@ -104,7 +105,7 @@ class Engine:
                 batch: list[tuple[_Request, Sequence]] = []
                 while self._queue and len(batch) < self.max_num_seqs:
                     batch.append(self._queue.popleft())
-                self._in_step = True
+                self._in_step = self._batch_running = True
             seqs = [s for _, s in batch]
             error: BaseException | None = None
             try:
@@ -113,7 +114,7 @@ class Engine:
                 error = exc
             finally:
                 with self._cv:
-                    self._in_step = False
+                    self._in_step = self._batch_running = False
                     self._cv.notify_all()
             for request, _ in batch:
                 request.remaining -= 1
@@ -139,8 +140,8 @@ class Engine:
         if mode not in PAUSE_MODES:
             raise ValueError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
         with self._cv:
-            if mode == "wait":
-                self._cv.wait_for(lambda: not self._queue and not self._in_step)
+            if mode == "wait" and not self._paused:
+                self._cv.wait_for(lambda: not self._queue and not self._batch_running)
             self._paused = True
             if mode == "abort":
                 self._abort = True
@@ -151,8 +152,10 @@ class Engine:
                     if request.remaining == 0:
                         _resolve(request, None)
                 self._cv.notify_all()
+                # the running loop (even a parked one) must see the flag before it is reset
+                self._cv.wait_for(lambda: not self._batch_running)
+                self._abort = False
             self._cv.wait_for(lambda: not self._in_step)
-            self._abort = False
 
     def resume(self) -> None:
         with self._cv:

@@ -1,0 +1,149 @@
+"""`rlhfctl run` end to end: real rollout servers, torchrun trainers, gloo weight sync."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "local-grpo.yaml"
+REQUIRED_KEYS = {"step", "reward_mean", "score_mean", "kl", "entropy", "response_length_mean",
+                 "step_seconds", "weight_sync_seconds", "tokens_per_second"}
+SMALL = ["schedule.promptsPerStep=4", "rollout.samplesPerPrompt=4", "trainer.microBatchSize=4"]
+
+pytestmark = pytest.mark.slow
+
+
+def rlhfctl(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "rlhf_operator.cli", *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=kw.pop("timeout", 400), **kw)
+
+
+def sets(*items):
+    return [a for item in items for a in ("--set", item)]
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def processes_of(out: Path) -> list[int]:
+    """PIDs whose command line or environment mentions the output directory."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            blob = Path(f"/proc/{pid}/cmdline").read_bytes() + Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        if str(out).encode() in blob:
+            found.append(int(pid))
+    return found
+
+
+def test_two_trainer_processes_and_two_rollout_servers(tmp_path):
+    out = tmp_path / "run"
+    res = rlhfctl("run", str(EXAMPLE), "--output", str(out),
+                  *sets(*SMALL, "trainer.nprocPerNode=2", "rollout.replicas=2", "schedule.totalSteps=4", "schedule.saveEvery=2"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert REQUIRED_KEYS <= set(rows[0])
+    assert [r["policy_version"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["weight_sync_seconds"] > 0 and r["kl"] is not None for r in rows)
+    assert "reward_mean: first 10 steps" in res.stderr
+
+    ckpts = out / "checkpoints"
+    assert (ckpts / "latest").read_text() == "step-4"
+    assert all((ckpts / f"step-{s}" / "COMPLETE").exists() for s in (2, 4))
+    assert json.loads((ckpts / "step-4" / "trainer_state.json").read_text())["data"]["position"] == 16
+
+    # both servers generated (requests were spread over them)
+    for i in (0, 1):
+        assert "POST /v1/completions" in (out / "logs" / f"rollout-{i}.log").read_text()
+
+    # final/ is a Hugging Face model, trained away from the starting weights
+    from transformers import AutoModelForCausalLM
+
+    final = AutoModelForCausalLM.from_pretrained(out / "final")
+    start = AutoModelForCausalLM.from_pretrained(out / "builtin-model")
+    diffs = [(a - b).abs().max().item() for a, b in zip(final.state_dict().values(), start.state_dict().values())]
+    assert max(diffs) > 1e-4
+    assert not processes_of(out)
+
+
+def test_grpo_learns_the_toy_task(tmp_path):
+    out = tmp_path / "run"
+    res = rlhfctl("run", str(EXAMPLE), "--output", str(out),
+                  *sets("rollout.replicas=1", "rollout.maxTokens=1", "algorithm.klCoef=0", "schedule.totalSteps=120", "schedule.saveEvery=0"),
+                  timeout=580)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rewards = [r["reward_mean"] for r in metrics(out)]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last >= 0.6 and last >= 3 * first, (first, last)
+    assert not (out / "checkpoints").exists()
+
+
+def test_resume_continues_from_the_newest_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    args = ["run", str(EXAMPLE), "--output", str(out)]
+    res = rlhfctl(*args, *sets(*SMALL, "rollout.replicas=1", "schedule.totalSteps=4", "schedule.saveEvery=2"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    before = metrics(out)
+
+    again = rlhfctl(*args, *sets(*SMALL, "rollout.replicas=1", "schedule.totalSteps=6", "schedule.saveEvery=2"))
+    assert again.returncode == 1 and "--resume" in again.stderr
+
+    res = rlhfctl(*args, "--resume", *sets(*SMALL, "rollout.replicas=1", "schedule.totalSteps=6", "schedule.saveEvery=2"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert rows[:4] == before
+    assert "resumed from" in (out / "logs" / "trainer.log").read_text()
+    assert (out / "checkpoints" / "latest").read_text() == "step-6"
+    state = json.loads((out / "checkpoints" / "step-6" / "trainer_state.json").read_text())
+    assert state["data"]["position"] == 6 * 4 and state["policy_version"] == 6
+
+
+def test_a_crashing_trainer_stops_the_run_with_its_error(tmp_path):
+    out = tmp_path / "run"
+    res = rlhfctl("run", str(EXAMPLE), "--output", str(out), *sets("rollout.replicas=1", "data.path=/nonexistent/prompts.jsonl"))
+    assert res.returncode == 1
+    assert "trainer exited with code" in res.stderr
+    assert "data.path: /nonexistent/prompts.jsonl does not exist" in res.stderr
+    assert not processes_of(out)
+
+
+def test_ctrl_c_stops_everything_and_keeps_the_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlhf_operator.cli", "run", str(EXAMPLE), "--output", str(out),
+         *sets(*SMALL, "rollout.replicas=1", "schedule.totalSteps=100000", "schedule.saveEvery=3")],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.monotonic() + 240
+    while not (out / "checkpoints" / "latest").exists():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "no checkpoint within 240 s"
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-3000:]
+    latest = (out / "checkpoints" / "latest").read_text()
+    assert (out / "checkpoints" / latest / "COMPLETE").exists()
+    assert f"last complete checkpoint: {out / 'checkpoints' / latest}" in err or "last complete checkpoint" in err
+    time.sleep(1)
+    assert not processes_of(out)
+
+
+def test_local_mode_refuses_several_nodes(tmp_path):
+    res = rlhfctl("run", str(EXAMPLE), "--output", str(tmp_path / "x"), *sets("trainer.numNodes=2"))
+    assert res.returncode == 1
+    assert "spec.trainer.numNodes" in res.stderr
