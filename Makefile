@@ -28,3 +28,5 @@ crd: $(STAMP)
 
 clean:
 	rm -rf $(VENV) runs
+
+include tests/cluster/cluster.mk

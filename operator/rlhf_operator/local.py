@@ -152,8 +152,8 @@ def summarize(rows: list[dict]) -> str:
     if not rewards:
         return "no steps completed"
     first, last = mean(rewards[:10]), mean(rewards[-10:])
-    ratio = f"{last / first:.1f}x" if first > 0 else "inf"
-    return f"reward_mean: first 10 steps {first:.3f}, last 10 steps {last:.3f} ({ratio})"
+    ratio = f" ({last / first:.1f}x)" if first > 0 else ""
+    return f"reward_mean: first 10 steps {first:.3f}, last 10 steps {last:.3f}{ratio}"
 
 
 def run_local(job: RLHFJob, *, output: str | None = None, resume: bool = False, overwrite: bool = False) -> int:

@@ -151,7 +151,9 @@ def test_sync_during_generation_waits_for_the_step_and_resumes(engines, tiny_mod
         httpx.post(url + "/v1/completions", json=body, timeout=60).json()))
     before = httpx.get(url + "/stats").json()
     worker.start()
+    deadline = time.monotonic() + 30
     while httpx.get(url + "/stats").json()["num_forward_steps"] == before["num_forward_steps"]:
+        assert time.monotonic() < deadline, "generation did not start"
         time.sleep(0.005)
     assert httpx.post(url + "/start_weight_update").status_code == 200
     parked = httpx.get(url + "/stats").json()["num_forward_steps"]

@@ -144,3 +144,148 @@ def test_gradient_of_ratio_one_is_advantage_weighted_logprob():
     loss, _ = policy_loss(logp, logp.detach(), adv, mask)
     loss.backward()
     assert torch.allclose(logp.grad, -adv * mask / 3)
+
+
+# ---- GAE, REINFORCE++, whitening, value loss, DAPO pieces, TIS ------------------------
+
+from rlhf_trainer.algorithms.advantages import discounted_returns, gae, groups_with_signal, masked_whiten, overlong_penalty
+from rlhf_trainer.algorithms.losses import explained_variance, truncated_is_weights, value_loss
+
+
+def loop_whiten(xs):
+    """xs: list of valid values -> whitened list (unbiased std)."""
+    n = len(xs)
+    mean = sum(xs) / n
+    std = math.sqrt(sum((x - mean) ** 2 for x in xs) / max(n - 1, 1))
+    return [(x - mean) / (std + 1e-8) for x in xs]
+
+
+def random_batch(seed, b=6, t=5):
+    gen = torch.Generator().manual_seed(seed)
+    mask = random_mask(b, t, gen)
+    rewards = torch.randn(b, t, generator=gen, dtype=torch.float64) * mask
+    values = torch.randn(b, t, generator=gen, dtype=torch.float64) * mask
+    return mask, rewards, values
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("gamma, lam", [(1.0, 1.0), (0.9, 0.95), (0.99, 0.0)])
+def test_gae_matches_loop(seed, gamma, lam):
+    mask, rewards, values = random_batch(seed)
+    adv, ret = gae(rewards, values, mask, gamma, lam)
+    for i in range(mask.shape[0]):
+        n = int(mask[i].sum())
+        a_next = 0.0
+        for t in reversed(range(mask.shape[1])):
+            if t >= n:
+                assert adv[i, t] == 0 and ret[i, t] == 0
+                continue
+            v_next = values[i, t + 1].item() if t + 1 < n else 0.0  # last valid token is terminal
+            delta = rewards[i, t].item() + gamma * v_next - values[i, t].item()
+            a = delta + gamma * lam * a_next
+            assert adv[i, t].item() == pytest.approx(a, abs=1e-10)
+            assert ret[i, t].item() == pytest.approx(a + values[i, t].item(), abs=1e-10)
+            a_next = a
+    whitened = compute_advantages("gae", rewards, mask, values=values, gamma=gamma, lam=lam, norm_std=True)
+    valid = [adv[i, t].item() for i in range(mask.shape[0]) for t in range(mask.shape[1]) if mask[i, t]]
+    got = [whitened[i, t].item() for i in range(mask.shape[0]) for t in range(mask.shape[1]) if mask[i, t]]
+    assert got == pytest.approx(loop_whiten(valid), abs=1e-9)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_reinforce_pp_matches_loop(seed):
+    mask, rewards, _ = random_batch(seed)
+    gamma = 0.9
+    returns = discounted_returns(rewards, mask, gamma)
+    valid = []
+    for i in range(mask.shape[0]):
+        n = int(mask[i].sum())
+        for t in range(n):
+            g = sum(gamma ** (k - t) * rewards[i, k].item() for k in range(t, n))
+            assert returns[i, t].item() == pytest.approx(g, abs=1e-10)
+            valid.append(g)
+    adv = compute_advantages("reinforce_pp", rewards, mask, gamma=gamma)
+    got = [adv[i, t].item() for i in range(mask.shape[0]) for t in range(mask.shape[1]) if mask[i, t]]
+    assert got == pytest.approx(loop_whiten(valid), abs=1e-9)
+    assert (adv * (1 - mask)).abs().max() == 0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_reinforce_pp_baseline_matches_loop(seed):
+    gen = torch.Generator().manual_seed(seed)
+    b, t, group = 8, 4, 4
+    mask = random_mask(b, t, gen)
+    mask[:, 0] = 1
+    token_rewards = torch.zeros(b, t, dtype=torch.float64)
+    rs = []
+    for i in range(b):
+        r = float(torch.randint(0, 2, (1,), generator=gen))
+        token_rewards[i, int(mask[i].sum()) - 1] = r
+        rs.append(r)
+    adv = compute_advantages("reinforce_pp_baseline", token_rewards, mask, group_size=group)
+    centered = [rs[i] - sum(rs[i // group * group:(i // group + 1) * group]) / group for i in range(b)]
+    valid = [centered[i] for i in range(b) for tt in range(t) if mask[i, tt]]
+    got = [adv[i, tt].item() for i in range(b) for tt in range(t) if mask[i, tt]]
+    assert got == pytest.approx(loop_whiten(valid), abs=1e-9)
+
+
+def test_whitening_of_an_all_masked_batch_is_zero():
+    assert masked_whiten(torch.ones(2, 3), torch.zeros(2, 3)).abs().max() == 0
+
+
+def test_overlong_penalty_is_piecewise_linear():
+    lengths = torch.tensor([0, 10, 12, 14, 16, 20])
+    got = overlong_penalty(lengths, max_len=16, cache_len=4).tolist()
+    want = []
+    for n in lengths.tolist():
+        if n <= 12:
+            want.append(0.0)
+        elif n <= 16:
+            want.append((12 - n) / 4)
+        else:
+            want.append(-1.0)
+    assert got == pytest.approx(want)
+
+
+def test_dynamic_sampling_drops_groups_with_identical_rewards():
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.5, 0.5])
+    assert groups_with_signal(rewards, 4).tolist() == [True, False, False]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("clip", [None, 0.1])
+def test_value_loss_matches_loop(seed, clip):
+    mask, returns, values = random_batch(seed)
+    old = values + 0.3 * torch.randn(values.shape, generator=torch.Generator().manual_seed(seed + 9), dtype=torch.float64)
+    loss, _ = value_loss(values, old, returns, mask, clip=clip)
+    total, count = 0.0, 0
+    for i in range(mask.shape[0]):
+        for t in range(mask.shape[1]):
+            if not mask[i, t]:
+                continue
+            v, o, r = values[i, t].item(), old[i, t].item(), returns[i, t].item()
+            l = (v - r) ** 2
+            if clip is not None:
+                vc = o + min(max(v - o, -clip), clip)
+                l = max(l, (vc - r) ** 2)
+            total, count = total + 0.5 * l, count + 1
+    assert loss.item() == pytest.approx(total / count, abs=1e-10)
+
+
+def test_truncated_importance_weights_are_capped_ratios():
+    old = torch.tensor([[-1.0, -2.0, -0.5]])
+    rollout = torch.tensor([[-1.5, -1.0, -0.5]])
+    w = truncated_is_weights(old, rollout, cap=1.5)
+    assert w.tolist()[0] == pytest.approx([min(math.exp(0.5), 1.5), math.exp(-1.0), 1.0])
+    # the weights scale the per-token loss
+    adv, mask = torch.ones(1, 3), torch.ones(1, 3)
+    plain, _ = policy_loss(old, old, adv, mask)
+    weighted, _ = policy_loss(old, old, adv, mask, is_weights=w)
+    assert weighted.item() == pytest.approx(plain.item() * w.mean().item())
+
+
+def test_explained_variance():
+    mask = torch.ones(1, 4)
+    r = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    assert explained_variance(r, r, mask).item() == pytest.approx(1.0)
+    assert explained_variance(torch.full_like(r, 2.5), r, mask).item() == pytest.approx(0.0)

@@ -222,7 +222,9 @@ def test_pause_abort_ends_a_parked_running_batch(engine_url):
         json={"prompt": [PROMPT] * 32, "max_tokens": 120, "ignore_eos": True,
               "return_token_ids": True}, timeout=30).json()))
     worker.start()
+    deadline = time.monotonic() + 30
     while httpx.get(engine_url + "/stats").json()["num_forward_steps"] == before:
+        assert time.monotonic() < deadline, "generation did not start"
         time.sleep(0.005)
     httpx.post(engine_url + "/pause", params={"mode": "keep"})  # parked mid-generation
     assert httpx.post(engine_url + "/pause", params={"mode": "abort"}, timeout=30).status_code == 200

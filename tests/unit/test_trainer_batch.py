@@ -2,15 +2,15 @@
 
 import torch
 
-from rlhf_trainer.loop import Row, pad_batch, response_logits, token_logprobs
+from rlhf_trainer.batch import Row, pad_batch, response_logits, token_logprobs
 from rlhf_trainer.models.builtin import build_tiny_qwen2
 
 
 def test_padded_logprobs_equal_unpadded():
     model = build_tiny_qwen2(seed=1).eval()
     rows = [
-        Row([6, 10, 4, 7, 15], [7, 1], [], 1.0, 0.5, False),
-        Row([5, 15], [9], [], 0.0, -0.5, False),
+        Row([6, 10, 4, 7, 15], [7, 1], [], 1.0, 1.0, False),
+        Row([5, 15], [9], [], 0.0, 0.0, False),
         Row([3, 4, 5, 6, 7, 8, 15], [4, 4, 4], [], 0.0, 0.0, True),
     ]
     batch = pad_batch(rows, pad_id=0, device=torch.device("cpu"))

@@ -1,7 +1,8 @@
 """Checkpoints with torch.distributed.checkpoint (DCP), safe against a kill at any point.
 
 Layout under `<output>/checkpoints/`:
-  step-N/            DCP files of {"model", "optim"} (sharded state of every rank),
+  step-N/            DCP files of {"<part>": {"model", "optim"}} for each trained part
+                     ("policy", and "critic" for PPO): the sharded state of every rank,
                      trainer_state.json (step, data position), rng-rank<R>.pt
   step-N/COMPLETE    written LAST, after every rank finished; only then does the
                      checkpoint count, and only then does `latest` move to it
@@ -47,8 +48,18 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return done[-1] if done else None
 
 
-def save_checkpoint(output_dir: str | Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    trainer_state: dict[str, Any], *, keep: int) -> Path:
+Parts = dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]
+
+
+def _state(parts: Parts) -> dict[str, Any]:
+    state = {}
+    for name, (model, optimizer) in parts.items():
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state[name] = {"model": model_sd, "optim": optim_sd}
+    return state
+
+
+def save_checkpoint(output_dir: str | Path, step: int, parts: Parts, trainer_state: dict[str, Any], *, keep: int) -> Path:
     """Collective: every rank calls it. Returns the checkpoint directory."""
     rank = dist.get_rank()
     root = Path(output_dir) / "checkpoints"
@@ -58,8 +69,7 @@ def save_checkpoint(output_dir: str | Path, step: int, model: torch.nn.Module, o
     if rank == 0 and path.exists():
         shutil.rmtree(path)  # a partial one left by a crash
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+    dcp.save(_state(parts), checkpoint_id=str(path))
     torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, path / f"rng-rank{rank}.pt")
     dist.barrier()
     if rank == 0:
@@ -83,12 +93,13 @@ def _prune(root: Path, keep: int) -> None:
             shutil.rmtree(partial, ignore_errors=True)
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Collective: restore model, optimizer and RNG; returns the trainer state."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+def load_checkpoint(path: Path, parts: Parts) -> dict[str, Any]:
+    """Collective: restore every part's model and optimizer, and the RNG; returns the
+    trainer state."""
+    state = _state(parts)
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for name, (model, optimizer) in parts.items():
+        set_state_dict(model, optimizer, model_state_dict=state[name]["model"], optim_state_dict=state[name]["optim"])
     rng_file = path / f"rng-rank{dist.get_rank()}.pt"
     if rng_file.exists():
         rng = torch.load(rng_file, weights_only=False)

@@ -1,20 +1,23 @@
-"""The RL step (GRPO family), run by every trainer process under torchrun.
+"""The RL step, run by every trainer process under torchrun.
 
 One step:
   1. rank 0 samples prompts and sends them (token ids) to the rollout servers, `n`
-     samples per prompt; reads back token ids and logprobs (never re-tokenizes);
-  2. rank 0 scores responses and computes group advantages, then broadcasts the batch;
-  3. every rank takes its contiguous share of rows and runs forward/backward over
-     micro-batches (loss normalised by the step's global token / sequence counts, so the
-     result does not depend on the number of processes or micro-batches);
-  4. optimizer step(s) (`algorithm.numMiniBatches` per RL step);
-  5. weight sync: every rank gathers full tensors, rank 0 streams them in packed buckets
+     samples per prompt; reads back token ids and logprobs (never re-tokenizes); scores
+     the responses (plus DAPO's overlong penalty), and with dynamic sampling drops groups
+     whose rewards are all equal and samples more prompts to refill; broadcasts the rows;
+  2. every rank takes its contiguous share of rows and computes, without gradients, the
+     old log-probs, the reference log-probs and the critic's values it needs; these are
+     all-gathered so that every rank computes the same advantages on the whole batch
+     (group statistics and batch whitening are exact whatever the number of processes);
+  3. policy (and critic) updates over `algorithm.numMiniBatches` mini-batches of
+     micro-batches, losses normalised by the step's global token / sequence counts;
+  4. weight sync: every rank gathers full tensors, rank 0 streams them in packed buckets
      to all rollout servers (every parameter, Hugging Face names);
-  6. metrics (`metrics.jsonl`), checkpoint every `schedule.saveEvery` steps.
+  5. metrics (`metrics.jsonl`), checkpoint every `schedule.saveEvery` steps.
 
-Simplifications: the old log-probs of a single-mini-batch step are the current
-log-probs detached (ratio = 1, as in GRPO implementations); sequences are padded rather
-than packed; a reference model is loaded only when `algorithm.klCoef` > 0.
+Simplifications: with one mini-batch and no KL-in-reward or truncated IS, the old
+log-probs are the current ones detached (ratio 1, the usual GRPO shortcut); sequences are
+padded rather than packed; logprobs use temperature 1 (as vLLM's raw logprobs).
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +34,10 @@ import torch.distributed as dist
 
 from rlhf_operator.api.models import RLHFJob
 
-from .algorithms.advantages import compute_advantages
+from .algorithms.advantages import compute_advantages, gae, groups_with_signal, overlong_penalty
 from .algorithms.kl import kl_penalty
-from .algorithms.losses import agg_loss, entropy_from_logits, policy_loss
+from .algorithms.losses import agg_loss, entropy_from_logits, explained_variance, policy_loss, truncated_is_weights, value_loss
+from .batch import Row, pad_batch, pad_rows, response_logits, response_values, token_logprobs
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_final
 from .data.prompts import PromptSource
 from .distributed import DistInfo, all_reduce_sum, broadcast_object, init_distributed
@@ -44,61 +47,18 @@ from .rewards import get_reward_fn
 log = logging.getLogger("rlhf_trainer")
 
 
-@dataclass
-class Row:
-    """One sampled sequence: prompt and response token ids, reward and advantage."""
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-    rollout_logprobs: list[float]
-    reward: float
-    advantage: float
-    truncated: bool
-
-
-def _load_model(path: str, device: torch.device) -> torch.nn.Module:
+def _load_policy(path: str, device: torch.device) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return model.to(device)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
 
 
-def pad_batch(rows: list[Row], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """Prompts left-padded to a common column P, responses right-padded after it, so every
-    response starts at column P. Returns input_ids, attention_mask, position_ids [b, P+T],
-    response_mask [b, T] and the start column."""
-    p_len = max(len(r.prompt_ids) for r in rows)
-    t_len = max(max(len(r.response_ids) for r in rows), 1)
-    b = len(rows)
-    ids = torch.full((b, p_len + t_len), pad_id, dtype=torch.long)
-    attn = torch.zeros((b, p_len + t_len), dtype=torch.long)
-    resp_mask = torch.zeros((b, t_len), dtype=torch.float32)
-    for i, r in enumerate(rows):
-        p, t = len(r.prompt_ids), len(r.response_ids)
-        ids[i, p_len - p:p_len] = torch.tensor(r.prompt_ids)
-        ids[i, p_len:p_len + t] = torch.tensor(r.response_ids, dtype=torch.long)
-        attn[i, p_len - p:p_len + t] = 1
-        resp_mask[i, :t] = 1.0
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    return {
-        "input_ids": ids.to(device), "attention_mask": attn.to(device), "position_ids": pos.to(device),
-        "response_mask": resp_mask.to(device), "start": p_len,
-    }
-
-
-def response_logits(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Logits [b, T, V] that predict each response token."""
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                position_ids=batch["position_ids"], use_cache=False)
-    t_len = batch["response_mask"].shape[1]
-    start = batch["start"]
-    return out.logits[:, start - 1:start - 1 + t_len].float()
-
-
-def token_logprobs(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    start, t_len = batch["start"], batch["response_mask"].shape[1]
-    targets = batch["input_ids"][:, start:start + t_len]
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+def _all_gather_rows(local: list[Any], world: int) -> list[Any]:
+    if world == 1:
+        return local
+    parts: list[Any] = [None] * world
+    dist.all_gather_object(parts, local)
+    return [x for part in parts for x in part]
 
 
 class Trainer:
@@ -106,31 +66,37 @@ class Trainer:
         from transformers import AutoTokenizer
 
         self.job, self.spec, self.info = job, job.spec, info
+        a, t = self.spec.algorithm, self.spec.trainer
         self.output_dir = Path(output_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.spec.model.path)
         torch.manual_seed(self.spec.schedule.seed)
-        self.model = _load_model(self.spec.model.path, info.device)
-        self.ref_model = None
-        if self.spec.algorithm.kl_coef > 0:
-            self.ref_model = _load_model(self.spec.model.path, info.device).eval().requires_grad_(False)
+        self.model = _load_policy(self.spec.model.path, info.device)
+        self.ref_model = _load_policy(self.spec.model.path, info.device).eval().requires_grad_(False) if a.kl_coef > 0 else None
+        self.critic = None
+        if a.critic:
+            from .critic import ValueModel
+
+            self.critic = ValueModel(self.spec.model.path).to(info.device)
         if info.world_size > 1:
             from torch.distributed.device_mesh import init_device_mesh
 
             from .parallel.fsdp import apply_fsdp
 
             mesh = init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("dp",))
-            apply_fsdp(self.model, mesh)
-            if self.ref_model is not None:
-                apply_fsdp(self.ref_model, mesh)
-        t = self.spec.trainer
+            for m in (self.model, self.ref_model, self.critic):
+                if m is not None:
+                    apply_fsdp(m, mesh)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay)
+        self.critic_optimizer = None
+        if self.critic is not None:
+            self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=a.critic_learning_rate or t.learning_rate,
+                                                      weight_decay=t.weight_decay)
         self.reward_fn = get_reward_fn(self.spec.reward.type)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.eos_id = self.tokenizer.eos_token_id
         self.step = 0
         self.policy_version = 0
-        self.data = None
-        self.client = self.sender = self.metrics = None
+        self.data = self.client = self.sender = self.metrics = None
         if info.is_main:
             from .rollout import RolloutClient
             from .weight_sync import WeightSyncSender
@@ -143,116 +109,211 @@ class Trainer:
             self.sender = WeightSyncSender(endpoints, host, int(port))
             self.metrics = MetricsWriter(self.output_dir)
 
-    # ---- rollout (rank 0) -------------------------------------------------------------
+    @property
+    def parts(self) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]:
+        parts = {"policy": (self.model, self.optimizer)}
+        if self.critic is not None:
+            parts["critic"] = (self.critic, self.critic_optimizer)
+        return parts
 
-    def _rollout(self) -> tuple[list[Row], dict[str, float]]:
-        s, r = self.spec, self.spec.rollout
-        prompts = self.data.next_batch(s.schedule.prompts_per_step)
+    # ---- 1. rollout (rank 0) ----------------------------------------------------------
+
+    def _sample_groups(self, num_prompts: int, round_: int) -> list[list[Row]]:
+        r = self.spec.rollout
+        prompts = self.data.next_batch(num_prompts)
         groups = self.client.generate_sync(
             [p.token_ids for p in prompts], n=r.samples_per_prompt, max_tokens=r.max_tokens,
             temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
             stop_token_ids=[self.eos_id] if self.eos_id is not None else None,
-            seed=s.schedule.seed * 1_000_003 + self.step,
+            seed=(self.spec.schedule.seed * 1_000_003 + self.step) * 64 + round_,
         )
-        rows, rewards = [], []
+        buffer = self.spec.algorithm.overlong_buffer
+        out = []
         for prompt, samples in zip(prompts, groups):
+            rows = []
             for sample in samples:
                 ids = list(sample.token_ids)
-                text = self.tokenizer.decode(ids, skip_special_tokens=True)
-                rewards.append(self.reward_fn(text, prompt.answer))
-                rows.append(Row(list(sample.prompt_token_ids), ids, list(sample.logprobs), rewards[-1], 0.0,
+                score = self.reward_fn(self.tokenizer.decode(ids, skip_special_tokens=True), prompt.answer)
+                reward = score
+                if buffer:
+                    reward += float(overlong_penalty(torch.tensor([len(ids)]), r.max_tokens, buffer)[0])
+                rows.append(Row(list(sample.prompt_token_ids), ids, list(sample.logprobs), reward, score,
                                 sample.finish_reason == "length"))
-        t_len = max(max(len(row.response_ids) for row in rows), 1)
-        mask = torch.zeros(len(rows), t_len)
-        token_rewards = torch.zeros(len(rows), t_len)
-        for i, row in enumerate(rows):
-            n = len(row.response_ids)
-            mask[i, :n] = 1.0
-            if n:
-                token_rewards[i, n - 1] = row.reward
-        adv = compute_advantages(self.spec.algorithm.advantage_estimator, token_rewards, mask, group_size=r.samples_per_prompt)
-        for i, row in enumerate(rows):
-            row.advantage = float(adv[i, 0]) if len(row.response_ids) else 0.0
+            out.append(rows)
+        return out
+
+    def _rollout(self) -> tuple[list[Row], dict[str, float]]:
+        a, need = self.spec.algorithm, self.spec.schedule.prompts_per_step
+        kept: list[list[Row]] = []
+        dropped: list[list[Row]] = []
+        sampled = 0
+        for round_ in range(a.max_sampling_rounds if a.dynamic_sampling else 1):
+            groups = self._sample_groups(need - len(kept), round_)
+            sampled += len(groups)
+            for g in groups:
+                scores = torch.tensor([row.score for row in g])  # DAPO filters on accuracy, not shaped reward
+                if a.dynamic_sampling and not bool(groups_with_signal(scores, len(g))[0]):
+                    dropped.append(g)
+                else:
+                    kept.append(g)
+            if len(kept) == need:
+                break
+        # out of rounds: fill with dropped groups (their group advantages are zero)
+        kept += dropped[:need - len(kept)]
+        rows = [row for g in kept for row in g]
         lengths = [len(row.response_ids) for row in rows]
         stats = {
-            "reward_mean": sum(rewards) / len(rewards),
-            "score_mean": sum(rewards) / len(rewards),
+            "reward_mean": sum(r.reward for r in rows) / len(rows),
+            "score_mean": sum(r.score for r in rows) / len(rows),
             "response_length_mean": sum(lengths) / len(lengths),
-            "truncated_fraction": sum(row.truncated for row in rows) / len(rows),
-            "num_tokens": float(sum(len(row.prompt_ids) + len(row.response_ids) for row in rows)),
+            "truncated_fraction": sum(r.truncated for r in rows) / len(rows),
+            "dropped_group_fraction": len(dropped) / sampled,
+            "num_tokens": float(sum(len(r.prompt_ids) + len(r.response_ids) for r in rows)),
         }
         return rows, stats
 
-    # ---- update (all ranks) -----------------------------------------------------------
+    # ---- 2. log-probs, values, advantages (all ranks) ---------------------------------
 
-    def _train(self, rows: list[Row]) -> dict[str, float]:
-        a, t, info = self.spec.algorithm, self.spec.trainer, self.info
+    def _micro_batches(self, rows: list[Row]):
+        mb = self.spec.trainer.micro_batch_size
+        for m in range(0, len(rows), mb):
+            yield rows[m:m + mb], pad_batch(rows[m:m + mb], self.pad_id, self.info.device)
+
+    @torch.no_grad()
+    def _per_row(self, rows: list[Row], fn) -> list[list[float]]:
+        out: list[list[float]] = []
+        for micro, batch in self._micro_batches(rows):
+            values = fn(batch)
+            out += [values[i, :len(r.response_ids)].tolist() for i, r in enumerate(micro)]
+        return out
+
+    def _prepare(self, rows: list[Row]) -> dict[str, torch.Tensor]:
+        """Full-batch tensors [B, T]: mask, old/ref log-probs, values, advantages, returns."""
+        a, info = self.spec.algorithm, self.info
         per_rank = len(rows) // info.world_size
         mine = rows[info.rank * per_rank:(info.rank + 1) * per_rank]
+        need_old = a.num_mini_batches > 1 or (a.kl_coef > 0 and a.kl_mode == "reward") or a.tis_cap is not None
+        local: dict[str, list[list[float]]] = {}
+        self.model.eval()
+        if need_old:
+            local["old_logprobs"] = self._per_row(mine, lambda b: token_logprobs(response_logits(self.model, b), b))
+        if self.ref_model is not None:
+            local["ref_logprobs"] = self._per_row(mine, lambda b: token_logprobs(response_logits(self.ref_model, b), b))
+        if self.critic is not None:
+            self.critic.eval()
+            local["values"] = self._per_row(mine, lambda b: response_values(self.critic, b))
+        keys = sorted(local)
+        gathered = _all_gather_rows([[local[k][i] for k in keys] for i in range(len(mine))], info.world_size)
+        width = max(max(len(r.response_ids) for r in rows), 1)
+        out = {k: pad_rows([g[j] for g in gathered], width) for j, k in enumerate(keys)}
+        mask = pad_rows([[1.0] * len(r.response_ids) for r in rows], width)
+        out["mask"] = mask
+        out["rollout_logprobs"] = pad_rows([r.rollout_logprobs for r in rows], width)
+        token_rewards = torch.zeros_like(mask)
+        for i, r in enumerate(rows):
+            if r.response_ids:
+                token_rewards[i, len(r.response_ids) - 1] = r.reward
+        if self.ref_model is not None and a.kl_mode == "reward":
+            token_rewards = token_rewards - a.kl_coef * kl_penalty(out["old_logprobs"], out["ref_logprobs"], a.kl_estimator) * mask
+        if a.advantage_estimator == "gae":
+            _, out["returns"] = gae(token_rewards, out["values"], mask, a.gamma, a.lam)
+        adv = compute_advantages(a.advantage_estimator, token_rewards, mask, group_size=self.spec.rollout.samples_per_prompt,
+                                 values=out.get("values"), gamma=a.gamma, lam=a.lam, norm_std=a.norm_std)
+        out["advantages"] = adv
+        return out
+
+    # ---- 3. updates (all ranks) -------------------------------------------------------
+
+    def _train(self, rows: list[Row], full: dict[str, torch.Tensor]) -> dict[str, float]:
+        a, t, info = self.spec.algorithm, self.spec.trainer, self.info
+        dev = info.device
+        per_rank = len(rows) // info.world_size
         per_mini = per_rank // a.num_mini_batches
-        # [loss, clip_fraction*tok, approx_kl*tok, entropy_sum, kl_sum, tokens, grad_norm]
-        sums = torch.zeros(7, dtype=torch.float64)
+        # sums: loss, clip*tok, approx_kl*tok, entropy, kl, tokens, grad_norm, value_loss, critic grad norm
+        sums = torch.zeros(9, dtype=torch.float64)
         self.model.train()
+        if self.critic is not None:
+            self.critic.train()
         for k in range(a.num_mini_batches):
-            # every rank sees all rows, so the global counts of mini-batch k are local sums
-            global_rows = [r for q in range(info.world_size)
-                           for r in rows[q * per_rank + k * per_mini:q * per_rank + (k + 1) * per_mini]]
-            num_tokens = float(sum(len(r.response_ids) for r in global_rows))
-            num_seqs = float(len(global_rows))
-            mini = mine[k * per_mini:(k + 1) * per_mini]
-            old = self._old_logprobs(mini) if a.num_mini_batches > 1 else None
+            # every rank holds all rows, so mini-batch k's global counts are local sums
+            idx_global = [q * per_rank + k * per_mini + j for q in range(info.world_size) for j in range(per_mini)]
+            num_tokens = float(full["mask"][idx_global].sum())
+            num_seqs = float(len(idx_global))
+            norm = {"num_tokens": num_tokens, "num_seqs": num_seqs}
+            first = info.rank * per_rank + k * per_mini
             self.optimizer.zero_grad(set_to_none=True)
-            for m in range(0, len(mini), t.micro_batch_size):
-                micro = mini[m:m + t.micro_batch_size]
-                batch = pad_batch(micro, self.pad_id, info.device)
+            if self.critic_optimizer is not None:
+                self.critic_optimizer.zero_grad(set_to_none=True)
+            for m in range(0, per_mini, t.micro_batch_size):
+                lo, hi = first + m, first + min(m + t.micro_batch_size, per_mini)
+                batch = pad_batch(rows[lo:hi], self.pad_id, dev)
                 mask = batch["response_mask"]
+                width = mask.shape[1]
+
+                def cut(name: str) -> torch.Tensor:
+                    return full[name][lo:hi, :width].to(dev)
+
                 logits = response_logits(self.model, batch)
                 logp = token_logprobs(logits, batch)
-                old_logp = old[m // t.micro_batch_size] if old is not None else logp.detach()
-                adv = torch.tensor([r.advantage for r in micro], device=info.device).unsqueeze(-1) * mask
-                loss, pg = policy_loss(logp, old_logp, adv, mask, clip_low=a.clip_low, clip_high=a.clip_high,
-                                       dual_clip=a.dual_clip, agg=a.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
-                tokens = float(mask.sum())
+                old_logp = cut("old_logprobs") if "old_logprobs" in full else logp.detach()
+                is_w = truncated_is_weights(old_logp, cut("rollout_logprobs"), a.tis_cap) if a.tis_cap is not None else None
+                loss, pg = policy_loss(logp, old_logp, cut("advantages"), mask, clip_low=a.clip_low, clip_high=a.clip_high,
+                                       dual_clip=a.dual_clip, agg=a.loss_agg, is_weights=is_w, **norm)
+                entropy = entropy_from_logits(logits)
+                if a.entropy_coef:
+                    loss = loss - a.entropy_coef * agg_loss(entropy, mask, a.loss_agg, **norm)
                 if self.ref_model is not None:
                     with torch.no_grad():
-                        ref_logp = token_logprobs(response_logits(self.ref_model, batch), batch)
+                        ref_logp = cut("ref_logprobs")
                     kl = kl_penalty(logp, ref_logp, a.kl_estimator)
-                    loss = loss + a.kl_coef * agg_loss(kl, mask, a.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
+                    if a.kl_mode == "loss":
+                        loss = loss + a.kl_coef * agg_loss(kl, mask, a.loss_agg, **norm)
                     sums[4] += float((kl.detach() * mask).sum())
                 # FSDP averages gradients over ranks; the loss is already a global mean
                 (loss * info.world_size).backward()
-                with torch.no_grad():
-                    sums[0] += float(loss)
-                    sums[1] += float(pg["clip_fraction"]) * tokens
-                    sums[2] += float(pg["approx_kl"]) * tokens
-                    sums[3] += float((entropy_from_logits(logits.detach()) * mask).sum())
-                    sums[5] += tokens
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
-            if hasattr(grad_norm, "full_tensor"):
-                grad_norm = grad_norm.full_tensor()
-            sums[6] += float(grad_norm) / info.world_size
-            self.optimizer.step()
+                tokens = float(mask.sum())
+                sums[0] += float(loss)
+                sums[1] += float(pg["clip_fraction"]) * tokens
+                sums[2] += float(pg["approx_kl"]) * tokens
+                sums[3] += float((entropy.detach() * mask).sum())
+                sums[5] += tokens
+                if self.critic is not None:
+                    values = response_values(self.critic, batch)
+                    vloss, _ = value_loss(values, cut("values"), cut("returns"), mask, clip=a.value_clip, agg="token-mean", **norm)
+                    (vloss * info.world_size).backward()
+                    sums[7] += float(vloss)
+            sums[6] += self._clip_and_step(self.model, self.optimizer) / info.world_size
+            if self.critic is not None:
+                sums[8] += self._clip_and_step(self.critic, self.critic_optimizer) / info.world_size
         all_reduce_sum(sums)
         tokens = max(float(sums[5]), 1.0)
-        return {
+        mask, adv = full["mask"], full["advantages"]
+        n_valid = mask.sum().clamp(min=1.0)
+        adv_mean = float((adv * mask).sum() / n_valid)
+        metrics = {
             "loss": float(sums[0]) / a.num_mini_batches,
             "clip_fraction": float(sums[1]) / tokens,
             "approx_kl": float(sums[2]) / tokens,
             "entropy": float(sums[3]) / tokens,
             "kl": float(sums[4]) / tokens if self.ref_model is not None else None,
             "grad_norm": float(sums[6]) / a.num_mini_batches,
+            "advantage_mean": adv_mean,
+            "advantage_std": float((((adv - adv_mean) ** 2) * mask).sum() / n_valid) ** 0.5,
         }
+        if self.critic is not None:
+            metrics["value_loss"] = float(sums[7]) / a.num_mini_batches
+            metrics["critic_grad_norm"] = float(sums[8]) / a.num_mini_batches
+            metrics["explained_variance"] = float(explained_variance(full["values"], full["returns"], mask))
+        return metrics
 
-    @torch.no_grad()
-    def _old_logprobs(self, rows: list[Row]) -> list[torch.Tensor]:
-        mb = self.spec.trainer.micro_batch_size
-        out = []
-        for m in range(0, len(rows), mb):
-            batch = pad_batch(rows[m:m + mb], self.pad_id, self.info.device)
-            out.append(token_logprobs(response_logits(self.model, batch), batch))
-        return out
+    def _clip_and_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.spec.trainer.max_grad_norm)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        optimizer.step()
+        return float(norm)
 
-    # ---- weight sync (all ranks gather, rank 0 sends) ---------------------------------
+    # ---- 4. weight sync (all ranks gather, rank 0 sends) ------------------------------
 
     def sync_weights(self) -> float:
         start = time.perf_counter()
@@ -277,13 +338,33 @@ class Trainer:
         path = latest_checkpoint(self.output_dir)
         if path is None:
             return
-        state = load_checkpoint(path, self.model, self.optimizer)
+        state = load_checkpoint(path, self.parts)
         self.step = int(state["step"])
         self.policy_version = int(state.get("policy_version", self.step))
         if self.data is not None:
             self.data.load_state_dict(state["data"])
             self.metrics.truncate_after(self.step)
         log.info("resumed from %s (step %d)", path, self.step)
+
+    def run_step(self) -> dict[str, Any] | None:
+        t0 = time.perf_counter()
+        rows, roll = self._rollout() if self.info.is_main else (None, None)
+        rows, roll = broadcast_object((rows, roll))
+        t1 = time.perf_counter()
+        full = self._prepare(rows)
+        train = self._train(rows, full)
+        t2 = time.perf_counter()
+        self.policy_version += 1
+        sync_s = self.sync_weights()
+        step_s = time.perf_counter() - t0
+        if not self.info.is_main:
+            return None
+        return {
+            "step": self.step, **{k: v for k, v in roll.items() if k != "num_tokens"}, **train,
+            "learning_rate": self.spec.trainer.learning_rate, "step_seconds": step_s,
+            "rollout_seconds": t1 - t0, "train_seconds": t2 - t1, "weight_sync_seconds": sync_s,
+            "tokens_per_second": roll["num_tokens"] / step_s, "policy_version": self.policy_version,
+        }
 
     def run(self) -> None:
         s = self.spec.schedule
@@ -293,25 +374,12 @@ class Trainer:
         self.sync_weights()  # servers start from exactly the trainer's weights (also after a resume)
         while self.step < s.total_steps:
             self.step += 1
-            t0 = time.perf_counter()
-            rows, roll = self._rollout() if self.info.is_main else (None, None)
-            rows, roll = broadcast_object((rows, roll))
-            t1 = time.perf_counter()
-            train = self._train(rows)
-            t2 = time.perf_counter()
-            self.policy_version += 1
-            sync_s = self.sync_weights()
-            step_s = time.perf_counter() - t0
-            if self.info.is_main:
-                row = {
-                    "step": self.step, **{k: v for k, v in roll.items() if k != "num_tokens"}, **train,
-                    "learning_rate": self.spec.trainer.learning_rate, "step_seconds": step_s,
-                    "rollout_seconds": t1 - t0, "train_seconds": t2 - t1, "weight_sync_seconds": sync_s,
-                    "tokens_per_second": roll["num_tokens"] / step_s, "policy_version": self.policy_version,
-                }
+            row = self.run_step()
+            if row is not None:
                 self.metrics.write(row)
-                log.info("step %d/%d reward %.3f loss %.4f %.2fs", self.step, s.total_steps, row["reward_mean"], row["loss"], step_s)
-            if s.save_every and self.step % s.save_every == 0 and self.step < s.total_steps:
+                log.info("step %d/%d reward %.3f loss %.4f %.2fs", self.step, s.total_steps, row["reward_mean"], row["loss"],
+                         row["step_seconds"])
+            if s.save_every and self.step % s.save_every == 0:
                 self.save()
         if s.save_every:
             self.save()
@@ -321,8 +389,7 @@ class Trainer:
         state = {"policy_version": self.policy_version,
                  "data": self.data.state_dict() if self.data is not None else None}
         state = broadcast_object(state)
-        save_checkpoint(self.output_dir, self.step, self.model, self.optimizer, state,
-                        keep=self.spec.output.keep_checkpoints)
+        save_checkpoint(self.output_dir, self.step, self.parts, state, keep=self.spec.output.keep_checkpoints)
 
 
 def main() -> None:

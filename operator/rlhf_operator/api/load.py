@@ -89,7 +89,8 @@ def _problems(err: ValidationError) -> list[Problem]:
 
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`rollout.replicas=2` -> (['spec', 'rollout', 'replicas'], 2). Keys may be snake_case;
-    the `spec.` prefix is optional; the value is parsed as YAML."""
+    the `spec.` prefix is optional; the value is parsed as YAML; an empty value unsets the
+    field (null: its default or the preset's value applies)."""
     if "=" not in text:
         raise JobError([Problem("--set", f"{text!r} is not of the form dotted.field=value")])
     key, value = text.split("=", 1)
@@ -98,7 +99,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise JobError([Problem("--set", f"{text!r} has an empty field name")])
     if parts[0] not in ("spec", "metadata"):
         parts = ["spec", *parts]
-    return parts, yaml.safe_load(value) if value.strip() else ""
+    return parts, yaml.safe_load(value) if value.strip() else None  # empty: unset
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

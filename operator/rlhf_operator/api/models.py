@@ -68,25 +68,58 @@ class RewardSpec(_Model):
     `prefix_match`: 1 when the response starts with the answer."""
 
 
-class AlgorithmSpec(_Model):
-    """The RL algorithm: advantage estimator, policy loss and KL regularisation."""
+Estimator = Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
-    advantage_estimator: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
-    """How advantages are computed from the group of samples of one prompt."""
-    loss_agg: Literal[
-        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
-    ] = "token-mean"
-    """How per-token losses are reduced to one number."""
-    clip_low: float = Field(default=0.2, ge=0)
+
+class AlgorithmSpec(_Model):
+    """The RL algorithm. `preset` sets the defaults of every field left unset (null);
+    see presets.py and the README's preset table."""
+
+    preset: Literal["ppo", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = "grpo"
+    """A named algorithm whose settings fill every field you leave unset."""
+    advantage_estimator: Estimator | None = None
+    """How advantages are computed: gae (PPO, needs the critic), grpo, dr_grpo, rloo,
+    reinforce_pp, reinforce_pp_baseline."""
+    norm_std: bool | None = None
+    """grpo: divide by the group's std; gae: whiten advantages over the batch."""
+    loss_agg: LossAgg | None = None
+    """How per-token losses are reduced: token-mean, seq-mean-token-mean,
+    seq-mean-token-sum, seq-mean-token-sum-norm (Dr. GRPO)."""
+    clip_low: float | None = Field(default=None, ge=0)
     """PPO ratio clip below 1: ratio >= 1 - clipLow."""
-    clip_high: float = Field(default=0.2, ge=0)
-    """PPO ratio clip above 1: ratio <= 1 + clipHigh (DAPO's clip-higher uses 0.28)."""
+    clip_high: float | None = Field(default=None, ge=0)
+    """PPO ratio clip above 1: ratio <= 1 + clipHigh (DAPO's clip-higher: 0.28)."""
     dual_clip: float | None = Field(default=None, gt=1)
     """Dual-clip constant c > 1 for negative advantages; null disables it."""
-    kl_coef: float = Field(default=0.0, ge=0)
-    """Weight of the KL(policy || reference) loss term; 0 loads no reference model."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_coef: float | None = Field(default=None, ge=0)
+    """Weight of KL(policy || reference); 0 loads no reference model."""
+    kl_estimator: Literal["k1", "k2", "k3"] | None = None
     """Per-token KL estimator (Schulman's k1, k2, k3)."""
+    kl_mode: Literal["loss", "reward"] | None = None
+    """Where the KL goes: a loss term, or a per-token penalty in the reward (before advantages)."""
+    gamma: float | None = Field(default=None, ge=0, le=1)
+    """Discount for gae and reinforce_pp."""
+    lam: float | None = Field(default=None, ge=0, le=1)
+    """GAE lambda."""
+    critic: bool | None = None
+    """Train a value model (a value head on a copy of the policy) for gae."""
+    value_clip: float | None = Field(default=None, gt=0)
+    """Clip of the value loss around the old values."""
+    critic_learning_rate: float | None = Field(default=None, gt=0)
+    """Critic AdamW learning rate; null uses trainer.learningRate."""
+    dynamic_sampling: bool | None = None
+    """DAPO: drop groups whose rewards are all equal and sample more prompts to refill."""
+    max_sampling_rounds: int = Field(default=4, ge=1)
+    """Dynamic sampling gives up refilling after this many rollout rounds per step."""
+    overlong_buffer: int | None = Field(default=None, ge=0)
+    """DAPO soft overlong punishment: the last this-many tokens before rollout.maxTokens
+    are penalised linearly down to -1; 0 disables it."""
+    tis_cap: float | None = Field(default=None, gt=0)
+    """Truncated importance sampling against the rollout engine's logprobs, weights capped
+    at this value; null disables it."""
+    entropy_coef: float = Field(default=0.0, ge=0)
+    """Weight of an entropy bonus in the policy loss."""
     num_mini_batches: int = Field(default=1, ge=1)
     """Optimizer steps per RL step; the step's samples are split into this many parts."""
 
@@ -175,7 +208,7 @@ class RLHFJobSpec(_Model):
     """The prompts."""
     reward: RewardSpec = RewardSpec()
     """How responses are scored."""
-    algorithm: AlgorithmSpec = AlgorithmSpec()
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
     """The RL algorithm."""
     rollout: RolloutSpec = RolloutSpec()
     """The rollout servers."""
@@ -199,9 +232,11 @@ class RLHFJobSpec(_Model):
         return self.schedule.prompts_per_step * self.rollout.samples_per_prompt
 
     @model_validator(mode="after")
-    def _check_rules(self) -> "RLHFJobSpec":
+    def _resolve_and_check(self) -> "RLHFJobSpec":
+        from .presets import apply_preset
         from .rules import check_spec
 
+        apply_preset(self)
         check_spec(self)
         return self
 

@@ -10,6 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+from .presets import cel_resolved
+
+ESTIMATOR = cel_resolved("advantage_estimator", "advantageEstimator")
+CRITIC = cel_resolved("critic", "critic")
+OVERLONG = cel_resolved("overlong_buffer", "overlongBuffer")
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+
 if TYPE_CHECKING:
     from .models import RLHFJobSpec
 
@@ -31,11 +38,27 @@ class Rule:
 RULES: tuple[Rule, ...] = (
     Rule(
         field_path="rollout.samplesPerPrompt",
-        cel="self.rollout.samplesPerPrompt >= 2",
-        message="must be at least 2: group advantage estimators (grpo, dr_grpo, rloo) "
-        "compare the samples of one prompt",
-        check=lambda s: s.rollout.samples_per_prompt >= 2,
-        detail=lambda s: f"got {s.rollout.samples_per_prompt}",
+        cel=f"self.rollout.samplesPerPrompt >= 2 || !({ESTIMATOR} in {list(GROUP_ESTIMATORS)})",
+        message="must be at least 2 with a group advantage estimator (grpo, dr_grpo, rloo, "
+        "reinforce_pp_baseline): they compare the samples of one prompt",
+        check=lambda s: s.rollout.samples_per_prompt >= 2 or s.algorithm.advantage_estimator not in GROUP_ESTIMATORS,
+        detail=lambda s: f"got {s.rollout.samples_per_prompt} with {s.algorithm.advantage_estimator}",
+    ),
+    Rule(
+        field_path="algorithm.critic",
+        cel=f"({ESTIMATOR} == 'gae') == {CRITIC}",
+        message="must be true exactly when algorithm.advantageEstimator is gae (only GAE uses "
+        "the value model)",
+        check=lambda s: (s.algorithm.advantage_estimator == "gae") == s.algorithm.critic,
+        detail=lambda s: f"critic={s.algorithm.critic}, advantageEstimator={s.algorithm.advantage_estimator}",
+    ),
+    Rule(
+        field_path="algorithm.overlongBuffer",
+        cel=f"{OVERLONG} < self.rollout.maxTokens",
+        message="must be smaller than rollout.maxTokens (it is the stretch before maxTokens "
+        "where long responses are penalised)",
+        check=lambda s: s.algorithm.overlong_buffer < s.rollout.max_tokens,
+        detail=lambda s: f"{s.algorithm.overlong_buffer} >= {s.rollout.max_tokens}",
     ),
     Rule(
         field_path="schedule.promptsPerStep",

@@ -59,8 +59,10 @@ def policy_loss(
     agg: str = "token-mean",
     num_tokens: float | None = None,
     num_seqs: float | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped policy loss; returns (loss, metrics with clip_fraction and approx_kl)."""
+    """PPO clipped policy loss; returns (loss, metrics with clip_fraction and approx_kl).
+    `is_weights` [B, T] (truncated importance sampling) multiply the per-token loss."""
     mask_f = mask.to(logprobs.dtype)
     log_ratio = logprobs - old_logprobs
     ratio = log_ratio.exp()
@@ -69,6 +71,8 @@ def policy_loss(
     loss = torch.maximum(unclipped, clipped)
     if dual_clip is not None:
         loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * dual_clip), loss)
+    if is_weights is not None:
+        loss = loss * is_weights
     n_valid = mask_f.sum().clamp(min=1.0)
     with torch.no_grad():
         metrics = {
@@ -82,3 +86,50 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Per-token entropy [..] of the categorical distributions given by `logits` [.., V]."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     return -(logp.exp() * logp).sum(-1)
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip: float | None = 0.2,
+    agg: str = "token-mean",
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value loss (PPO2): 0.5 * max((V - R)^2, (V_clip - R)^2) with
+    V_clip = V_old + clip(V - V_old, -clip, clip); all [B, T]. Returns (loss, metrics with
+    value_clip_fraction)."""
+    unclipped = (values - returns).square()
+    if clip is None:
+        per_token = 0.5 * unclipped
+        clipped_frac = torch.zeros((), dtype=values.dtype)
+    else:
+        v_clip = old_values + (values - old_values).clamp(-clip, clip)
+        clipped = (v_clip - returns).square()
+        per_token = 0.5 * torch.maximum(unclipped, clipped)
+        m = mask.to(values.dtype)
+        clipped_frac = ((clipped > unclipped).to(values.dtype) * m).sum() / m.sum().clamp(min=1.0)
+    return agg_loss(per_token, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs), {"value_clip_fraction": clipped_frac.detach()}
+
+
+def truncated_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly
+    brings you off-policy RL training"): w = min(exp(old_logp - rollout_logp), cap) [B, T],
+    correcting for the rollout engine's numerics differing from the trainer's."""
+    return (old_logprobs - rollout_logprobs).exp().clamp(max=cap).detach()
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """1 - Var(R - V) / Var(R) over valid tokens (1 is a perfect critic)."""
+    m = mask.to(values.dtype)
+    n = m.sum().clamp(min=1.0)
+
+    def var(x: torch.Tensor) -> torch.Tensor:
+        mean = (x * m).sum() / n
+        return ((x - mean).square() * m).sum() / n
+
+    var_r = var(returns)
+    return 1 - var(returns - values) / var_r if var_r > 0 else torch.zeros((), dtype=values.dtype)

@@ -13,8 +13,11 @@ round under its Hugging Face name.
 The HTTP calls run on threads. The tensors are consumed and packed on the calling
 thread (a trainer's generator may run collectives such as `full_tensor()`), and the
 buckets are broadcast from a helper thread one bucket behind, so a server that answers
-an error ends the round at once instead of leaving rank 0 blocked in a collective (the
-group is then unusable: call `init` again after fixing the cause).
+an error ends the round at once instead of leaving rank 0 blocked in a collective. The
+group is kept when every bucket still went through (the CPU engine receives and drops
+the buckets of an update it rejects); otherwise `group` is None and `init` must run
+again (on a fresh port). After a failed round the servers stay paused (they may hold
+partly loaded weights); the next successful `send` resumes them.
 The transport is `transport.GlooBroadcastGroup` (CPU); NCCL is not done yet.
 """
 
@@ -35,6 +38,8 @@ from .packing import as_bytes, dtype_name, pack_buckets
 from .transport import BroadcastGroup, GlooBroadcastGroup
 
 DEFAULT_BUCKET_BYTES = 1 << 30  # vLLM's DEFAULT_PACKED_BUFFER_SIZE_BYTES
+
+GROUP_GRACE_S = 10.0  # after a failed round, how long to wait for the broadcasts to end
 
 TensorMeta = tuple[str, list[int], torch.dtype]
 
@@ -135,8 +140,10 @@ class WeightSyncSender:
             broadcast = self._broadcast(self.group, metadata, tensors, stats, watch=replies)
             _wait_all([*replies, broadcast], self.timeout_s)
         except BaseException:
-            if broadcast is None or not broadcast.done() or broadcast.exception() is not None:
-                self.group = None  # a collective may be half done: the group is unusable
+            # A server that rejects an update still receives (and drops) every bucket, so
+            # the group stays usable once all broadcasts are through; otherwise it is not.
+            if broadcast is None or not _succeeds(broadcast, GROUP_GRACE_S):
+                self.group = None
             raise
         _wait_all(self._call_all("/finish_weight_update",
                                  [{"weight_version": weight_version}] * len(self.endpoints)),
@@ -203,6 +210,15 @@ def _checked_bytes(metadata: list[TensorMeta], tensors: Iterable[torch.Tensor]) 
         yield flat
     if next(iterator, None) is not None:
         raise WeightSyncError("tensors yielded more tensors than metadata has entries")
+
+
+def _succeeds(future: cf.Future, timeout_s: float) -> bool:
+    """Whether `future` ends without error within `timeout_s`."""
+    try:
+        future.result(timeout=timeout_s)
+    except BaseException:
+        return False
+    return True
 
 
 def _put_watching(q: queue.Queue, item, watch: list[cf.Future], deadline: float) -> None:

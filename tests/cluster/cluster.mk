@@ -1,0 +1,23 @@
+# The test control plane (tests/cluster/): included from the main Makefile.
+#   make cluster-bin    build (or find in ~/.cache/rlhf-operator/cluster-bin) the binaries
+#   make cluster        start etcd, kube-apiserver, controller-manager, scheduler, kwok with
+#                       CLUSTER_NODES fake 8-GPU nodes and the training-operator; kubeconfig
+#                       in .cluster/kubeconfig, logs in .cluster/logs/
+#   make cluster-down   stop it (logs stay)
+CLUSTER_NODES ?= 4
+
+.PHONY: cluster cluster-down cluster-bin cluster-status
+cluster-bin:
+	bash tests/cluster/build.sh
+
+cluster: cluster-bin $(STAMP)
+	$(BIN)/python tests/cluster/harness.py up --nodes $(CLUSTER_NODES)
+
+cluster-down:
+	$(BIN)/python tests/cluster/harness.py down
+
+cluster-status:
+	$(BIN)/python tests/cluster/harness.py status
+
+# `make test` builds the binaries first, with the build's output on the terminal.
+test: cluster-bin

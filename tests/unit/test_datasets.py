@@ -1,0 +1,152 @@
+"""Loading prompt datasets from every local format and rendering them into prompts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+datasets = pytest.importorskip("datasets")
+
+from rlhf_trainer.data.datasets import PromptRecord, load_records, to_prompts  # noqa: E402
+
+ROWS = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+3=", "answer": "5"}]
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """A character-level tokenizer with a chat template, built in code (no download)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {"<unk>": 0, **{c: i + 1 for i, c in enumerate(chars)}}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(vocab, [], unk_token="<unk>")),
+                                  unk_token="<unk>")
+    tok.chat_template = TEMPLATE
+    return tok
+
+
+def _write_arrow(path, rows):
+    import pyarrow as pa
+
+    table = pa.Table.from_pylist(rows)
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".csv", ".parquet", ".arrow"])
+def test_load_each_file_format(tmp_path, suffix):
+    path = tmp_path / f"data{suffix}"
+    if suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    elif suffix == ".json":
+        path.write_text(json.dumps(ROWS))
+    elif suffix == ".csv":
+        path.write_text("prompt,answer\n1+1=,2\n2+3=,5\n")
+    elif suffix == ".parquet":
+        datasets.Dataset.from_list(ROWS).to_parquet(str(path))
+    else:
+        _write_arrow(path, ROWS)
+    rows = load_records(str(path))
+    assert [(r["prompt"], str(r["answer"])) for r in rows] == [("1+1=", "2"), ("2+3=", "5")]
+
+
+def test_load_save_to_disk_and_splits(tmp_path):
+    datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "single"))
+    assert load_records(str(tmp_path / "single")) == ROWS
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS),
+                          "test": datasets.Dataset.from_list(ROWS[:1])}).save_to_disk(
+        str(tmp_path / "dict"))
+    assert load_records(str(tmp_path / "dict"), split="test") == ROWS[:1]
+    with pytest.raises(ValueError, match=r"data.split: .* no split 'valid'; it has test, train"):
+        load_records(str(tmp_path / "dict"), split="valid")
+
+
+def test_load_directory_of_files(tmp_path):
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    (tmp_path / "test.jsonl").write_text(json.dumps(ROWS[1]) + "\n")
+    assert load_records(str(tmp_path)) == ROWS
+    assert load_records(str(tmp_path), split="test") == ROWS[1:]
+
+
+def test_load_errors_say_what_to_change(tmp_path):
+    with pytest.raises(ValueError, match=r"data.path: does not exist .*point data.path at"):
+        load_records(str(tmp_path / "nope.jsonl"))
+    (tmp_path / "data.txt").write_text("x")
+    with pytest.raises(ValueError, match=r"data.path: unknown file extension '.txt'.*\.parquet"):
+        load_records(str(tmp_path / "data.txt"))
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    with pytest.raises(ValueError, match=r"data.path: could not read .*bad.jsonl"):
+        load_records(str(tmp_path / "bad.jsonl"))
+
+
+def test_text_prompts_and_system_prompt(tokenizer):
+    prompts, dropped = to_prompts(ROWS, tokenizer=tokenizer, source="f.jsonl",
+                                  max_prompt_length=100)
+    assert dropped == 0
+    assert prompts[0] == PromptRecord("1+1=", tokenizer("1+1=")["input_ids"], "2", {})
+    assert len(prompts[0].token_ids) == 4
+
+    prompts, _ = to_prompts(ROWS[:1], tokenizer=tokenizer, source="f.jsonl",
+                            system_prompt="Be brief.", max_prompt_length=100)
+    assert prompts[0].text == "<system>Be brief.\n<user>1+1=\n<assistant>"
+    assert len(prompts[0].token_ids) == len(prompts[0].text)
+
+
+def test_messages_and_colossalchat_rows(tokenizer):
+    rows = [
+        {"messages": [{"role": "user", "content": "hi"}], "answer": "a", "extra_info": {"id": 7}},
+        # ColossalChat: one turn as a dict, the answer under gt_answer, test cases kept
+        {"messages": {"role": "user", "content": "sum"}, "gt_answer": "3",
+         "test_cases": {"inputs": ["1 2\n"], "outputs": ["3\n"]}},
+        # verl: the prompt column holds the chat turns and carries its own system turn
+        {"prompt": [{"role": "system", "content": "S"}, {"role": "user", "content": "q"}],
+         "answer": 4, "data_source": "gsm8k"},
+    ]
+    prompts, dropped = to_prompts(rows, tokenizer=tokenizer, source="f.parquet",
+                                  system_prompt="Sys", max_prompt_length=100)
+    assert dropped == 0
+    assert [p.text for p in prompts] == ["<system>Sys\n<user>hi\n<assistant>",
+                                         "<system>Sys\n<user>sum\n<assistant>",
+                                         "<system>S\n<user>q\n<assistant>"]
+    assert [p.answer for p in prompts] == ["a", "3", "4"]
+    assert prompts[0].extra_info == {"extra_info": {"id": 7}}
+    assert prompts[1].extra_info == {"gt_answer": "3",
+                                     "test_cases": {"inputs": ["1 2\n"], "outputs": ["3\n"]}}
+    assert prompts[2].extra_info == {"data_source": "gsm8k"}
+
+
+def test_custom_column_names_and_long_prompts_dropped(tokenizer):
+    rows = [{"question": "short", "label": "x"}, {"question": "y" * 50, "label": "z"},
+            {"question": "also short", "label": "w"}]
+    prompts, dropped = to_prompts(rows, tokenizer=tokenizer, source="f.csv",
+                                  prompt_key="question", answer_key="label", max_prompt_length=10)
+    assert dropped == 1
+    assert [(p.text, p.answer) for p in prompts] == [("short", "x"), ("also short", "w")]
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"answer": "1"}, r"f.jsonl: row 1 has neither a 'prompt' column .*nor a 'messages'"),
+    ({"prompt": 5}, r"f.jsonl: row 1, column 'prompt': expected prompt text or chat turns, got int"),
+    ({"messages": [{"role": "user"}]}, r"f.jsonl: row 1, column 'messages': turn 0 must be a dict"),
+    ({"messages": []}, r"f.jsonl: row 1, column 'messages' must be a non-empty list"),
+    ({"prompt": "p", "answer": ["a"]}, r"f.jsonl: row 1, column 'answer': the answer must be"),
+])
+def test_malformed_rows_name_file_row_and_column(tokenizer, row, message):
+    with pytest.raises(ValueError, match=message):
+        to_prompts([ROWS[0], row], tokenizer=tokenizer, source="f.jsonl", max_prompt_length=100)
+
+
+def test_messages_without_chat_template_is_an_error(tokenizer):
+    from copy import deepcopy
+
+    plain = deepcopy(tokenizer)
+    plain.chat_template = None
+    with pytest.raises(ValueError, match=r"row 0, column 'messages': chat messages need a "
+                                         r"tokenizer with a chat template"):
+        to_prompts([{"messages": [{"role": "user", "content": "x"}]}], tokenizer=plain,
+                   source="f.jsonl", max_prompt_length=100)
