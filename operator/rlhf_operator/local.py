@@ -33,7 +33,7 @@ class LocalRunError(RuntimeError):
     """The local run could not start or a process failed."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -175,7 +175,7 @@ def run_local(job: RLHFJob, *, output: str | None = None, resume: bool = False, 
     config_path = out / "job.json"
     config_path.write_text(json.dumps(resolved.to_config(), indent=2))
 
-    ports = [_free_port() for _ in range(spec.rollout.replicas)]
+    ports = [free_port() for _ in range(spec.rollout.replicas)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     children: list[_Child] = []
     metrics_path = out / "metrics.jsonl"
@@ -190,8 +190,8 @@ def run_local(job: RLHFJob, *, output: str | None = None, resume: bool = False, 
             _wait_healthy(children, urls)
             trainer = trainer_process(
                 resolved, config_path=str(config_path), rollout_endpoints=urls,
-                weight_sync_addr=f"127.0.0.1:{_free_port()}", output_dir=str(out),
-                master_addr="127.0.0.1", master_port=_free_port(), resume=resume, python=sys.executable,
+                weight_sync_addr=f"127.0.0.1:{free_port()}", output_dir=str(out),
+                master_addr="127.0.0.1", master_port=free_port(), resume=resume, python=sys.executable,
             )
             trainer_child = _Child("trainer", trainer, out / "logs" / "trainer.log")
             children.append(trainer_child)

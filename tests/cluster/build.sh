@@ -42,6 +42,7 @@ if [[ "${1:-}" == "--print" ]]; then
 fi
 
 if [[ -f "$BIN_DIR/.complete" ]]; then
+    touch "$BIN_DIR/.complete"   # most recently used: kept by the pruning below
     echo "$BIN_DIR"
     exit 0
 fi
@@ -64,7 +65,6 @@ start=$(date +%s)
 # Keep the user's GOFLAGS but make sure nothing writes into the repository.
 export GOFLAGS="${GOFLAGS:-} -mod=readonly"
 export CGO_ENABLED=0
-export GOTOOLCHAIN="${GOTOOLCHAIN:-local}"
 
 minor="${KUBE_VERSION#v1.}"; minor="${minor%%.*}"
 build_date="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
@@ -116,5 +116,9 @@ touch "$out/.complete"
 
 rm -rf "$BIN_DIR"
 mv "$out" "$BIN_DIR"
+# Keep the three most recently used builds (other branches may pin other versions).
+for old in $(ls -1dt "$CACHE_ROOT"/*/.complete 2>/dev/null | tail -n +4); do
+    rm -rf "$(dirname "$old")"
+done
 echo "build.sh: built in $(cat "$BIN_DIR/.build-seconds") s" >&2
 echo "$BIN_DIR"

@@ -411,6 +411,13 @@ class Cluster:
             "extendedKeyUsage=clientAuth",
             "keyUsage=critical,digitalSignature,keyEncipherment",
         ])
+        # Front proxy (request-header authentication), as on a kubeadm cluster: aggregated
+        # API servers and the components' delegated authentication read it.
+        _make_ca(d, "front-proxy-ca", "front-proxy-ca")
+        _make_cert(d, "front-proxy-client", "front-proxy-ca", "/CN=front-proxy-client", [
+            "extendedKeyUsage=clientAuth",
+            "keyUsage=critical,digitalSignature,keyEncipherment",
+        ])
         _openssl("genrsa", "-traditional", "-out", "sa.key", "2048", cwd=d)
         _openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)
         token = base64.b32encode(os.urandom(20)).decode().lower()
@@ -482,6 +489,13 @@ class Cluster:
             f"--tls-cert-file={d / 'apiserver.crt'}", f"--tls-private-key-file={d / 'apiserver.key'}",
             f"--client-ca-file={d / 'ca.crt'}",
             f"--token-auth-file={d / 'tokens.csv'}",
+            f"--requestheader-client-ca-file={d / 'front-proxy-ca.crt'}",
+            "--requestheader-allowed-names=front-proxy-client",
+            "--requestheader-username-headers=X-Remote-User",
+            "--requestheader-group-headers=X-Remote-Group",
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+            f"--proxy-client-cert-file={d / 'front-proxy-client.crt'}",
+            f"--proxy-client-key-file={d / 'front-proxy-client.key'}",
             "--authorization-mode=RBAC",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={d / 'sa.pub'}",
@@ -755,11 +769,12 @@ def _pid_alive(pid: int, bin_dir: Path) -> bool:
 
 
 def _terminate(pids: list[int], grace: float = 10.0) -> None:
+    """SIGTERM one by one in the given order (clients before the API server before etcd:
+    an API server whose etcd is gone shuts down slowly), SIGKILL after `grace` seconds."""
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for pid in pids:
+        deadline = time.monotonic() + grace
         while time.monotonic() < deadline and _exists(pid):
             time.sleep(0.1)
         if _exists(pid):

@@ -129,7 +129,7 @@ def test_statefulset_gets_pods_and_gc_removes_them(cluster: Cluster, ns: str):
     assert sorted(p["metadata"]["name"] for p in ps) == ["rollout-0", "rollout-1"]
     assert all(p["metadata"]["ownerReferences"][0]["kind"] == "StatefulSet" for p in ps)
 
-    # Orphan-free cascading delete: only the garbage collector removes the pods.
+    # Background cascading delete: the garbage collector removes the pods.
     cluster.kubectl("delete", "statefulset", "rollout", "-n", ns, "--cascade=background")
     wait_for(lambda: not pods(cluster, ns, "app=rollout"), 60, "StatefulSet pods garbage-collected")
 
@@ -203,3 +203,13 @@ def test_helm_version_and_template(cluster: Cluster, tmp_path):
     proc = subprocess.run([cluster.bin("kubectl"), "apply", "--dry-run=server", "-n", "default", "-f", "-"],
                           input=rendered, capture_output=True, text=True, env=cluster.env)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_python_client_uses_the_kubeconfig(cluster: Cluster):
+    from kubernetes import client
+
+    with cluster.api_client() as api:
+        nodes = client.CoreV1Api(api).list_node().items
+        assert all(n.status.capacity[GPU_RESOURCE] == "8" for n in nodes)
+        crd = client.ApiextensionsV1Api(api).read_custom_resource_definition("pytorchjobs.kubeflow.org")
+        assert crd.spec.group == "kubeflow.org"

@@ -25,7 +25,8 @@ needs_netns = pytest.mark.skipif(not ISO.netns, reason="no network namespace on 
 needs_uid = pytest.mark.skipif(not ISO.uid, reason="not root: no uid switch")
 needs_mountns = pytest.mark.skipif(not ISO.mountns, reason="no mount namespace on this host")
 
-SUM_CASES = {"inputs": ["1 2\n", "10 -3\n", "0 0\n", "5 5\n"], "outputs": ["3\n", "7", "0\n\n", "10"]}
+SUM_CASES = {"inputs": ["1 2\n", "10 -3\n", "0 0\n", "5 5\n"],
+             "outputs": ["3\n", "7", "0\n\n", "10"]}
 
 
 def fenced(code: str, lang: str = "python") -> str:
@@ -84,7 +85,8 @@ def test_infinite_loop_stops_at_the_timeout():
 
 
 def test_fork_bomb_is_bounded_and_cleaned_up():
-    bomb = ("import os\nwhile True:\n    try:\n        if os.fork() == 0:\n            os.setsid()\n"
+    bomb = ("import os\nwhile True:\n    try:\n"
+            "        if os.fork() == 0:\n            os.setsid()\n"
             "    except OSError:\n        pass")
     start = time.monotonic()
     result = run_python(bomb, timeout_s=2.0, max_processes=16, require_isolation=STRICT)
@@ -128,6 +130,15 @@ def test_writing_outside_the_scratch_directory_fails(tmp_path):
             os.unlink(shared_tmp)
 
 
+@needs_mountns
+def test_scratch_space_is_bounded():
+    code = ("import os\nfor i in range(100):\n    try:\n"
+            "        open(f'f{i}', 'wb').write(b'x' * (1 << 20))\n"
+            "    except OSError as e:\n        print('full after', i, os.strerror(e.errno)); break")
+    result = run_python(code, max_file_mb=8, require_isolation=STRICT)
+    assert result.stdout.startswith("full after") and int(result.stdout.split()[2]) <= 8
+
+
 @needs_netns
 def test_no_connection_reaches_a_local_server():
     server = socket.socket()
@@ -147,7 +158,8 @@ def test_no_connection_reaches_a_local_server():
     stop = threading.Event()
     thread = threading.Thread(target=accept_loop, args=(stop,), daemon=True)
     thread.start()
-    connect = f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2); print('connected')"
+    connect = (f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2); "
+               "print('connected')")
     # directly (the socket guard), and from a fresh interpreter that has no guard (netns)
     via_child = f"import subprocess; subprocess.run(['python3', '-c', {connect!r}])"
     try:
@@ -177,23 +189,29 @@ def test_trainer_environment_is_not_readable(monkeypatch):
 
 
 def test_parallel_runs():
-    jobs = [(f"import time\ntime.sleep(0.5)\nprint(int(input()) * {i})", "3\n") for i in range(8)]
-    start = time.monotonic()
+    code = "import time\nt = time.time()\ntime.sleep(0.5)\nprint(int(input()) * {}, t, time.time())"
+    jobs = [(code.format(i), "3\n") for i in range(8)]
     results = run_many(jobs, max_workers=8, require_isolation=STRICT)
-    assert [r.stdout.strip() for r in results] == [str(3 * i) for i in range(8)]
-    assert time.monotonic() - start < 8 * 0.5
+    lines = [r.stdout.split() for r in results]
+    assert [line[0] for line in lines] == [str(3 * i) for i in range(8)]
+    starts, ends = [float(line[1]) for line in lines], [float(line[2]) for line in lines]
+    assert max(starts) < min(ends)  # all eight were running at the same moment
     assert len({r.barriers for r in results}) == 1
 
 
 def test_broken_sandbox_raises_instead_of_scoring_zero(monkeypatch):
-    with pytest.raises(SandboxError, match="could not start"):
-        run_python("print(1)", memory_mb=-5, require_isolation=STRICT)  # setrlimit fails
+    if ISO.uid:
+        monkeypatch.setattr(sandbox, "UID_BASE", 2**32 - 1)  # setuid fails in the child
+        with pytest.raises(SandboxError, match=r"could not start: .*\(OSError: .*Invalid arg"):
+            run_python("print(1)", require_isolation=STRICT)
+        monkeypatch.undo()
     broken = sandbox.Isolation(python="/nonexistent/python3", netns=ISO.netns,
-                               mountns=ISO.mountns, uid=ISO.uid)
+                               mountns=ISO.mountns, pidns=ISO.pidns, uid=ISO.uid)
     monkeypatch.setattr(sandbox, "isolation", lambda: broken)
     with pytest.raises(SandboxError, match="could not start"):
-        score(SUM_CASES and "print(1)")
-    weak = sandbox.Isolation(python=ISO.python, netns=False, mountns=False, uid=False)
+        score("print(1)")
+    weak = sandbox.Isolation(python=ISO.python, netns=False, mountns=False, pidns=False,
+                             uid=False)
     monkeypatch.setattr(sandbox, "isolation", lambda: weak)
     with pytest.raises(SandboxError, match="needs a network namespace and a uid switch"):
         run_python("print(1)")

@@ -23,8 +23,8 @@ def tokenizer():
 
     chars = [chr(c) for c in range(32, 127)] + ["\n"]
     vocab = {"<unk>": 0, **{c: i + 1 for i, c in enumerate(chars)}}
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(vocab, [], unk_token="<unk>")),
-                                  unk_token="<unk>")
+    chars_only = Tokenizer(models.BPE(vocab, [], unk_token="<unk>"))  # no merges: one per char
+    tok = PreTrainedTokenizerFast(tokenizer_object=chars_only, unk_token="<unk>")
     tok.chat_template = TEMPLATE
     return tok
 
@@ -131,7 +131,7 @@ def test_custom_column_names_and_long_prompts_dropped(tokenizer):
 
 @pytest.mark.parametrize("row, message", [
     ({"answer": "1"}, r"f.jsonl: row 1 has neither a 'prompt' column .*nor a 'messages'"),
-    ({"prompt": 5}, r"f.jsonl: row 1, column 'prompt': expected prompt text or chat turns, got int"),
+    ({"prompt": 5}, r"f.jsonl: row 1, column 'prompt': expected prompt text or chat turns"),
     ({"messages": [{"role": "user"}]}, r"f.jsonl: row 1, column 'messages': turn 0 must be a dict"),
     ({"messages": []}, r"f.jsonl: row 1, column 'messages' must be a non-empty list"),
     ({"prompt": "p", "answer": ["a"]}, r"f.jsonl: row 1, column 'answer': the answer must be"),

@@ -384,6 +384,8 @@ class Trainer:
         if s.save_every:
             self.save()
         save_final(self.output_dir, self.model, self.tokenizer)
+        if self.info.is_main:
+            log.info("rollout requests per endpoint: %s", json.dumps(self.client.requests_sent))
 
     def save(self) -> None:
         state = {"policy_version": self.policy_version,

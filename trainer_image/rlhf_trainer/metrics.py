@@ -19,6 +19,7 @@ from typing import Any
 class MetricsWriter:
     def __init__(self, output_dir: str | Path):
         self.path = Path(output_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._gauges: dict[str, Any] = {}
         port = os.environ.get("RLHF_METRICS_PORT")
         self._prometheus = bool(port)

@@ -1,35 +1,42 @@
 """Run untrusted Python (model-written code) in a locked-down child process.
 
 `run_python(code, stdin, timeout_s=...)` writes `code` to a fresh scratch directory and runs
-it with `python -I` in a new session, then deletes the directory. Barriers, in order of
-strength (`isolation()` says which ones this host supports; `SandboxResult.barriers` lists
-those a run used):
+it with `python -I` in a new session, then deletes the directory. Barriers (`isolation()` says
+which ones this host supports; `SandboxResult.barriers` lists those a run used):
 
   netns     a new, empty network namespace (`unshare(CLONE_NEWNET)`): not even loopback is up,
             so no socket can reach the trainer, the cluster or the internet.
   mountns   a new mount namespace with fresh small tmpfs over /tmp, /var/tmp and /dev/shm,
-            so the world-writable directories the host shares are out of reach.
+            so the world-writable directories the host shares are out of reach, and the
+            scratch directory itself a tmpfs of `max_file_mb`, so the disk cannot be filled.
+  pidns     a new PID namespace whose init is the program: when it ends or is killed, the
+            kernel kills and reaps everything it started (also children that called setsid),
+            so no orphan or zombie is left to a PID 1 that may not reap (a trainer running as
+            a container's PID 1 does not). A root "relay" process outside the namespace waits
+            for it and mirrors its exit status to the trainer.
   uid       as root, the child runs as an unprivileged uid of its own (one per concurrent run,
             `UID_BASE` + slot, reserved across processes with a lock file), group the same
             number, no supplementary groups, `PR_SET_NO_NEW_PRIVS`: the filesystem protects
-            the trainer's files and /proc/<trainer>/environ, and every process the run left
-            behind is killed with `kill(-1)` from that uid afterwards.
+            the trainer's files and /proc/<trainer>/environ, and at the end every process of
+            the run is killed at once with `kill(-1)` sent from that uid.
   rlimits   RLIMIT_AS (memory), RLIMIT_CPU, RLIMIT_NPROC (per uid: a fork bomb is bounded),
             RLIMIT_FSIZE (also caps captured stdout/stderr), RLIMIT_NOFILE, RLIMIT_CORE=0.
   env       an empty environment apart from PATH, LANG, PYTHONIOENCODING and *_NUM_THREADS=1.
   guard     a bootstrap that replaces `socket.socket` before the user code runs (defence in
             depth only: `os.system("curl ...")` walks around it).
-The wall-clock timeout kills the whole process group (and with `uid`, every process of the
-run's uid, including ones that called setsid).
+The wall-clock timeout kills the whole run (without `uid`: its process group).
 
-As non-root, netns comes from a user namespace where the kernel allows one and there is no
-uid switch, so the child can read what the trainer's user can read (not its environment:
-that is empty, but /proc/<trainer>/environ is readable by the same uid).
+As non-root, netns and mountns come from a user namespace where the kernel allows one; there
+is no uid switch and no pidns, so the child can read what the trainer's user can read (not
+its environment: that is empty, but /proc/<trainer>/environ is readable by the same uid) and
+a child that left the process group survives the timeout.
 `require_isolation=True` (the default) refuses to run without netns and uid: SandboxError.
 
 A sandbox that cannot run at all (no interpreter, a setrlimit/unshare/setuid failure, a
 namespace that worked at probe time failing later) raises `SandboxError`; it never reports a
 0 reward in disguise. What the program does (crash, timeout, memory error) is a result.
+Inside the PID namespace the program is PID 1: signals it sends itself without a handler
+are ignored, and so is SIGXFSZ (a write past RLIMIT_FSIZE fails with EFBIG instead).
 
 Not done: seccomp syscall filtering, cgroup accounting (RLIMIT_AS bounds memory per process,
 so `max_processes * memory_mb` bounds a run), a read-only view of the host filesystem (files
@@ -59,11 +66,12 @@ from typing import Sequence
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
+CLONE_NEWPID = 0x20000000
 MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 2, 4, 16384, 1 << 18
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 
 UID_BASE = 61000
-"""First uid the sandbox runs as (root only); runs in flight use UID_BASE .. UID_BASE+MAX_SLOTS-1."""
+"""First uid the sandbox runs as (root only); runs in flight use UID_BASE + [0, MAX_SLOTS)."""
 MAX_SLOTS = 512
 LOCK_DIR = Path(tempfile.gettempdir()) / "rlhf-sandbox-uids"
 """Lock files reserving a uid across trainer processes on one host."""
@@ -107,7 +115,7 @@ class SandboxResult:
     """What the program printed (at most `max_output_bytes`, decoded as UTF-8 with replacement)."""
     stderr: str
     exit_code: int | None
-    """Exit status; negative when killed by a signal (e.g. -9 on timeout, -24 past cpu_s)."""
+    """Exit status; negative when killed by a signal (-9 on timeout or past cpu_s)."""
     timed_out: bool
     """Killed for running past the wall-clock `timeout_s`."""
     wall_s: float
@@ -128,11 +136,12 @@ class Isolation:
     """The interpreter the sandbox runs (readable and executable by the sandbox uid)."""
     netns: bool
     mountns: bool
+    pidns: bool
     uid: bool
 
     @property
     def barriers(self) -> tuple[str, ...]:
-        names = [n for n in ("netns", "mountns", "uid") if getattr(self, n)]
+        names = [n for n in ("netns", "mountns", "pidns", "uid") if getattr(self, n)]
         return (*names, "rlimits", "env", "guard")
 
 
@@ -164,10 +173,39 @@ def _pick_python(switch_uid: bool) -> str:
                        + " (each directory on the path needs o+x, the file o+rx)")
 
 
-def _make_preexec(*, netns: bool, mountns: bool, uid: int | None, limits: dict[int, int],
-                  err_fd: int | None):
-    """The function the child runs between fork and exec. It must stay small (threads)."""
-    flags = (CLONE_NEWNET if netns else 0) | (CLONE_NEWNS if mountns else 0)
+def _relay_child(pid: int) -> None:
+    """The root process outside the PID namespace: wait for its init, mirror how it ended.
+
+    Never returns. It holds no file descriptors, so Popen's exec check completes at once.
+    """
+    os.closerange(0, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    code = 255
+    try:
+        while True:
+            try:
+                _, status = os.waitpid(pid, 0)
+                break
+            except InterruptedError:
+                continue
+        code = os.waitstatus_to_exitcode(status)
+        if code < 0:
+            os.kill(os.getpid(), -code)  # default action for most signals: die the same way
+            code = 128 - code
+    finally:
+        os._exit(code)
+
+
+def _make_preexec(*, netns: bool, mountns: bool, pidns: bool, uid: int | None,
+                  limits: dict[int, int], err_fd: int | None, scratch: str = "/",
+                  scratch_mb: int = 16):
+    """The function the child runs between fork and exec (cwd: `scratch`, which holds
+    main.py). It must stay small: the trainer has threads."""
+    owner = f",uid={uid},gid={uid}" if uid is not None else ""
+    scratch_opts = f"size={scratch_mb}m,mode=0700{owner}".encode()
+    scratch = scratch.encode()
+    flags = ((CLONE_NEWNET if netns else 0) | (CLONE_NEWNS if mountns else 0)
+             | (CLONE_NEWPID if pidns else 0))
     if flags and uid is None:
         flags |= CLONE_NEWUSER  # unprivileged: namespaces only inside a user namespace
     tmp_dirs = [d.encode() for d in ("/tmp", "/var/tmp", "/dev/shm") if os.path.isdir(d)]
@@ -175,20 +213,44 @@ def _make_preexec(*, netns: bool, mountns: bool, uid: int | None, limits: dict[i
 
     def preexec() -> None:
         try:
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
             if flags:
+                ids = os.getuid(), os.getgid()
                 _check(_libc.unshare(flags), "unshare")
+                if flags & CLONE_NEWUSER:  # keep our own ids inside (files on tmpfs need them)
+                    for name, text in (("setgroups", "deny"), ("uid_map", f"{ids[0]} {ids[0]} 1"),
+                                       ("gid_map", f"{ids[1]} {ids[1]} 1")):
+                        with open(f"/proc/self/{name}", "w") as f:
+                            f.write(text)
             if mountns:
                 _check(_libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None),
                        "make / private")
+                # the scratch directory becomes a tmpfs of its own: a bounded disk
+                with open("main.py", "rb") as f:
+                    program = f.read()
+                _check(_libc.mount(b"tmpfs", scratch, b"tmpfs", MS_NOSUID | MS_NODEV,
+                                   scratch_opts), "mount tmpfs on the scratch directory")
+                os.chdir(scratch)
+                with open("main.py", "wb") as f:
+                    f.write(program)
+                if uid is not None:
+                    os.chown("main.py", uid, uid)
                 for d in tmp_dirs:  # the cwd (scratch dir) stays reachable: it is open
                     _check(_libc.mount(b"tmpfs", d, b"tmpfs", MS_NOSUID | MS_NODEV, tmpfs_opts),
                            "mount tmpfs on " + d.decode())
+            if pidns:  # the next child is PID 1 of the new namespace: it goes on to exec
+                child = os.fork()
+                if child:
+                    _relay_child(child)
             for res, value in limits.items():
                 resource.setrlimit(res, (value, value))
             if uid is not None:
-                os.setgroups([])
-                os.setgid(uid)
-                os.setuid(uid)
+                try:
+                    os.setgroups([])
+                    os.setgid(uid)
+                    os.setuid(uid)
+                except OSError as err:
+                    raise OSError(err.errno, f"switch to uid {uid}: {err.strerror}") from None
             _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
             _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
         except BaseException as err:
@@ -254,15 +316,30 @@ def _kill_uid(uid: int) -> None:
         raise SandboxError(f"could not kill the processes of sandbox uid {uid}")
 
 
-def _probe_run(python: str, *, netns: bool, mountns: bool, uid: int | None) -> bool:
+def _make_scratch(code: str, uid: int | None) -> Path:
+    """A fresh 0700 directory holding main.py, owned by the sandbox uid."""
+    scratch = Path(tempfile.mkdtemp(prefix="rlhf-sandbox-"))
+    (scratch / "main.py").write_text(code, encoding="utf-8")
+    if uid is not None:
+        for p in (scratch, scratch / "main.py"):
+            os.chown(p, uid, uid)
+    return scratch
+
+
+def _probe_run(python: str, *, netns: bool = False, mountns: bool = False, pidns: bool = False,
+               uid: int | None) -> bool:
+    scratch = _make_scratch("", uid)
     try:
-        proc = subprocess.run([python, "-I", "-c", "pass"], env=CHILD_ENV, cwd="/",
-                              preexec_fn=_make_preexec(netns=netns, mountns=mountns, uid=uid,
-                                                       limits={}, err_fd=None),
+        proc = subprocess.run([python, "-I", "-c", BOOTSTRAP], env=CHILD_ENV, cwd=scratch,
+                              preexec_fn=_make_preexec(netns=netns, mountns=mountns, pidns=pidns,
+                                                       uid=uid, limits={}, err_fd=None,
+                                                       scratch=str(scratch)),
                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, timeout=60)
     except (subprocess.SubprocessError, OSError):
         return False
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     return proc.returncode == 0
 
 
@@ -272,14 +349,17 @@ def isolation() -> Isolation:
     root = os.geteuid() == 0
     python = _pick_python(root)
     uid = None
-    if root:
-        with _UidSlot() as slot:
-            uid = slot if _probe_run(python, netns=False, mountns=False, uid=slot) else None
-    if not _probe_run(python, netns=False, mountns=False, uid=uid):
-        raise SandboxError(f"the sandbox cannot start {python} even without namespaces")
-    netns = _probe_run(python, netns=True, mountns=False, uid=uid)
-    mountns = netns and _probe_run(python, netns=True, mountns=True, uid=uid)
-    return Isolation(python=python, netns=netns, mountns=mountns, uid=uid is not None)
+    with _UidSlot() if root else _NoSlot() as slot:
+        if root and _probe_run(python, uid=slot):
+            uid = slot
+        if not _probe_run(python, uid=uid):
+            raise SandboxError(f"the sandbox cannot start {python} even without namespaces")
+        netns = _probe_run(python, netns=True, uid=uid)
+        mountns = netns and _probe_run(python, netns=True, mountns=True, uid=uid)
+        # a PID namespace only with a uid of its own: the relay must stay unkillable by it
+        pidns = uid is not None and _probe_run(python, netns=netns, mountns=mountns, pidns=True,
+                                               uid=uid)
+    return Isolation(python=python, netns=netns, mountns=mountns, pidns=pidns, uid=uid is not None)
 
 
 def _read_capped(path: Path, limit: int) -> tuple[str, bool]:
@@ -293,14 +373,21 @@ def run_python(code: str, stdin: str = "", *, timeout_s: float = 10.0, memory_mb
                max_output_bytes: int = 1 << 20, require_isolation: bool = True) -> SandboxResult:
     """Run `code` with `stdin` under the barriers above; see SandboxResult.
 
-    `cpu_s` defaults to ceil(timeout_s) + 1; `max_processes` counts threads too (RLIMIT_NPROC).
+    `cpu_s` defaults to ceil(timeout_s) + 1; `max_processes` counts threads too (RLIMIT_NPROC);
+    `max_file_mb` bounds each file written (and captured stdout/stderr) and, with mountns,
+    the whole scratch directory, which is then a tmpfs of that size.
     """
+    for name, value in (("timeout_s", timeout_s), ("memory_mb", memory_mb),
+                        ("max_processes", max_processes), ("max_file_mb", max_file_mb),
+                        ("max_output_bytes", max_output_bytes)):
+        if not value > 0:
+            raise ValueError(f"sandbox {name} must be positive, got {value}")
     iso = isolation()
     if require_isolation and not (iso.netns and iso.uid):
         raise SandboxError(
             "the code sandbox needs a network namespace and a uid switch (run the trainer as "
             f"root with CAP_SYS_ADMIN); this host gives netns={iso.netns}, uid={iso.uid}. "
-            "Pass require_isolation=False to accept rlimits and a socket guard only")
+            "Pass require_isolation=False to run with what it has: " + ", ".join(iso.barriers))
     cpu = int(cpu_s if cpu_s is not None else -(-timeout_s // 1) + 1)
     limits = {resource.RLIMIT_AS: memory_mb << 20, resource.RLIMIT_CPU: cpu,
               resource.RLIMIT_NPROC: max_processes, resource.RLIMIT_FSIZE: max_file_mb << 20,
@@ -308,13 +395,8 @@ def run_python(code: str, stdin: str = "", *, timeout_s: float = 10.0, memory_mb
     barriers = iso.barriers
     with _UidSlot() if iso.uid else _NoSlot() as uid, \
             tempfile.TemporaryDirectory(prefix="rlhf-sandbox-io-") as io_dir:
-        scratch = Path(tempfile.mkdtemp(prefix="rlhf-sandbox-"))
+        scratch = _make_scratch(code, uid)
         try:
-            (scratch / "main.py").write_text(code, encoding="utf-8")
-            if uid is not None:
-                for p in (scratch, scratch / "main.py"):
-                    os.chown(p, uid, uid)
-            scratch.chmod(0o700)
             io = Path(io_dir)
             (io / "stdin").write_text(stdin, encoding="utf-8")
             err_r, err_w = os.pipe()
@@ -327,7 +409,9 @@ def run_python(code: str, stdin: str = "", *, timeout_s: float = 10.0, memory_mb
                             [iso.python, "-I", "-c", BOOTSTRAP], cwd=scratch, env=CHILD_ENV,
                             stdin=fin, stdout=fout, stderr=ferr, start_new_session=True,
                             preexec_fn=_make_preexec(netns=iso.netns, mountns=iso.mountns,
-                                                     uid=uid, limits=limits, err_fd=err_w))
+                                                     pidns=iso.pidns, uid=uid, limits=limits,
+                                                     err_fd=err_w, scratch=str(scratch),
+                                                     scratch_mb=max_file_mb))
                     except (OSError, subprocess.SubprocessError) as err:
                         os.close(err_w)
                         err_w = -1
@@ -340,9 +424,10 @@ def run_python(code: str, stdin: str = "", *, timeout_s: float = 10.0, memory_mb
                     except subprocess.TimeoutExpired:
                         timed_out = True
                     finally:
-                        _kill_group(proc.pid)
-                        if uid is not None:
+                        if uid is not None:  # all of the run; the root relay stays to reap
                             _kill_uid(uid)
+                        else:
+                            _kill_group(proc.pid)
                         proc.wait()
                     wall_s = time.monotonic() - start
             finally:

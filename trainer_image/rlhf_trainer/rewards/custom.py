@@ -1,0 +1,212 @@
+"""User-defined rewards: a Python function from a file, or a remote HTTP reward service.
+
+Both give `(reward, score)` per response: `reward` feeds the advantages, `score` is only
+logged (e.g. the task's accuracy while `reward` adds format or length shaping); `score`
+defaults to `reward`.
+
+A reward file defines `reward_fn(response: str, answer: str, extra_info: dict)` (any name,
+`def` or `async def`) returning a float or a dict `{"reward": float, "score": float?}`.
+`extra_info` holds the data row's other columns (see `rlhf_trainer.data.datasets`).
+
+A reward service takes `POST <url>` with JSON `{"response", "answer", "extra_info"}` and
+answers `{"reward": float, "score": float?}`. Connection errors, timeouts, 429 and 5xx are
+retried `max_retries` times with exponential backoff; any other status, a malformed answer
+or running out of retries raises `RewardError` naming the URL.
+
+Simplifications: the user function runs in the trainer process, unsandboxed and trusted
+(it is the user's code, not the model's); an `async def` function gets a fresh event loop per
+call (`asyncio.run`), so it must not rely on state bound to one loop, and the returned
+function must not be called from inside a running event loop (use a worker thread).
+Non-finite rewards are rejected rather than clipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib.util
+import inspect
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Iterable
+
+import httpx
+
+RewardResult = tuple[float, float]
+"""(reward used for advantages, score that is logged)."""
+
+
+class RewardError(RuntimeError):
+    """A custom reward failed: the user function raised, or the service failed or misbehaved."""
+
+
+def normalize_result(value: Any) -> RewardResult:
+    """A float, or a dict with `reward` and optional `score` -> (reward, score).
+
+    Raises ValueError for anything else, including NaN and infinities.
+    """
+    if isinstance(value, dict):
+        if "reward" not in value:
+            raise ValueError(f"a reward dict needs a 'reward' key, got keys {sorted(value)}")
+        reward = _number(value["reward"], "reward")
+        score = _number(value["score"], "score") if value.get("score") is not None else reward
+        return reward, score
+    reward = _number(value, "reward")
+    return reward, reward
+
+
+def _number(value: Any, what: str) -> float:
+    if value is None or isinstance(value, (str, bytes)):
+        raise ValueError(f"{what} must be a number, got {value!r:.100}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a number, got {type(value).__name__} "
+                         f"{value!r:.100}") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{what} must be finite, got {number}")
+    return number
+
+
+def load_reward_function(path: str, name: str = "reward_fn"
+                         ) -> Callable[[str, str, dict], RewardResult]:
+    """Import `name` from the Python file `path`; returns `fn(response, answer, extra_info)`
+    giving `(reward, score)`. Errors (here and at call time) name the file and function."""
+    file = Path(path)
+    where = f"reward function {name!r} in {path}"
+    if not file.is_file():
+        raise ValueError(f"reward file {path} does not exist; point it at a .py file that "
+                         f"defines {name}(response, answer, extra_info)")
+    module_name = "rlhf_user_reward_" + hashlib.sha1(str(file.resolve()).encode()).hexdigest()[:12]
+    spec = importlib.util.spec_from_file_location(module_name, file)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"reward file {path} cannot be imported as Python (is it a .py file?)")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses and pickle in the user file need this
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:
+        del sys.modules[module_name]
+        raise ValueError(f"reward file {path} failed to import: "
+                         f"{type(err).__name__}: {err}") from err
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        defined = [k for k, v in vars(module).items()
+                   if inspect.isfunction(v) and v.__module__ == module_name]
+        raise ValueError(f"reward file {path} defines no function {name!r}; it defines "
+                         f"{', '.join(defined) or 'no functions'}")
+    try:
+        inspect.signature(fn).bind("response", "answer", {})
+    except TypeError as err:
+        raise ValueError(f"{where} must accept (response, answer, extra_info): {err}") from None
+    is_async = inspect.iscoroutinefunction(fn)
+
+    def reward(response: str, answer: str, extra_info: dict) -> RewardResult:
+        try:
+            value = fn(response, answer, extra_info)
+            if is_async or inspect.isawaitable(value):
+                value = asyncio.run(_await(value))
+        except Exception as err:
+            raise RewardError(f"{where} raised {type(err).__name__}: {err}") from err
+        try:
+            return normalize_result(value)
+        except ValueError as err:
+            raise RewardError(f"{where} returned an invalid result: {err}; return a float or "
+                              "a dict with 'reward' and optional 'score'") from None
+
+    reward.__name__ = name
+    reward.__doc__ = f"{name} from {path}, normalised to (reward, score)."
+    return reward
+
+
+async def _await(value: Awaitable) -> Any:
+    return await value
+
+
+class RemoteReward:
+    """A reward service at `url` (see the module docstring)."""
+
+    def __init__(self, url: str, timeout_s: float = 30.0, max_retries: int = 3, *,
+                 max_concurrency: int = 32, backoff_s: float = 0.5) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"reward URL {url!r} must start with http:// or https://")
+        self.url = url
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.max_concurrency = max_concurrency
+        self.backoff_s = backoff_s
+
+    def _delay(self, attempt: int) -> float:
+        return min(self.backoff_s * 2 ** attempt, 10.0)
+
+    def _result(self, response: httpx.Response) -> RewardResult:
+        try:
+            return normalize_result(response.json())
+        except (ValueError, TypeError) as err:  # JSON decode errors are ValueErrors
+            raise RewardError(f"reward service {self.url} answered {response.text[:200]!r}: "
+                              f"{err}; it must answer {{\"reward\": float, \"score\": float?}}"
+                              ) from None
+
+    def _retryable(self, response: httpx.Response) -> bool:
+        if response.status_code == 429 or response.status_code >= 500:
+            return True
+        if response.status_code >= 400:
+            raise RewardError(f"reward service {self.url} answered HTTP {response.status_code}: "
+                              f"{response.text[:200]!r}")
+        return False
+
+    def _give_up(self, last: str) -> RewardError:
+        return RewardError(f"reward service {self.url} failed {self.max_retries + 1} times; "
+                           f"last: {last}")
+
+    def __call__(self, response: str, answer: str, extra_info: dict) -> RewardResult:
+        """One request, synchronously."""
+        payload = {"response": response, "answer": answer, "extra_info": extra_info}
+        last = ""
+        with httpx.Client(timeout=self.timeout_s) as client:
+            for attempt in range(self.max_retries + 1):
+                if attempt:
+                    time.sleep(self._delay(attempt - 1))
+                try:
+                    r = client.post(self.url, json=payload)
+                except httpx.TransportError as err:
+                    last = f"{type(err).__name__}: {err}"
+                    continue
+                if self._retryable(r):
+                    last = f"HTTP {r.status_code}"
+                    continue
+                return self._result(r)
+        raise self._give_up(last)
+
+    async def _one(self, client: httpx.AsyncClient, sem: asyncio.Semaphore,
+                   payload: dict) -> RewardResult:
+        last = ""
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                await asyncio.sleep(self._delay(attempt - 1))
+            try:
+                async with sem:
+                    r = await client.post(self.url, json=payload)
+            except httpx.TransportError as err:
+                last = f"{type(err).__name__}: {err}"
+                continue
+            if self._retryable(r):
+                last = f"HTTP {r.status_code}"
+                continue
+            return self._result(r)
+        raise self._give_up(last)
+
+    async def ascore_batch(self, items: Iterable[tuple[str, str, dict]]) -> list[RewardResult]:
+        """(reward, score) for each (response, answer, extra_info), up to `max_concurrency`
+        requests in flight, results in input order."""
+        payloads = [{"response": r, "answer": a, "extra_info": e} for r, a, e in items]
+        sem = asyncio.Semaphore(self.max_concurrency)
+        limits = httpx.Limits(max_connections=self.max_concurrency)
+        async with httpx.AsyncClient(timeout=self.timeout_s, limits=limits) as client:
+            return list(await asyncio.gather(*(self._one(client, sem, p) for p in payloads)))
+
+    def score_batch(self, items: Iterable[tuple[str, str, dict]]) -> list[RewardResult]:
+        """`ascore_batch` from synchronous code (not from inside a running event loop)."""
+        return asyncio.run(self.ascore_batch(items))
