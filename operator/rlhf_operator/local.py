@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -27,6 +28,7 @@ from .api.models import RLHFJob
 from .contract import Process, rollout_process, trainer_process
 
 HEALTH_TIMEOUT_S = 300.0
+_ERROR_LINE = re.compile(r"^(\[rank\d+\]: )?[A-Za-z_.]*(Error|Exception|Exit): ")
 
 
 class LocalRunError(RuntimeError):
@@ -62,12 +64,16 @@ class _Child:
     def poll(self) -> int | None:
         return self.popen.poll()
 
-    def log_tail(self, lines: int = 40) -> str:
+    def log_tail(self, lines: int = 30) -> str:
+        """The last lines of the log, and first the error a process raised (torchrun's own
+        report after it can push the worker's exception out of the tail)."""
         try:
-            text = self.log_path.read_text(errors="replace")
+            text = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
             return ""
-        return "\n".join(text.splitlines()[-lines:])
+        errors = [line for line in text if _ERROR_LINE.match(line) and "ChildFailedError" not in line]
+        tail = "\n".join(text[-lines:])
+        return f"{errors[-1]}\n...\n{tail}" if errors and errors[-1] not in tail else tail
 
     def stop(self, grace_s: float = 10.0) -> None:
         if self.popen.poll() is None:

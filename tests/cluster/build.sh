@@ -77,6 +77,8 @@ done
 echo "build.sh: building the test control plane into $BIN_DIR (a cold build takes many minutes)" >&2
 
 mkdir -p "$TMP/k8s" "$TMP/kwok" "$TMP/training-operator"
+# One module after the other: on 2 cores, building the three side by side was slower
+# (cold: 11m57s against 11m10s), so each `go build` gets both cores.
 (cd "$TOOLS/k8s" && go build -ldflags "$kube_ldflags" -o "$TMP/k8s/" tool) >&2
 (cd "$TOOLS/kwok" && go build -ldflags "-s -w" -o "$TMP/kwok/" tool) >&2
 (cd "$TOOLS/training-operator" && go build -ldflags "-s -w" -o "$TMP/training-operator/" tool) >&2

@@ -118,7 +118,7 @@ def test_a_crashing_trainer_stops_the_run_with_its_error(tmp_path):
     res = rlhfctl("run", str(EXAMPLE), "--output", str(out), *sets("rollout.replicas=1", "data.path=/nonexistent/prompts.jsonl"))
     assert res.returncode == 1
     assert "trainer exited with code" in res.stderr
-    assert "data.path: /nonexistent/prompts.jsonl does not exist" in res.stderr
+    assert "data.path: does not exist (/nonexistent/prompts.jsonl)" in res.stderr
     assert not processes_of(out)
 
 
@@ -148,3 +148,36 @@ def test_local_mode_refuses_several_nodes(tmp_path):
     res = rlhfctl("run", str(EXAMPLE), "--output", str(tmp_path / "x"), *sets("trainer.numNodes=2"))
     assert res.returncode == 1
     assert "spec.trainer.numNodes" in res.stderr
+
+
+def test_multi_turn_environment_keeps_one_sequence_and_masks_its_tokens(tmp_path):
+    from transformers import AutoTokenizer
+
+    out = tmp_path / "run"
+    res = rlhfctl("run", str(ROOT / "examples" / "local-multiturn.yaml"), "--output", str(out),
+                  *sets("schedule.totalSteps=2", "schedule.saveEvery=0"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    tok = AutoTokenizer.from_pretrained(out / "builtin-model")
+    rows = [json.loads(line) for step in (1, 2) for line in (out / "rollouts" / f"step-{step}.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 * 8 * 8
+    multi = 0
+    for row in rows:
+        ids, mask = row["response_ids"], row["loss_mask"]
+        assert len(ids) == len(mask) == len(row["logprobs"])
+        # split the response into runs of model tokens (1) and environment tokens (0)
+        runs, start = [], 0
+        for i in range(1, len(ids) + 1):
+            if i == len(ids) or mask[i] != mask[start]:
+                runs.append((mask[start], ids[start:i]))
+                start = i
+        assert runs[-1][0] == 1, "a trajectory ends with the model's turn"
+        for k, (m, part) in enumerate(runs):
+            if m == 0:  # exactly the calculator's answer to the model's previous turn
+                action = tok.decode(runs[k - 1][1], skip_special_tokens=True)
+                assert "+" in action
+                expected = f"={sum(int(c) for c in action if c.isdigit()) % 10}:"
+                assert part == tok(expected, add_special_tokens=False)["input_ids"]
+                multi += 1
+        # one sequence: prompt + all turns decode to the final state
+        assert tok.decode(row["prompt_ids"] + ids, skip_special_tokens=True).startswith(row["prompt"])
+    assert multi > 0, "no trajectory called the calculator"

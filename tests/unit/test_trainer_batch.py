@@ -23,3 +23,12 @@ def test_padded_logprobs_equal_unpadded():
             p = len(row.prompt_ids)
             want = [logp[p - 1 + j, tok].item() for j, tok in enumerate(row.response_ids)]
             assert torch.allclose(got[i, :len(want)], torch.tensor(want), atol=1e-5), (i, got[i], want)
+
+
+def test_loss_mask_of_multi_turn_rows_reaches_the_batch():
+    rows = [Row([6, 15], [7, 14, 8, 15, 9], [], 1.0, 1.0, False, loss_mask=[1, 0, 0, 0, 1]),
+            Row([5, 15], [9], [], 0.0, 0.0, False)]
+    batch = pad_batch(rows, pad_id=0, device=torch.device("cpu"))
+    assert batch["response_mask"].tolist() == [[1, 0, 0, 0, 1], [1, 0, 0, 0, 0]]
+    # environment tokens are still attended to: they are real input
+    assert batch["attention_mask"][0].tolist() == [1] * 7

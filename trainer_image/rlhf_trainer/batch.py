@@ -22,6 +22,12 @@ class Row:
     reward: float
     score: float
     truncated: bool
+    loss_mask: list[int] | None = None
+    """1 on tokens to train on; None means every response token (single turn). Multi-turn
+    rows hold environment tokens with 0."""
+
+    def mask(self) -> list[float]:
+        return [float(m) for m in self.loss_mask] if self.loss_mask is not None else [1.0] * len(self.response_ids)
 
 
 def pad_batch(rows: list[Row], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -37,7 +43,8 @@ def pad_batch(rows: list[Row], pad_id: int, device: torch.device) -> dict[str, t
         ids[i, p_len - p:p_len] = torch.tensor(r.prompt_ids, dtype=torch.long)
         ids[i, p_len:p_len + t] = torch.tensor(r.response_ids, dtype=torch.long)
         attn[i, p_len - p:p_len + t] = 1
-        resp_mask[i, :t] = 1.0
+        if t:
+            resp_mask[i, :t] = torch.tensor(r.mask())
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     return {
         "input_ids": ids.to(device), "attention_mask": attn.to(device), "position_ids": pos.to(device),

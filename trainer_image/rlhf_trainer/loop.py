@@ -42,7 +42,7 @@ from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, sav
 from .data.prompts import PromptSource
 from .distributed import DistInfo, all_reduce_sum, broadcast_object, init_distributed
 from .metrics import MetricsWriter
-from .rewards import get_reward_fn
+from .rewards import build_scorer
 
 log = logging.getLogger("rlhf_trainer")
 
@@ -91,19 +91,21 @@ class Trainer:
         if self.critic is not None:
             self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=a.critic_learning_rate or t.learning_rate,
                                                       weight_decay=t.weight_decay)
-        self.reward_fn = get_reward_fn(self.spec.reward.type)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.eos_id = self.tokenizer.eos_token_id
         self.step = 0
         self.policy_version = 0
-        self.data = self.client = self.sender = self.metrics = None
+        self.data = self.client = self.sender = self.metrics = self.env_step = None
         if info.is_main:
             from .rollout import RolloutClient
             from .weight_sync import WeightSyncSender
 
-            d = self.spec.data
-            self.data = PromptSource(d.path, self.tokenizer, seed=self.spec.schedule.seed, prompt_key=d.prompt_key,
-                                     answer_key=d.answer_key, max_prompt_length=d.max_prompt_length, shuffle=d.shuffle)
+            self.data = PromptSource(self.spec.data, self.tokenizer, seed=self.spec.schedule.seed)
+            self.scorer = build_scorer(self.spec.reward)
+            if self.spec.environment is not None:
+                from .rollout.multi_turn import load_environment
+
+                self.env_step = load_environment(self.spec.environment.file)
             self.client = RolloutClient(endpoints)
             host, port = weight_sync_addr.rsplit(":", 1)
             self.sender = WeightSyncSender(endpoints, host, int(port))
@@ -121,24 +123,32 @@ class Trainer:
     def _sample_groups(self, num_prompts: int, round_: int) -> list[list[Row]]:
         r = self.spec.rollout
         prompts = self.data.next_batch(num_prompts)
-        groups = self.client.generate_sync(
-            [p.token_ids for p in prompts], n=r.samples_per_prompt, max_tokens=r.max_tokens,
-            temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-            stop_token_ids=[self.eos_id] if self.eos_id is not None else None,
-            seed=(self.spec.schedule.seed * 1_000_003 + self.step) * 64 + round_,
-        )
+        sampling = {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
+                    "stop_token_ids": [self.eos_id] if self.eos_id is not None else None}
+        seed = (self.spec.schedule.seed * 1_000_003 + self.step) * 64 + round_
+        if self.env_step is not None:
+            from .rollout.multi_turn import collect
+
+            trajectories = collect(self.client, self.env_step, self.tokenizer, prompts, n=r.samples_per_prompt,
+                                   max_turns=self.spec.environment.max_turns, max_tokens=r.max_tokens,
+                                   sampling=sampling, seed=seed)
+            return [[Row(t.prompt_ids, t.response_ids, t.logprobs, t.reward, t.score, t.truncated, t.loss_mask)
+                     for t in group] for group in trajectories]
+        groups = self.client.generate_sync([p.token_ids for p in prompts], n=r.samples_per_prompt,
+                                           max_tokens=r.max_tokens, seed=seed, **sampling)
+        items = [(self.tokenizer.decode(s.token_ids, skip_special_tokens=True), p.answer, p.extra_info)
+                 for p, samples in zip(prompts, groups) for s in samples]
+        results = iter(self.scorer.score_batch(items))
         buffer = self.spec.algorithm.overlong_buffer
         out = []
-        for prompt, samples in zip(prompts, groups):
+        for samples in groups:
             rows = []
             for sample in samples:
-                ids = list(sample.token_ids)
-                score = self.reward_fn(self.tokenizer.decode(ids, skip_special_tokens=True), prompt.answer)
-                reward = score
+                reward, score = next(results)
                 if buffer:
-                    reward += float(overlong_penalty(torch.tensor([len(ids)]), r.max_tokens, buffer)[0])
-                rows.append(Row(list(sample.prompt_token_ids), ids, list(sample.logprobs), reward, score,
-                                sample.finish_reason == "length"))
+                    reward += float(overlong_penalty(torch.tensor([len(sample.token_ids)]), r.max_tokens, buffer)[0])
+                rows.append(Row(list(sample.prompt_token_ids), list(sample.token_ids), list(sample.logprobs), reward,
+                                score, sample.finish_reason == "length"))
             out.append(rows)
         return out
 
@@ -161,6 +171,8 @@ class Trainer:
         # out of rounds: fill with dropped groups (their group advantages are zero)
         kept += dropped[:need - len(kept)]
         rows = [row for g in kept for row in g]
+        if self.spec.output.save_rollouts:
+            self._save_rollouts(rows)
         lengths = [len(row.response_ids) for row in rows]
         stats = {
             "reward_mean": sum(r.reward for r in rows) / len(rows),
@@ -171,6 +183,17 @@ class Trainer:
             "num_tokens": float(sum(len(r.prompt_ids) + len(r.response_ids) for r in rows)),
         }
         return rows, stats
+
+    def _save_rollouts(self, rows: list[Row]) -> None:
+        folder = self.output_dir / "rollouts"
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / f"step-{self.step}.jsonl", "w") as f:
+            for r in rows:
+                f.write(json.dumps({
+                    "prompt": self.tokenizer.decode(r.prompt_ids), "response": self.tokenizer.decode(r.response_ids),
+                    "prompt_ids": r.prompt_ids, "response_ids": r.response_ids, "loss_mask": r.mask(),
+                    "logprobs": r.rollout_logprobs, "reward": r.reward, "score": r.score, "truncated": r.truncated,
+                }) + "\n")
 
     # ---- 2. log-probs, values, advantages (all ranks) ---------------------------------
 
@@ -206,7 +229,7 @@ class Trainer:
         gathered = _all_gather_rows([[local[k][i] for k in keys] for i in range(len(mine))], info.world_size)
         width = max(max(len(r.response_ids) for r in rows), 1)
         out = {k: pad_rows([g[j] for g in gathered], width) for j, k in enumerate(keys)}
-        mask = pad_rows([[1.0] * len(r.response_ids) for r in rows], width)
+        mask = pad_rows([r.mask() for r in rows], width)
         out["mask"] = mask
         out["rollout_logprobs"] = pad_rows([r.rollout_logprobs for r in rows], width)
         token_rewards = torch.zeros_like(mask)

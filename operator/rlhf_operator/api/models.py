@@ -48,24 +48,57 @@ class DataSpec(_Model):
     """Where prompts come from."""
 
     path: str = Field(min_length=1)
-    """A JSONL/JSON file of prompts, or a built-in task: `builtin://last-digit`,
-    `builtin://sum-mod-10`."""
+    """A local dataset (in Kubernetes: on a mounted volume): a JSON, JSONL, CSV, Parquet or
+    Arrow file, a directory of them, or a `save_to_disk` directory; or a built-in task:
+    `builtin://last-digit`, `builtin://sum-mod-10`."""
+    split: str = "train"
+    """Split to read from a dataset with several."""
     prompt_key: str = "prompt"
-    """Column holding the prompt text."""
+    """Column holding the prompt text (or a list of chat turns)."""
+    messages_key: str = "messages"
+    """Column holding chat turns ({role, content}), rendered with the model's chat template."""
     answer_key: str = "answer"
-    """Column holding the reference answer passed to the reward."""
+    """Column holding the reference answer passed to the reward (`gt_answer` is also accepted)."""
+    system_prompt: str | None = None
+    """System prompt added to every prompt through the chat template."""
     max_prompt_length: int = Field(default=1024, ge=1)
-    """Prompts longer than this many tokens are dropped (the count is reported)."""
+    """Prompts longer than this many tokens are dropped (the count is logged)."""
     shuffle: bool = True
     """Shuffle the prompts each epoch (seeded by `schedule.seed`)."""
 
 
 class RewardSpec(_Model):
-    """How a response is scored."""
+    """How a response is scored. A reward function returns `reward` (used for advantages)
+    and `score` (logged); the built-in ones return the same number for both."""
 
-    type: Literal["exact_match", "prefix_match"] = "exact_match"
-    """`exact_match`: 1 when the response (stripped) equals the answer;
-    `prefix_match`: 1 when the response starts with the answer."""
+    type: Literal["exact_match", "prefix_match", "math", "code", "python", "http"] = "exact_match"
+    """`exact_match` / `prefix_match`: the stripped response equals / starts with the answer;
+    `math`: the final boxed or <answer> answer is equivalent to the answer (math-verify);
+    `code`: the last fenced Python block passes the row's `test_cases` in a sandbox;
+    `python`: `function` from the user file `file`; `http`: POST to `url`."""
+    file: str | None = None
+    """`python`: path of the file defining the reward function."""
+    function: str = "reward_fn"
+    """`python`: name of `fn(response, answer, extra_info) -> float | {reward, score}`."""
+    url: str | None = None
+    """`http`: endpoint that answers {response, answer, extra_info} with {reward, score}."""
+    timeout_seconds: float = Field(default=10.0, gt=0)
+    """`code`: wall-clock limit per test case; `http`: per request."""
+    all_or_nothing: bool = False
+    """`code`: 1 only when every test case passes (default: the fraction that pass)."""
+    require_sandbox_isolation: bool = True
+    """`code`: refuse to run without network / uid isolation (needs root or CAP_SYS_ADMIN
+    in the trainer pod); false falls back to resource limits only."""
+
+
+class EnvironmentSpec(_Model):
+    """A multi-turn environment (RL2's contract); when set, rewards come from it."""
+
+    file: str = Field(min_length=1)
+    """Python file defining `async def step(state, action, extra_info)` returning
+    {next_state, reward, score, done, extra_info}."""
+    max_turns: int = Field(default=4, ge=1)
+    """Model turns per trajectory; `rollout.maxTokens` bounds the whole trajectory."""
 
 
 Estimator = Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
@@ -186,6 +219,9 @@ class OutputSpec(_Model):
     """Output directory; empty means `runs/<job name>` in local mode and `/output` in pods."""
     keep_checkpoints: int = Field(default=3, ge=1)
     """How many complete checkpoints to keep."""
+    save_rollouts: bool = False
+    """Write every step's samples (token ids, loss mask, text, reward) to
+    `rollouts/step-N.jsonl` for inspection."""
 
 
 class RunPolicy(_Model):
@@ -208,6 +244,8 @@ class RLHFJobSpec(_Model):
     """The prompts."""
     reward: RewardSpec = RewardSpec()
     """How responses are scored."""
+    environment: EnvironmentSpec | None = None
+    """Multi-turn environment; null means single-turn generation scored by `reward`."""
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
     """The RL algorithm."""
     rollout: RolloutSpec = RolloutSpec()

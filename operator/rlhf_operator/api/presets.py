@@ -77,3 +77,20 @@ def apply_preset(spec: "RLHFJobSpec") -> None:
     for field in PRESETS[algo.preset]:
         if getattr(algo, field) is None:
             setattr(algo, field, preset_value(algo.preset, field, spec))
+
+
+def preset_table() -> str:
+    """The README's preset table (a test checks the README holds exactly this)."""
+    fields = ["advantage_estimator"] + [f for f in _COMMON]
+    from pydantic.alias_generators import to_camel
+
+    head = "| preset | " + " | ".join(to_camel(f) for f in fields) + " |"
+    rule = "|" + "---|" * (len(fields) + 1)
+    rows = []
+    for name, values in PRESETS.items():
+        cells = []
+        for f in fields:
+            v = values[f]
+            cells.append("true" if v is True else "false" if v is False else str(v))
+        rows.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    return "\n".join([head, rule, *rows])

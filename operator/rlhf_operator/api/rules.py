@@ -53,6 +53,18 @@ RULES: tuple[Rule, ...] = (
         detail=lambda s: f"critic={s.algorithm.critic}, advantageEstimator={s.algorithm.advantage_estimator}",
     ),
     Rule(
+        field_path="reward.file",
+        cel="self.reward.type != 'python' || has(self.reward.file)",
+        message="is required when reward.type is python (the file defining the reward function)",
+        check=lambda s: s.reward.type != "python" or bool(s.reward.file),
+    ),
+    Rule(
+        field_path="reward.url",
+        cel="self.reward.type != 'http' || has(self.reward.url)",
+        message="is required when reward.type is http (the reward service endpoint)",
+        check=lambda s: s.reward.type != "http" or bool(s.reward.url),
+    ),
+    Rule(
         field_path="algorithm.overlongBuffer",
         cel=f"{OVERLONG} < self.rollout.maxTokens",
         message="must be smaller than rollout.maxTokens (it is the stretch before maxTokens "

@@ -3,22 +3,25 @@
 Built-in tasks (no download, endless, example i is a pure function of (seed, i)):
   builtin://last-digit   "3714:" -> "4"      (repeat the last digit)
   builtin://sum-mod-10   "7+5=" -> "2"       ((a + b) mod 10)
-Files: JSON (a list of objects) or JSONL, with the prompt under `data.promptKey` and the
-answer under `data.answerKey`; shuffled each epoch with the job seed.
+Datasets (files or directories, see datasets.py) are read once, filtered by
+`data.maxPromptLength`, and shuffled each epoch with the job seed.
 
 The source's position (`state_dict`) is saved in checkpoints so a resumed run sees the same
 prompts as an uninterrupted one.
-
-Simplification: no chat templates or other file formats yet.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import random
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+from .datasets import PromptRecord, load_records, to_prompts
+
+if TYPE_CHECKING:
+    from rlhf_operator.api.models import DataSpec
+
+log = logging.getLogger(__name__)
 
 BUILTIN_TASKS: dict[str, Callable[[random.Random], tuple[str, str]]] = {}
 
@@ -43,26 +46,18 @@ def _sum_mod_10(rng: random.Random) -> tuple[str, str]:
     return f"{a}+{b}=", str((a + b) % 10)
 
 
-@dataclass(frozen=True)
-class Prompt:
-    text: str
-    token_ids: list[int]
-    answer: str
-
-
 class PromptSource:
     """Yields batches of tokenized prompts; resumable through `state_dict`."""
 
-    def __init__(self, path: str, tokenizer: Any, *, seed: int, prompt_key: str = "prompt",
-                 answer_key: str = "answer", max_prompt_length: int = 1024, shuffle: bool = True):
+    def __init__(self, spec: "DataSpec", tokenizer: Any, *, seed: int):
         self.tokenizer = tokenizer
         self.seed = seed
-        self.max_prompt_length = max_prompt_length
-        self.shuffle = shuffle
+        self.spec = spec
         self.position = 0
         self.num_dropped = 0
         self._task = None
-        self._rows: list[tuple[str, str]] = []
+        self._rows: list[PromptRecord] = []
+        path = spec.path
         if path.startswith("builtin://"):
             name = path[len("builtin://"):]
             if name not in BUILTIN_TASKS:
@@ -70,62 +65,35 @@ class PromptSource:
                                  + ", ".join("builtin://" + t for t in BUILTIN_TASKS))
             self._task = BUILTIN_TASKS[name]
         else:
-            self._rows = self._load_file(Path(path), prompt_key, answer_key)
+            records = load_records(path, split=spec.split)
+            self._rows, self.num_dropped = to_prompts(
+                records, tokenizer=tokenizer, source=path, prompt_key=spec.prompt_key, messages_key=spec.messages_key,
+                answer_key=spec.answer_key, system_prompt=spec.system_prompt, max_prompt_length=spec.max_prompt_length)
+            if not self._rows:
+                raise ValueError(f"data.path: {path} has no usable rows ({self.num_dropped} longer than "
+                                 "data.maxPromptLength)")
+            log.info("%s: %d prompts, %d dropped (longer than data.maxPromptLength=%d)", path, len(self._rows),
+                     self.num_dropped, spec.max_prompt_length)
 
-    def _load_file(self, path: Path, prompt_key: str, answer_key: str) -> list[tuple[str, str]]:
-        if not path.exists():
-            raise ValueError(f"data.path: {path} does not exist")
-        text = path.read_text()
-        if path.suffix == ".json":
-            records = json.loads(text)
-            if not isinstance(records, list):
-                raise ValueError(f"{path}: a .json data file must hold a list of objects")
-        else:
-            records = []
-            for lineno, line in enumerate(text.splitlines(), 1):
-                if line.strip():
-                    try:
-                        records.append(json.loads(line))
-                    except json.JSONDecodeError as err:
-                        raise ValueError(f"{path}:{lineno}: not valid JSON: {err.msg}") from None
-        rows = []
-        for i, rec in enumerate(records):
-            for key, field in ((prompt_key, "data.promptKey"), (answer_key, "data.answerKey")):
-                if not isinstance(rec, dict) or key not in rec:
-                    raise ValueError(f"{path}: row {i} has no column {key!r} ({field})")
-            prompt = str(rec[prompt_key])
-            if len(self.tokenizer(prompt)["input_ids"]) > self.max_prompt_length:
-                self.num_dropped += 1
-                continue
-            rows.append((prompt, str(rec[answer_key])))
-        if not rows:
-            raise ValueError(f"{path}: no usable rows ({self.num_dropped} longer than data.maxPromptLength)")
-        return rows
-
-    def _example(self, index: int) -> tuple[str, str]:
+    def _example(self, index: int) -> PromptRecord:
         if self._task is not None:
-            return self._task(random.Random(f"{self.seed}:{index}"))
+            text, answer = self._task(random.Random(f"{self.seed}:{index}"))
+            return PromptRecord(text, self.tokenizer(text, add_special_tokens=False)["input_ids"], answer, {})
         epoch, offset = divmod(index, len(self._rows))
         order = list(range(len(self._rows)))
-        if self.shuffle:
+        if self.spec.shuffle:
             random.Random(f"{self.seed}:epoch{epoch}").shuffle(order)
         return self._rows[order[offset]]
 
-    def next_batch(self, n: int) -> list[Prompt]:
+    def next_batch(self, n: int) -> list[PromptRecord]:
         batch = []
-        while len(batch) < n:
-            text, answer = self._example(self.position)
+        for _ in range(n):
+            batch.append(self._example(self.position))
             self.position += 1
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            if len(ids) > self.max_prompt_length:
-                self.num_dropped += 1
-                continue
-            batch.append(Prompt(text, ids, answer))
         return batch
 
     def state_dict(self) -> dict[str, int]:
-        return {"position": self.position, "num_dropped": self.num_dropped}
+        return {"position": self.position}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.position = int(state["position"])
-        self.num_dropped = int(state.get("num_dropped", 0))

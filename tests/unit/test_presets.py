@@ -1,0 +1,70 @@
+"""Algorithm presets: defaults any field overrides; the README's table is the real one."""
+
+import copy
+from pathlib import Path
+
+import pytest
+
+from rlhf_operator.api import JobError, validate_job
+from rlhf_operator.api.presets import PRESETS, preset_table
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = {
+    "apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob", "metadata": {"name": "p"},
+    "spec": {"model": {"path": "builtin://tiny-qwen2"}, "data": {"path": "builtin://last-digit"},
+             "rollout": {"maxTokens": 100}},
+}
+
+
+def job(**algorithm):
+    data = copy.deepcopy(BASE)
+    data["spec"]["algorithm"] = algorithm
+    return validate_job(data)
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_each_preset_resolves_to_its_table(preset):
+    algo = job(preset=preset).spec.algorithm
+    for field, value in PRESETS[preset].items():
+        want = 100 // 5 if value == "maxTokens/5" else value
+        assert getattr(algo, field) == want, field
+
+
+def test_a_single_field_overrides_the_preset():
+    algo = job(preset="dapo", clipHigh=0.35, dynamicSampling=False).spec.algorithm
+    assert (algo.clip_high, algo.dynamic_sampling) == (0.35, False)
+    assert (algo.clip_low, algo.loss_agg, algo.overlong_buffer) == (0.2, "token-mean", 20)
+    # no algorithm section at all: grpo
+    data = copy.deepcopy(BASE)
+    assert validate_job(data).spec.algorithm.kl_coef == PRESETS["grpo"]["kl_coef"]
+
+
+def test_resolved_config_round_trips():
+    resolved = job(preset="ppo").to_config()
+    assert resolved["spec"]["algorithm"]["advantageEstimator"] == "gae"
+    again = validate_job(copy.deepcopy(resolved))
+    assert again.to_config() == resolved
+
+
+def errors(**spec):
+    data = copy.deepcopy(BASE)
+    data["spec"].update(spec)
+    with pytest.raises(JobError) as info:
+        validate_job(data)
+    return {p.path: p.message for p in info.value.problems}
+
+
+def test_cross_field_rules_on_resolved_values():
+    assert "spec.algorithm.critic" in errors(algorithm={"preset": "ppo", "critic": False})
+    assert "spec.algorithm.critic" in errors(algorithm={"advantageEstimator": "gae"})
+    assert "spec.rollout.samplesPerPrompt" in errors(rollout={"samplesPerPrompt": 1})
+    job_ok = copy.deepcopy(BASE)
+    job_ok["spec"].update(rollout={"samplesPerPrompt": 1}, algorithm={"preset": "reinforce_pp"})
+    validate_job(job_ok)  # a token-level estimator needs no group
+    assert "spec.algorithm.overlongBuffer" in errors(algorithm={"overlongBuffer": 100})
+    assert "spec.reward.file" in errors(reward={"type": "python"})
+    assert "spec.reward.url" in errors(reward={"type": "http"})
+
+
+def test_readme_preset_table_is_current():
+    assert preset_table() in (ROOT / "README.md").read_text(), "README preset table is stale: paste preset_table()"
