@@ -63,6 +63,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_job_args(validate)
     validate.set_defaults(func=_cmd_validate)
 
+    op = sub.add_parser("operator", help="run the Kubernetes operator (kopf) against the current kubeconfig")
+    op.add_argument("--namespace", action="append", default=[], help="watch only this namespace (repeatable; default: all)")
+    op.add_argument("--metrics-port", type=int, default=8080, help="Prometheus metrics port (0: off)")
+    op.add_argument("--lease-namespace", help="namespace of the leader Lease (default: $POD_NAMESPACE or the first --namespace)")
+    op.add_argument("--lease-duration", type=int, default=15, help="seconds before another replica may take over")
+    op.add_argument("--resync-seconds", type=float, default=15.0, help="reconcile every job at least this often")
+    op.add_argument("--verbose", action="store_true")
+
+    def _cmd_operator(a: argparse.Namespace) -> int:
+        from .handlers import run as run_operator
+
+        return run_operator(a.namespace, metrics_port=a.metrics_port, lease_namespace=a.lease_namespace,
+                            lease_duration=a.lease_duration, resync_seconds=a.resync_seconds, verbose=a.verbose)
+
+    op.set_defaults(func=_cmd_operator)
+
     crd = sub.add_parser("crd", help="print the RLHFJob CustomResourceDefinition")
     crd.set_defaults(func=_cmd_crd)
     return parser

@@ -1,0 +1,54 @@
+"""PURE builders: an RLHFJob (with its uid) -> the manifests (dicts) of its children.
+
+No API calls here; kube.py applies what these return (server-side apply), handlers.py
+decides when. `build_children` is the whole desired state of one attempt.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..api.models import RLHFJob
+from .access import build_role, build_role_binding, build_service_account
+from .config import build_config_map, job_config
+from .meta import (
+    LABEL_ATTEMPT, LABEL_JOB, LABEL_JOB_UID, LABEL_ROLE, ROLE_ROLLOUT, ROLE_TRAINER, config_map_name,
+    network_policy_name, rollout_name, trainer_name, weight_sync_name,
+)
+from .pods import POD_SETTINGS_ANNOTATION, PodSettings, PodSettingsError
+from .services import build_network_policy, build_rollout_service, build_weight_sync_service
+from .workloads import build_rollout_statefulset, build_trainer_pytorchjob, rollout_endpoints, weight_sync_addr
+
+WORKLOAD_KINDS = ("StatefulSet", "PyTorchJob")
+
+
+def build_support(job: RLHFJob) -> list[dict[str, Any]]:
+    """Children that live as long as the job (not restarted): config, identity, network."""
+    return [
+        build_config_map(job),
+        build_service_account(job),
+        build_role(job),
+        build_role_binding(job),
+        build_rollout_service(job),
+        build_weight_sync_service(job),
+        build_network_policy(job),
+    ]
+
+
+def build_workloads(job: RLHFJob, attempt: int, settings: PodSettings) -> list[dict[str, Any]]:
+    """The pods' owners for one attempt: rollout StatefulSet first (servers load the model
+    while the trainer starts), then the trainer PyTorchJob."""
+    return [build_rollout_statefulset(job, attempt, settings), build_trainer_pytorchjob(job, attempt, settings)]
+
+
+def build_children(job: RLHFJob, attempt: int, settings: PodSettings | None = None) -> list[dict[str, Any]]:
+    settings = settings if settings is not None else PodSettings.from_job(job)
+    return build_support(job) + build_workloads(job, attempt, settings)
+
+
+__all__ = [
+    "LABEL_ATTEMPT", "LABEL_JOB", "LABEL_JOB_UID", "LABEL_ROLE", "POD_SETTINGS_ANNOTATION", "ROLE_ROLLOUT",
+    "ROLE_TRAINER", "WORKLOAD_KINDS", "PodSettings", "PodSettingsError", "build_children", "build_support",
+    "build_workloads", "config_map_name", "job_config", "network_policy_name", "rollout_endpoints",
+    "rollout_name", "trainer_name", "weight_sync_addr", "weight_sync_name",
+]

@@ -1,0 +1,42 @@
+"""The trainer's identity: a ServiceAccount and a Role that lets it read its own job and
+patch its status (the trainer writes `status.progress`), bound together.
+
+RBAC cannot narrow a grant to one field: the trainer may patch all of its own job's
+status, and nothing of any other job (resourceNames).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..api.models import API_GROUP, PLURAL, RLHFJob
+from .meta import metadata, trainer_name
+
+
+def build_service_account(job: RLHFJob) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": metadata(job, trainer_name(job.metadata.name)),
+            "automountServiceAccountToken": False}
+
+
+def build_role(job: RLHFJob) -> dict[str, Any]:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": metadata(job, trainer_name(job.metadata.name)),
+        "rules": [
+            {"apiGroups": [API_GROUP], "resources": [PLURAL], "resourceNames": [job.metadata.name], "verbs": ["get"]},
+            {"apiGroups": [API_GROUP], "resources": [f"{PLURAL}/status"], "resourceNames": [job.metadata.name],
+             "verbs": ["get", "patch"]},
+        ],
+    }
+
+
+def build_role_binding(job: RLHFJob) -> dict[str, Any]:
+    name = trainer_name(job.metadata.name)
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": metadata(job, name),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": metadata(job, name)["namespace"]}],
+    }

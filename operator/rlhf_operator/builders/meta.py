@@ -1,0 +1,92 @@
+"""Names, labels and owner references shared by every child of an RLHFJob.
+
+Every child is named from the job (`<job>-config`, `<job>-rollout`, `<job>-trainer`, ...),
+carries `rlhf.dev/job: <job>` and is owned by the job (controller=true), so the garbage
+collector removes it with the job and two reconciles can never create two of it.
+Pods also carry `rlhf.dev/attempt` (the restart attempt they belong to) and
+`rlhf.dev/job-uid` (so pods of an earlier job with the same name are never mistaken for
+this job's).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..api.models import API_GROUP, API_VERSION, KIND, RLHFJob
+
+LABEL_JOB = "rlhf.dev/job"
+LABEL_JOB_UID = "rlhf.dev/job-uid"
+LABEL_ROLE = "rlhf.dev/role"
+LABEL_ATTEMPT = "rlhf.dev/attempt"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGER = "rlhf-operator"
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+
+ROLE_ROLLOUT = "rollout"
+ROLE_TRAINER = "trainer"
+
+
+def config_map_name(job: str) -> str:
+    return f"{job}-config"
+
+
+def rollout_name(job: str) -> str:
+    """The rollout StatefulSet and its headless Service."""
+    return f"{job}-rollout"
+
+
+def trainer_name(job: str) -> str:
+    """The PyTorchJob, the trainer's ServiceAccount, Role and RoleBinding."""
+    return f"{job}-trainer"
+
+
+def weight_sync_name(job: str) -> str:
+    return f"{job}-weight-sync"
+
+
+def network_policy_name(job: str) -> str:
+    return job
+
+
+def namespace_of(job: RLHFJob) -> str:
+    return job.metadata.namespace or "default"
+
+
+def uid_of(job: RLHFJob) -> str:
+    uid = (job.metadata.model_extra or {}).get("uid")
+    if not uid:
+        raise ValueError(f"job {job.metadata.name!r} has no metadata.uid (read it from the API server)")
+    return uid
+
+
+def owner_reference(job: RLHFJob) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{API_GROUP}/{API_VERSION}",
+        "kind": KIND,
+        "name": job.metadata.name,
+        "uid": uid_of(job),
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def job_labels(job: RLHFJob) -> dict[str, str]:
+    """Labels of every child object (not pods: see `pod_labels`)."""
+    labels = {LABEL_JOB: job.metadata.name, LABEL_MANAGED_BY: MANAGER}
+    queue = job.metadata.labels.get(KUEUE_QUEUE_LABEL)
+    if queue:
+        labels[KUEUE_QUEUE_LABEL] = queue
+    return labels
+
+
+def pod_labels(job: RLHFJob, role: str, attempt: int) -> dict[str, str]:
+    return {**job_labels(job), LABEL_ROLE: role, LABEL_ATTEMPT: str(attempt), LABEL_JOB_UID: uid_of(job)}
+
+
+def metadata(job: RLHFJob, name: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": namespace_of(job),
+        "labels": labels or job_labels(job),
+        "ownerReferences": [owner_reference(job)],
+    }

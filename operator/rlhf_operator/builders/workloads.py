@@ -1,0 +1,127 @@
+"""The two workloads of one attempt: the rollout StatefulSet and the trainer PyTorchJob.
+
+Both take their commands and environment from the pod contract (contract.py). Pods of
+attempt N carry `rlhf.dev/attempt: N`; a restart deletes both workloads, waits until every
+pod of the job is gone, and builds them again with N + 1.
+
+Rollout servers: one pod per server, `tensorParallelSize` GPUs each, stable DNS names
+`<job>-rollout-<i>.<job>-rollout.<ns>.svc` through the headless Service; updateStrategy
+OnDelete so that a spec change never rolls servers under a running trainer.
+Trainer: a Kubeflow PyTorchJob (Master + `numNodes - 1` Workers, restartPolicy Never,
+backoffLimit 0: restarts are ours, whole-job), container `pytorch` as the
+training-operator expects; torchrun reads the PET_* variables it sets.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import contract
+from ..api.models import RLHFJob
+from .meta import (
+    LABEL_ATTEMPT, LABEL_JOB, LABEL_ROLE, ROLE_ROLLOUT, ROLE_TRAINER, job_labels, metadata, namespace_of, pod_labels, rollout_name, trainer_name,
+    weight_sync_name,
+)
+from .pods import (
+    CONFIG_PATH, PodSettings, container_security_context, env_list, gpu_resources, output_dir, pod_spec,
+    volume_mounts,
+)
+
+HEALTH_PATH = "/health"
+
+
+def rollout_endpoints(job: RLHFJob) -> list[str]:
+    """Base URLs of the rollout servers: the StatefulSet pods' stable DNS names."""
+    name, ns = rollout_name(job.metadata.name), namespace_of(job)
+    return [f"http://{name}-{i}.{name}.{ns}.svc:{contract.ROLLOUT_PORT}" for i in range(job.spec.rollout.replicas)]
+
+
+def weight_sync_addr(job: RLHFJob) -> str:
+    return f"{weight_sync_name(job.metadata.name)}.{namespace_of(job)}.svc:{contract.WEIGHT_SYNC_PORT}"
+
+
+def _probe(period: int, failures: int, timeout: int = 5) -> dict[str, Any]:
+    return {"httpGet": {"path": HEALTH_PATH, "port": "http"}, "periodSeconds": period,
+            "failureThreshold": failures, "timeoutSeconds": timeout}
+
+
+def build_rollout_statefulset(job: RLHFJob, attempt: int, settings: PodSettings) -> dict[str, Any]:
+    r = job.spec.rollout
+    proc = contract.rollout_process(job, model_path=job.spec.model.path, host="0.0.0.0",
+                                    port=contract.ROLLOUT_PORT, config_path=CONFIG_PATH)
+    container = {
+        "name": "server",
+        "image": r.image,
+        "command": proc.command,
+        "env": env_list(proc.env),
+        "ports": [{"name": "http", "containerPort": contract.ROLLOUT_PORT, "protocol": "TCP"}],
+        "resources": gpu_resources(r.tensor_parallel_size),
+        "securityContext": container_security_context(),
+        "volumeMounts": volume_mounts(settings),
+        # Loading a large model takes minutes: up to 30 min before liveness applies.
+        "startupProbe": _probe(period=10, failures=180),
+        "readinessProbe": _probe(period=10, failures=3),
+        "livenessProbe": _probe(period=30, failures=4, timeout=10),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    name = rollout_name(job.metadata.name)
+    labels = pod_labels(job, ROLE_ROLLOUT, attempt)
+    selector = {LABEL_JOB: labels[LABEL_JOB], LABEL_ROLE: ROLE_ROLLOUT}  # immutable: only stable labels
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": metadata(job, name, {**job_labels(job), LABEL_ATTEMPT: str(attempt)}),
+        "spec": {
+            "serviceName": name,
+            "replicas": r.replicas,
+            "podManagementPolicy": "Parallel",
+            "updateStrategy": {"type": "OnDelete"},
+            "selector": {"matchLabels": selector},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": pod_spec(job, settings, [container], restart_policy="Always", service_account=None),
+            },
+        },
+    }
+
+
+def build_trainer_pytorchjob(job: RLHFJob, attempt: int, settings: PodSettings) -> dict[str, Any]:
+    t = job.spec.trainer
+    proc = contract.trainer_process(
+        job, config_path=CONFIG_PATH, rollout_endpoints=rollout_endpoints(job),
+        weight_sync_addr=weight_sync_addr(job), output_dir=output_dir(job), master_addr=None, resume=True,
+    )
+    container = {
+        "name": "pytorch",  # the training-operator injects PET_* / MASTER_* into this container
+        "image": t.image,
+        "command": proc.command,
+        "env": env_list(proc.env),
+        "ports": [
+            {"name": "pytorchjob-port", "containerPort": contract.TRAINER_MASTER_PORT, "protocol": "TCP"},
+            {"name": "weight-sync", "containerPort": contract.WEIGHT_SYNC_PORT, "protocol": "TCP"},
+        ],
+        "resources": gpu_resources(t.nproc_per_node),
+        "securityContext": container_security_context(),
+        "volumeMounts": volume_mounts(settings),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+    template = {
+        "metadata": {"labels": pod_labels(job, ROLE_TRAINER, attempt)},
+        "spec": pod_spec(job, settings, [container], restart_policy="Never",
+                         service_account=trainer_name(job.metadata.name)),
+    }
+    replicas = {"Master": {"replicas": 1, "restartPolicy": "Never", "template": template}}
+    if t.num_nodes > 1:
+        replicas["Worker"] = {"replicas": t.num_nodes - 1, "restartPolicy": "Never", "template": template}
+    return {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
+        "metadata": metadata(job, trainer_name(job.metadata.name),
+                             {**job_labels(job), LABEL_ATTEMPT: str(attempt)}),
+        "spec": {
+            # Failed pods stay for their logs; running ones go when the PyTorchJob ends.
+            "runPolicy": {"cleanPodPolicy": "Running", "backoffLimit": 0},
+            "nprocPerNode": str(t.nproc_per_node),
+            "pytorchReplicaSpecs": replicas,
+        },
+    }

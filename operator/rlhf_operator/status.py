@@ -1,0 +1,364 @@
+"""PURE status computation: (job, observed children, now) -> the job's new status and what
+to do about the children. No API calls; handlers.py carries the plan out.
+
+One restart domain. The attempt number is `status.restarts`; the children of attempt N
+carry `rlhf.dev/attempt: N`. When a pod of the current attempt fails:
+- its exit code is permanent (`PERMANENT_EXIT_CODES`) -> Failed at once;
+- restarts < runPolicy.maxRestarts -> restarts + 1, phase Restarting: the workloads of
+  attempt N are deleted, and those of N + 1 are created only once no pod of the job is
+  left (`Plan.create_workloads`);
+- otherwise -> Failed, naming the pod and its exit code.
+The decision is written to the status before anything is deleted, so an operator killed
+at any point resumes the same restart. Succeeded and Failed are terminal: nothing is
+created again, whatever happens to the children.
+
+Phases: Pending (children or pods not yet scheduled), Initializing (pods placed, not all
+running and ready), Running, Restarting, Suspended, Succeeded, Failed. Conditions, each
+set by its own function: Suspended, Running, Restarting, Succeeded, Failed.
+
+Simplifications: a rollout pod that the StatefulSet replaced while the operator was down
+is noticed only through its containers' restart counts; `activeDeadlineSeconds` counts
+from the job's creation or its last resume (the status has no startTime field).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from .api.models import RLHFJob
+from .builders.meta import LABEL_ATTEMPT, LABEL_JOB_UID, LABEL_ROLE, ROLE_ROLLOUT, ROLE_TRAINER
+
+# Exit codes of our entry points that no restart can fix (the one list of them).
+PERMANENT_EXIT_CODES: dict[int, str] = {
+    2: "invalid job config or command-line usage",
+    126: "command not executable (broken image)",
+    127: "command not found (broken image)",
+}
+
+TERMINAL = ("Succeeded", "Failed")
+TERMINAL_GRACE = timedelta(seconds=60)
+CONDITION_TYPES = ("Suspended", "Running", "Restarting", "Succeeded", "Failed")
+
+
+@dataclass
+class Observed:
+    """What exists of the job's children (as the API returned them)."""
+
+    statefulset: dict[str, Any] | None = None
+    pytorchjob: dict[str, Any] | None = None
+    pods: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Failure:
+    pod: str
+    role: str
+    container: str | None
+    exit_code: int | None
+    reason: str
+    message: str = ""
+
+    @property
+    def permanent(self) -> bool:
+        return self.exit_code in PERMANENT_EXIT_CODES
+
+    def describe(self) -> str:
+        what = f"{self.role} pod {self.pod}"
+        if self.container:
+            what += f" container {self.container}"
+        if self.exit_code is not None:
+            what += f" exited with code {self.exit_code}"
+            if self.exit_code in PERMANENT_EXIT_CODES:
+                what += f" ({PERMANENT_EXIT_CODES[self.exit_code]})"
+        else:
+            what += " failed"
+        if self.reason:
+            what += f" [{self.reason}]"
+        if self.message:
+            what += f": {' '.join(self.message.split())[-300:]}"
+        return what
+
+
+@dataclass(frozen=True)
+class Event:
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclass
+class Plan:
+    status: dict[str, Any]
+    """The complete new status (camelCase)."""
+    apply_support: bool = False
+    """Apply the long-lived children (config, services, RBAC, network policy)."""
+    create_workloads: bool = False
+    """Apply the StatefulSet and PyTorchJob of attempt `status.restarts`."""
+    delete: list[str] = field(default_factory=list)
+    """Kinds of workload to delete ("StatefulSet", "PyTorchJob")."""
+    delete_job: bool = False
+    """ttlSecondsAfterFinished has passed: delete the RLHFJob itself."""
+    events: list[Event] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _ts(now: datetime) -> str:
+    return now.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(text: str | None) -> datetime | None:
+    if not text:
+        return None
+    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+
+
+def _labels(obj: dict[str, Any]) -> dict[str, str]:
+    return obj.get("metadata", {}).get("labels") or {}
+
+
+def _owned_by(obj: dict[str, Any], uid: str) -> bool:
+    return any(r.get("uid") == uid and r.get("controller") for r in obj.get("metadata", {}).get("ownerReferences") or [])
+
+
+def _attempt_of(obj: dict[str, Any]) -> int | None:
+    try:
+        return int(_labels(obj).get(LABEL_ATTEMPT, ""))
+    except ValueError:
+        return None
+
+
+def _conditions(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["type"]: c for c in status.get("conditions") or []}
+
+
+def _set(conds: dict[str, dict[str, Any]], type_: str, value: bool | None, reason: str, message: str,
+         now: datetime) -> None:
+    """Set (or, with value None, leave absent) one condition; the transition time moves
+    only when the status does."""
+    if value is None:
+        return
+    status = "True" if value else "False"
+    old = conds.get(type_)
+    when = old.get("lastTransitionTime") if old and old.get("status") == status else _ts(now)
+    conds[type_] = {"type": type_, "status": status, "reason": reason, "message": message,
+                    "lastTransitionTime": when}
+
+
+def _pod_failure(pod: dict[str, Any]) -> Failure | None:
+    """The first sign that a pod failed: a container that terminated (any exit code for a
+    rollout server, which must never exit; non-zero for a trainer), a container restart,
+    or a Failed phase (evictions)."""
+    role = _labels(pod).get(LABEL_ROLE, "?")
+    name = pod["metadata"]["name"]
+    st = pod.get("status") or {}
+    for cs in (st.get("initContainerStatuses") or []) + (st.get("containerStatuses") or []):
+        for key in ("state", "lastState"):
+            term = (cs.get(key) or {}).get("terminated")
+            if term and (term.get("exitCode", 0) != 0 or role == ROLE_ROLLOUT):
+                return Failure(name, role, cs.get("name"), term.get("exitCode"), term.get("reason") or "",
+                               term.get("message") or "")
+        if role == ROLE_ROLLOUT and cs.get("restartCount", 0) > 0:
+            return Failure(name, role, cs.get("name"), None, "ContainerRestarted")
+    if st.get("phase") == "Failed":
+        return Failure(name, role, None, None, st.get("reason") or "PodFailed", st.get("message") or "")
+    if st.get("phase") == "Succeeded" and role == ROLE_ROLLOUT:
+        return Failure(name, role, None, 0, "RolloutServerExited")
+    return None
+
+
+def _ptj_condition(ptj: dict[str, Any] | None, type_: str) -> dict[str, Any] | None:
+    for c in (ptj or {}).get("status", {}).get("conditions") or []:
+        if c.get("type") == type_ and c.get("status") == "True":
+            return c
+    return None
+
+
+def _ready(pod: dict[str, Any]) -> bool:
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in (pod.get("status") or {}).get("conditions") or [])
+
+
+# ---------------------------------------------------------------- the plan
+
+
+def plan(body: dict[str, Any], job: RLHFJob | None, observed: Observed, now: datetime,
+         invalid: str | None = None) -> Plan:
+    """Decide the job's status and the actions on its children.
+
+    `body` is the RLHFJob as read from the API server (metadata and current status);
+    `job` its validated model, or None with `invalid` saying why it does not validate.
+    """
+    meta = body.get("metadata", {})
+    uid = meta.get("uid", "")
+    old = copy.deepcopy(body.get("status") or {})
+    restarts = int(old.get("restarts") or 0)
+    conds = _conditions(old)
+    prev_phase = old.get("phase")
+    progress = dict(old.get("progress") or {})
+    if job is not None and not progress.get("totalSteps"):
+        progress["totalSteps"] = job.spec.schedule.total_steps
+
+    ours = [p for p in observed.pods if _labels(p).get(LABEL_JOB_UID) == uid]
+    workloads = {"StatefulSet": observed.statefulset, "PyTorchJob": observed.pytorchjob}
+    current = {k: w for k, w in workloads.items() if w is not None and _owned_by(w, uid) and _attempt_of(w) == restarts
+               and not w["metadata"].get("deletionTimestamp")}
+    stale = [k for k, w in workloads.items() if w is not None and k not in current
+             and not w["metadata"].get("deletionTimestamp")]
+
+    def finish(phase: str, reason: str, message: str, *, create: bool = False, support: bool = False,
+               delete: list[str] | None = None, delete_job: bool = False, restart: bool = False) -> Plan:
+        set_conditions(conds, phase, reason, message, now)
+        status = {
+            "phase": phase,
+            "conditions": [conds[t] for t in CONDITION_TYPES if t in conds],
+            "observedGeneration": meta.get("generation"),
+            "restarts": restarts + (1 if restart else 0),
+            "progress": progress,
+        }
+        events = []
+        if phase != prev_phase or restart:
+            warn = phase in ("Failed", "Restarting")
+            events.append(Event("Warning" if warn else "Normal", reason if warn else phase, message))
+        return Plan(status, apply_support=support, create_workloads=create, delete=delete or [],
+                    delete_job=delete_job, events=events)
+
+    live = {k: w for k, w in workloads.items() if w is not None and not w["metadata"].get("deletionTimestamp")}
+
+    # Terminal: nothing is created again. The rollout servers go at once; an unfinished
+    # PyTorchJob after a grace period (a finished one keeps its failed pods for their logs).
+    if prev_phase in TERMINAL:
+        cond = conds.get(prev_phase, {})
+        finished = parse_time(cond.get("lastTransitionTime")) or now
+        ptj_done = _ptj_condition(observed.pytorchjob, "Succeeded") or _ptj_condition(observed.pytorchjob, "Failed")
+        delete = [k for k in live if k == "StatefulSet" or (not ptj_done and now >= finished + TERMINAL_GRACE)]
+        ttl = job.spec.run_policy.ttl_seconds_after_finished if job else None
+        expired = ttl is not None and now >= finished + timedelta(seconds=ttl)
+        return finish(prev_phase, cond.get("reason", prev_phase), cond.get("message", ""), delete=delete,
+                      delete_job=expired)
+
+    if job is None:
+        return finish("Failed", "InvalidSpec", invalid or "the job does not validate", delete=list(live))
+
+    if job.spec.suspend:
+        return finish("Suspended", "Suspended", "spec.suspend is true: pods deleted, checkpoints kept",
+                      support=True, delete=list(live))
+
+    # Failures of the current attempt.
+    failure = None
+    for pod in sorted(ours, key=lambda p: p["metadata"]["name"]):
+        if _attempt_of(pod) == restarts:
+            failure = _pod_failure(pod)
+            if failure:
+                break
+    ptj_failed = _ptj_condition(current.get("PyTorchJob"), "Failed")
+    if failure is None and ptj_failed:
+        failure = Failure(current["PyTorchJob"]["metadata"]["name"], ROLE_TRAINER, None, None,
+                          ptj_failed.get("reason") or "PyTorchJobFailed", ptj_failed.get("message") or "")
+    if failure is not None:
+        # Keep a failed trainer's PyTorchJob (its pods' logs); stop everything else.
+        stop = [k for k in live if not (k == "PyTorchJob" and failure.role == ROLE_TRAINER)]
+        if failure.permanent:
+            return finish("Failed", "PermanentError", failure.describe(), delete=stop)
+        max_restarts = job.spec.run_policy.max_restarts
+        if restarts >= max_restarts:
+            return finish("Failed", "RestartLimitExceeded",
+                          f"{failure.describe()}; no restarts left (runPolicy.maxRestarts={max_restarts})",
+                          delete=stop)
+        return finish("Restarting", "PodFailed",
+                      f"{failure.describe()}; restart {restarts + 1} of {max_restarts}, resuming from the "
+                      "newest checkpoint", support=True, delete=list(live), restart=True)
+
+    if _ptj_condition(current.get("PyTorchJob"), "Succeeded"):
+        return finish("Succeeded", "TrainerSucceeded", "the trainer finished every step",
+                      delete=[k for k in live if k == "StatefulSet"])
+
+    deadline = job.spec.run_policy.active_deadline_seconds
+    if deadline is not None:
+        resumed = conds.get("Suspended")
+        start = parse_time(meta.get("creationTimestamp")) or now
+        if resumed and resumed.get("status") == "False":
+            start = max(start, parse_time(resumed.get("lastTransitionTime")) or start)
+        if now >= start + timedelta(seconds=deadline):
+            return finish("Failed", "DeadlineExceeded",
+                          f"ran longer than runPolicy.activeDeadlineSeconds ({deadline} s)", delete=list(live))
+
+    # Workloads of an earlier attempt (or of an earlier job of the same name) still exist,
+    # or their pods do: delete, and create the new attempt only once no pod is left.
+    leftovers = [p for p in observed.pods if p not in ours or _attempt_of(p) != restarts]
+    if stale or (not current and leftovers):
+        restarting = conds.get("Restarting", {})
+        if restarting.get("status") == "True":
+            return finish("Restarting", restarting.get("reason", "PodFailed"), restarting.get("message", ""),
+                          support=True, delete=stale)
+        return finish("Pending", "WaitingForOldPods",
+                      f"waiting for {len(leftovers)} pod(s) of an earlier run to be deleted", support=True,
+                      delete=stale)
+
+    expected = {ROLE_ROLLOUT: job.spec.rollout.replicas, ROLE_TRAINER: job.spec.trainer.num_nodes}
+    pods = [p for p in ours if _attempt_of(p) == restarts and not p["metadata"].get("deletionTimestamp")]
+    by_role = {r: [p for p in pods if _labels(p).get(LABEL_ROLE) == r] for r in expected}
+    counts = ", ".join(f"{sum((p.get('status') or {}).get('phase') == 'Running' for p in by_role[r])}/{n} {r}"
+                       for r, n in expected.items())
+    if len(current) < len(workloads) or any(len(by_role[r]) < n for r, n in expected.items()):
+        return finish("Pending", "CreatingPods", f"waiting for pods: {counts} running", support=True, create=True)
+    if not all(p.get("spec", {}).get("nodeName") for p in pods):
+        return finish("Pending", "Unschedulable" if _unschedulable(pods) else "Scheduling",
+                      f"waiting for pods to be scheduled: {counts} running", support=True, create=True)
+    running = all((p.get("status") or {}).get("phase") == "Running" for p in pods)
+    ready = all(_ready(p) for p in by_role[ROLE_ROLLOUT])
+    if running and ready:
+        return finish("Running", "AllPodsRunning", f"{counts} running; rollout servers ready", support=True,
+                      create=True)
+    return finish("Initializing", "PodsStarting", f"{counts} running", support=True, create=True)
+
+
+def _unschedulable(pods: list[dict[str, Any]]) -> bool:
+    return any(c.get("reason") == "Unschedulable" for p in pods for c in (p.get("status") or {}).get("conditions") or [])
+
+
+# ---------------------------------------------------------------- conditions, one function each
+
+
+def set_conditions(conds: dict[str, dict[str, Any]], phase: str, reason: str, message: str, now: datetime) -> None:
+    _set(conds, "Suspended", *suspended_condition(conds, phase, reason, message), now)
+    _set(conds, "Running", *running_condition(conds, phase, reason, message), now)
+    _set(conds, "Restarting", *restarting_condition(conds, phase, reason, message), now)
+    _set(conds, "Succeeded", *succeeded_condition(conds, phase, reason, message), now)
+    _set(conds, "Failed", *failed_condition(conds, phase, reason, message), now)
+
+
+def suspended_condition(conds, phase, reason, message) -> tuple[bool | None, str, str]:
+    if phase == "Suspended":
+        return True, reason, message
+    if "Suspended" in conds and conds["Suspended"]["status"] == "True":
+        return False, "Resumed", "spec.suspend is false: the job runs again from its newest checkpoint"
+    return None, "", ""  # unchanged (or absent)
+
+
+def running_condition(conds, phase, reason, message) -> tuple[bool | None, str, str]:
+    if phase == "Running":
+        return True, reason, message
+    if "Running" in conds:
+        return False, reason, message
+    return None, "", ""
+
+
+def restarting_condition(conds, phase, reason, message) -> tuple[bool | None, str, str]:
+    if phase == "Restarting":
+        return True, reason, message
+    if conds.get("Restarting", {}).get("status") == "True":
+        return False, "Restarted", "the pods of the new attempt were created"
+    return None, "", ""
+
+
+def succeeded_condition(conds, phase, reason, message) -> tuple[bool | None, str, str]:
+    return (True, reason, message) if phase == "Succeeded" else (None, "", "")
+
+
+def failed_condition(conds, phase, reason, message) -> tuple[bool | None, str, str]:
+    return (True, reason, message) if phase == "Failed" else (None, "", "")

@@ -1,0 +1,274 @@
+"""The operator (`rlhfctl operator`, a subprocess) against the real control plane: children,
+Running, whole-job restarts, the restart budget, permanent exit codes, suspend/resume,
+garbage collection, and no duplicates after being killed between two creations.
+
+The namespace enforces the `restricted` Pod Security level, so every pod the training-
+operator and the StatefulSet controller create proves our security context is admitted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import yaml
+
+from .harness import Cluster, free_port, wait_for
+from .test_admission import install_crd
+
+pytestmark = pytest.mark.cluster
+
+GPU = "nvidia.com/gpu"
+
+
+def new_namespace(cluster: Cluster, prefix: str) -> str:
+    name = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    cluster.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": {
+        "pod-security.kubernetes.io/enforce": "restricted", "pod-security.kubernetes.io/enforce-version": "latest"}}})
+    return name
+
+
+@contextmanager
+def operator(cluster: Cluster, ns: str, log: Path, env: dict[str, str] | None = None, metrics_port: int = 0):
+    with open(log, "ab") as fh:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rlhf_operator.cli", "operator", "--namespace", ns, "--lease-namespace", ns,
+             "--lease-duration", "4", "--resync-seconds", "2", "--metrics-port", str(metrics_port)],
+            stdout=fh, stderr=subprocess.STDOUT, env={**cluster.env, **(env or {})})
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def setup(cluster: Cluster, tmp_path_factory):
+    install_crd(cluster)
+    ns = new_namespace(cluster, "op")
+    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    port = free_port()
+    with operator(cluster, ns, log, metrics_port=port) as proc:
+        yield {"ns": ns, "log": log, "proc": proc, "metrics_port": port}
+    cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def job_doc(name: str, **spec) -> dict:
+    base = {"model": {"path": "/models/tiny"}, "data": {"path": "/data/train.jsonl"}, "algorithm": {},
+            "rollout": {"replicas": 2, "tensorParallelSize": 2, "image": "example.invalid/vllm:1"},
+            "trainer": {"numNodes": 2, "nprocPerNode": 4, "image": "example.invalid/trainer:1"},
+            "schedule": {"promptsPerStep": 8}, "runPolicy": {"maxRestarts": 2}}
+    base.update(spec)
+    return {"apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob", "metadata": {"name": name}, "spec": base}
+
+
+def create(cluster: Cluster, ns: str, doc: dict) -> None:
+    cluster.kubectl("create", "-n", ns, "-f", "-", input=yaml.safe_dump(doc))
+
+
+def job(cluster: Cluster, ns: str, name: str) -> dict:
+    return cluster.get("rlhfjob", name, namespace=ns)
+
+
+def pods(cluster: Cluster, ns: str, name: str) -> list[dict]:
+    return cluster.get("pods", namespace=ns, selector=f"rlhf.dev/job={name}")["items"]
+
+
+def wait_job(cluster: Cluster, ns: str, name: str, phase: str, restarts: int | None = None, timeout: float = 90,
+             log: Path | None = None) -> dict:
+    def done():
+        j = job(cluster, ns, name)
+        st = j.get("status") or {}
+        return j if st.get("phase") == phase and (restarts is None or st.get("restarts") == restarts) else None
+    try:
+        return wait_for(done, timeout, f"{name} {phase} (restarts={restarts})")
+    except TimeoutError as err:
+        tail = log.read_text()[-4000:] if log and log.exists() else ""
+        raise TimeoutError(f"{err}\nstatus: {json.dumps(job(cluster, ns, name).get('status'))}\n{tail}") from None
+
+
+def running_pods(cluster: Cluster, ns: str, name: str, attempt: int) -> list[dict]:
+    def ready():
+        ps = pods(cluster, ns, name)
+        if len(ps) == 4 and all(p["metadata"]["labels"]["rlhf.dev/attempt"] == str(attempt)
+                                and p["status"].get("phase") == "Running" for p in ps):
+            return ps
+        return None
+    return wait_for(ready, 60, f"4 pods of attempt {attempt} Running")
+
+
+def by_role(ps: list[dict], role: str) -> list[dict]:
+    return sorted((p for p in ps if p["metadata"]["labels"]["rlhf.dev/role"] == role),
+                  key=lambda p: p["metadata"]["name"])
+
+
+def condition(j: dict, type_: str) -> dict:
+    return next(c for c in j["status"]["conditions"] if c["type"] == type_)
+
+
+def events(cluster: Cluster, ns: str, name: str) -> list[str]:
+    evs = cluster.get("events", namespace=ns)["items"]
+    return [e["reason"] for e in sorted(evs, key=lambda e: e["metadata"]["creationTimestamp"])
+            if e["involvedObject"]["name"] == name and e["involvedObject"]["kind"] == "RLHFJob"]
+
+
+def test_valid_job_gets_its_children_and_runs(cluster: Cluster, setup):
+    ns, log = setup["ns"], setup["log"]
+    create(cluster, ns, job_doc("run"))
+    j = wait_job(cluster, ns, "run", "Running", 0, log=log)
+    uid = j["metadata"]["uid"]
+    assert j["status"]["observedGeneration"] == j["metadata"]["generation"]
+    assert j["status"]["progress"]["totalSteps"] == 100
+    assert condition(j, "Running")["reason"] == "AllPodsRunning"
+
+    names = cluster.kubectl("get", "configmap,serviceaccount,role,rolebinding,service,networkpolicy,statefulset,"
+                            "pytorchjob", "-n", ns, "-l", "rlhf.dev/job=run", "-o", "name").stdout.split()
+    assert sorted(names) == sorted([
+        "configmap/run-config", "serviceaccount/run-trainer", "role.rbac.authorization.k8s.io/run-trainer",
+        "rolebinding.rbac.authorization.k8s.io/run-trainer", "service/run-rollout", "service/run-weight-sync",
+        "networkpolicy.networking.k8s.io/run", "statefulset.apps/run-rollout", "pytorchjob.kubeflow.org/run-trainer"])
+    for kind_name in names:
+        obj = json.loads(cluster.kubectl("get", kind_name, "-n", ns, "-o", "json").stdout)
+        (ref,) = obj["metadata"]["ownerReferences"]
+        assert ref["uid"] == uid and ref["controller"] is True
+
+    ps = running_pods(cluster, ns, "run", 0)
+    assert [p["metadata"]["name"] for p in by_role(ps, "rollout")] == ["run-rollout-0", "run-rollout-1"]
+    assert [p["metadata"]["name"] for p in by_role(ps, "trainer")] == ["run-trainer-master-0", "run-trainer-worker-0"]
+    for p in by_role(ps, "rollout"):
+        assert p["spec"]["containers"][0]["resources"]["limits"][GPU] == "2"
+    master = by_role(ps, "trainer")[0]
+    env = {e["name"]: e.get("value") for e in master["spec"]["containers"][0]["env"]}
+    assert env["RLHF_ROLLOUT_ENDPOINTS"] == (f"http://run-rollout-0.run-rollout.{ns}.svc:8000,"
+                                             f"http://run-rollout-1.run-rollout.{ns}.svc:8000")
+    assert env["PET_NNODES"] == "2" and env["PET_NPROC_PER_NODE"] == "4" and "PET_MASTER_ADDR" in env
+    assert master["spec"]["containers"][0]["resources"]["limits"][GPU] == "4"
+    # The weight-sync Service selects exactly trainer rank 0.
+    eps = cluster.get("endpointslices", namespace=ns, selector="kubernetes.io/service-name=run-weight-sync")["items"]
+    targets = [e["targetRef"]["name"] for s in eps for e in s.get("endpoints") or []]
+    assert targets == ["run-trainer-master-0"]
+
+    table = cluster.kubectl("get", "rlj", "run", "-n", ns).stdout.splitlines()
+    assert table[0].split() == ["NAME", "PHASE", "STEP", "REWARD", "RESTARTS", "AGE"]
+    assert table[1].split()[:2] == ["run", "Running"]
+    wait_for(lambda: events(cluster, ns, "run")[-1:] == ["Running"], 10, "a Running event")
+    assert "Pending" in events(cluster, ns, "run")
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{setup['metrics_port']}/metrics", timeout=5).read().decode()
+    assert "rlhf_operator_reconciles_total" in text and "rlhf_operator_reconcile_duration_seconds_bucket" in text
+    assert 'rlhf_operator_leader 1.0' in text
+
+    # Deleting the job garbage-collects every child and pod.
+    cluster.kubectl("delete", "rlhfjob", "run", "-n", ns)
+    wait_for(lambda: not cluster.kubectl("get", "configmap,serviceaccount,role,rolebinding,service,networkpolicy,"
+                                         "statefulset,pytorchjob,pods", "-n", ns, "-l", "rlhf.dev/job=run",
+                                         "-o", "name").stdout.split(), 60, "children garbage-collected")
+
+
+def test_failed_pods_restart_the_whole_job_until_the_budget_ends(cluster: Cluster, setup):
+    ns, log = setup["ns"], setup["log"]
+    create(cluster, ns, job_doc("rs"))
+    wait_job(cluster, ns, "rs", "Running", 0, log=log)
+    ps = running_pods(cluster, ns, "rs", 0)
+
+    # A trainer pod fails: one restart of everything, attempt 1 on every new pod.
+    old_uids = {p["metadata"]["uid"] for p in ps}
+    cluster.fail_pod(ns, "rs-trainer-worker-0", exit_code=137, reason="OOMKilled")
+    wait_job(cluster, ns, "rs", "Running", 1, log=log)
+    ps = running_pods(cluster, ns, "rs", 1)
+    assert not old_uids & {p["metadata"]["uid"] for p in ps}
+    j = job(cluster, ns, "rs")
+    assert condition(j, "Restarting")["status"] == "False"
+    assert "rs-trainer-worker-0" in condition(j, "Restarting")["message"]
+
+    # A rollout server fails: the second restart.
+    cluster.fail_pod(ns, "rs-rollout-1", exit_code=1)
+    wait_job(cluster, ns, "rs", "Running", 2, log=log)
+    running_pods(cluster, ns, "rs", 2)
+
+    # The budget (maxRestarts 2) is spent: the next failure ends in Failed, naming pod and code.
+    cluster.fail_pod(ns, "rs-trainer-master-0", exit_code=137, reason="OOMKilled")
+    j = wait_job(cluster, ns, "rs", "Failed", 2, log=log)
+    failed = condition(j, "Failed")
+    assert failed["reason"] == "RestartLimitExceeded"
+    assert "rs-trainer-master-0" in failed["message"] and "code 137" in failed["message"]
+    reasons = events(cluster, ns, "rs")
+    assert reasons.count("PodFailed") == 2 and reasons[-1] == "RestartLimitExceeded"
+    wait_for(lambda: not cluster.kubectl("get", "statefulset", "-n", ns, "-l", "rlhf.dev/job=rs", "-o",
+                                         "name").stdout.strip(), 30, "rollout servers stopped")
+
+    # A Failed job is never brought back by deleting its children.
+    cluster.kubectl("delete", "pytorchjob", "rs-trainer", "-n", ns)
+    cluster.kubectl("delete", "configmap", "rs-config", "-n", ns)
+    time.sleep(6)  # three resyncs
+    assert job(cluster, ns, "rs")["status"]["phase"] == "Failed"
+    left = cluster.kubectl("get", "statefulset,pytorchjob,configmap", "-n", ns, "-l", "rlhf.dev/job=rs",
+                           "-o", "name").stdout.split()
+    assert left == []
+    wait_for(lambda: not pods(cluster, ns, "rs"), 30, "no pods of the failed job")
+
+
+def test_permanent_exit_code_fails_at_once(cluster: Cluster, setup):
+    ns, log = setup["ns"], setup["log"]
+    create(cluster, ns, job_doc("perm", runPolicy={"maxRestarts": 5}))
+    wait_job(cluster, ns, "perm", "Running", 0, log=log)
+    running_pods(cluster, ns, "perm", 0)
+    cluster.fail_pod(ns, "perm-trainer-master-0", exit_code=2, reason="Error", message="bad config")
+    j = wait_job(cluster, ns, "perm", "Failed", 0, log=log)
+    assert condition(j, "Failed")["reason"] == "PermanentError"
+    assert "exited with code 2" in condition(j, "Failed")["message"]
+    cluster.kubectl("delete", "rlhfjob", "perm", "-n", ns, "--wait=false")
+
+
+def test_suspend_and_resume(cluster: Cluster, setup):
+    ns, log = setup["ns"], setup["log"]
+    create(cluster, ns, job_doc("sus"))
+    wait_job(cluster, ns, "sus", "Running", 0, log=log)
+    cluster.kubectl("patch", "rlhfjob", "sus", "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":true}}')
+    wait_job(cluster, ns, "sus", "Suspended", 0, log=log)
+    wait_for(lambda: not pods(cluster, ns, "sus"), 60, "pods deleted while suspended")
+    assert cluster.kubectl("get", "configmap", "sus-config", "-n", ns, check=False).returncode == 0
+    cluster.kubectl("patch", "rlhfjob", "sus", "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":false}}')
+    j = wait_job(cluster, ns, "sus", "Running", 0, log=log)
+    assert condition(j, "Suspended")["status"] == "False" and condition(j, "Suspended")["reason"] == "Resumed"
+    running_pods(cluster, ns, "sus", 0)
+    assert "Suspended" in events(cluster, ns, "sus")
+    cluster.kubectl("delete", "rlhfjob", "sus", "-n", ns, "--wait=false")
+
+
+def test_killed_between_two_creations_leaves_no_duplicates(cluster: Cluster, tmp_path):
+    ns = new_namespace(cluster, "kill")
+    log = tmp_path / "operator.log"
+    try:
+        create(cluster, ns, job_doc("dup"))
+        with operator(cluster, ns, log, env={"RLHF_OPERATOR_FAILPOINT": "exit-after-creates:3"}) as proc:
+            assert proc.wait(timeout=60) == 137, log.read_text()[-3000:]
+        made = cluster.kubectl("get", "configmap,serviceaccount,role,statefulset,pytorchjob", "-n", ns,
+                               "-l", "rlhf.dev/job=dup", "-o", "name").stdout.split()
+        assert len(made) == 3, made  # killed after its third creation, before the fourth
+        with operator(cluster, ns, log):
+            wait_job(cluster, ns, "dup", "Running", 0, log=log)
+            running_pods(cluster, ns, "dup", 0)
+            out = cluster.kubectl("get", "configmap,serviceaccount,role,rolebinding,service,networkpolicy,"
+                                  "statefulset,pytorchjob", "-n", ns, "-o", "name").stdout.split()
+            ours = [n for n in out if not n.endswith("/kube-root-ca.crt") and n != "serviceaccount/default"
+                    and "run-trainer-" not in n]
+            # the PyTorchJob's own per-pod headless services are the training-operator's
+            ours = [n for n in ours if not n.startswith("service/dup-trainer-")]
+            assert sorted(ours) == sorted(set(ours)) and len(ours) == 9, ours
+            assert len(pods(cluster, ns, "dup")) == 4
+    finally:
+        cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)

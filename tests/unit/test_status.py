@@ -1,0 +1,214 @@
+"""The pure status computation: phases, conditions, restarts and the actions it asks for."""
+
+from __future__ import annotations
+
+import copy
+from datetime import datetime, timedelta, timezone
+
+from rlhf_operator.api import validate_job
+from rlhf_operator.status import PERMANENT_EXIT_CODES, Observed, plan
+
+UID = "uid-1"
+NOW = datetime(2025, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
+
+
+def body(status=None, suspend=False, max_restarts=2, deadline=None, ttl=None, created=NOW - timedelta(minutes=5)):
+    return {
+        "apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob",
+        "metadata": {"name": "demo", "namespace": "ns", "uid": UID, "generation": 3,
+                     "creationTimestamp": created.strftime("%Y-%m-%dT%H:%M:%SZ")},
+        "spec": {"model": {"path": "/m"}, "data": {"path": "/d"}, "rollout": {"replicas": 2},
+                 "trainer": {"numNodes": 1}, "suspend": suspend,
+                 "runPolicy": {"maxRestarts": max_restarts, "activeDeadlineSeconds": deadline,
+                               "ttlSecondsAfterFinished": ttl}},
+        **({"status": status} if status else {}),
+    }
+
+
+def job_of(b):
+    return validate_job({k: copy.deepcopy(v) for k, v in b.items() if k != "status"})
+
+
+def owner(uid=UID):
+    return [{"uid": uid, "controller": True, "kind": "RLHFJob", "name": "demo"}]
+
+
+def workload(kind, attempt, conditions=(), uid=UID):
+    return {"kind": kind, "metadata": {"name": "x", "labels": {"rlhf.dev/attempt": str(attempt)},
+                                       "ownerReferences": owner(uid)},
+            "status": {"conditions": [{"type": t, "status": "True", "reason": t, "message": m} for t, m in conditions]}}
+
+
+def pod(name, role, attempt=0, phase="Running", ready=True, terminated=None, uid=UID, restarts=0):
+    cs = {"name": "c", "restartCount": restarts, "state": {"running": {}}}
+    if terminated is not None:
+        cs["state"] = {"terminated": {"exitCode": terminated, "reason": "Error", "message": "boom"}}
+    return {"metadata": {"name": name, "labels": {"rlhf.dev/role": role, "rlhf.dev/attempt": str(attempt),
+                                                  "rlhf.dev/job-uid": uid}},
+            "spec": {"nodeName": "node-1"},
+            "status": {"phase": phase, "containerStatuses": [cs],
+                       "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+
+
+def running_children(attempt=0, **trainer):
+    return Observed(statefulset=workload("StatefulSet", attempt), pytorchjob=workload("PyTorchJob", attempt),
+                    pods=[pod("demo-rollout-0", "rollout", attempt), pod("demo-rollout-1", "rollout", attempt),
+                          pod("demo-trainer-master-0", "trainer", attempt, **trainer)])
+
+
+def run(b, observed, now=NOW):
+    return plan(b, job_of(b), observed, now)
+
+
+def cond(p, type_):
+    return next((c for c in p.status["conditions"] if c["type"] == type_), None)
+
+
+def test_new_job_is_pending_and_creates_everything():
+    p = run(body(), Observed())
+    assert p.status["phase"] == "Pending" and p.create_workloads and p.apply_support
+    assert p.status["observedGeneration"] == 3 and p.status["restarts"] == 0
+    assert p.status["progress"] == {"totalSteps": 100}
+    assert [(e.type, e.reason) for e in p.events] == [("Normal", "Pending")]
+
+
+def test_running_once_every_pod_runs_and_servers_are_ready():
+    p = run(body({"phase": "Pending"}), running_children())
+    assert p.status["phase"] == "Running"
+    assert cond(p, "Running")["status"] == "True" and cond(p, "Running")["reason"] == "AllPodsRunning"
+    assert "2/2 rollout, 1/1 trainer" in cond(p, "Running")["message"]
+    assert p.events[0].reason == "Running" and p.delete == []
+    # Not ready servers: Initializing.
+    obs = running_children()
+    obs.pods[0]["status"]["conditions"][0]["status"] = "False"
+    assert run(body({"phase": "Pending"}), obs).status["phase"] == "Initializing"
+    # One rollout pod missing: still Pending and creating.
+    obs.pods.pop(0)
+    p = run(body({"phase": "Pending"}), obs)
+    assert p.status["phase"] == "Pending" and p.create_workloads
+
+
+def test_no_change_means_no_event_and_stable_transition_times():
+    first = run(body({"phase": "Pending"}), running_children())
+    later = run(body(first.status), running_children(), now=NOW + timedelta(minutes=3))
+    assert later.status == first.status and later.events == []
+
+
+def test_failed_trainer_pod_restarts_the_whole_job():
+    b = body({"phase": "Running", "restarts": 0})
+    p = run(b, running_children(phase="Failed", terminated=137))
+    assert p.status["phase"] == "Restarting" and p.status["restarts"] == 1
+    assert sorted(p.delete) == ["PyTorchJob", "StatefulSet"] and not p.create_workloads
+    c = cond(p, "Restarting")
+    assert c["reason"] == "PodFailed"
+    assert "trainer pod demo-trainer-master-0 container c exited with code 137" in c["message"]
+    assert "restart 1 of 2" in c["message"]
+    assert p.events[0].type == "Warning" and p.events[0].reason == "PodFailed"
+
+
+def test_restart_waits_until_every_old_pod_is_gone_then_creates_the_next_attempt():
+    status = {"phase": "Restarting", "restarts": 1,
+              "conditions": [{"type": "Restarting", "status": "True", "reason": "PodFailed", "message": "m"}]}
+    # Old workloads still there: delete them, create nothing.
+    p = run(body(status), running_children(attempt=0))
+    assert p.status["phase"] == "Restarting" and sorted(p.delete) == ["PyTorchJob", "StatefulSet"]
+    assert not p.create_workloads and p.status["restarts"] == 1
+    # Workloads gone but a pod of attempt 0 is still terminating: wait.
+    leftover = Observed(pods=[pod("demo-rollout-0", "rollout", 0)])
+    p = run(body(status), leftover)
+    assert p.status["phase"] == "Restarting" and not p.create_workloads and p.delete == []
+    # A failure of the old attempt does not count against the new one.
+    leftover.pods[0]["status"]["phase"] = "Failed"
+    assert run(body(status), leftover).status["restarts"] == 1
+    # Nothing left: create attempt 1.
+    p = run(body(status), Observed())
+    assert p.create_workloads and p.status["phase"] == "Pending"
+    assert cond(p, "Restarting")["status"] == "False" and cond(p, "Restarting")["reason"] == "Restarted"
+
+
+def test_failed_rollout_server_restarts_too_any_exit_or_restart_counts():
+    b = body({"phase": "Running"})
+    obs = running_children()
+    obs.pods[1] = pod("demo-rollout-1", "rollout", restarts=1)
+    p = run(b, obs)
+    assert p.status["phase"] == "Restarting" and "rollout pod demo-rollout-1" in cond(p, "Restarting")["message"]
+
+
+def test_restart_budget_ends_in_failed_naming_pod_and_exit_code():
+    b = body({"phase": "Running", "restarts": 2}, max_restarts=2)
+    p = run(b, running_children(attempt=2, phase="Failed", terminated=1))
+    assert p.status["phase"] == "Failed" and p.status["restarts"] == 2
+    c = cond(p, "Failed")
+    assert c["reason"] == "RestartLimitExceeded"
+    assert "demo-trainer-master-0" in c["message"] and "code 1" in c["message"] and "maxRestarts=2" in c["message"]
+    # The failed trainer's PyTorchJob stays for its logs; the rollout servers go.
+    assert p.delete == ["StatefulSet"]
+    assert p.events[0].type == "Warning" and p.events[0].reason == "RestartLimitExceeded"
+
+
+def test_permanent_exit_code_fails_at_once():
+    assert 2 in PERMANENT_EXIT_CODES
+    p = run(body({"phase": "Running"}, max_restarts=5), running_children(phase="Failed", terminated=2))
+    assert p.status["phase"] == "Failed" and p.status["restarts"] == 0
+    assert cond(p, "Failed")["reason"] == "PermanentError"
+    assert "exited with code 2 (invalid job config" in cond(p, "Failed")["message"]
+
+
+def test_terminal_job_is_never_brought_back():
+    failed = run(body({"phase": "Running", "restarts": 2}), running_children(2, phase="Failed", terminated=1)).status
+    for observed in (Observed(), running_children(2)):
+        p = run(body(failed), observed, now=NOW + timedelta(seconds=5))
+        assert p.status["phase"] == "Failed" and not p.create_workloads and not p.apply_support
+        assert p.events == []
+    # An unfinished PyTorchJob goes after the grace period; the StatefulSet at once.
+    assert run(body(failed), running_children(2), now=NOW + timedelta(seconds=5)).delete == ["StatefulSet"]
+    assert sorted(run(body(failed), running_children(2), now=NOW + timedelta(minutes=5)).delete) == [
+        "PyTorchJob", "StatefulSet"]
+
+
+def test_succeeded_when_the_trainer_succeeds_then_ttl_deletes_the_job():
+    running = run(body({"phase": "Pending"}, ttl=60), running_children()).status
+    obs = running_children()
+    obs.pytorchjob = workload("PyTorchJob", 0, [("Succeeded", "done")])
+    p = run(body(running, ttl=60), obs)
+    assert p.status["phase"] == "Succeeded" and p.delete == ["StatefulSet"]
+    assert cond(p, "Succeeded")["status"] == "True" and cond(p, "Running")["status"] == "False"
+    assert not run(body(p.status, ttl=60), Observed(), now=NOW + timedelta(seconds=59)).delete_job
+    assert run(body(p.status, ttl=60), Observed(), now=NOW + timedelta(seconds=60)).delete_job
+
+
+def test_suspend_deletes_workloads_and_resume_recreates_them():
+    p = run(body({"phase": "Running"}, suspend=True), running_children())
+    assert p.status["phase"] == "Suspended" and sorted(p.delete) == ["PyTorchJob", "StatefulSet"]
+    assert not p.create_workloads and p.apply_support
+    assert cond(p, "Suspended")["status"] == "True"
+    later = NOW + timedelta(minutes=1)
+    p2 = run(body(p.status), Observed(), now=later)
+    assert p2.status["phase"] == "Pending" and p2.create_workloads and p2.status["restarts"] == 0
+    assert cond(p2, "Suspended") == {"type": "Suspended", "status": "False", "reason": "Resumed",
+                                     "message": cond(p2, "Suspended")["message"],
+                                     "lastTransitionTime": "2025-01-01T12:01:00Z"}
+
+
+def test_active_deadline_counts_from_creation_or_resume():
+    b = body({"phase": "Running"}, deadline=600, created=NOW - timedelta(seconds=601))
+    p = run(b, running_children())
+    assert p.status["phase"] == "Failed" and cond(p, "Failed")["reason"] == "DeadlineExceeded"
+    resumed = {"phase": "Running", "conditions": [
+        {"type": "Suspended", "status": "False", "reason": "Resumed", "message": "",
+         "lastTransitionTime": (NOW - timedelta(seconds=100)).strftime("%Y-%m-%dT%H:%M:%SZ")}]}
+    assert run(body(resumed, deadline=600, created=NOW - timedelta(hours=2)), running_children()).status["phase"] == "Running"
+
+
+def test_pods_of_an_earlier_job_with_the_same_name_are_waited_out():
+    obs = Observed(pods=[pod("demo-rollout-0", "rollout", uid="old-uid")])
+    p = run(body(), obs)
+    assert p.status["phase"] == "Pending" and not p.create_workloads
+    obs.statefulset = workload("StatefulSet", 0, uid="old-uid")
+    assert run(body(), obs).delete == ["StatefulSet"]
+
+
+def test_invalid_spec_fails_with_the_reason():
+    p = plan(body(), None, Observed(), NOW, invalid="spec.rollout.replicas: must be >= 1")
+    assert p.status["phase"] == "Failed" and cond(p, "Failed")["reason"] == "InvalidSpec"
+    assert "spec.rollout.replicas" in cond(p, "Failed")["message"]

@@ -1,0 +1,130 @@
+"""Build the device mesh and apply every parallelism to a Hugging Face causal LM.
+
+The world is a 3-D mesh `(dp_shard, cp, tp)` (sizes may be 1; tp innermost so a TP
+group is the closest ranks, i.e. one node's GPUs under torchrun), plus the flattened
+dimension `dp_shard_cp` that FSDP shards over: context-parallel ranks hold the same
+parameters and see different tokens, so for the weights they are data parallel.
+
+Loss and gradient convention: FSDP here SUMS gradients over `dp_shard_cp` (divide factor
+1), so each rank's loss must be its share of the global token mean,
+`context_parallel.global_token_mean(local_sum, local_count, meshes.dp_shard_cp.get_group())`.
+TP ranks of one (dp, cp) coordinate compute the same loss and are not summed.
+
+Simplifications: no pipeline parallelism, no replicated data parallelism (HSDP), no
+torch.compile, no mixed precision policy (parameters and gradients in their own dtype).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from .context_parallel import apply_cp
+from .fsdp import decoder_layers
+from .tensor_parallel import apply_tp
+
+MESH_DIMS = ("dp_shard", "cp", "tp")
+FSDP_DIM = "dp_shard_cp"
+
+
+@dataclass(frozen=True)
+class Meshes:
+    """The world mesh and the 1-D meshes cut from it (each exists even when of size 1)."""
+
+    world: DeviceMesh
+    """3-D `(dp_shard, cp, tp)`."""
+    dp_shard: DeviceMesh
+    """Ranks with different data and different parameter shards (CP excluded)."""
+    cp: DeviceMesh
+    """Ranks sharing one packed row, each holding a contiguous slice of it."""
+    tp: DeviceMesh
+    """Ranks sharing each layer's weights (heads / MLP columns)."""
+    dp_shard_cp: DeviceMesh
+    """Flattened dp_shard x cp: FSDP shards and sums gradients over it; normalize the
+    loss over it (`global_token_mean`)."""
+
+
+def build_mesh(*, world_size: int, dp_shard: int, tp: int, cp: int, device_type: str) -> Meshes:
+    """The `(dp_shard, cp, tp)` world mesh and its 1-D meshes, `dp_shard_cp` flattened."""
+    sizes = {"dp_shard": dp_shard, "tp": tp, "cp": cp}
+    bad = [f"{k} ({v})" for k, v in sizes.items() if v < 1]
+    if bad:
+        raise ValueError(f"trainer.parallelism: sizes must be at least 1: {', '.join(bad)}")
+    if dp_shard * tp * cp != world_size:
+        raise ValueError(
+            f"trainer.parallelism: dp_shard ({dp_shard}) x tp ({tp}) x cp ({cp}) = "
+            f"{dp_shard * tp * cp} must equal the number of trainer processes ({world_size}); "
+            f"change the parallel sizes or trainer.numNodes x trainer.nprocPerNode"
+        )
+    world = init_device_mesh(device_type, (dp_shard, cp, tp), mesh_dim_names=MESH_DIMS)
+    # `_flatten` is private but the only way to make a flattened sub-mesh (torchtitan does
+    # the same); we keep the result instead of slicing it back out of the root mesh.
+    flat = world["dp_shard", "cp"]._flatten(mesh_dim_name=FSDP_DIM)
+    return Meshes(world=world, dp_shard=world["dp_shard"], cp=world["cp"], tp=world["tp"], dp_shard_cp=flat)
+
+
+def apply_activation_checkpointing(model: torch.nn.Module) -> torch.nn.Module:
+    """Recompute every decoder layer in backward (non-reentrant).
+
+    Uses transformers' own per-layer checkpointing, which keeps parameter names
+    unchanged (a `checkpoint_wrapper` would insert `_checkpoint_wrapped_module.`) and
+    runs the layer's forward hooks inside the checkpoint, which FSDP2 supports.
+    """
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    return model
+
+
+def apply_fsdp_summed(model: torch.nn.Module, dp_mesh: DeviceMesh) -> torch.nn.Module:
+    """FSDP2 over `dp_mesh`, one unit per decoder layer plus the root, with gradients
+    SUMMED (not averaged) over the mesh."""
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            # With factor 1, plain SUM collectives (gloo has no PREMUL_SUM).
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def parallelize(
+    model: torch.nn.Module,
+    *,
+    world_size: int,
+    dp_shard: int,
+    tp: int,
+    cp: int,
+    activation_checkpointing: bool,
+    device_type: str,
+) -> Meshes:
+    """Apply TP, CP, activation checkpointing and FSDP to `model` in place; return the
+    meshes (`world` = `(dp_shard, cp, tp)`, each 1-D mesh, and flattened `dp_shard_cp`).
+
+    Requires an initialized default process group of `world_size` ranks and the model on
+    `device_type` already.
+    """
+    meshes = build_mesh(world_size=world_size, dp_shard=dp_shard, tp=tp, cp=cp, device_type=device_type)
+    # Order matters:
+    # 1. TP first: it replaces Linear weights with DTensors on the tp mesh; FSDP must
+    #    see those DTensors to shard them a second time (2-D) over dp_shard_cp.
+    # 2. CP next: it swaps the attention function only (no parameters, no wrappers), so it
+    #    could go anywhere before FSDP; we keep torchtitan's order.
+    # 3. Activation checkpointing wraps each layer's forward, TP and CP collectives
+    #    included (they rerun in the recompute, in the same order on every rank). It must
+    #    come before FSDP so that FSDP's per-layer hooks sit inside the checkpointed call:
+    #    FSDP's pre-backward all-gather then covers the recompute.
+    # 4. FSDP last, per layer then the root: it must see the final parameters (TP's
+    #    DTensors included) and the final module tree.
+    if tp > 1:
+        apply_tp(model, meshes.tp)
+    if cp > 1:
+        apply_cp(model, meshes.cp)
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if dp_shard * cp > 1:
+        apply_fsdp_summed(model, meshes.dp_shard_cp)
+    return meshes
