@@ -8,7 +8,7 @@ def small_job(model_dir, out, **spec) -> dict:
     base = {
         "model": {"path": str(model_dir)}, "data": {"path": "builtin://last-digit"},
         "rollout": {"engine": "cpu", "samplesPerPrompt": 4, "maxTokens": 5},
-        "trainer": {"learningRate": 1e-3, "microBatchSize": 4},
+        "trainer": {"learningRate": 1e-3, "maxTokensPerMicroBatch": 48},
         "schedule": {"totalSteps": 2, "promptsPerStep": 4, "saveEvery": 2},
         "output": {"dir": str(out)},
     }

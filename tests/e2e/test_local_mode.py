@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "local-grpo.yaml"
 REQUIRED_KEYS = {"step", "reward_mean", "score_mean", "kl", "entropy", "response_length_mean",
                  "step_seconds", "weight_sync_seconds", "tokens_per_second"}
-SMALL = ["schedule.promptsPerStep=4", "rollout.samplesPerPrompt=4", "trainer.microBatchSize=4"]
+SMALL = ["schedule.promptsPerStep=4", "rollout.samplesPerPrompt=4", "trainer.maxTokensPerMicroBatch=40"]
 
 pytestmark = pytest.mark.slow
 
@@ -181,3 +181,23 @@ def test_multi_turn_environment_keeps_one_sequence_and_masks_its_tokens(tmp_path
         # one sequence: prompt + all turns decode to the final state
         assert tok.decode(row["prompt_ids"] + ids, skip_special_tokens=True).startswith(row["prompt"])
     assert multi > 0, "no trajectory called the calculator"
+
+
+def test_parallel_layouts_train_exactly_like_one_process(tmp_path):
+    """The same job on 1 process and on 2 processes as FSDP, TP=2 and CP=2: the same
+    rollouts (same weights, same seeds), so the same losses, gradient norms and KL."""
+    common = ["rollout.replicas=1", "schedule.totalSteps=2", "schedule.saveEvery=0"]
+    results = {}
+    for name, extra in {"single": ["trainer.nprocPerNode=1"], "fsdp2": ["trainer.nprocPerNode=2"],
+                        "tp2": ["trainer.nprocPerNode=2", "trainer.parallelism.tensorParallel=2"],
+                        "cp2": ["trainer.nprocPerNode=2", "trainer.parallelism.contextParallel=2"]}.items():
+        out = tmp_path / name
+        res = rlhfctl("run", str(EXAMPLE), "--output", str(out), *sets(*common, *extra))
+        assert res.returncode == 0, (name, res.stderr[-3000:])
+        results[name] = metrics(out)
+    ref = results.pop("single")
+    for name, rows in results.items():
+        for a, b in zip(ref, rows):
+            assert a["reward_mean"] == b["reward_mean"], name
+            for key in ("loss", "grad_norm", "kl", "entropy"):
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), (name, key)

@@ -34,7 +34,6 @@ def test_preset_runs(preset, run_trainer, tiny_model_dir, tmp_path):
 def test_ppo_with_critic_learns(run_trainer, tiny_model_dir, tmp_path):
     config = small_job(tiny_model_dir, tmp_path / "out", algorithm={"preset": "ppo"},
                        rollout={"maxTokens": 1, "samplesPerPrompt": 8},
-                       trainer={"microBatchSize": 64},
                        schedule={"totalSteps": 80, "promptsPerStep": 16, "saveEvery": 0})
     rows = run_trainer(config, timeout=580)
     rewards = [r["reward_mean"] for r in rows]

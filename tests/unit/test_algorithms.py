@@ -289,3 +289,13 @@ def test_explained_variance():
     r = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
     assert explained_variance(r, r, mask).item() == pytest.approx(1.0)
     assert explained_variance(torch.full_like(r, 2.5), r, mask).item() == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize("agg", AGGREGATIONS)
+def test_agg_weights_reproduce_agg_loss(agg):
+    from rlhf_trainer.algorithms.losses import agg_weights
+
+    gen = torch.Generator().manual_seed(5)
+    mask = random_mask(6, 7, gen)
+    loss = torch.rand(6, 7, generator=gen, dtype=torch.float64)
+    assert (loss * agg_weights(mask, agg).double()).sum().item() == pytest.approx(agg_loss(loss, mask, agg).item(), rel=1e-6)

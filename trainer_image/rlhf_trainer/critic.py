@@ -23,7 +23,8 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.value_head.weight)
         torch.nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            use_cache=False).last_hidden_state
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        """Values [b, L]; extra keyword arguments (an attention mask, context-parallel
+        document ids) go to the decoder."""
+        hidden = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs).last_hidden_state
         return self.value_head(hidden).squeeze(-1)

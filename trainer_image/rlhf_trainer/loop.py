@@ -36,11 +36,14 @@ from rlhf_operator.api.models import RLHFJob
 
 from .algorithms.advantages import compute_advantages, gae, groups_with_signal, overlong_penalty
 from .algorithms.kl import kl_penalty
-from .algorithms.losses import agg_loss, entropy_from_logits, explained_variance, policy_loss, truncated_is_weights, value_loss
-from .batch import Row, pad_batch, pad_rows, response_logits, response_values, token_logprobs
+from .algorithms.losses import (agg_weights, entropy_from_logits, explained_variance, ppo_token_loss,
+                                truncated_is_weights, value_token_loss)
+from .batch import Row, pad_rows
+from .parallel.grad_norm import clip_grad_norm
+from .packed import MicroBatch, critic_forward, local, plan, policy_forward, whole_row
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_final
 from .data.prompts import PromptSource
-from .distributed import DistInfo, all_reduce_sum, broadcast_object, init_distributed
+from .distributed import DistInfo, broadcast_object, init_distributed
 from .metrics import MetricsWriter
 from .rewards import build_scorer
 
@@ -51,14 +54,6 @@ def _load_policy(path: str, device: torch.device) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
-
-
-def _all_gather_rows(local: list[Any], world: int) -> list[Any]:
-    if world == 1:
-        return local
-    parts: list[Any] = [None] * world
-    dist.all_gather_object(parts, local)
-    return [x for part in parts for x in part]
 
 
 class Trainer:
@@ -77,15 +72,10 @@ class Trainer:
             from .critic import ValueModel
 
             self.critic = ValueModel(self.spec.model.path).to(info.device)
+        p = t.parallelism
+        self.dp_size, self.cp_mesh, self.dp_rank, self.reduce_group = self.spec.data_parallel_size, None, 0, None
         if info.world_size > 1:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            from .parallel.fsdp import apply_fsdp
-
-            mesh = init_device_mesh(info.device.type, (info.world_size,), mesh_dim_names=("dp",))
-            for m in (self.model, self.ref_model, self.critic):
-                if m is not None:
-                    apply_fsdp(m, mesh)
+            self._parallelize(p)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay)
         self.critic_optimizer = None
         if self.critic is not None:
@@ -110,6 +100,32 @@ class Trainer:
             host, port = weight_sync_addr.rsplit(":", 1)
             self.sender = WeightSyncSender(endpoints, host, int(port))
             self.metrics = MetricsWriter(self.output_dir)
+
+    def _parallelize(self, p) -> None:
+        """TP -> CP -> activation checkpointing -> FSDP2 (parallel/parallelize.py) for the
+        policy; the reference model and the critic are laid out on the same meshes."""
+        from .parallel.context_parallel import apply_cp
+        from .parallel.parallelize import apply_fsdp_summed, parallelize
+        from .parallel.tensor_parallel import apply_tp
+
+        tp, cp = p.tensor_parallel, p.context_parallel
+        if tp > 1 and self.critic is not None:
+            raise ValueError("trainer.parallelism.tensorParallel > 1 with algorithm.critic is not supported yet; "
+                             "use tensorParallel: 1 (FSDP and context parallel work with the critic)")
+        meshes = parallelize(self.model, world_size=self.info.world_size, dp_shard=self.dp_size, tp=tp, cp=cp,
+                             activation_checkpointing=p.activation_checkpointing, device_type=self.info.device.type)
+        for extra in (self.ref_model, self.critic):
+            if extra is None:
+                continue
+            if tp > 1:
+                apply_tp(extra, meshes.tp)
+            if cp > 1:  # the critic's decoder is the Hugging Face model
+                apply_cp(extra.model if extra is self.critic else extra, meshes.cp)
+            if self.dp_size * cp > 1:
+                apply_fsdp_summed(extra, meshes.dp_shard_cp)
+        self.cp_mesh = meshes.cp if cp > 1 else None
+        self.dp_rank = meshes.dp_shard.get_local_rank()
+        self.reduce_group = meshes.dp_shard_cp.get_group() if self.dp_size * cp > 1 else None
 
     @property
     def parts(self) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]:
@@ -197,36 +213,38 @@ class Trainer:
 
     # ---- 2. log-probs, values, advantages (all ranks) ---------------------------------
 
-    def _micro_batches(self, rows: list[Row]):
-        mb = self.spec.trainer.micro_batch_size
-        for m in range(0, len(rows), mb):
-            yield rows[m:m + mb], pad_batch(rows[m:m + mb], self.pad_id, self.info.device)
-
-    @torch.no_grad()
-    def _per_row(self, rows: list[Row], fn) -> list[list[float]]:
-        out: list[list[float]] = []
-        for micro, batch in self._micro_batches(rows):
-            values = fn(batch)
-            out += [values[i, :len(r.response_ids)].tolist() for i, r in enumerate(micro)]
-        return out
+    def _plan(self, rows: list[Row], indices: list[int]) -> list[MicroBatch]:
+        cp = self.cp_mesh.size() if self.cp_mesh is not None else 1
+        return plan(rows, indices, self.spec.trainer.max_tokens_per_micro_batch, self.dp_size, cp)[self.dp_rank]
 
     def _prepare(self, rows: list[Row]) -> dict[str, torch.Tensor]:
         """Full-batch tensors [B, T]: mask, old/ref log-probs, values, advantages, returns."""
-        a, info = self.spec.algorithm, self.info
-        per_rank = len(rows) // info.world_size
-        mine = rows[info.rank * per_rank:(info.rank + 1) * per_rank]
+        a, info, dev = self.spec.algorithm, self.info, self.info.device
         need_old = a.num_mini_batches > 1 or (a.kl_coef > 0 and a.kl_mode == "reward") or a.tis_cap is not None
-        local: dict[str, list[list[float]]] = {}
-        self.model.eval()
+        passes = {}
         if need_old:
-            local["old_logprobs"] = self._per_row(mine, lambda b: token_logprobs(response_logits(self.model, b), b))
+            passes["old_logprobs"] = lambda mb: policy_forward(self.model, mb, self.cp_mesh, dev)[1]
         if self.ref_model is not None:
-            local["ref_logprobs"] = self._per_row(mine, lambda b: token_logprobs(response_logits(self.ref_model, b), b))
+            passes["ref_logprobs"] = lambda mb: policy_forward(self.ref_model, mb, self.cp_mesh, dev)[1]
+        if self.critic is not None:
+            passes["values"] = lambda mb: critic_forward(self.critic, mb, self.cp_mesh, dev)
+        self.model.eval()
         if self.critic is not None:
             self.critic.eval()
-            local["values"] = self._per_row(mine, lambda b: response_values(self.critic, b))
+        local: dict[str, dict[int, list[float]]] = {k: {} for k in passes}
+        with torch.no_grad():
+            for mb in self._plan(rows, list(range(len(rows)))):
+                for name, fn in passes.items():
+                    for i, values in zip(mb.rows, mb.gather(whole_row(fn(mb), self.cp_mesh))):
+                        local[name][i] = values
+        if info.world_size > 1 and passes:
+            parts: list[Any] = [None] * info.world_size
+            dist.all_gather_object(parts, local)
+            for part in parts:  # tensor / context parallel peers hold identical copies
+                for name in passes:
+                    local[name].update(part[name])
         keys = sorted(local)
-        gathered = _all_gather_rows([[local[k][i] for k in keys] for i in range(len(mine))], info.world_size)
+        gathered = [[local[k][i] for k in keys] for i in range(len(rows))]
         width = max(max(len(r.response_ids) for r in rows), 1)
         out = {k: pad_rows([g[j] for g in gathered], width) for j, k in enumerate(keys)}
         mask = pad_rows([r.mask() for r in rows], width)
@@ -248,67 +266,64 @@ class Trainer:
     # ---- 3. updates (all ranks) -------------------------------------------------------
 
     def _train(self, rows: list[Row], full: dict[str, torch.Tensor]) -> dict[str, float]:
-        a, t, info = self.spec.algorithm, self.spec.trainer, self.info
-        dev = info.device
-        per_rank = len(rows) // info.world_size
-        per_mini = per_rank // a.num_mini_batches
-        # sums: loss, clip*tok, approx_kl*tok, entropy, kl, tokens, grad_norm, value_loss, critic grad norm
-        sums = torch.zeros(9, dtype=torch.float64)
+        a, info, dev = self.spec.algorithm, self.info, self.info.device
+        per_mini = len(rows) // a.num_mini_batches
+        # loss, clip*tok, approx_kl*tok, entropy, kl, tokens, value loss: summed over data x context ranks
+        sums = torch.zeros(7, dtype=torch.float64)
+        grad_norms = [0.0, 0.0]
         self.model.train()
         if self.critic is not None:
             self.critic.train()
         for k in range(a.num_mini_batches):
-            # every rank holds all rows, so mini-batch k's global counts are local sums
-            idx_global = [q * per_rank + k * per_mini + j for q in range(info.world_size) for j in range(per_mini)]
-            num_tokens = float(full["mask"][idx_global].sum())
-            num_seqs = float(len(idx_global))
-            norm = {"num_tokens": num_tokens, "num_seqs": num_seqs}
-            first = info.rank * per_rank + k * per_mini
+            base = k * per_mini
+            idx = list(range(base, base + per_mini))
+            mask_k = full["mask"][idx]
+            width = max(max(len(rows[i].response_ids) for i in idx), 1)
+            coef = agg_weights(mask_k, a.loss_agg, num_tokens=float(mask_k.sum()), num_seqs=per_mini, width=width)
+            value_coef = agg_weights(mask_k, "token-mean")
             self.optimizer.zero_grad(set_to_none=True)
             if self.critic_optimizer is not None:
                 self.critic_optimizer.zero_grad(set_to_none=True)
-            for m in range(0, per_mini, t.micro_batch_size):
-                lo, hi = first + m, first + min(m + t.micro_batch_size, per_mini)
-                batch = pad_batch(rows[lo:hi], self.pad_id, dev)
-                mask = batch["response_mask"]
-                width = mask.shape[1]
+            for mb in self._plan(rows, idx):
+                def row_tensor(table: torch.Tensor, relative: bool = False) -> torch.Tensor:
+                    values = [table[i - base if relative else i, :len(rows[i].response_ids)] for i in mb.rows]
+                    return local(mb.scatter(values), self.cp_mesh, dev)
 
-                def cut(name: str) -> torch.Tensor:
-                    return full[name][lo:hi, :width].to(dev)
-
-                logits = response_logits(self.model, batch)
-                logp = token_logprobs(logits, batch)
-                old_logp = cut("old_logprobs") if "old_logprobs" in full else logp.detach()
-                is_w = truncated_is_weights(old_logp, cut("rollout_logprobs"), a.tis_cap) if a.tis_cap is not None else None
-                loss, pg = policy_loss(logp, old_logp, cut("advantages"), mask, clip_low=a.clip_low, clip_high=a.clip_high,
-                                       dual_clip=a.dual_clip, agg=a.loss_agg, is_weights=is_w, **norm)
+                c = row_tensor(coef, relative=True)
+                m = row_tensor(full["mask"])
+                logits, logp = policy_forward(self.model, mb, self.cp_mesh, dev)
+                old = row_tensor(full["old_logprobs"]) if "old_logprobs" in full else logp.detach()
+                token_loss, clip_active = ppo_token_loss(logp, old, row_tensor(full["advantages"]), clip_low=a.clip_low,
+                                                         clip_high=a.clip_high, dual_clip=a.dual_clip)
+                if a.tis_cap is not None:
+                    token_loss = token_loss * truncated_is_weights(old, row_tensor(full["rollout_logprobs"]), a.tis_cap)
+                loss = (token_loss * c).sum()
                 entropy = entropy_from_logits(logits)
                 if a.entropy_coef:
-                    loss = loss - a.entropy_coef * agg_loss(entropy, mask, a.loss_agg, **norm)
+                    loss = loss - a.entropy_coef * (entropy * c).sum()
                 if self.ref_model is not None:
-                    with torch.no_grad():
-                        ref_logp = cut("ref_logprobs")
-                    kl = kl_penalty(logp, ref_logp, a.kl_estimator)
+                    kl = kl_penalty(logp, row_tensor(full["ref_logprobs"]), a.kl_estimator)
                     if a.kl_mode == "loss":
-                        loss = loss + a.kl_coef * agg_loss(kl, mask, a.loss_agg, **norm)
-                    sums[4] += float((kl.detach() * mask).sum())
-                # FSDP averages gradients over ranks; the loss is already a global mean
-                (loss * info.world_size).backward()
-                tokens = float(mask.sum())
+                        loss = loss + a.kl_coef * (kl * c).sum()
+                    sums[4] += float((kl.detach() * m).sum())
+                # gradients are SUMMED over data x context ranks: each rank's loss is its share
+                loss.backward()
                 sums[0] += float(loss)
-                sums[1] += float(pg["clip_fraction"]) * tokens
-                sums[2] += float(pg["approx_kl"]) * tokens
-                sums[3] += float((entropy.detach() * mask).sum())
-                sums[5] += tokens
+                sums[1] += float((clip_active.float() * m).sum())
+                sums[2] += float((0.5 * (logp.detach() - old).square() * m).sum())
+                sums[3] += float((entropy.detach() * m).sum())
+                sums[5] += float(m.sum())
                 if self.critic is not None:
-                    values = response_values(self.critic, batch)
-                    vloss, _ = value_loss(values, cut("values"), cut("returns"), mask, clip=a.value_clip, agg="token-mean", **norm)
-                    (vloss * info.world_size).backward()
-                    sums[7] += float(vloss)
-            sums[6] += self._clip_and_step(self.model, self.optimizer) / info.world_size
+                    values = critic_forward(self.critic, mb, self.cp_mesh, dev)
+                    vl, _ = value_token_loss(values, row_tensor(full["values"]), row_tensor(full["returns"]), a.value_clip)
+                    vloss = (vl * row_tensor(value_coef, relative=True)).sum()
+                    vloss.backward()
+                    sums[6] += float(vloss)
+            grad_norms[0] += self._clip_and_step(self.model, self.optimizer)
             if self.critic is not None:
-                sums[8] += self._clip_and_step(self.critic, self.critic_optimizer) / info.world_size
-        all_reduce_sum(sums)
+                grad_norms[1] += self._clip_and_step(self.critic, self.critic_optimizer)
+        if self.reduce_group is not None:
+            dist.all_reduce(sums, group=self.reduce_group)
         tokens = max(float(sums[5]), 1.0)
         mask, adv = full["mask"], full["advantages"]
         n_valid = mask.sum().clamp(min=1.0)
@@ -319,22 +334,20 @@ class Trainer:
             "approx_kl": float(sums[2]) / tokens,
             "entropy": float(sums[3]) / tokens,
             "kl": float(sums[4]) / tokens if self.ref_model is not None else None,
-            "grad_norm": float(sums[6]) / a.num_mini_batches,
+            "grad_norm": grad_norms[0] / a.num_mini_batches,
             "advantage_mean": adv_mean,
             "advantage_std": float((((adv - adv_mean) ** 2) * mask).sum() / n_valid) ** 0.5,
         }
         if self.critic is not None:
-            metrics["value_loss"] = float(sums[7]) / a.num_mini_batches
-            metrics["critic_grad_norm"] = float(sums[8]) / a.num_mini_batches
+            metrics["value_loss"] = float(sums[6]) / a.num_mini_batches
+            metrics["critic_grad_norm"] = grad_norms[1] / a.num_mini_batches
             metrics["explained_variance"] = float(explained_variance(full["values"], full["returns"], mask))
         return metrics
 
     def _clip_and_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.spec.trainer.max_grad_norm)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
+        norm = clip_grad_norm(model.parameters(), self.spec.trainer.max_grad_norm)
         optimizer.step()
-        return float(norm)
+        return norm
 
     # ---- 4. weight sync (all ranks gather, rank 0 sends) ------------------------------
 

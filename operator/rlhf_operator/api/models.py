@@ -180,6 +180,18 @@ class RolloutSpec(_Model):
     """Top-k sampling; -1 disables it."""
 
 
+class ParallelismSpec(_Model):
+    """Model and sequence parallelism; data-parallel sharding (FSDP2) takes the rest of the
+    world: dataParallel = world size / (tensorParallel x contextParallel)."""
+
+    tensor_parallel: int = Field(default=1, ge=1)
+    """Tensor-parallel degree (within a node); must divide the attention and KV heads."""
+    context_parallel: int = Field(default=1, ge=1)
+    """Context-parallel degree: each rank holds a contiguous slice of the packed sequence."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass."""
+
+
 class TrainerSpec(_Model):
     """The trainer processes (torchrun)."""
 
@@ -195,8 +207,11 @@ class TrainerSpec(_Model):
     """AdamW weight decay."""
     max_grad_norm: float = Field(default=1.0, gt=0)
     """Gradient clipping by global norm."""
-    micro_batch_size: int = Field(default=8, ge=1)
-    """Sequences per forward/backward pass on each process."""
+    max_tokens_per_micro_batch: int = Field(default=8192, ge=1)
+    """Token budget of one packed forward/backward pass (sequences are packed without
+    padding and balanced across data-parallel ranks); a longer sequence is an error."""
+    parallelism: "ParallelismSpec" = Field(default_factory=lambda: ParallelismSpec())
+    """How the model and the sequences are split over the trainer processes."""
 
 
 class ScheduleSpec(_Model):
@@ -264,6 +279,11 @@ class RLHFJobSpec(_Model):
     @property
     def trainer_world_size(self) -> int:
         return self.trainer.num_nodes * self.trainer.nproc_per_node
+
+    @property
+    def data_parallel_size(self) -> int:
+        p = self.trainer.parallelism
+        return max(1, self.trainer_world_size // (p.tensor_parallel * p.context_parallel))
 
     @property
     def samples_per_step(self) -> int:

@@ -16,6 +16,9 @@ ESTIMATOR = cel_resolved("advantage_estimator", "advantageEstimator")
 CRITIC = cel_resolved("critic", "critic")
 OVERLONG = cel_resolved("overlong_buffer", "overlongBuffer")
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+_TP = "(has(self.trainer.parallelism) && has(self.trainer.parallelism.tensorParallel) ? self.trainer.parallelism.tensorParallel : 1)"
+_CP = "(has(self.trainer.parallelism) && has(self.trainer.parallelism.contextParallel) ? self.trainer.parallelism.contextParallel : 1)"
+_ALGO_MINI = "(has(self.algorithm) && has(self.algorithm.numMiniBatches) ? self.algorithm.numMiniBatches : 1)"
 
 if TYPE_CHECKING:
     from .models import RLHFJobSpec
@@ -73,25 +76,20 @@ RULES: tuple[Rule, ...] = (
         detail=lambda s: f"{s.algorithm.overlong_buffer} >= {s.rollout.max_tokens}",
     ),
     Rule(
-        field_path="schedule.promptsPerStep",
-        cel="(self.schedule.promptsPerStep * self.rollout.samplesPerPrompt) % "
-        "(self.trainer.numNodes * self.trainer.nprocPerNode) == 0",
-        message="schedule.promptsPerStep x rollout.samplesPerPrompt must be divisible by "
-        "the trainer world size (trainer.numNodes x trainer.nprocPerNode)",
-        check=lambda s: s.samples_per_step % s.trainer_world_size == 0,
-        detail=lambda s: f"{s.schedule.prompts_per_step} x {s.rollout.samples_per_prompt} = "
-        f"{s.samples_per_step} samples over {s.trainer_world_size} processes",
+        field_path="trainer.parallelism",
+        cel=f"(self.trainer.numNodes * self.trainer.nprocPerNode) % ({_TP} * {_CP}) == 0",
+        message="tensorParallel x contextParallel must divide the trainer world size "
+        "(trainer.numNodes x trainer.nprocPerNode)",
+        check=lambda s: s.trainer_world_size % (s.trainer.parallelism.tensor_parallel * s.trainer.parallelism.context_parallel) == 0,
+        detail=lambda s: f"{s.trainer.parallelism.tensor_parallel} x {s.trainer.parallelism.context_parallel} "
+        f"does not divide {s.trainer_world_size}",
     ),
     Rule(
         field_path="algorithm.numMiniBatches",
-        cel="(self.schedule.promptsPerStep * self.rollout.samplesPerPrompt) % "
-        "(self.trainer.numNodes * self.trainer.nprocPerNode * self.algorithm.numMiniBatches) == 0",
-        message="must divide the samples each trainer process gets per step "
-        "(schedule.promptsPerStep x rollout.samplesPerPrompt / trainer world size)",
-        check=lambda s: s.samples_per_step % (s.trainer_world_size * s.algorithm.num_mini_batches)
-        == 0,
-        detail=lambda s: f"{s.algorithm.num_mini_batches} does not divide "
-        f"{s.samples_per_step // max(1, s.trainer_world_size)} samples per process",
+        cel=f"(self.schedule.promptsPerStep * self.rollout.samplesPerPrompt) % {_ALGO_MINI} == 0",
+        message="must divide schedule.promptsPerStep x rollout.samplesPerPrompt (the samples of one step)",
+        check=lambda s: s.samples_per_step % s.algorithm.num_mini_batches == 0,
+        detail=lambda s: f"{s.algorithm.num_mini_batches} does not divide {s.samples_per_step} samples",
     ),
 )
 
