@@ -51,6 +51,9 @@ STATE = _State()
 _locks: dict[tuple[str, str], threading.Lock] = {}
 _locks_guard = threading.Lock()
 _applied: dict[tuple[str, str, str], tuple[str, float]] = {}
+# Failed pods seen in watch events, by job: the training-operator and the StatefulSet
+# controller delete failed pods within milliseconds, so a LIST may no longer show them.
+_failed_pods: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
 
 
 def _lock(key: tuple[str, str]) -> threading.Lock:
@@ -91,28 +94,33 @@ def _status_view(st: dict[str, Any]) -> dict[str, Any]:
 
 
 def reconcile(namespace: str, name: str, trigger: str, hint_pod: dict[str, Any] | None = None) -> str | None:
-    """Bring one job's children and status in line with its spec; returns the phase."""
+    """Bring one job's children and status in line with its spec; returns the phase.
+    `hint_pod`: the pod of a watch event, remembered when it shows a failure."""
     kube = STATE.kube
     assert kube is not None, "operator not started"
+    if hint_pod is not None and status.pod_failure(hint_pod):
+        _failed_pods.setdefault((namespace, name), {})[hint_pod["metadata"]["uid"]] = hint_pod
     metrics.RECONCILES.labels(trigger=trigger).inc()
     with _lock((namespace, name)), metrics.DURATION.time():
         try:
-            return _reconcile(kube, namespace, name, hint_pod)
+            return _reconcile(kube, namespace, name)
         except Exception as err:
             metrics.ERRORS.labels(error=type(err).__name__).inc()
             raise
 
 
-def _reconcile(kube: Kube, namespace: str, name: str, hint_pod: dict[str, Any] | None) -> str | None:
+def _reconcile(kube: Kube, namespace: str, name: str) -> str | None:
     body = kube.get_job(namespace, name)
     if body is None or body["metadata"].get("deletionTimestamp"):
+        _failed_pods.pop((namespace, name), None)
         return None
     observed = kube.observe(namespace, name)
-    if hint_pod is not None and status._pod_failure(hint_pod):
-        # A failed pod the StatefulSet may already have replaced: keep the evidence.
-        uids = {p["metadata"].get("uid") for p in observed.pods}
-        if hint_pod["metadata"].get("uid") not in uids:
-            observed.pods.append(hint_pod)
+    seen = _failed_pods.get((namespace, name), {})
+    attempt = str((body.get("status") or {}).get("restarts") or 0)
+    for uid in [u for u, p in list(seen.items()) if p["metadata"]["labels"].get("rlhf.dev/attempt") != attempt]:
+        seen.pop(uid, None)  # evidence of an earlier attempt is no longer needed
+    listed = {p["metadata"].get("uid") for p in observed.pods}
+    observed.pods += [p for u, p in list(seen.items()) if u not in listed]
 
     job, invalid, settings = None, None, PodSettings()
     try:
@@ -172,7 +180,9 @@ def on_job(event: dict[str, Any], namespace: str, name: str, **_: Any) -> None:
 
 @kopf.on.event("", "v1", "pods", labels={LABEL_JOB: kopf.PRESENT})
 def on_pod(event: dict[str, Any], body: kopf.Body, namespace: str, labels: dict[str, str], **_: Any) -> None:
-    reconcile(namespace, labels[LABEL_JOB], "pod", hint_pod=json.loads(json.dumps(dict(body))))
+    pod = json.loads(json.dumps(dict(body)))
+    log.debug("pod %s %s: %s", event.get("type"), pod["metadata"]["name"], (pod.get("status") or {}).get("phase"))
+    reconcile(namespace, labels[LABEL_JOB], "pod", hint_pod=pod)
 
 
 @kopf.on.event("kubeflow.org", "v1", "pytorchjobs", labels={LABEL_JOB: kopf.PRESENT})

@@ -235,7 +235,3 @@ class Lease:
             if time.monotonic() - last_ok > self.duration * 2 / 3:
                 lost()
                 return
-
-
-def dumps(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True)

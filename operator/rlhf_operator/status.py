@@ -40,6 +40,10 @@ PERMANENT_EXIT_CODES: dict[int, str] = {
 
 TERMINAL = ("Succeeded", "Failed")
 TERMINAL_GRACE = timedelta(seconds=60)
+# The training-operator deletes a failed trainer pod at once; its exit code reaches us
+# through the pod's watch events. A PyTorchJob marked Failed with no failed pod in sight
+# is therefore given this long for that evidence before it counts as a retryable failure.
+EVIDENCE_GRACE = timedelta(seconds=10)
 CONDITION_TYPES = ("Suspended", "Running", "Restarting", "Succeeded", "Failed")
 
 
@@ -149,7 +153,7 @@ def _set(conds: dict[str, dict[str, Any]], type_: str, value: bool | None, reaso
                     "lastTransitionTime": when}
 
 
-def _pod_failure(pod: dict[str, Any]) -> Failure | None:
+def pod_failure(pod: dict[str, Any]) -> Failure | None:
     """The first sign that a pod failed: a container that terminated (any exit code for a
     rollout server, which must never exit; non-zero for a trainer), a container restart,
     or a Failed phase (evictions)."""
@@ -252,10 +256,12 @@ def plan(body: dict[str, Any], job: RLHFJob | None, observed: Observed, now: dat
     failure = None
     for pod in sorted(ours, key=lambda p: p["metadata"]["name"]):
         if _attempt_of(pod) == restarts:
-            failure = _pod_failure(pod)
+            failure = pod_failure(pod)
             if failure:
                 break
     ptj_failed = _ptj_condition(current.get("PyTorchJob"), "Failed")
+    if ptj_failed and now < (parse_time(ptj_failed.get("lastTransitionTime")) or now) + EVIDENCE_GRACE:
+        ptj_failed = None  # wait a moment for the failed pod's exit code
     if failure is None and ptj_failed:
         failure = Failure(current["PyTorchJob"]["metadata"]["name"], ROLE_TRAINER, None, None,
                           ptj_failed.get("reason") or "PyTorchJobFailed", ptj_failed.get("message") or "")
@@ -352,7 +358,7 @@ def restarting_condition(conds, phase, reason, message) -> tuple[bool | None, st
     if phase == "Restarting":
         return True, reason, message
     if conds.get("Restarting", {}).get("status") == "True":
-        return False, "Restarted", "the pods of the new attempt were created"
+        return False, "Restarted", f"new pods created after: {conds['Restarting'].get('message', '')}"
     return None, "", ""
 
 

@@ -63,8 +63,8 @@ def test_example_and_defaults():
         ({**MINIMAL, "kind": "Job"}, "kind", "'RLHFJob'"),
         # cross-field rules name the field they blame
         (with_spec(rollout={"samplesPerPrompt": 1}), "spec.rollout.samplesPerPrompt", "at least 2"),
-        (with_spec(schedule={"promptsPerStep": 3}, rollout={"samplesPerPrompt": 3}, trainer={"nprocPerNode": 2}),
-         "spec.schedule.promptsPerStep", "9 samples over 2 processes"),
+        (with_spec(trainer={"nprocPerNode": 2, "parallelism": {"tensorParallel": 4}}),
+         "spec.trainer.parallelism", "4 x 1 does not divide 2"),
         (with_spec(algorithm={"numMiniBatches": 3}, schedule={"promptsPerStep": 4}), "spec.algorithm.numMiniBatches", "does not divide 32"),
         (with_spec(schedule={"saveEvery": -1}), "spec.schedule.saveEvery", "greater than or equal to 0"),
     ],

@@ -311,3 +311,19 @@ def test_builders_are_pure_and_deterministic():
     data = make_job()
     assert children_of(data) == children_of(data)
     assert children_of(data, 1)[("ConfigMap", "demo-config")] == children_of(data, 2)[("ConfigMap", "demo-config")]
+
+
+def test_the_cluster_example_builds_with_its_pod_settings():
+    data = yaml.safe_load((REPO / "examples" / "rlhfjob.yaml").read_text())
+    data["metadata"].update(namespace="ml", uid=UID)
+    children = children_of(data)
+    sts = children[("StatefulSet", "qwen-math-grpo-rollout")]
+    pod = sts["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert {"name": "work", "mountPath": "/work"} in pod["containers"][0]["volumeMounts"]
+    assert pod["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "2"}
+    ptj = children[("PyTorchJob", "qwen-math-grpo-trainer")]
+    env = {e["name"]: e["value"] for e in ptj["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+           ["containers"][0]["env"]}
+    assert env["RLHF_OUTPUT_DIR"] == "/work/runs/qwen-math-grpo"
+    roundtrip(sts, "V1StatefulSet")

@@ -124,6 +124,7 @@ def test_restart_waits_until_every_old_pod_is_gone_then_creates_the_next_attempt
     p = run(body(status), Observed())
     assert p.create_workloads and p.status["phase"] == "Pending"
     assert cond(p, "Restarting")["status"] == "False" and cond(p, "Restarting")["reason"] == "Restarted"
+    assert cond(p, "Restarting")["message"] == "new pods created after: m"
 
 
 def test_failed_rollout_server_restarts_too_any_exit_or_restart_counts():
@@ -212,3 +213,17 @@ def test_invalid_spec_fails_with_the_reason():
     p = plan(body(), None, Observed(), NOW, invalid="spec.rollout.replicas: must be >= 1")
     assert p.status["phase"] == "Failed" and cond(p, "Failed")["reason"] == "InvalidSpec"
     assert "spec.rollout.replicas" in cond(p, "Failed")["message"]
+
+
+def test_pytorchjob_failure_waits_briefly_for_the_pods_exit_code():
+    """The training-operator deletes a failed trainer pod at once; the PyTorchJob's Failed
+    condition alone counts only after a grace period (the exit code may still arrive)."""
+    obs = running_children()
+    obs.pods = obs.pods[:2]  # the failed trainer pod is already gone
+    obs.pytorchjob = workload("PyTorchJob", 0, [("Failed", "backoff limit")])
+    obs.pytorchjob["status"]["conditions"][0]["lastTransitionTime"] = "2025-01-01T12:00:00Z"
+    b = body({"phase": "Running"})
+    assert run(b, obs, now=NOW + timedelta(seconds=5)).status["restarts"] == 0
+    p = run(b, obs, now=NOW + timedelta(seconds=11))
+    assert p.status["phase"] == "Restarting" and p.status["restarts"] == 1
+    assert "backoff limit" in cond(p, "Restarting")["message"]
