@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 demo: $(STAMP)
-	$(BIN)/rlhfctl run examples/local-grpo.yaml --output runs/demo
+	$(BIN)/rlhfctl run examples/local-grpo.yaml --output runs/demo --overwrite
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests

@@ -120,3 +120,20 @@ def test_invalid_spec_is_rejected_naming_the_field(cluster: Cluster, ns: str, wh
     assert proc.returncode != 0, f"{what}: accepted by the API server"
     for text in expected:
         assert text in proc.stderr, f"{what}: {text!r} not in {proc.stderr!r}"
+
+
+def test_layout_fields_are_immutable_after_creation(cluster: Cluster, ns: str):
+    doc = with_("metadata.name", f"imm-{uuid.uuid4().hex[:6]}")
+    cluster.kubectl("create", "-n", ns, "-f", "-", input=yaml.safe_dump(doc))
+    name = doc["metadata"]["name"]
+    try:
+        res = cluster.kubectl("patch", "rlj", name, "-n", ns, "--type=merge", "-p",
+                              '{"spec": {"model": {"path": "/models/other"}}}', check=False)
+        assert res.returncode != 0
+        assert "spec.model.path cannot change once the job exists" in res.stderr
+        # fields outside the layout may change (e.g. suspend, totalSteps)
+        ok = cluster.kubectl("patch", "rlj", name, "-n", ns, "--type=merge", "-p",
+                             '{"spec": {"suspend": true, "schedule": {"totalSteps": 7}}}', check=False)
+        assert ok.returncode == 0, ok.stderr
+    finally:
+        cluster.kubectl("delete", "rlj", name, "-n", ns, "--wait=false", check=False)

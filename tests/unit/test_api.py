@@ -10,7 +10,7 @@ import yaml
 
 from rlhf_operator.api import JobError, RLHFJob, load_job, validate_job
 from rlhf_operator.api.crd import crd, crd_yaml
-from rlhf_operator.api.rules import RULES
+from rlhf_operator.api.rules import IMMUTABLE_FIELDS, RULES
 from rlhf_operator.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -129,7 +129,9 @@ def test_crd_is_structural_and_carries_the_rules():
         if "exclusiveMinimum" in node:
             assert node["exclusiveMinimum"] is True and "minimum" in node, path
     spec = schema["properties"]["spec"]
-    assert [v["rule"] for v in spec["x-kubernetes-validations"]] == [r.cel for r in RULES]
+    rules = [v["rule"] for v in spec["x-kubernetes-validations"]]
+    assert rules[:len(RULES)] == [r.cel for r in RULES]
+    assert rules[len(RULES):] == [f"self.{f} == oldSelf.{f}" for f in IMMUTABLE_FIELDS]
     assert spec["properties"]["rollout"]["properties"]["samplesPerPrompt"] == {
         "default": 8, "description": "Responses sampled for each prompt (the group size).", "minimum": 1, "type": "integer"}
     assert spec["required"] == ["model", "data"]

@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from .models import API_GROUP, API_VERSION, KIND, MAX_NAME_LENGTH, PLURAL, SHORT_NAME, RLHFJobSpec, RLHFJobStatus
-from .rules import RULES
+from .rules import IMMUTABLE_FIELDS, RULES
 
 _DROP = {"title", "additionalProperties"}
 
@@ -69,6 +69,10 @@ def spec_schema() -> dict[str, Any]:
     schema["x-kubernetes-validations"] = [
         {"rule": r.cel, "message": f"spec.{r.field_path}: {r.message}", "fieldPath": f".{r.field_path}"}
         for r in RULES
+    ] + [
+        {"rule": f"self.{f} == oldSelf.{f}", "message": f"spec.{f} cannot change once the job exists; "
+         "create a new job (checkpoints can be copied over)", "fieldPath": f".{f}"}
+        for f in IMMUTABLE_FIELDS
     ]
     return schema
 

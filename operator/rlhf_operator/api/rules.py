@@ -94,6 +94,13 @@ RULES: tuple[Rule, ...] = (
 )
 
 
+IMMUTABLE_FIELDS: tuple[str, ...] = ("model.path", "trainer.numNodes", "trainer.nprocPerNode",
+                                     "rollout.tensorParallelSize")
+"""Spec fields (YAML paths under spec) that an update may not change: the job's pods,
+checkpoints and rollout servers are laid out by them. The CRD carries them as CEL
+transition rules (`oldSelf`)."""
+
+
 class RuleViolations(ValueError):
     """One or more rules failed; `violations` holds (field path under spec, message)."""
 
