@@ -190,6 +190,31 @@ def test_valid_job_gets_its_children_and_runs(cluster: Cluster, setup):
     assert can("patch", "rlhfjobs.rlhf.dev/run") == "no"
     assert can("delete", "pods") == "no"
 
+    # A progress patch made with the job's own service-account token shows in `kubectl get
+    # rlj`; the same token cannot patch another job.
+    token = cluster.kubectl("create", "token", "run-trainer", "-n", ns).stdout.strip()
+    admin = yaml.safe_load(Path(cluster.kubeconfig).read_text())
+    sa_config = Path(cluster.kubeconfig).parent / f"sa-{ns}.kubeconfig"
+    sa_config.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "sa",
+        "clusters": [{"name": "c", "cluster": admin["clusters"][0]["cluster"]}],
+        "users": [{"name": "trainer", "user": {"token": token}}],
+        "contexts": [{"name": "sa", "context": {"cluster": "c", "user": "trainer", "namespace": ns}}],
+    }))
+
+    def as_trainer(job: str) -> subprocess.CompletedProcess:
+        return subprocess.run([cluster.bin("kubectl"), f"--kubeconfig={sa_config}", "patch", "rlj", job,
+                               "--subresource=status", "--type=merge",
+                               "-p", '{"status": {"progress": {"step": 5, "rewardMean": 0.75}}}'],
+                              capture_output=True, text=True, timeout=60)
+
+    mine = as_trainer("run")
+    assert mine.returncode == 0, mine.stderr
+    other = as_trainer("other")
+    assert other.returncode != 0 and "forbidden" in other.stderr.lower()
+    wait_for(lambda: cluster.kubectl("get", "rlj", "run", "-n", ns).stdout.splitlines()[1].split()[2:4] == ["5", "0.75"],
+             15, "the trainer's progress in `kubectl get rlj`")
+
     # Deleting the job garbage-collects every child and pod.
     cluster.kubectl("delete", "rlhfjob", "run", "-n", ns)
     wait_for(lambda: not cluster.kubectl("get", "configmap,serviceaccount,role,rolebinding,service,networkpolicy,"
