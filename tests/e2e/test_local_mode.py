@@ -201,3 +201,32 @@ def test_parallel_layouts_train_exactly_like_one_process(tmp_path):
             assert a["reward_mean"] == b["reward_mean"], name
             for key in ("loss", "grad_norm", "kl", "entropy"):
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), (name, key)
+
+
+def test_stopped_and_resumed_run_repeats_the_uninterrupted_one(tmp_path):
+    """Steps after a resume are those of a run that never stopped (same seed): weights,
+    optimizer, data position and sampling seeds all come back. A checkpoint left half
+    written (as by a SIGKILL during a save: no completion marker) is never resumed from."""
+    common = [*SMALL, "rollout.replicas=1", "schedule.saveEvery=2"]
+    straight = tmp_path / "straight"
+    res = rlhfctl("run", str(EXAMPLE), "--output", str(straight), *sets(*common, "schedule.totalSteps=4"))
+    assert res.returncode == 0, res.stderr[-3000:]
+
+    stopped = tmp_path / "stopped"
+    res = rlhfctl("run", str(EXAMPLE), "--output", str(stopped), *sets(*common, "schedule.totalSteps=2"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    partial = stopped / "checkpoints" / "step-3"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"torn write")
+    res = rlhfctl("run", str(EXAMPLE), "--output", str(stopped), "--resume", *sets(*common, "schedule.totalSteps=4"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resumed from" in (stopped / "logs" / "trainer.log").read_text()
+    assert "checkpoints/step-2 (step 2)" in (stopped / "logs" / "trainer.log").read_text()
+    assert not partial.exists() and (stopped / "checkpoints" / "latest").read_text() == "step-4"
+
+    a, b = metrics(straight), metrics(stopped)
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for x, y in zip(a[2:], b[2:]):
+        assert x["reward_mean"] == y["reward_mean"] and x["response_length_mean"] == y["response_length_mean"]
+        for key in ("loss", "grad_norm", "kl", "entropy"):
+            assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-8), key

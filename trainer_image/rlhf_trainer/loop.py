@@ -268,8 +268,8 @@ class Trainer:
     def _train(self, rows: list[Row], full: dict[str, torch.Tensor]) -> dict[str, float]:
         a, info, dev = self.spec.algorithm, self.info, self.info.device
         per_mini = len(rows) // a.num_mini_batches
-        # loss, clip*tok, approx_kl*tok, entropy, kl, tokens, value loss: summed over data x context ranks
-        sums = torch.zeros(7, dtype=torch.float64)
+        # loss, clip*tok, approx_kl*tok, entropy, kl, tokens, value loss, padding, slots: summed over data x context ranks
+        sums = torch.zeros(9, dtype=torch.float64)
         grad_norms = [0.0, 0.0]
         self.model.train()
         if self.critic is not None:
@@ -285,6 +285,10 @@ class Trainer:
             if self.critic_optimizer is not None:
                 self.critic_optimizer.zero_grad(set_to_none=True)
             for mb in self._plan(rows, idx):
+                cp_size = self.cp_mesh.size() if self.cp_mesh is not None else 1
+                sums[7] += mb.packed.num_padding / cp_size  # each CP rank counts its share of the row
+                sums[8] += mb.length / cp_size
+
                 def row_tensor(table: torch.Tensor, relative: bool = False) -> torch.Tensor:
                     values = [table[i - base if relative else i, :len(rows[i].response_ids)] for i in mb.rows]
                     return local(mb.scatter(values), self.cp_mesh, dev)
@@ -337,6 +341,7 @@ class Trainer:
             "grad_norm": grad_norms[0] / a.num_mini_batches,
             "advantage_mean": adv_mean,
             "advantage_std": float((((adv - adv_mean) ** 2) * mask).sum() / n_valid) ** 0.5,
+            "padding_fraction": float(sums[7]) / max(float(sums[8]), 1.0),
         }
         if self.critic is not None:
             metrics["value_loss"] = float(sums[6]) / a.num_mini_batches

@@ -2,7 +2,8 @@
 
 Keys (one JSON object per step): step, reward_mean, score_mean, kl (null without a
 reference model), entropy, response_length_mean, truncated_fraction, loss, clip_fraction,
-approx_kl, grad_norm, learning_rate, step_seconds, rollout_seconds, train_seconds,
+approx_kl, grad_norm, padding_fraction (padding tokens / token slots of the packed
+micro-batches), learning_rate, step_seconds, rollout_seconds, train_seconds,
 weight_sync_seconds, tokens_per_second (prompt + response tokens of the step / step_seconds),
 policy_version. Prometheus names are the same keys with the `rlhf_` prefix; served on rank
 0 when RLHF_METRICS_PORT is set.

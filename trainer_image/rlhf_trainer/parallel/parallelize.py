@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, FSDPModule, fully_shard
 
 from .context_parallel import apply_cp
 from .fsdp import decoder_layers
@@ -79,10 +79,14 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> torch.nn.Module:
 
 def apply_fsdp_summed(model: torch.nn.Module, dp_mesh: DeviceMesh) -> torch.nn.Module:
     """FSDP2 over `dp_mesh`, one unit per decoder layer plus the root, with gradients
-    SUMMED (not averaged) over the mesh."""
+    SUMMED (not averaged) over the mesh. On CUDA, bf16 compute with fp32 master weights
+    and fp32 gradient reduction (not exercised by the CPU tests)."""
+    kwargs = {}
+    if dp_mesh.device_type == "cuda":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
+        fully_shard(layer, mesh=dp_mesh, **kwargs)
+    fully_shard(model, mesh=dp_mesh, **kwargs)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
