@@ -30,21 +30,8 @@ def agg_loss(
     num_seqs: float | None = None,
 ) -> torch.Tensor:
     """Reduce a per-token loss [B, T] to a scalar (see the module docstring)."""
-    mask = mask.to(loss.dtype)
-    masked = loss * mask
-    if agg == "token-mean":
-        denom = float(mask.sum()) if num_tokens is None else float(num_tokens)
-        return masked.sum() / max(denom, 1.0)
-    seqs = loss.shape[0] if num_seqs is None else num_seqs
-    if agg == "seq-mean-token-mean":
-        row = masked.sum(-1) / mask.sum(-1).clamp(min=1.0)
-    elif agg == "seq-mean-token-sum":
-        row = masked.sum(-1)
-    elif agg == "seq-mean-token-sum-norm":
-        row = masked.sum(-1) / mask.shape[-1]
-    else:
-        raise ValueError(f"algorithm.lossAgg: unknown aggregation {agg!r}; use one of {', '.join(AGGREGATIONS)}")
-    return row.sum() / max(float(seqs), 1.0)
+    mask = mask if mask.is_floating_point() else mask.to(loss.dtype)
+    return (loss * agg_weights(mask.to(loss.dtype), agg, num_tokens=num_tokens, num_seqs=num_seqs)).sum()
 
 
 def agg_weights(
@@ -60,7 +47,7 @@ def agg_weights(
     The trainer packs sequences, so a loss is a weighted sum over packed tokens; these
     weights carry the aggregation (`width` stands for T of seq-mean-token-sum-norm, the
     longest response of the whole batch)."""
-    mask = mask.to(torch.float32)
+    mask = mask if mask.is_floating_point() else mask.to(torch.float32)
     seqs = float(mask.shape[0] if num_seqs is None else num_seqs)
     if agg == "token-mean":
         return mask / max(float(mask.sum()) if num_tokens is None else float(num_tokens), 1.0)
