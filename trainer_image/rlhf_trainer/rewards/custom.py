@@ -28,7 +28,6 @@ import importlib.util
 import inspect
 import math
 import sys
-import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable
 
@@ -162,23 +161,8 @@ class RemoteReward:
                            f"last: {last}")
 
     def __call__(self, response: str, answer: str, extra_info: dict) -> RewardResult:
-        """One request, synchronously."""
-        payload = {"response": response, "answer": answer, "extra_info": extra_info}
-        last = ""
-        with httpx.Client(timeout=self.timeout_s) as client:
-            for attempt in range(self.max_retries + 1):
-                if attempt:
-                    time.sleep(self._delay(attempt - 1))
-                try:
-                    r = client.post(self.url, json=payload)
-                except httpx.TransportError as err:
-                    last = f"{type(err).__name__}: {err}"
-                    continue
-                if self._retryable(r):
-                    last = f"HTTP {r.status_code}"
-                    continue
-                return self._result(r)
-        raise self._give_up(last)
+        """One request, synchronously (the batch path with a batch of one)."""
+        return self.score_batch([(response, answer, extra_info)])[0]
 
     async def _one(self, client: httpx.AsyncClient, sem: asyncio.Semaphore,
                    payload: dict) -> RewardResult:
