@@ -266,7 +266,7 @@ class Trainer:
     # ---- 3. updates (all ranks) -------------------------------------------------------
 
     def _train(self, rows: list[Row], full: dict[str, torch.Tensor]) -> dict[str, float]:
-        a, info, dev = self.spec.algorithm, self.info, self.info.device
+        a, dev = self.spec.algorithm, self.info.device
         per_mini = len(rows) // a.num_mini_batches
         # loss, clip*tok, approx_kl*tok, entropy, kl, tokens, value loss, padding, slots: summed over data x context ranks
         sums = torch.zeros(9, dtype=torch.float64)
