@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from rlhf_operator.local import free_port
+from rlhf_launcher.local import free_port
 from rlhf_trainer.rollout import RolloutClient
 
 

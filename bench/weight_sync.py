@@ -25,7 +25,7 @@ import httpx
 import torch
 import torch.distributed as dist
 
-from rlhf_operator.local import free_port
+from rlhf_launcher.local import free_port
 from rlhf_trainer.weight_sync import WeightSyncSender
 
 RECEIVER = textwrap.dedent("""

@@ -29,8 +29,8 @@ import kopf
 from pydantic import ValidationError
 
 from . import metrics, status
-from .api.load import _problems
-from .api.models import API_GROUP, API_VERSION, PLURAL, RLHFJob
+from rlhf_contract.api.load import _problems
+from rlhf_contract.api.models import API_GROUP, API_VERSION, PLURAL, RLHFJob
 from .builders import (
     LABEL_JOB, PodSettings, PodSettingsError, build_support, build_workloads, rollout_name, trainer_name,
 )

@@ -23,7 +23,7 @@ from typing import Any
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
-from .api.models import API_GROUP, API_VERSION, PLURAL
+from rlhf_contract.api.models import API_GROUP, API_VERSION, PLURAL
 from .builders.meta import LABEL_JOB, rollout_name, trainer_name
 from .status import Observed
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from .api.models import RLHFJob
+from rlhf_contract.api.models import RLHFJob
 from .builders.meta import LABEL_ATTEMPT, LABEL_JOB_UID, LABEL_ROLE, ROLE_ROLLOUT, ROLE_TRAINER
 
 # Exit codes of our entry points that no restart can fix (the one list of them).

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlhf_operator.api import JobError, validate_job
+from rlhf_contract.api import JobError, validate_job
 
 from .harness import Cluster
 

@@ -44,7 +44,7 @@ def operator(cluster: Cluster, ns: str, log: Path, env: dict[str, str] | None = 
     extra = [a for n in more_namespaces for a in ("--namespace", n)]
     with open(log, "ab") as fh:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "rlhf_operator.cli", "operator", "--namespace", ns, *extra, "--lease-namespace", ns,
+            [sys.executable, "-m", "rlhf_launcher.cli", "operator", "--namespace", ns, *extra, "--lease-namespace", ns,
              "--lease-duration", "4", "--resync-seconds", "2", "--metrics-port", str(metrics_port)],
             stdout=fh, stderr=subprocess.STDOUT, env={**cluster.env, **(env or {})})
     try:
@@ -356,7 +356,7 @@ def test_only_the_lease_holder_acts(cluster: Cluster, tmp_path):
 def test_built_children_of_the_cluster_example_pass_server_validation(cluster: Cluster, setup):
     """Every child of examples/rlhfjob.yaml, as the builders make it, is accepted by the API
     server and the training-operator's webhook (server-side dry run)."""
-    from rlhf_operator.api import load_job
+    from rlhf_contract.api import load_job
     from rlhf_operator.builders import build_children
 
     ns = setup["multi"]

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_operator.local import free_port
+from rlhf_contract.api import RLHFJob
+from rlhf_contract.trainer_config import TrainerConfig
+from rlhf_launcher.local import free_port
 
 
 @pytest.fixture(scope="session")
@@ -24,9 +26,9 @@ def run_trainer(engine, tmp_path):
 
     def run(config: dict, timeout: float = 300) -> list[dict]:
         out = Path(config["spec"]["output"]["dir"])
-        path = tmp_path / "job.json"
-        path.write_text(json.dumps(config))
-        env = {**os.environ, "RLHF_JOB_CONFIG": str(path), "RLHF_ROLLOUT_ENDPOINTS": engine,
+        path = tmp_path / "trainer.json"
+        path.write_text(TrainerConfig.from_job(RLHFJob.model_validate(config)).to_json())
+        env = {**os.environ, "RLHF_TRAINER_CONFIG": str(path), "RLHF_ROLLOUT_ENDPOINTS": engine,
                "RLHF_WEIGHT_SYNC_ADDR": f"127.0.0.1:{free_port()}", "RLHF_OUTPUT_DIR": str(out),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
         res = subprocess.run([sys.executable, "-m", "rlhf_trainer"], env=env, capture_output=True, text=True,

@@ -1,6 +1,6 @@
 """Job configs for the end-to-end tests."""
 
-from rlhf_operator.api import validate_job
+from rlhf_contract.api import validate_job
 
 
 def small_job(model_dir, out, **spec) -> dict:

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 
 def rlhfctl(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "rlhf_operator.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "rlhf_launcher.cli", *args], capture_output=True, text=True,
                           cwd=ROOT, timeout=kw.pop("timeout", 400), **kw)
 
 
@@ -125,7 +125,7 @@ def test_a_crashing_trainer_stops_the_run_with_its_error(tmp_path):
 def test_ctrl_c_stops_everything_and_keeps_the_checkpoint(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rlhf_operator.cli", "run", str(EXAMPLE), "--output", str(out),
+        [sys.executable, "-m", "rlhf_launcher.cli", "run", str(EXAMPLE), "--output", str(out),
          *sets(*SMALL, "rollout.replicas=1", "schedule.totalSteps=100000", "schedule.saveEvery=3")],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )

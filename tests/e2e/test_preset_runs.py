@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from rlhf_operator.api.presets import PRESETS
+from rlhf_contract.api.presets import PRESETS
 
 from jobs import small_job
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlhf_operator.api import JobError, RLHFJob, load_job, validate_job
-from rlhf_operator.api.crd import crd, crd_yaml
-from rlhf_operator.api.rules import IMMUTABLE_FIELDS, RULES
-from rlhf_operator.cli import main
+from rlhf_contract.api import JobError, RLHFJob, load_job, validate_job
+from rlhf_contract.api.crd import crd, crd_yaml
+from rlhf_contract.api.rules import IMMUTABLE_FIELDS, RULES
+from rlhf_launcher.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "local-grpo.yaml"
@@ -104,7 +104,7 @@ def test_cli_validate(tmp_path, capsys):
 
 def test_crd_file_is_fresh():
     """crds/rlhfjobs.yaml must be exactly `rlhfctl crd` (regenerate with `make crd`)."""
-    out = subprocess.run([sys.executable, "-m", "rlhf_operator.cli", "crd"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-m", "rlhf_launcher.cli", "crd"], capture_output=True, text=True, check=True).stdout
     assert out == (ROOT / "crds" / "rlhfjobs.yaml").read_text(), "crds/rlhfjobs.yaml is stale: run `make crd`"
 
 

@@ -13,11 +13,12 @@ import pytest
 import yaml
 from kubernetes.client import ApiClient
 
-from rlhf_operator import contract
-from rlhf_operator.api import validate_job
+from rlhf_contract import pod as contract
+from rlhf_contract.api import validate_job
 from rlhf_operator.builders import (
     POD_SETTINGS_ANNOTATION, PodSettings, PodSettingsError, build_children, rollout_endpoints, weight_sync_addr,
 )
+from rlhf_contract.trainer_config import TrainerConfig
 from rlhf_operator.builders.pods import CONFIG_PATH
 
 REPO = Path(__file__).resolve().parents[2]
@@ -151,14 +152,20 @@ def test_names_labels_and_owner_references():
     assert sts["spec"]["selector"]["matchLabels"] == {"rlhf.dev/job": "demo", "rlhf.dev/role": "rollout"}
 
 
-def test_config_map_holds_the_resolved_job():
+def test_config_map_holds_the_trainer_config_with_the_preset_resolved():
     cm = children_of(make_job(algorithm={"preset": "dapo"}))[("ConfigMap", "demo-config")]
-    config = json.loads(cm["data"]["job.json"])
-    assert config["metadata"] == {"name": "demo", "namespace": "team-a",
-                                  "labels": {"kueue.x-k8s.io/queue-name": "gpu-queue"}}
-    assert config["spec"]["algorithm"]["clipHigh"] == 0.28  # preset resolved
-    assert config["spec"]["algorithm"]["overlongBuffer"] == 1024 // 5
-    assert validate_job(config).spec.rollout.replicas == 3  # the pods can read it back
+    config = TrainerConfig.from_json(cm["data"]["trainer.json"])  # the trainer pods can read it back
+    assert (config.job_name, config.namespace) == ("demo", "team-a")
+    assert config.algorithm.clip_high == 0.28  # preset resolved
+    assert config.algorithm.overlong_buffer == 1024 // 5
+    raw = json.loads(cm["data"]["trainer.json"])
+    assert not {"image", "replicas", "runPolicy", "numNodes"} & set(_all_keys(raw))  # nothing the trainer does not read
+
+
+def _all_keys(data) -> list[str]:
+    if isinstance(data, dict):
+        return [k for k, v in data.items() for k in (k, *_all_keys(v))]
+    return []
 
 
 def test_rollout_statefulset_uses_the_contract_gpus_probes_and_restricted_security():
@@ -170,12 +177,11 @@ def test_rollout_statefulset_uses_the_contract_gpus_probes_and_restricted_securi
     assert spec["podManagementPolicy"] == "Parallel" and spec["updateStrategy"] == {"type": "OnDelete"}
     pod = spec["template"]["spec"]
     (c,) = pod["containers"]
-    proc = contract.rollout_process(job, model_path="/models/qwen", host="0.0.0.0", port=contract.ROLLOUT_PORT,
-                                    config_path=CONFIG_PATH)
+    proc = contract.rollout_process(job, model_path="/models/qwen", host="0.0.0.0", port=contract.ROLLOUT_PORT)
     assert c["command"] == proc.command
     assert c["command"][:3] == ["vllm", "serve", "/models/qwen"] and "--tensor-parallel-size" in c["command"]
     env = {e["name"]: e["value"] for e in c["env"]}
-    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["RLHF_JOB_CONFIG"] == "/etc/rlhf/job.json"
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and "RLHF_TRAINER_CONFIG" not in env  # all on the command line
     assert c["resources"]["limits"] == {"nvidia.com/gpu": "2"} == c["resources"]["requests"]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}

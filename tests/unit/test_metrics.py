@@ -4,7 +4,7 @@ import json
 
 import httpx
 
-from rlhf_operator.local import free_port, summarize
+from rlhf_launcher.local import free_port, summarize
 from rlhf_trainer.metrics import MetricsWriter
 
 

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_operator.api import JobError, validate_job
-from rlhf_operator.api.presets import PRESETS, preset_table
+from rlhf_contract.api import JobError, validate_job
+from rlhf_contract.api.presets import PRESETS, preset_table
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = {

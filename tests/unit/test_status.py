@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 from datetime import datetime, timedelta, timezone
 
-from rlhf_operator.api import validate_job
+from rlhf_contract.api import validate_job
 from rlhf_operator.status import PERMANENT_EXIT_CODES, Observed, plan
 
 UID = "uid-1"

@@ -32,7 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlhf_operator.api.models import RLHFJob
+from rlhf_contract.pod import ENV_OUTPUT_DIR, ENV_RESUME, ENV_ROLLOUT_ENDPOINTS, ENV_TRAINER_CONFIG, ENV_WEIGHT_SYNC_ADDR
+from rlhf_contract.trainer_config import TrainerConfig
 
 from .algorithms.advantages import compute_advantages, gae, groups_with_signal, overlong_penalty
 from .algorithms.kl import kl_penalty
@@ -57,23 +58,24 @@ def _load_policy(path: str, device: torch.device) -> torch.nn.Module:
 
 
 class Trainer:
-    def __init__(self, job: RLHFJob, info: DistInfo, *, endpoints: list[str], weight_sync_addr: str, output_dir: str):
+    def __init__(self, config: TrainerConfig, info: DistInfo, *, endpoints: list[str], weight_sync_addr: str, output_dir: str):
         from transformers import AutoTokenizer
 
-        self.job, self.spec, self.info = job, job.spec, info
-        a, t = self.spec.algorithm, self.spec.trainer
+        self.spec, self.info = config, info
+        a, t = self.spec.algorithm, self.spec.optim
         self.output_dir = Path(output_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.spec.model.path)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.spec.model_path)
         torch.manual_seed(self.spec.schedule.seed)
-        self.model = _load_policy(self.spec.model.path, info.device)
-        self.ref_model = _load_policy(self.spec.model.path, info.device).eval().requires_grad_(False) if a.kl_coef > 0 else None
+        self.model = _load_policy(self.spec.model_path, info.device)
+        self.ref_model = _load_policy(self.spec.model_path, info.device).eval().requires_grad_(False) if a.kl_coef > 0 else None
         self.critic = None
         if a.critic:
             from .critic import ValueModel
 
-            self.critic = ValueModel(self.spec.model.path).to(info.device)
+            self.critic = ValueModel(self.spec.model_path).to(info.device)
         p = t.parallelism
-        self.dp_size, self.cp_mesh, self.dp_rank, self.reduce_group = self.spec.data_parallel_size, None, 0, None
+        self.dp_size = max(1, info.world_size // (t.parallelism.tensor_parallel * t.parallelism.context_parallel))
+        self.cp_mesh, self.dp_rank, self.reduce_group = None, 0, None
         if info.world_size > 1:
             self._parallelize(p)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay)
@@ -137,7 +139,7 @@ class Trainer:
     # ---- 1. rollout (rank 0) ----------------------------------------------------------
 
     def _sample_groups(self, num_prompts: int, round_: int) -> list[list[Row]]:
-        r = self.spec.rollout
+        r = self.spec.sampling
         prompts = self.data.next_batch(num_prompts)
         sampling = {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k,
                     "stop_token_ids": [self.eos_id] if self.eos_id is not None else None}
@@ -215,7 +217,7 @@ class Trainer:
 
     def _plan(self, rows: list[Row], indices: list[int]) -> list[MicroBatch]:
         cp = self.cp_mesh.size() if self.cp_mesh is not None else 1
-        return plan(rows, indices, self.spec.trainer.max_tokens_per_micro_batch, self.dp_size, cp)[self.dp_rank]
+        return plan(rows, indices, self.spec.optim.max_tokens_per_micro_batch, self.dp_size, cp)[self.dp_rank]
 
     def _prepare(self, rows: list[Row]) -> dict[str, torch.Tensor]:
         """Full-batch tensors [B, T]: mask, old/ref log-probs, values, advantages, returns."""
@@ -258,7 +260,7 @@ class Trainer:
             token_rewards = token_rewards - a.kl_coef * kl_penalty(out["old_logprobs"], out["ref_logprobs"], a.kl_estimator) * mask
         if a.advantage_estimator == "gae":
             _, out["returns"] = gae(token_rewards, out["values"], mask, a.gamma, a.lam)
-        adv = compute_advantages(a.advantage_estimator, token_rewards, mask, group_size=self.spec.rollout.samples_per_prompt,
+        adv = compute_advantages(a.advantage_estimator, token_rewards, mask, group_size=self.spec.sampling.samples_per_prompt,
                                  values=out.get("values"), gamma=a.gamma, lam=a.lam, norm_std=a.norm_std)
         out["advantages"] = adv
         return out
@@ -350,7 +352,7 @@ class Trainer:
         return metrics
 
     def _clip_and_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float:
-        norm = clip_grad_norm(model.parameters(), self.spec.trainer.max_grad_norm)
+        norm = clip_grad_norm(model.parameters(), self.spec.optim.max_grad_norm)
         optimizer.step()
         return norm
 
@@ -402,7 +404,7 @@ class Trainer:
             return None
         return {
             "step": self.step, **{k: v for k, v in roll.items() if k != "num_tokens"}, **train,
-            "learning_rate": self.spec.trainer.learning_rate, "step_seconds": step_s,
+            "learning_rate": self.spec.optim.learning_rate, "step_seconds": step_s,
             "rollout_seconds": t1 - t0, "train_seconds": t2 - t1, "weight_sync_seconds": sync_s,
             "tokens_per_second": roll["num_tokens"] / step_s, "policy_version": self.policy_version,
         }
@@ -438,15 +440,15 @@ class Trainer:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    job = RLHFJob.model_validate(json.loads(Path(os.environ["RLHF_JOB_CONFIG"]).read_text()))
+    config = TrainerConfig.from_json(Path(os.environ[ENV_TRAINER_CONFIG]).read_text())
     info = init_distributed()
     try:
-        endpoints = [e for e in os.environ.get("RLHF_ROLLOUT_ENDPOINTS", "").split(",") if e]
+        endpoints = [e for e in os.environ.get(ENV_ROLLOUT_ENDPOINTS, "").split(",") if e]
         if not endpoints:
             raise SystemExit("RLHF_ROLLOUT_ENDPOINTS is empty: the trainer needs at least one rollout server")
-        trainer = Trainer(job, info, endpoints=endpoints, weight_sync_addr=os.environ["RLHF_WEIGHT_SYNC_ADDR"],
-                          output_dir=os.environ.get("RLHF_OUTPUT_DIR") or job.spec.output.dir or "/output")
-        if os.environ.get("RLHF_RESUME", "1") == "1":
+        trainer = Trainer(config, info, endpoints=endpoints, weight_sync_addr=os.environ[ENV_WEIGHT_SYNC_ADDR],
+                          output_dir=os.environ.get(ENV_OUTPUT_DIR) or config.output.dir or "/output")
+        if os.environ.get(ENV_RESUME, "1") == "1":
             trainer.resume_if_possible()
         trainer.run()
     finally:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..api.models import RLHFJob
+from rlhf_contract.api.models import RLHFJob
 from .access import build_role, build_role_binding, build_service_account
-from .config import build_config_map, job_config
+from .config import build_config_map, trainer_config
 from .meta import (
     LABEL_ATTEMPT, LABEL_JOB, LABEL_JOB_UID, LABEL_ROLE, ROLE_ROLLOUT, ROLE_TRAINER, config_map_name,
     network_policy_name, rollout_name, trainer_name, weight_sync_name,
@@ -49,6 +49,6 @@ def build_children(job: RLHFJob, attempt: int, settings: PodSettings | None = No
 __all__ = [
     "LABEL_ATTEMPT", "LABEL_JOB", "LABEL_JOB_UID", "LABEL_ROLE", "POD_SETTINGS_ANNOTATION", "ROLE_ROLLOUT",
     "ROLE_TRAINER", "WORKLOAD_KINDS", "PodSettings", "PodSettingsError", "build_children", "build_support",
-    "build_workloads", "config_map_name", "job_config", "network_policy_name", "rollout_endpoints",
+    "build_workloads", "config_map_name", "trainer_config", "network_policy_name", "rollout_endpoints",
     "rollout_name", "trainer_name", "weight_sync_addr", "weight_sync_name",
 ]

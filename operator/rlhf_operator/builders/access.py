@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..api.models import API_GROUP, PLURAL, RLHFJob
+from rlhf_contract.api.models import API_GROUP, PLURAL, RLHFJob
 from .meta import metadata, trainer_name
 
 

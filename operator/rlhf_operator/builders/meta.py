@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..api.models import API_GROUP, API_VERSION, KIND, RLHFJob
+from rlhf_contract.api.models import API_GROUP, API_VERSION, KIND, RLHFJob
 
 LABEL_JOB = "rlhf.dev/job"
 LABEL_JOB_UID = "rlhf.dev/job-uid"

@@ -18,13 +18,13 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..api.models import RLHFJob
+from rlhf_contract.api.models import RLHFJob
 from .meta import config_map_name
 
 POD_SETTINGS_ANNOTATION = "rlhf.dev/pod-settings"
 GPU_RESOURCE = "nvidia.com/gpu"
 CONFIG_DIR = "/etc/rlhf"
-CONFIG_FILE = "job.json"
+CONFIG_FILE = "trainer.json"
 CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_FILE}"
 DEFAULT_OUTPUT_DIR = "/output"
 SCRATCH_DIR = "/tmp"

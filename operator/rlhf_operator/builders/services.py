@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import contract
-from ..api.models import RLHFJob
+from rlhf_contract import pod as contract
+from rlhf_contract.api.models import RLHFJob
 from .meta import (
     LABEL_JOB, LABEL_ROLE, ROLE_ROLLOUT, metadata, network_policy_name, rollout_name, trainer_name,
     weight_sync_name,

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import contract
-from ..api.models import RLHFJob
+from rlhf_contract import pod as contract
+from rlhf_contract.api.models import RLHFJob
 from .meta import (
     LABEL_ATTEMPT, LABEL_JOB, LABEL_ROLE, ROLE_ROLLOUT, ROLE_TRAINER, job_labels, metadata, namespace_of, pod_labels, rollout_name, trainer_name,
     weight_sync_name,
@@ -48,7 +48,7 @@ def _probe(period: int, failures: int, timeout: int = 5) -> dict[str, Any]:
 def build_rollout_statefulset(job: RLHFJob, attempt: int, settings: PodSettings) -> dict[str, Any]:
     r = job.spec.rollout
     proc = contract.rollout_process(job, model_path=job.spec.model.path, host="0.0.0.0",
-                                    port=contract.ROLLOUT_PORT, config_path=CONFIG_PATH)
+                                    port=contract.ROLLOUT_PORT)
     container = {
         "name": "server",
         "image": r.image,

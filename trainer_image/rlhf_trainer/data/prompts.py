@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from .datasets import PromptRecord, load_records, to_prompts
 
 if TYPE_CHECKING:
-    from rlhf_operator.api.models import DataSpec
+    from rlhf_contract.api.models import DataSpec
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
-    from rlhf_operator.api.models import RewardSpec
+    from rlhf_contract.api.models import RewardSpec
 
 Item = tuple[str, str, dict]
 Result = tuple[float, float]

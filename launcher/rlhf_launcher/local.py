@@ -24,8 +24,9 @@ from contextlib import ExitStack
 from pathlib import Path
 from statistics import mean
 
-from .api.models import RLHFJob
-from .contract import Process, rollout_process, trainer_process
+from rlhf_contract.api.models import RLHFJob
+from rlhf_contract.trainer_config import TrainerConfig
+from rlhf_contract.pod import Process, rollout_process, trainer_process
 
 HEALTH_TIMEOUT_S = 300.0
 _ERROR_LINE = re.compile(r"^(\[rank\d+\]: )?[A-Za-z_.]*(Error|Exception|Exit): ")
@@ -178,8 +179,8 @@ def run_local(job: RLHFJob, *, output: str | None = None, resume: bool = False, 
     resolved.spec.model.path = model_path
     resolved.spec.rollout.engine = "cpu"
     resolved.spec.output.dir = str(out)
-    config_path = out / "job.json"
-    config_path.write_text(json.dumps(resolved.to_config(), indent=2))
+    config_path = out / "trainer.json"
+    config_path.write_text(TrainerConfig.from_job(resolved).to_json())
 
     ports = [free_port() for _ in range(spec.rollout.replicas)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
@@ -190,7 +191,7 @@ def run_local(job: RLHFJob, *, output: str | None = None, resume: bool = False, 
         stack.callback(lambda: [c.stop() for c in reversed(children)])
         try:
             for i, port in enumerate(ports):
-                proc = rollout_process(resolved, model_path=model_path, host="127.0.0.1", port=port, config_path=str(config_path), python=sys.executable)
+                proc = rollout_process(resolved, model_path=model_path, host="127.0.0.1", port=port, python=sys.executable)
                 children.append(_Child(f"rollout-{i}", proc, out / "logs" / f"rollout-{i}.log"))
             console.print(f"[bold]{job.metadata.name}[/]: {spec.rollout.replicas} rollout server(s), {spec.trainer.nproc_per_node} trainer process(es); output in {out}")
             _wait_healthy(children, urls)

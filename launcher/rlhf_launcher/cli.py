@@ -7,7 +7,7 @@ import sys
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from .api import JobError, load_job
+    from rlhf_contract.api import JobError, load_job
 
     try:
         job = load_job(args.job, args.set)
@@ -19,14 +19,14 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _cmd_crd(args: argparse.Namespace) -> int:
-    from .api.crd import crd_yaml
+    from rlhf_contract.api.crd import crd_yaml
 
     sys.stdout.write(crd_yaml())
     return 0
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from .api import JobError, load_job
+    from rlhf_contract.api import JobError, load_job
     from .local import LocalRunError, run_local
 
     try:
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     op.add_argument("--verbose", action="store_true")
 
     def _cmd_operator(a: argparse.Namespace) -> int:
-        from .handlers import run as run_operator
+        from rlhf_operator.handlers import run as run_operator
 
         return run_operator(a.namespace, metrics_port=a.metrics_port, lease_namespace=a.lease_namespace,
                             lease_duration=a.lease_duration, resync_seconds=a.resync_seconds, verbose=a.verbose)

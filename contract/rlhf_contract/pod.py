@@ -5,18 +5,20 @@ commands as local processes, with addresses replaced by 127.0.0.1 ports. What ru
 locally is therefore what runs in pods.
 
 Environment a trainer process can rely on (besides torchrun's RANK, WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT, LOCAL_RANK): RLHF_JOB_CONFIG, RLHF_ROLLOUT_ENDPOINTS,
+MASTER_ADDR, MASTER_PORT, LOCAL_RANK): RLHF_TRAINER_CONFIG (the trainer config,
+trainer_config.py), RLHF_ROLLOUT_ENDPOINTS,
 RLHF_WEIGHT_SYNC_ADDR, RLHF_OUTPUT_DIR, and RLHF_RESUME ("1": continue from the newest
 complete checkpoint in the output directory).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
-from .api.models import RLHFJob
+from .api.models import RLHFJob, RLHFJobSpec
 
-ENV_JOB_CONFIG = "RLHF_JOB_CONFIG"
+ENV_TRAINER_CONFIG = "RLHF_TRAINER_CONFIG"
 ENV_ROLLOUT_ENDPOINTS = "RLHF_ROLLOUT_ENDPOINTS"
 ENV_WEIGHT_SYNC_ADDR = "RLHF_WEIGHT_SYNC_ADDR"
 ENV_OUTPUT_DIR = "RLHF_OUTPUT_DIR"
@@ -35,14 +37,33 @@ class Process:
     env: dict[str, str] = field(default_factory=dict)
 
 
+def serve_command(spec: RLHFJobSpec, *, model_path: str, host: str, port: int, name: str, python: str = "python") -> list[str]:
+    """The rollout server's command line: `vllm serve` with the NCCL weight-transfer engine
+    on GPUs, or the built-in CPU engine (`python -m rlhf_inference.cpu_engine`), which
+    speaks the same HTTP protocol."""
+    r = spec.rollout
+    if r.engine == "cpu":
+        return [
+            python, "-m", "rlhf_inference.cpu_engine", "--model", model_path, "--host", host,
+            "--port", str(port), "--seed", str(spec.schedule.seed), "--served-model-name", name,
+        ]
+    return [
+        "vllm", "serve", model_path, "--host", host, "--port", str(port),
+        "--served-model-name", name,
+        "--tensor-parallel-size", str(r.tensor_parallel_size),
+        "--dtype", spec.model.dtype,
+        "--seed", str(spec.schedule.seed),
+        "--max-model-len", str(spec.data.max_prompt_length + r.max_tokens),
+        "--weight-transfer-config", json.dumps({"backend": "nccl"}),
+    ]
+
+
 def rollout_process(
-    job: RLHFJob, *, model_path: str, host: str, port: int, config_path: str, python: str = "python"
+    job: RLHFJob, *, model_path: str, host: str, port: int, python: str = "python"
 ) -> Process:
     """One rollout server: vLLM (`vllm serve`) or the CPU engine, per `rollout.engine`."""
-    from rlhf_inference.launch import serve_command
-
     command = serve_command(job.spec, model_path=model_path, host=host, port=port, name=job.metadata.name, python=python)
-    env = {ENV_JOB_CONFIG: config_path}
+    env: dict[str, str] = {}
     if job.spec.rollout.engine == "vllm":
         env["VLLM_SERVER_DEV_MODE"] = "1"  # enables the weight-transfer HTTP routes
     return Process(command, env)
@@ -71,7 +92,7 @@ def trainer_process(
         command += [f"--master-addr={master_addr}", f"--master-port={master_port}", "--node-rank=0"]
     command += ["-m", "rlhf_trainer"]
     env = {
-        ENV_JOB_CONFIG: config_path,
+        ENV_TRAINER_CONFIG: config_path,
         ENV_ROLLOUT_ENDPOINTS: ",".join(rollout_endpoints),
         ENV_WEIGHT_SYNC_ADDR: weight_sync_addr,
         ENV_OUTPUT_DIR: output_dir,

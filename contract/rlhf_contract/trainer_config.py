@@ -1,0 +1,125 @@
+"""The trainer's own config: the part of a job that the trainer processes read.
+
+The operator writes it into the job's ConfigMap (`trainer.json`) and local mode into the
+output directory; the trainer reads it from `RLHF_TRAINER_CONFIG`. It carries no image,
+restart policy, node count or Kubernetes metadata beyond the job's name and namespace
+(for the progress it reports), so a change to those never reaches a trainer image, and
+a unit test builds a trainer from a few fields instead of a whole `RLHFJob`.
+
+The algorithm arrives resolved (presets applied): every field the trainer reads is set.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+from .api.models import AlgorithmSpec, DataSpec, EnvironmentSpec, ParallelismSpec, RewardSpec, RLHFJob, ScheduleSpec
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid",
+                              use_attribute_docstrings=True)
+
+
+class SamplingConfig(_Config):
+    """How the rollout servers sample (from `spec.rollout`)."""
+
+    samples_per_prompt: int = Field(default=8, ge=1)
+    """Responses per prompt (the group size)."""
+    max_tokens: int = Field(default=1024, ge=1)
+    """Maximum response length in tokens."""
+    temperature: float = Field(default=1.0, ge=0)
+    """Sampling temperature; the trainer's log-probs use the same one."""
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    """Nucleus sampling mass."""
+    top_k: int = Field(default=-1, ge=-1)
+    """Top-k; -1 disables it."""
+
+
+class OptimConfig(_Config):
+    """The optimizer and the micro-batch budget (from `spec.trainer`)."""
+
+    learning_rate: float = Field(default=1e-6, gt=0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(default=0.0, ge=0)
+    """AdamW weight decay."""
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    """Gradient clipping by global norm."""
+    max_tokens_per_micro_batch: int = Field(default=8192, ge=1)
+    """Token budget of one packed forward/backward pass."""
+    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
+    """Tensor and context parallel degrees, activation checkpointing."""
+
+
+class OutputConfig(_Config):
+    """What the trainer writes (from `spec.output`)."""
+
+    dir: str = ""
+    """Output directory; RLHF_OUTPUT_DIR wins when set."""
+    keep_checkpoints: int = Field(default=3, ge=1)
+    """Complete checkpoints kept."""
+    save_rollouts: bool = False
+    """Write every step's samples to `rollouts/step-N.jsonl`."""
+
+
+# Fields of AlgorithmSpec that may stay null once a preset is applied.
+_OPTIONAL_ALGORITHM_FIELDS = {"dual_clip", "critic_learning_rate", "tis_cap"}
+
+
+class TrainerConfig(_Config):
+    """Everything a trainer process reads, and nothing else."""
+
+    job_name: str = Field(min_length=1)
+    """The RLHFJob's name (metrics labels, progress reports)."""
+    namespace: str | None = None
+    """The RLHFJob's namespace on a cluster; null in local mode."""
+    model_path: str = Field(min_length=1)
+    """Policy model directory."""
+    data: DataSpec
+    """The prompts."""
+    reward: RewardSpec = Field(default_factory=RewardSpec)
+    """How responses are scored."""
+    environment: EnvironmentSpec | None = None
+    """Multi-turn environment, if any."""
+    algorithm: AlgorithmSpec
+    """The RL algorithm, resolved (no preset field left null)."""
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    """How the rollout servers sample."""
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    """Optimizer, clipping, micro-batch budget, parallelism."""
+    schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
+    """Steps, prompts per step, checkpoint period, seed."""
+    output: OutputConfig = Field(default_factory=OutputConfig)
+    """Outputs."""
+
+    @model_validator(mode="after")
+    def _algorithm_resolved(self) -> "TrainerConfig":
+        unset = [name for name, value in self.algorithm if value is None and name not in _OPTIONAL_ALGORITHM_FIELDS]
+        if unset:
+            raise ValueError(f"algorithm fields {unset} are unset: the trainer config carries a resolved algorithm "
+                             "(build it with TrainerConfig.from_job, which applies the preset)")
+        return self
+
+    @classmethod
+    def from_job(cls, job: RLHFJob) -> "TrainerConfig":
+        s = job.spec
+        r, t, o = s.rollout, s.trainer, s.output
+        return cls(
+            job_name=job.metadata.name, namespace=job.metadata.namespace, model_path=s.model.path,
+            data=s.data, reward=s.reward, environment=s.environment, algorithm=s.algorithm,
+            sampling=SamplingConfig(samples_per_prompt=r.samples_per_prompt, max_tokens=r.max_tokens,
+                                    temperature=r.temperature, top_p=r.top_p, top_k=r.top_k),
+            optim=OptimConfig(learning_rate=t.learning_rate, weight_decay=t.weight_decay,
+                              max_grad_norm=t.max_grad_norm, max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
+                              parallelism=t.parallelism),
+            schedule=s.schedule,
+            output=OutputConfig(dir=o.dir, keep_checkpoints=o.keep_checkpoints, save_rollouts=o.save_rollouts),
+        )
+
+    def to_json(self) -> str:
+        return self.model_dump_json(by_alias=True, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "TrainerConfig":
+        return cls.model_validate_json(text)
