@@ -18,7 +18,7 @@ import argparse
 import math
 import random
 
-from rlhf_trainer.data.packing import balanced_micro_batches, padding_fraction
+from rlhf_trainer.data.balanced_packing import balanced_micro_batches, padding_fraction
 
 
 def lognormal_lengths(n: int, max_len: int, seed: int) -> list[int]:

@@ -81,16 +81,17 @@ def trainer_process(
     resume: bool = True,
     python: str = "python",
 ) -> Process:
-    """One trainer node: torchrun starting `nprocPerNode` processes of `python -m rlhf_trainer`.
+    """One trainer node: `python -m rlhf_trainer.launch` checks the config (exit code 2
+    naming the field when it cannot work, before any model loads), then execs torchrun
+    with these options, starting `nprocPerNode` processes of `python -m rlhf_trainer`.
 
     With `master_addr` None (Kubernetes), torchrun takes the rendezvous address and node
     rank from the PET_* variables that the Kubeflow training-operator sets on each pod.
     """
     t = job.spec.trainer
-    command = [python, "-m", "torch.distributed.run", f"--nnodes={t.num_nodes}", f"--nproc-per-node={t.nproc_per_node}"]
+    command = [python, "-m", "rlhf_trainer.launch", f"--nnodes={t.num_nodes}", f"--nproc-per-node={t.nproc_per_node}"]
     if master_addr is not None:
         command += [f"--master-addr={master_addr}", f"--master-port={master_port}", "--node-rank=0"]
-    command += ["-m", "rlhf_trainer"]
     env = {
         ENV_TRAINER_CONFIG: config_path,
         ENV_ROLLOUT_ENDPOINTS: ",".join(rollout_endpoints),

@@ -11,6 +11,8 @@ The algorithm arrives resolved (presets applied): every field the trainer reads 
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
@@ -46,7 +48,13 @@ class OptimConfig(_Config):
     """AdamW weight decay."""
     max_grad_norm: float = Field(default=1.0, gt=0)
     """Gradient clipping by global norm."""
-    max_tokens_per_micro_batch: int = Field(default=8192, ge=1)
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay after warmup."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """Optimizer steps of linear warmup."""
+    min_learning_rate_ratio: float = Field(default=0.0, ge=0, le=1)
+    """Floor of the decay, as a fraction of learning_rate."""
+    max_tokens_per_micro_batch: int = Field(default=16384, ge=1)
     """Token budget of one packed forward/backward pass."""
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
     """Tensor and context parallel degrees, activation checkpointing."""
@@ -111,8 +119,9 @@ class TrainerConfig(_Config):
             sampling=SamplingConfig(samples_per_prompt=r.samples_per_prompt, max_tokens=r.max_tokens,
                                     temperature=r.temperature, top_p=r.top_p, top_k=r.top_k),
             optim=OptimConfig(learning_rate=t.learning_rate, weight_decay=t.weight_decay,
-                              max_grad_norm=t.max_grad_norm, max_tokens_per_micro_batch=t.max_tokens_per_micro_batch,
-                              parallelism=t.parallelism),
+                              max_grad_norm=t.max_grad_norm, lr_scheduler=t.lr_scheduler, warmup_steps=t.warmup_steps,
+                              min_learning_rate_ratio=t.min_learning_rate_ratio,
+                              max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, parallelism=t.parallelism),
             schedule=s.schedule,
             output=OutputConfig(dir=o.dir, keep_checkpoints=o.keep_checkpoints, save_rollouts=o.save_rollouts),
         )

@@ -25,6 +25,7 @@ from pathlib import Path
 from statistics import mean
 
 from rlhf_contract.api.models import RLHFJob
+from rlhf_contract.outputs import complete_checkpoints
 from rlhf_contract.trainer_config import TrainerConfig
 from rlhf_contract.pod import Process, rollout_process, trainer_process
 
@@ -40,15 +41,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def complete_checkpoints(output: Path) -> list[Path]:
-    """Checkpoints whose completion marker exists, oldest first."""
-    root = output / "checkpoints"
-    if not root.is_dir():
-        return []
-    found = [p for p in root.glob("step-*") if (p / "COMPLETE").exists()]
-    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
 
 class _Child:

@@ -6,7 +6,7 @@ from rlhf_contract.api import validate_job
 def small_job(model_dir, out, **spec) -> dict:
     """A validated job config for the tiny model; `spec` sections override the defaults."""
     base = {
-        "model": {"path": str(model_dir)}, "data": {"path": "builtin://last-digit"},
+        "model": {"path": str(model_dir)}, "data": {"path": "builtin://last-digit", "maxPromptLength": 24},
         "rollout": {"engine": "cpu", "samplesPerPrompt": 4, "maxTokens": 5},
         "trainer": {"learningRate": 1e-3, "maxTokensPerMicroBatch": 48},
         "schedule": {"totalSteps": 2, "promptsPerStep": 4, "saveEvery": 2},

@@ -28,6 +28,6 @@ def test_jsonl_data_and_a_user_reward_file(run_trainer, tiny_model_dir, tmp_path
     # the 5th row is 7 tokens long and dropped; the other 4 are all seen each step
     for r in rows:
         assert r["reward_mean"] == pytest.approx(r["score_mean"] + 0.5 * (1 + 4 + 7 + 3) / 4)
-    assert json.loads((out / "checkpoints" / "step-2" / "trainer_state.json").read_text())["data"]["position"] == 8
+    assert json.loads((out / "checkpoints" / "step-2" / "trainer_state.json").read_text())["orchestrator"]["data"]["position"] == 8
     log_text = (out / "metrics.jsonl").read_text()
     assert log_text.count("\n") == 2

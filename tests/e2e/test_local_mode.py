@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlhf_contract.outputs import latest_checkpoint
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "local-grpo.yaml"
 REQUIRED_KEYS = {"step", "reward_mean", "score_mean", "kl", "entropy", "response_length_mean",
@@ -61,7 +63,7 @@ def test_two_trainer_processes_and_two_rollout_servers(tmp_path):
     assert "reward_mean: first 10 steps" in res.stderr
 
     ckpts = out / "checkpoints"
-    assert (ckpts / "latest").read_text() == "step-4"
+    assert latest_checkpoint(ckpts.parent).name == "step-4"
     assert all((ckpts / f"step-{s}" / "COMPLETE").exists() for s in (2, 4))
     assert json.loads((ckpts / "step-4" / "trainer_state.json").read_text())["data"]["position"] == 16
 
@@ -108,7 +110,7 @@ def test_resume_continues_from_the_newest_checkpoint(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert rows[:4] == before
     assert "resumed from" in (out / "logs" / "trainer.log").read_text()
-    assert (out / "checkpoints" / "latest").read_text() == "step-6"
+    assert latest_checkpoint(out).name == "step-6"
     state = json.loads((out / "checkpoints" / "step-6" / "trainer_state.json").read_text())
     assert state["data"]["position"] == 6 * 4 and state["policy_version"] == 6
 
@@ -130,14 +132,14 @@ def test_ctrl_c_stops_everything_and_keeps_the_checkpoint(tmp_path):
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     deadline = time.monotonic() + 240
-    while not (out / "checkpoints" / "latest").exists():
+    while latest_checkpoint(out) is None:
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         assert time.monotonic() < deadline, "no checkpoint within 240 s"
         time.sleep(0.5)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err[-3000:]
-    latest = (out / "checkpoints" / "latest").read_text()
+    latest = latest_checkpoint(out).name
     assert (out / "checkpoints" / latest / "COMPLETE").exists()
     assert f"last complete checkpoint: {out / 'checkpoints' / latest}" in err or "last complete checkpoint" in err
     time.sleep(1)
@@ -222,7 +224,7 @@ def test_stopped_and_resumed_run_repeats_the_uninterrupted_one(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resumed from" in (stopped / "logs" / "trainer.log").read_text()
     assert "checkpoints/step-2 (step 2)" in (stopped / "logs" / "trainer.log").read_text()
-    assert not partial.exists() and (stopped / "checkpoints" / "latest").read_text() == "step-4"
+    assert not partial.exists() and latest_checkpoint(stopped).name == "step-4"
 
     a, b = metrics(straight), metrics(stopped)
     assert [r["step"] for r in b] == [1, 2, 3, 4]

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from rlhf_trainer.data.packing import Packed, balanced_micro_batches, pack, padding_fraction
+from rlhf_trainer.data.balanced_packing import Packed, balanced_micro_batches, pack, padding_fraction
 
 
 @pytest.mark.parametrize("seed", range(40))

@@ -3,9 +3,9 @@ forward, and the loss mask of multi-turn rows lands on the right packed position
 
 import torch
 
-from rlhf_trainer.batch import Row, pad_rows
+from rlhf_trainer.orchestrator.types import Row, pad_rows
 from rlhf_trainer.models.builtin import build_tiny_qwen2
-from rlhf_trainer.packed import plan, policy_forward, whole_row
+from rlhf_trainer.train.micro_batches import plan, policy_forward, whole_row
 
 ROWS = [
     Row([6, 10, 4, 7, 15], [7, 1], [], 1.0, 1.0, False),
@@ -22,24 +22,24 @@ def test_packed_logprobs_equal_each_sequence_alone():
     assert all(mb.length <= 16 for mb in micro) and len(micro) == 2
     with torch.no_grad():
         for mb in micro:
-            _, logp = policy_forward(model, mb, None, torch.device("cpu"))
+            logp, _ = policy_forward(model, mb, None, torch.device("cpu"))
             for i, got in zip(mb.rows, mb.gather(whole_row(logp, None))):
                 row = ROWS[i]
                 ids = torch.tensor([row.prompt_ids + row.response_ids])
                 full = torch.log_softmax(model(ids).logits[0].float(), -1)
                 p = len(row.prompt_ids)
                 want = [full[p - 1 + j, tok].item() for j, tok in enumerate(row.response_ids)]
-                assert torch.allclose(torch.tensor(got), torch.tensor(want), atol=1e-5), (i, got, want)
+                assert torch.allclose(got, torch.tensor(want), atol=1e-5), (i, got, want)
 
 
 def test_loss_mask_reaches_the_packed_positions():
     table = pad_rows([r.mask() for r in ROWS], 5)
     assert table[3].tolist() == [1, 0, 0, 0, 1] and table[1].tolist() == [1, 0, 0, 0, 0]
     [mb] = plan(ROWS, [1, 3], budget=64, dp_size=1, cp_size=1)[0]
-    scattered = mb.scatter([table[i, :len(ROWS[i].response_ids)] for i in mb.rows])[0].tolist()
-    # each 1 sits on the position that predicts a trained response token
-    expected = [0.0] * mb.length
-    for k, i in enumerate(mb.rows):
-        for j, m in enumerate(ROWS[i].mask()):
-            expected[mb.starts[k] + len(ROWS[i].prompt_ids) - 1 + j] = m
-    assert scattered == expected and sum(scattered) == 3
+    scattered = mb.scatter([table[i, :len(ROWS[i].response_ids)] for i in mb.rows])[0]
+    ids = mb.packed.input_ids[0]
+    # independent check: a 1 sits exactly where the NEXT packed token is a trained response
+    # token; read the trained tokens back from the packed row and compare with the rows
+    trained = [int(ids[p + 1]) for p in torch.nonzero(scattered).flatten().tolist()]
+    want = [tok for i in mb.rows for tok, m in zip(ROWS[i].response_ids, ROWS[i].mask()) if m]
+    assert trained == want and len(want) == 3

@@ -1,5 +1,3 @@
-"""`python -m rlhf_trainer`: one trainer process (started by torchrun)."""
-
-from .loop import main
+from .main import main
 
 main()

@@ -5,8 +5,7 @@ Layout under `<output>/checkpoints/`:
                      ("policy", and "critic" for PPO): the sharded state of every rank,
                      trainer_state.json (step, data position), rng-rank<R>.pt
   step-N/COMPLETE    written LAST, after every rank finished; only then does the
-                     checkpoint count, and only then does `latest` move to it
-  latest             name of the newest complete checkpoint
+                     checkpoint count (`rlhf_contract.outputs` reads this layout)
 The final model goes to `<output>/final/` in Hugging Face format (written to a temporary
 directory and renamed, so `final/` is never half-written).
 """
@@ -29,23 +28,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-MARKER = "COMPLETE"
+from rlhf_contract.outputs import MARKER, checkpoint_step as _step_of, complete_checkpoints, latest_checkpoint
 
-
-def _step_of(path: Path) -> int:
-    return int(path.name.split("-", 1)[1])
-
-
-def complete_checkpoints(output_dir: str | Path) -> list[Path]:
-    root = Path(output_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    return sorted((p for p in root.glob("step-*") if (p / MARKER).exists()), key=_step_of)
-
-
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    done = complete_checkpoints(output_dir)
-    return done[-1] if done else None
+__all__ = ["complete_checkpoints", "latest_checkpoint", "load_checkpoint", "save_checkpoint", "save_final"]
 
 
 Parts = dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]
@@ -70,14 +55,14 @@ def save_checkpoint(output_dir: str | Path, step: int, parts: Parts, trainer_sta
         shutil.rmtree(path)  # a partial one left by a crash
     dist.barrier()
     dcp.save(_state(parts), checkpoint_id=str(path))
-    torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, path / f"rng-rank{rank}.pt")
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    torch.save(rng, path / f"rng-rank{rank}.pt")
     dist.barrier()
     if rank == 0:
         (path / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}))
         (path / MARKER).write_text("")
-        tmp = root / "latest.tmp"
-        tmp.write_text(path.name)
-        tmp.replace(root / "latest")
         _prune(root, keep)
     dist.barrier()
     return path
@@ -105,6 +90,8 @@ def load_checkpoint(path: Path, parts: Parts) -> dict[str, Any]:
         rng = torch.load(rng_file, weights_only=False)
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
     return json.loads((path / "trainer_state.json").read_text())
 
 

@@ -207,9 +207,19 @@ class TrainerSpec(_Model):
     """AdamW weight decay."""
     max_grad_norm: float = Field(default=1.0, gt=0)
     """Gradient clipping by global norm."""
-    max_tokens_per_micro_batch: int = Field(default=8192, ge=1)
-    """Token budget of one packed forward/backward pass (sequences are packed without
-    padding and balanced across data-parallel ranks); a longer sequence is an error."""
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning rate after warmup: constant, linear decay or cosine decay to
+    `minLearningRateRatio` x learningRate at the last optimizer step."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """Optimizer steps of linear warmup from 0 to learningRate."""
+    min_learning_rate_ratio: float = Field(default=0.0, ge=0, le=1)
+    """Floor of the linear / cosine decay, as a fraction of learningRate."""
+    max_tokens_per_micro_batch: int = Field(default=16384, ge=1)
+    """Token budget of one packed forward/backward pass per GPU (sequences are packed
+    without padding and balanced across data-parallel ranks); must hold the longest
+    possible sequence, data.maxPromptLength + rollout.maxTokens. The default fits a 7B
+    model in bf16 with activation checkpointing under FSDP over 8 x 80 GB GPUs (the
+    log-prob head never holds more than 1024 tokens of fp32 logits)."""
     parallelism: "ParallelismSpec" = Field(default_factory=lambda: ParallelismSpec())
     """How the model and the sequences are split over the trainer processes."""
 

@@ -85,6 +85,14 @@ RULES: tuple[Rule, ...] = (
         f"does not divide {s.trainer_world_size}",
     ),
     Rule(
+        field_path="trainer.maxTokensPerMicroBatch",
+        cel="self.trainer.maxTokensPerMicroBatch >= self.data.maxPromptLength + self.rollout.maxTokens",
+        message="must hold the longest possible sequence, data.maxPromptLength + rollout.maxTokens "
+        "(a micro-batch packs whole sequences); raise it or lower those two",
+        check=lambda s: s.trainer.max_tokens_per_micro_batch >= s.data.max_prompt_length + s.rollout.max_tokens,
+        detail=lambda s: f"{s.trainer.max_tokens_per_micro_batch} < {s.data.max_prompt_length} + {s.rollout.max_tokens}",
+    ),
+    Rule(
         field_path="algorithm.numMiniBatches",
         cel=f"(self.schedule.promptsPerStep * self.rollout.samplesPerPrompt) % {_ALGO_MINI} == 0",
         message="must divide schedule.promptsPerStep x rollout.samplesPerPrompt (the samples of one step)",

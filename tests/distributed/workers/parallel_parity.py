@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from rlhf_trainer.data.packing import balanced_micro_batches, pack
+from rlhf_trainer.data.balanced_packing import balanced_micro_batches, pack
 from rlhf_trainer.models.builtin import build_tiny_qwen2
 from rlhf_trainer.parallel.context_parallel import cp_inputs, global_token_mean, shard_sequence
 from rlhf_trainer.parallel.parallelize import parallelize

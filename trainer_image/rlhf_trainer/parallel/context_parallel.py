@@ -22,7 +22,7 @@ i.e. gloo, which has no reduce-scatter: all-reduce, then keep this rank's slice)
 
 Targets that cross a slice boundary (the next token of a slice's last token lives on the
 next rank) must be computed on the whole row before sharding; the loss is normalized by
-the GLOBAL token count (`global_token_mean`), never the local one.
+the GLOBAL token count (the train step's aggregation weights), never the local one.
 
 Simplifications: the whole K/V row is materialized on every rank (memory O(L) per rank,
 fine up to ~100k tokens for small KV-head counts; ring attention would avoid this), the
@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from .fsdp import decoder_layers
+from .layers import decoder_layers
 
 CP_ATTENTION = "rlhf_context_parallel"
 """Name of the CP attention function in transformers' `AttentionInterface` registry."""
@@ -94,6 +94,7 @@ def context_parallel_attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     document_ids: torch.Tensor | None = None,
+    document_bounds: tuple[int, ...] | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Attention function with the signature of transformers' registry.
@@ -110,6 +111,9 @@ def context_parallel_attention(
         raise ValueError("context-parallel attention does not implement attention dropout")
     mesh: DeviceMesh | None = getattr(module, "cp_mesh", None)
     seq = query.shape[2]
+    gqa = query.shape[1] != key.shape[1]
+    if (mesh is None or mesh.size() == 1) and document_bounds is not None:
+        return packed_document_attention(query, key, value, document_bounds, scaling, gqa), None
     if mesh is not None and mesh.size() > 1:
         group = mesh.get_group()
         # ONE collective for K and V together (see the module docstring).
@@ -125,12 +129,26 @@ def context_parallel_attention(
             f"{key.shape[2]}; pass the whole row's document ids"
         )
     mask = document_causal_mask(document_ids, q_start, seq)[:, None]  # [b, 1, S, L]
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
     return out.transpose(1, 2).contiguous(), None
+
+
+def packed_document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              bounds: tuple[int, ...], scaling: float | None, gqa: bool) -> torch.Tensor:
+    """Causal attention within each document of a packed row (no context parallelism):
+    one `scaled_dot_product_attention(is_causal=True)` per document, from the explicit
+    boundaries `bounds` (cumulative offsets, trailing padding as a last document), so no
+    [L, L] mask is ever built and SDPA may pick its flash / memory-efficient kernel.
+    Grouped-query attention is SDPA's own (`enable_gqa`): K and V are never repeated.
+    Returns [b, L, Hq, D] like HF's attention functions."""
+    parts = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end > start:
+            parts.append(F.scaled_dot_product_attention(
+                query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
+                is_causal=True, scale=scaling, enable_gqa=gqa))
+    out = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+    return out.transpose(1, 2).contiguous()
 
 
 def apply_cp(model: torch.nn.Module, cp_mesh: DeviceMesh | None) -> torch.nn.Module:
@@ -161,24 +179,17 @@ def shard_sequence(x: torch.Tensor, cp_mesh: DeviceMesh | None, dim: int = -1) -
     return x.chunk(cp, dim=dim)[rank]
 
 
-def cp_inputs(packed, cp_mesh: DeviceMesh | None) -> dict[str, torch.Tensor]:
-    """Model keyword arguments for a `rlhf_trainer.data.packing.Packed` row: the local
-    slices of `input_ids` / `position_ids` and the whole row's `document_ids`."""
+def cp_inputs(packed, cp_mesh: DeviceMesh | None) -> dict:
+    """Model keyword arguments for a `rlhf_trainer.data.balanced_packing.Packed` row: the
+    local slices of `input_ids` / `position_ids`, the whole row's `document_ids` and (for
+    the per-document kernel without context parallelism) the documents' boundaries."""
+    bounds = [int(x) for x in packed.cu_seqlens.tolist()]
+    total = packed.input_ids.shape[-1]
+    if bounds[-1] < total:  # trailing padding: its own document
+        bounds.append(total)
     return {
         "input_ids": shard_sequence(packed.input_ids, cp_mesh),
         "position_ids": shard_sequence(packed.position_ids, cp_mesh),
         "document_ids": packed.document_ids,
+        "document_bounds": tuple(bounds),
     }
-
-
-def global_token_mean(
-    local_sum: torch.Tensor, local_count: torch.Tensor | float, group: dist.ProcessGroup | None
-) -> torch.Tensor:
-    """`local_sum / (sum of local_count over group)`: this rank's share of the global
-    token mean. Summing it over the group's ranks gives the global mean; its gradient is
-    this rank's share of the global mean's gradient (reduce gradients with SUM)."""
-    count = torch.as_tensor(local_count, dtype=torch.float64, device=local_sum.device)
-    count = count.detach().clone().reshape(())
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(count, group=group)
-    return local_sum / count.to(local_sum.dtype).clamp(min=1)

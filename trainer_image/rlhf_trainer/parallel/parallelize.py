@@ -6,12 +6,18 @@ dimension `dp_shard_cp` that FSDP shards over: context-parallel ranks hold the s
 parameters and see different tokens, so for the weights they are data parallel.
 
 Loss and gradient convention: FSDP here SUMS gradients over `dp_shard_cp` (divide factor
-1), so each rank's loss must be its share of the global token mean,
-`context_parallel.global_token_mean(local_sum, local_count, meshes.dp_shard_cp.get_group())`.
+1), so each rank's loss must be its share of the global loss (the train step weights each
+token by aggregation coefficients computed on the whole mini-batch: train/step.py).
 TP ranks of one (dp, cp) coordinate compute the same loss and are not summed.
 
+`parallelize_models` lays out the policy, the reference model and the critic together
+and returns the `Layout` the train step sees (it never sees a mesh otherwise). On CUDA
+every layout, one GPU included, goes through FSDP2 (a mesh of one), whose mixed
+precision policy computes in bf16 with fp32 master weights, gradients reduced in fp32,
+and fp32 optimizer state.
+
 Simplifications: no pipeline parallelism, no replicated data parallelism (HSDP), no
-torch.compile, no mixed precision policy (parameters and gradients in their own dtype).
+torch.compile.
 """
 
 from __future__ import annotations
@@ -19,11 +25,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, FSDPModule, fully_shard
 
 from .context_parallel import apply_cp
-from .fsdp import decoder_layers
+from .layers import decoder_layers
 from .tensor_parallel import apply_tp
 
 MESH_DIMS = ("dp_shard", "cp", "tp")
@@ -43,8 +50,7 @@ class Meshes:
     tp: DeviceMesh
     """Ranks sharing each layer's weights (heads / MLP columns)."""
     dp_shard_cp: DeviceMesh
-    """Flattened dp_shard x cp: FSDP shards and sums gradients over it; normalize the
-    loss over it (`global_token_mean`)."""
+    """Flattened dp_shard x cp: FSDP shards and sums gradients over it."""
 
 
 def build_mesh(*, world_size: int, dp_shard: int, tp: int, cp: int, device_type: str) -> Meshes:
@@ -125,10 +131,59 @@ def parallelize(
     #    DTensors included) and the final module tree.
     if tp > 1:
         apply_tp(model, meshes.tp)
-    if cp > 1:
-        apply_cp(model, meshes.cp)
+    apply_cp(model, meshes.cp if cp > 1 else None)  # without CP: per-document attention from explicit bounds
     if activation_checkpointing:
         apply_activation_checkpointing(model)
-    if dp_shard * cp > 1:
+    if dp_shard * cp > 1 or device_type == "cuda":
         apply_fsdp_summed(model, meshes.dp_shard_cp)
     return meshes
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the train step needs to know of the parallel layout."""
+
+    world_size: int = 1
+    dp_size: int = 1
+    """Data-parallel ranks (each gets its own balanced share of the sequences)."""
+    dp_rank: int = 0
+    cp_mesh: DeviceMesh | None = None
+    """Context-parallel mesh (None: no context parallelism)."""
+    reduce_group: dist.ProcessGroup | None = None
+    """dp_shard x cp: where gradients and step metrics are summed (None: one process)."""
+    reduce_size: int = 1
+
+    @property
+    def cp_size(self) -> int:
+        return self.cp_mesh.size() if self.cp_mesh is not None else 1
+
+
+def parallelize_models(policy: torch.nn.Module, *, ref: torch.nn.Module | None, critic: torch.nn.Module | None,
+                       world_size: int, tp: int, cp: int, activation_checkpointing: bool,
+                       device_type: str) -> Layout:
+    """TP -> CP -> activation checkpointing -> FSDP2 for the policy (`parallelize`); the
+    reference model and the critic are laid out on the same meshes (no checkpointing:
+    the reference never runs backward, and the critic is small next to the policy)."""
+    if tp > 1 and critic is not None:
+        raise ValueError("trainer.parallelism.tensorParallel > 1 with algorithm.critic is not supported yet; "
+                         "use tensorParallel: 1 (FSDP and context parallel work with the critic)")
+    if world_size == 1 and device_type != "cuda":
+        for model in (policy, ref, critic):
+            if model is not None:
+                apply_cp(model.model if model is critic else model, None)
+        return Layout()
+    dp = world_size // (tp * cp)
+    meshes = parallelize(policy, world_size=world_size, dp_shard=dp, tp=tp, cp=cp,
+                         activation_checkpointing=activation_checkpointing, device_type=device_type)
+    for extra in (ref, critic):
+        if extra is None:
+            continue
+        if tp > 1:
+            apply_tp(extra, meshes.tp)
+        apply_cp(extra.model if extra is critic else extra, meshes.cp if cp > 1 else None)
+        if dp * cp > 1 or device_type == "cuda":
+            apply_fsdp_summed(extra, meshes.dp_shard_cp)
+    fsdp = dp * cp > 1
+    return Layout(world_size=world_size, dp_size=dp, dp_rank=meshes.dp_shard.get_local_rank(),
+                  cp_mesh=meshes.cp if cp > 1 else None,
+                  reduce_group=meshes.dp_shard_cp.get_group() if fsdp else None, reduce_size=dp * cp)

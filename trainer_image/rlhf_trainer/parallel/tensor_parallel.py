@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from .fsdp import decoder_layers
+from .layers import decoder_layers
 
 LAYER_PLAN = {
     "self_attn.q_proj": ColwiseParallel,

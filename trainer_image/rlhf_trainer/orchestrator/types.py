@@ -1,11 +1,12 @@
-"""A step's sampled sequences (`Row`) and their per-token tables.
+"""What crosses the orchestrator -> trainer boundary: a step's sampled sequences (`Row`)
+in one `RolloutBatch`, and their per-token tables.
 
 Per-token tables of a step are [B, T]: row i's response tokens in columns 0..len-1,
-zeros after (the forward passes themselves are packed: see packed.py)."""
+zeros after (the forward passes themselves are packed: see train/micro_batches.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,3 +36,29 @@ def pad_rows(values: list[list[float]], width: int) -> torch.Tensor:
         if v:
             out[i, :len(v)] = torch.tensor(v[:width], dtype=torch.float32)
     return out
+
+
+@dataclass
+class RolloutStats:
+    """Rank 0's statistics of one step's rollout (logged as they are)."""
+
+    reward_mean: float
+    score_mean: float
+    response_length_mean: float
+    truncated_fraction: float
+    dropped_group_fraction: float
+    num_tokens: int
+    """Prompt + response tokens of the step."""
+    dropped_prompts: int = 0
+    """Prompts skipped by the data source so far (too long or empty)."""
+
+
+@dataclass
+class RolloutBatch:
+    """One step's groups, flattened: rows `g * group_size .. (g + 1) * group_size - 1`
+    are the samples of prompt g."""
+
+    rows: list[Row]
+    group_size: int
+    stats: RolloutStats
+    extra: dict = field(default_factory=dict)

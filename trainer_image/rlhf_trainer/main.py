@@ -1,0 +1,47 @@
+"""One trainer process under torchrun: read the config, join the world, build the run
+loop, resume, run; clean up in `finally`. A failure's first line goes to the container's
+termination message."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from rlhf_contract.pod import ENV_OUTPUT_DIR, ENV_RESUME, ENV_ROLLOUT_ENDPOINTS, ENV_TRAINER_CONFIG, ENV_WEIGHT_SYNC_ADDR
+from rlhf_contract.trainer_config import TrainerConfig
+
+from .distributed import init_distributed
+from .preflight import write_termination_message
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    config = TrainerConfig.from_json(Path(os.environ[ENV_TRAINER_CONFIG]).read_text())
+    endpoints = [e for e in os.environ.get(ENV_ROLLOUT_ENDPOINTS, "").split(",") if e]
+    if not endpoints:
+        raise SystemExit(f"{ENV_ROLLOUT_ENDPOINTS} is empty: the trainer needs at least one rollout server")
+    info = init_distributed()
+    try:
+        from .run_loop import RunLoop
+
+        loop = RunLoop(config, info, endpoints=endpoints, weight_sync_addr=os.environ[ENV_WEIGHT_SYNC_ADDR],
+                       output_dir=os.environ.get(ENV_OUTPUT_DIR) or config.output.dir or "/output")
+        if os.environ.get(ENV_RESUME, "1") == "1":
+            loop.resume_if_possible()
+        loop.run()
+    except BaseException as err:
+        if not isinstance(err, KeyboardInterrupt):
+            write_termination_message(f"rank {info.rank}: {type(err).__name__}: {err}".splitlines()[0])
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

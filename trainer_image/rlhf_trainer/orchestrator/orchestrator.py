@@ -1,0 +1,85 @@
+"""The rank-0 orchestrator: one `RolloutBatch` per step.
+
+`collect(step)` takes prompts from the data source, has the sampler generate and score
+them, applies dynamic sampling, and returns the rows with their statistics. It never
+touches a model or a process group: the run loop broadcasts the batch to every rank.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rlhf_contract.trainer_config import TrainerConfig
+
+from .filtering import collect_groups
+from .sampler import Sampler
+from .types import RolloutBatch, RolloutStats, Row
+
+
+class Orchestrator:
+    def __init__(self, config: TrainerConfig, *, data: Any, sampler: Sampler, output_dir: Path):
+        self.config, self.data, self.sampler, self.output_dir = config, data, sampler, output_dir
+
+    @classmethod
+    def build(cls, config: TrainerConfig, tokenizer: Any, endpoints: list[str], output_dir: Path,
+              client: Any = None) -> "Orchestrator":
+        from ..data.prompts import PromptSource
+        from ..rewards import build_scorer
+        from ..rollout import RolloutClient
+
+        env_step = None
+        if config.environment is not None:
+            from ..rollout.multi_turn import load_environment
+
+            env_step = load_environment(config.environment.file)
+        data = PromptSource(config.data, tokenizer, seed=config.schedule.seed)
+        client = client or RolloutClient(endpoints)
+        return cls(config, data=data, sampler=Sampler(config, client, build_scorer(config.reward), tokenizer, env_step),
+                   output_dir=output_dir)
+
+    @property
+    def client(self) -> Any:
+        return self.sampler.client
+
+    def collect(self, step: int) -> RolloutBatch:
+        a = self.config.algorithm
+
+        def sample(num_prompts: int, round_: int) -> list[list[Row]]:
+            return self.sampler.sample_groups(self.data.next_batch(num_prompts), step=step, round_=round_)
+
+        groups, sampled, dropped = collect_groups(sample, self.config.schedule.prompts_per_step,
+                                                  dynamic=bool(a.dynamic_sampling), max_rounds=a.max_sampling_rounds)
+        rows = [row for g in groups for row in g]
+        if self.config.output.save_rollouts:
+            self._save_rollouts(step, rows)
+        n = len(rows)
+        stats = RolloutStats(
+            reward_mean=sum(r.reward for r in rows) / n,
+            score_mean=sum(r.score for r in rows) / n,
+            response_length_mean=sum(len(r.response_ids) for r in rows) / n,
+            truncated_fraction=sum(r.truncated for r in rows) / n,
+            dropped_group_fraction=dropped / sampled,
+            num_tokens=sum(len(r.prompt_ids) + len(r.response_ids) for r in rows),
+            dropped_prompts=getattr(self.data, "num_dropped", 0),
+        )
+        return RolloutBatch(rows, self.config.sampling.samples_per_prompt, stats)
+
+    def _save_rollouts(self, step: int, rows: list[Row]) -> None:
+        folder = self.output_dir / "rollouts"
+        folder.mkdir(parents=True, exist_ok=True)
+        decode = self.sampler.tokenizer.decode
+        with open(folder / f"step-{step}.jsonl", "w") as f:
+            for r in rows:
+                f.write(json.dumps({
+                    "prompt": decode(r.prompt_ids), "response": decode(r.response_ids),
+                    "prompt_ids": r.prompt_ids, "response_ids": r.response_ids, "loss_mask": r.mask(),
+                    "logprobs": r.rollout_logprobs, "reward": r.reward, "score": r.score, "truncated": r.truncated,
+                }) + "\n")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"data": self.data.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.data.load_state_dict(state["data"])

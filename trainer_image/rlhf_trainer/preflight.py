@@ -1,0 +1,94 @@
+"""Every error a user can fix, found before any model loads.
+
+`check(config, world_size)` reads only small files (the model's config.json, the reward
+and environment files) and returns one message per problem, each naming the spec field
+and what to change. The launcher (`python -m rlhf_trainer.launch`) runs it first thing in
+a trainer pod and in local mode, and exits with code 2 (the operator's "bad config: fail
+at once") instead of starting torchrun, so such a job fails in seconds rather than after
+every allowed restart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from rlhf_contract.trainer_config import TrainerConfig
+
+EXIT_CONFIG_ERROR = 2
+TERMINATION_LOG = "/dev/termination-log"
+
+
+def _model_config(path: str) -> tuple[dict | None, str | None]:
+    if path.startswith("builtin://"):
+        return None, (f"spec.model.path: {path} is a built-in model, which only local mode (rlhfctl run) provides; "
+                      "give a Hugging Face model directory on a mounted volume")
+    config = Path(path) / "config.json"
+    if not Path(path).is_dir():
+        return None, f"spec.model.path: {path} does not exist in the trainer (mount the volume that holds the model)"
+    try:
+        return json.loads(config.read_text()), None
+    except OSError:
+        return None, f"spec.model.path: {path} has no readable config.json: not a Hugging Face model directory"
+    except json.JSONDecodeError as err:
+        return None, f"spec.model.path: {config} is not valid JSON ({err})"
+
+
+def _readable_python(path: str | None, field: str) -> str | None:
+    if not path:
+        return None
+    try:
+        source = Path(path).read_text()
+    except OSError as err:
+        return f"{field}: cannot read {path} ({err.strerror or err}); mount it into the trainer or fix the path"
+    try:
+        compile(source, path, "exec")
+    except SyntaxError as err:
+        return f"{field}: {path} line {err.lineno}: {err.msg}"
+    return None
+
+
+def check(config: TrainerConfig, world_size: int) -> list[str]:
+    """The problems of `config` for a trainer world of `world_size` processes."""
+    problems = []
+    o, s, p = config.optim, config.sampling, config.optim.parallelism
+    model, error = _model_config(config.model_path)
+    if error:
+        problems.append(error)
+    data = config.data.path
+    if not data.startswith("builtin://") and not Path(data).exists():
+        problems.append(f"spec.data.path: {data} does not exist in the trainer (mount the volume that holds it)")
+    longest = config.data.max_prompt_length + s.max_tokens
+    if o.max_tokens_per_micro_batch < longest:
+        problems.append(f"spec.trainer.maxTokensPerMicroBatch: {o.max_tokens_per_micro_batch} cannot hold the longest "
+                        f"sequence, data.maxPromptLength + rollout.maxTokens = {longest}; raise it or lower those")
+    if world_size % (p.tensor_parallel * p.context_parallel):
+        problems.append(f"spec.trainer.parallelism: tensorParallel x contextParallel = "
+                        f"{p.tensor_parallel * p.context_parallel} does not divide the {world_size} trainer processes")
+    if p.tensor_parallel > 1 and config.algorithm.critic:
+        problems.append("spec.trainer.parallelism.tensorParallel: > 1 is not supported with algorithm.critic; "
+                        "use 1 (FSDP and context parallel work with the critic)")
+    if model is not None and p.tensor_parallel > 1:
+        heads = model.get("num_attention_heads")
+        kv = model.get("num_key_value_heads") or heads
+        if heads and (heads % p.tensor_parallel or kv % p.tensor_parallel):
+            problems.append(f"spec.trainer.parallelism.tensorParallel: {p.tensor_parallel} must divide the model's "
+                            f"attention heads ({heads}) and key/value heads ({kv})")
+    if config.reward.type == "python":
+        problems += filter(None, [_readable_python(config.reward.file, "spec.reward.file")])
+    if config.environment is not None:
+        problems += filter(None, [_readable_python(config.environment.file, "spec.environment.file")])
+    return problems
+
+
+def write_termination_message(message: str) -> None:
+    """Put `message` in the container's termination message (Kubernetes shows it as the
+    pod's and so the job's Failed reason); only the first message is kept."""
+    path = os.environ.get("RLHF_TERMINATION_LOG", TERMINATION_LOG)
+    try:
+        if os.path.exists(path) and os.path.getsize(path) == 0:
+            with open(path, "a") as f:
+                f.write(message[:4000])
+    except OSError:
+        pass

@@ -1,0 +1,174 @@
+"""The run loop, on every trainer process: build, resume, then for each step
+
+  1. rollout   rank 0's orchestrator collects a `RolloutBatch`; it is broadcast to all ranks
+  2. train     `TrainStep.prepare` (old / reference log-probs, values, advantages) and the
+               optimizer steps (train/step.py)
+  3. sync      every rank gathers full tensors, rank 0 streams them to the rollout servers
+               (skipped when every optimizer step of the step was skipped: the weights did
+               not change)
+  4. record    metrics (`metrics.jsonl`, Prometheus), checkpoint every `schedule.saveEvery`
+
+The loop owns the state that a checkpoint holds (`state_dict`): step, policy version and
+the orchestrator's data position.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlhf_contract.trainer_config import TrainerConfig
+
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_final
+from .distributed import DistInfo, broadcast_object
+from .models.loading import build_models
+from .train.lr_schedule import lr_factor
+from .train.step import TrainStep
+
+log = logging.getLogger("rlhf_trainer")
+
+
+@contextmanager
+def span(timings: dict[str, float], name: str):
+    """Time a phase of the step into `timings[name]` (seconds)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[name] = time.perf_counter() - start
+
+
+class RunLoop:
+    def __init__(self, config: TrainerConfig, info: DistInfo, *, endpoints: list[str], weight_sync_addr: str,
+                 output_dir: str):
+        from transformers import AutoTokenizer
+
+        self.config, self.info = config, info
+        self.output_dir = Path(output_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        torch.manual_seed(config.schedule.seed)
+        self.models, self.layout = build_models(config, info)
+        o = config.optim
+        self.train_step = TrainStep(config.algorithm, self.models, self.layout,
+                                    max_tokens_per_micro_batch=o.max_tokens_per_micro_batch,
+                                    max_grad_norm=o.max_grad_norm, temperature=config.sampling.temperature,
+                                    device=info.device)
+        self.step = 0
+        self.policy_version = 0
+        self.orchestrator = self.sender = self.metrics = None
+        if info.is_main:
+            from .metrics import MetricsWriter
+            from .orchestrator.orchestrator import Orchestrator
+            from .weight_sync import WeightSyncSender
+
+            self.orchestrator = Orchestrator.build(config, self.tokenizer, endpoints, self.output_dir)
+            host, port = weight_sync_addr.rsplit(":", 1)
+            self.sender = WeightSyncSender(endpoints, host, int(port))
+            self.metrics = MetricsWriter(self.output_dir)
+
+    @property
+    def parts(self) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]:
+        m = self.models
+        parts = {"policy": (m.policy, m.optimizer)}
+        if m.critic is not None:
+            parts["critic"] = (m.critic, m.critic_optimizer)
+        return parts
+
+    def _lr_factor(self, k: int) -> float:
+        o, n = self.config.optim, self.config.algorithm.num_mini_batches
+        return lr_factor((self.step - 1) * n + k, total=self.config.schedule.total_steps * n, warmup=o.warmup_steps,
+                         kind=o.lr_scheduler, min_ratio=o.min_learning_rate_ratio)
+
+    # ---- state ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"policy_version": self.policy_version,
+                "orchestrator": self.orchestrator.state_dict() if self.orchestrator is not None else None}
+
+    def resume_if_possible(self) -> None:
+        path = latest_checkpoint(self.output_dir)
+        if path is None:
+            return
+        state = load_checkpoint(path, self.parts)
+        self.step = int(state["step"])
+        self.policy_version = int(state.get("policy_version", self.step))
+        if self.orchestrator is not None:
+            self.orchestrator.load_state_dict(state["orchestrator"])
+            self.metrics.truncate_after(self.step)
+        log.info("resumed from %s (step %d)", path, self.step)
+
+    def save(self) -> None:
+        state = broadcast_object(self.state_dict())
+        save_checkpoint(self.output_dir, self.step, self.parts, state, keep=self.config.output.keep_checkpoints)
+
+    # ---- one step ---------------------------------------------------------------------
+
+    def sync_weights(self) -> float:
+        """Every rank gathers full tensors; rank 0 sends them (every parameter, HF names)."""
+        start = time.perf_counter()
+        params = list(self.models.policy.named_parameters())
+
+        def full_tensors():
+            for _, p in params:
+                yield (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+
+        if self.info.is_main:
+            metadata = [(name, list(p.shape), p.dtype) for name, p in params]
+            self.sender.send(metadata, full_tensors(), weight_version=str(self.policy_version))
+        else:
+            for _ in full_tensors():
+                pass
+        dist.barrier()
+        return time.perf_counter() - start
+
+    def run_step(self) -> dict[str, Any] | None:
+        timings: dict[str, float] = {}
+        with span(timings, "step_seconds"):
+            with span(timings, "rollout_seconds"):
+                batch = self.orchestrator.collect(self.step) if self.info.is_main else None
+                batch = broadcast_object(batch)
+            with span(timings, "train_seconds"):
+                tensors = self.train_step.prepare(batch)
+                train = self.train_step(batch, tensors, lr_factor=self._lr_factor)
+            if train["skipped_steps"] < self.config.algorithm.num_mini_batches:
+                self.policy_version += 1
+                timings["weight_sync_seconds"] = self.sync_weights()
+            else:
+                log.warning("step %d: every optimizer step had a non-finite gradient norm; weights unchanged, "
+                            "no weight sync", self.step)
+                timings["weight_sync_seconds"] = 0.0
+        if not self.info.is_main:
+            return None
+        stats = vars(batch.stats).copy()
+        num_tokens = stats.pop("num_tokens")
+        lr = self.config.optim.learning_rate * self._lr_factor(self.config.algorithm.num_mini_batches - 1)
+        return {"step": self.step, **stats, **train, "learning_rate": lr, **timings,
+                "tokens_per_second": num_tokens / timings["step_seconds"], "policy_version": self.policy_version}
+
+    def run(self) -> None:
+        s = self.config.schedule
+        if self.info.is_main:
+            self.orchestrator.client.wait_ready(300)
+            self.sender.init()
+        self.sync_weights()  # servers start from exactly the trainer's weights (also after a resume)
+        while self.step < s.total_steps:
+            self.step += 1
+            row = self.run_step()
+            if row is not None:
+                self.metrics.write(row)
+                log.info("step %d/%d reward %.3f loss %.4f %.2fs", self.step, s.total_steps, row["reward_mean"],
+                         row["loss"], row["step_seconds"])
+            if s.save_every and self.step % s.save_every == 0:
+                self.save()
+        if s.save_every:
+            self.save()
+        save_final(self.output_dir, self.models.policy, self.tokenizer)
+        if self.info.is_main:
+            log.info("rollout requests per endpoint: %s", json.dumps(self.orchestrator.client.requests_sent))

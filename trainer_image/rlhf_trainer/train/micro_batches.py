@@ -1,0 +1,195 @@
+"""Micro-batches of a step's sequences and the forward passes over them, for any
+data x context x tensor layout.
+
+Each sequence is prompt + response. `plan()` balances the sequences over the
+data-parallel ranks and packs each rank's share into micro-batches of at most
+`trainer.maxTokensPerMicroBatch` tokens (`data/balanced_packing.py`): no padding, and
+documents never attend to each other (attention takes the documents' explicit boundaries:
+`parallel/context_parallel.py`). Per-token quantities live at the "predicting" positions:
+response token j of a sequence that starts at offset s with a prompt of P tokens is
+predicted by packed position s + P - 1 + j, where the log-prob of the next token and the
+critic's value V(state before token j) sit. `scatter` puts per-sequence values there,
+`gather` reads them back. With context parallelism each rank holds a contiguous slice of
+the packed row: inputs and per-token tensors are sliced with `shard_sequence`, and
+no-grad results are all-gathered back to whole rows.
+
+Log-probs never hold fp32 logits for a whole micro-batch: the model's `lm_head` is given
+a forward (`attach_logprob_head`) that computes, chunk by chunk of tokens, the
+log-probability of the target token and the entropy at the sampling temperature, with
+the chunk's logits recomputed in the backward pass (activation checkpointing per chunk).
+Peak memory of the head is then one chunk's [chunk, vocab] in fp32, whatever the budget.
+With tensor parallelism the head keeps its own (gathered) output and only the fp32 part
+is chunked.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.checkpoint import checkpoint
+
+from ..data.balanced_packing import Packed, balanced_micro_batches, pack
+from ..orchestrator.types import Row
+from ..parallel.context_parallel import cp_inputs, shard_sequence
+
+HEAD_CHUNK_TOKENS = 1024
+"""Tokens per chunk of the log-prob head: [1024, 151936] fp32 is 0.6 GB."""
+
+
+@dataclass
+class MicroBatch:
+    """One packed forward pass: `rows` are indices into the step's rows."""
+
+    rows: list[int]
+    packed: Packed
+    starts: list[int]
+    prompt_lengths: list[int]
+    response_lengths: list[int]
+
+    @property
+    def length(self) -> int:
+        return self.packed.input_ids.shape[1]
+
+    def positions(self, k: int) -> range:
+        start = self.starts[k] + self.prompt_lengths[k] - 1
+        return range(start, start + self.response_lengths[k])
+
+    def scatter(self, values: list[list[float]] | list[torch.Tensor]) -> torch.Tensor:
+        """Per-sequence values (aligned with response tokens) -> [1, L] at predicting positions."""
+        out = torch.zeros(1, self.length, dtype=torch.float32)
+        for k, v in enumerate(values):
+            pos = self.positions(k)
+            if len(pos):
+                out[0, pos.start:pos.stop] = torch.as_tensor(v, dtype=torch.float32)[:len(pos)]
+        return out
+
+    def gather(self, row: torch.Tensor) -> list[torch.Tensor]:
+        """[1, L] whole-row tensor -> per-sequence tensors (on the CPU) at predicting positions."""
+        flat = row[0].detach().float().cpu()
+        return [flat[p.start:p.stop] for p in (self.positions(k) for k in range(len(self.rows)))]
+
+
+def plan(rows: list[Row], indices: list[int], budget: int, dp_size: int, cp_size: int) -> list[list[MicroBatch]]:
+    """Micro-batches of `indices` for every data-parallel rank (same count on each rank)."""
+    lengths = [len(rows[i].prompt_ids) + len(rows[i].response_ids) for i in indices]
+    out = []
+    for rank_batches in balanced_micro_batches(lengths, budget, dp_size):
+        micro = []
+        for mb in rank_batches:
+            chosen = [indices[j] for j in mb]
+            seqs = [rows[i].prompt_ids + rows[i].response_ids for i in chosen]
+            starts, offset = [], 0
+            for s in seqs:
+                starts.append(offset)
+                offset += len(s)
+            micro.append(MicroBatch(chosen, pack(seqs, pad_to_multiple_of=cp_size), starts,
+                                    [len(rows[i].prompt_ids) for i in chosen],
+                                    [len(rows[i].response_ids) for i in chosen]))
+        out.append(micro)
+    return out
+
+
+def next_token_targets(packed: Packed) -> torch.Tensor:
+    """[1, L]: the next token of each position (0 after a document's end: never weighted)."""
+    ids = packed.input_ids
+    return torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
+
+
+def local(x: torch.Tensor, cp_mesh: DeviceMesh | None, device: torch.device) -> torch.Tensor:
+    """This rank's slice of a whole-row [1, L] tensor."""
+    return shard_sequence(x, cp_mesh).to(device, non_blocking=True)
+
+
+def _model_inputs(mb: MicroBatch, cp_mesh: DeviceMesh | None, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+            for k, v in cp_inputs(mb.packed, cp_mesh).items()}
+
+
+# ---- the log-prob head ----------------------------------------------------------------
+
+def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[n, V] logits, [n] targets -> [n, 2]: (log p(target), entropy) at `temperature`."""
+    scaled = logits.float() / temperature
+    logz = torch.logsumexp(scaled, dim=-1)
+    logp = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz
+    entropy = logz - (torch.softmax(scaled, dim=-1) * scaled).sum(-1)
+    return torch.stack([logp, entropy], dim=-1)
+
+
+def _linear_chunk_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    return _chunk_stats(F.linear(hidden, weight, bias), targets, temperature)
+
+
+def chunked_token_stats(fn, inputs: torch.Tensor, extra: tuple, targets: torch.Tensor, temperature: float,
+                        chunk: int = HEAD_CHUNK_TOKENS) -> torch.Tensor:
+    """Apply `fn(inputs_chunk, *extra, targets_chunk, temperature)` over chunks of tokens
+    ([1, l, ...] -> [1, l, 2]); with gradients, each chunk is recomputed in backward."""
+    flat_in, flat_t = inputs.reshape(-1, inputs.shape[-1]), targets.reshape(-1)
+    outs = []
+    grad = torch.is_grad_enabled() and (inputs.requires_grad or any(
+        isinstance(e, torch.Tensor) and e.requires_grad for e in extra))
+    for start in range(0, flat_in.shape[0], chunk):
+        args = (flat_in[start:start + chunk], *extra, flat_t[start:start + chunk], temperature)
+        outs.append(checkpoint(fn, *args, use_reentrant=False) if grad else fn(*args))
+    out = torch.cat(outs) if outs else flat_in.new_zeros(0, 2, dtype=torch.float32)
+    return out.reshape(*targets.shape, 2)
+
+
+def _head_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    request = getattr(self, "_rlhf_request", None)
+    if request is None:  # not called by policy_forward: behave as the plain head
+        return self._rlhf_plain_forward(hidden)
+    targets, temperature = request
+    weight, bias = self.weight, getattr(self, "bias", None)
+    return chunked_token_stats(_linear_chunk_stats, hidden, (weight, bias), targets, temperature)
+
+
+def attach_logprob_head(model: torch.nn.Module, *, tensor_parallel: bool = False) -> torch.nn.Module:
+    """Give `model.lm_head` the chunked log-prob forward (parameter names unchanged). With
+    tensor parallelism the head's own (gathered) logits are used instead."""
+    head = model.get_output_embeddings()
+    model._rlhf_tp_head = tensor_parallel
+    if tensor_parallel or getattr(head, "_rlhf_plain_forward", None) is not None:
+        return model
+    head._rlhf_plain_forward = head.forward
+    head.forward = types.MethodType(_head_forward, head)
+    return model
+
+
+def policy_forward(model: torch.nn.Module, mb: MicroBatch, cp_mesh: DeviceMesh | None, device: torch.device,
+                   temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-prob of the next token [1, l], entropy [1, l]) on this rank's slice, both at
+    `temperature` (logits divided by it, as the sampler did)."""
+    targets = local(next_token_targets(mb.packed), cp_mesh, device)
+    head = model.get_output_embeddings()
+    if getattr(model, "_rlhf_tp_head", False) or getattr(head, "_rlhf_plain_forward", None) is None:
+        logits = model(**_model_inputs(mb, cp_mesh, device), use_cache=False).logits
+        stats = chunked_token_stats(_chunk_stats, logits, (), targets, temperature)
+    else:
+        head._rlhf_request = (targets, temperature)
+        try:
+            stats = model(**_model_inputs(mb, cp_mesh, device), use_cache=False).logits
+        finally:
+            head._rlhf_request = None
+    return stats[..., 0], stats[..., 1]
+
+
+def critic_forward(critic: torch.nn.Module, mb: MicroBatch, cp_mesh: DeviceMesh | None,
+                   device: torch.device) -> torch.Tensor:
+    """Values [1, l] on this rank's slice."""
+    return critic(**_model_inputs(mb, cp_mesh, device)).float()
+
+
+def whole_row(x: torch.Tensor, cp_mesh: DeviceMesh | None) -> torch.Tensor:
+    """All-gather a [1, l] slice back into the whole [1, L] row (no gradient)."""
+    if cp_mesh is None or cp_mesh.size() == 1:
+        return x.detach()
+    parts = [torch.empty_like(x) for _ in range(cp_mesh.size())]
+    dist.all_gather(parts, x.detach().contiguous(), group=cp_mesh.get_group())
+    return torch.cat(parts, dim=1)

@@ -1,0 +1,224 @@
+"""The train step, run by every trainer process on the same `RolloutBatch`:
+
+  prepare(batch)           no-grad passes and advantages -> StepTensors
+  __call__(batch, t, lr)   `algorithm.numMiniBatches` optimizer steps, each over this rank's
+                           packed micro-batches (micro_step), then clip and step
+  micro_step(...)          one forward/backward; the loss comes from `compose_loss`
+
+Loss convention: every per-token term is weighted by the aggregation coefficients of
+`algorithms.losses.agg_weights`, computed on the WHOLE mini-batch, so summing the
+micro-batch losses of all data x context ranks gives the mini-batch loss; FSDP sums
+gradients over those ranks (`parallel/parallelize.py`). Gradients are reduced only on a
+mini-batch's last micro-batch. Metrics accumulate on the device (`MetricAccumulator`)
+and are reduced and read once per step. A non-finite gradient norm skips that optimizer
+step (counted as `skipped_steps`); the caller then skips the weight sync.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from rlhf_contract.api.models import AlgorithmSpec
+
+from ..algorithms.kl import kl_penalty
+from ..algorithms.losses import agg_weights, explained_variance, ppo_token_loss, truncated_is_weights, value_token_loss
+from ..orchestrator.types import RolloutBatch, Row
+from ..parallel.grad_norm import clip_grad_norm
+from ..parallel.parallelize import Layout
+from .metrics import MetricAccumulator
+from .micro_batches import MicroBatch, critic_forward, local, plan, policy_forward
+from .tensors import StepTensors, build_step_tensors, gather_passes, needs_old_logprobs
+
+METRICS = ["loss", "clip_fraction", "approx_kl", "entropy", "kl", "value_loss", "padding", "grad_norm",
+           "critic_grad_norm", "skipped_steps"]
+
+
+@dataclass
+class Models:
+    """What the train step updates and reads."""
+
+    policy: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    ref: torch.nn.Module | None = None
+    critic: torch.nn.Module | None = None
+    critic_optimizer: torch.optim.Optimizer | None = None
+
+
+@dataclass
+class LossTerms:
+    """Per-token tensors of one micro-batch, besides the loss itself (for metrics)."""
+
+    clip_active: torch.Tensor
+    kl: torch.Tensor | None
+
+
+def compose_loss(a: AlgorithmSpec, *, logp: torch.Tensor, entropy: torch.Tensor, old: torch.Tensor,
+                 advantages: torch.Tensor, coef: torch.Tensor, ref: torch.Tensor | None = None,
+                 rollout: torch.Tensor | None = None) -> tuple[torch.Tensor, LossTerms]:
+    """The policy loss of one micro-batch: sum over tokens of coef x (PPO clip loss
+    [x TIS weight] - entropyCoef x entropy [+ klCoef x KL when klMode is loss]).
+    All tensors are per packed token ([1, l]); `coef` carries the loss aggregation."""
+    token_loss, clip_active = ppo_token_loss(logp, old, advantages, clip_low=a.clip_low, clip_high=a.clip_high,
+                                             dual_clip=a.dual_clip)
+    if a.tis_cap is not None:
+        token_loss = token_loss * truncated_is_weights(old, rollout, a.tis_cap)
+    loss = (token_loss * coef).sum()
+    if a.entropy_coef:
+        loss = loss - a.entropy_coef * (entropy * coef).sum()
+    kl = None
+    if ref is not None:
+        kl = kl_penalty(logp, ref, a.kl_estimator)
+        if a.kl_mode == "loss":
+            loss = loss + a.kl_coef * (kl * coef).sum()
+    return loss, LossTerms(clip_active, kl)
+
+
+class TrainStep:
+    def __init__(self, algorithm: AlgorithmSpec, models: Models, layout: Layout, *, max_tokens_per_micro_batch: int,
+                 max_grad_norm: float, temperature: float, device: torch.device):
+        self.a, self.m, self.layout = algorithm, models, layout
+        self.budget, self.max_grad_norm, self.temperature, self.device = (
+            max_tokens_per_micro_batch, max_grad_norm, temperature, device)
+
+    def _plan(self, rows: list[Row], indices: list[int]) -> list[MicroBatch]:
+        lay = self.layout
+        return plan(rows, indices, self.budget, lay.dp_size, lay.cp_size)[lay.dp_rank]
+
+    # ---- no-grad passes and advantages ------------------------------------------------
+
+    def prepare(self, batch: RolloutBatch) -> StepTensors:
+        m, dev, cp = self.m, self.device, self.layout.cp_mesh
+        passes = {}
+        if needs_old_logprobs(self.a):
+            passes["old_logprobs"] = lambda mb: policy_forward(m.policy, mb, cp, dev, self.temperature)[0]
+        if m.ref is not None:
+            passes["ref_logprobs"] = lambda mb: policy_forward(m.ref, mb, cp, dev, self.temperature)[0]
+        if m.critic is not None:
+            passes["values"] = lambda mb: critic_forward(m.critic, mb, cp, dev)
+        m.policy.eval()
+        if m.critic is not None:
+            m.critic.eval()
+        tables = gather_passes(batch.rows, self._plan(batch.rows, list(range(len(batch.rows)))), passes, cp,
+                               self.layout.world_size)
+        return build_step_tensors(batch.rows, tables, self.a, batch.group_size)
+
+    # ---- updates ----------------------------------------------------------------------
+
+    def __call__(self, batch: RolloutBatch, t: StepTensors,
+                 lr_factor: Callable[[int], float] | None = None) -> dict[str, float | None]:
+        """The step's updates; `lr_factor(k)` scales each optimizer's base learning rate
+        (`initial_lr` of its parameter groups) at the step's k-th optimizer step."""
+        a, m, rows = self.a, self.m, batch.rows
+        acc = MetricAccumulator(METRICS, self.device)
+        per_mini = len(rows) // a.num_mini_batches
+        m.policy.train()
+        if m.critic is not None:
+            m.critic.train()
+        for k in range(a.num_mini_batches):
+            if lr_factor is not None:
+                _scale_lr([m.optimizer, m.critic_optimizer], lr_factor(k))
+            idx = list(range(k * per_mini, (k + 1) * per_mini))
+            mask_k = t.mask[idx]
+            width = max(max(len(rows[i].response_ids) for i in idx), 1)
+            coef = agg_weights(mask_k, a.loss_agg, num_tokens=float(mask_k.sum()), num_seqs=per_mini, width=width)
+            value_coef = agg_weights(mask_k, "token-mean")
+            m.optimizer.zero_grad(set_to_none=True)
+            if m.critic_optimizer is not None:
+                m.critic_optimizer.zero_grad(set_to_none=True)
+            micro = self._plan(rows, idx)
+            for j, mb in enumerate(micro):
+                _set_gradient_sync([m.policy, m.critic], j == len(micro) - 1)
+                self.micro_step(rows, t, mb, coef, value_coef, base=idx[0], acc=acc)
+            self._clip_and_step(m.policy, m.optimizer, acc, "grad_norm")
+            if m.critic is not None:
+                self._clip_and_step(m.critic, m.critic_optimizer, acc, "critic_grad_norm")
+        acc.reduce(self.layout.reduce_group)
+        host = acc.to_host()
+        tokens = max(host["clip_fraction"][1], 1.0)
+
+        def per_token(name: str) -> float:
+            return host[name][0] / tokens
+
+        mask, adv = t.mask, t.advantages
+        n_valid = mask.sum().clamp(min=1.0)
+        adv_mean = float((adv * mask).sum() / n_valid)
+        out: dict[str, float | None] = {
+            "loss": host["loss"][0] / a.num_mini_batches,
+            "clip_fraction": per_token("clip_fraction"),
+            "approx_kl": per_token("approx_kl"),
+            "entropy": per_token("entropy"),
+            "kl": per_token("kl") if m.ref is not None else None,
+            # the optimizer-step metrics are the same on every rank: undo the reduction's sum
+            "grad_norm": host["grad_norm"][0] / max(host["grad_norm"][1], 1.0),
+            "skipped_steps": host["skipped_steps"][0] / self.layout.reduce_size,
+            "advantage_mean": adv_mean,
+            "advantage_std": float((((adv - adv_mean) ** 2) * mask).sum() / n_valid) ** 0.5,
+            "padding_fraction": host["padding"][0] / max(host["padding"][1], 1.0),
+        }
+        if m.critic is not None:
+            out["value_loss"] = host["value_loss"][0] / a.num_mini_batches
+            out["critic_grad_norm"] = host["critic_grad_norm"][0] / max(host["critic_grad_norm"][1], 1.0)
+            out["explained_variance"] = float(explained_variance(t.values, t.returns, mask))
+        return out
+
+    def micro_step(self, rows: list[Row], t: StepTensors, mb: MicroBatch, coef: torch.Tensor,
+                   value_coef: torch.Tensor, *, base: int, acc: MetricAccumulator) -> None:
+        """One forward/backward of the policy (and the critic) on one packed micro-batch."""
+        a, m, dev, cp_mesh = self.a, self.m, self.device, self.layout.cp_mesh
+        cp = self.layout.cp_size
+        acc.add("padding", mb.packed.num_padding / cp, mb.length / cp)  # each CP rank counts its share
+
+        def per_token(table: torch.Tensor, relative: bool = False) -> torch.Tensor:
+            values = [table[i - base if relative else i, :len(rows[i].response_ids)] for i in mb.rows]
+            return local(mb.scatter(values), cp_mesh, dev)
+
+        c, mask = per_token(coef, relative=True), per_token(t.mask)
+        logp, entropy = policy_forward(m.policy, mb, cp_mesh, dev, self.temperature)
+        old = per_token(t.old_logprobs) if t.old_logprobs is not None else logp.detach()
+        loss, terms = compose_loss(
+            a, logp=logp, entropy=entropy, old=old, advantages=per_token(t.advantages), coef=c,
+            ref=per_token(t.ref_logprobs) if t.ref_logprobs is not None else None,
+            rollout=per_token(t.rollout_logprobs) if a.tis_cap is not None else None)
+        loss.backward()  # gradients are SUMMED over data x context ranks: each rank's loss is its share
+        num_tokens = mask.sum()
+        acc.add("loss", loss)
+        acc.add("clip_fraction", (terms.clip_active.float() * mask).sum(), num_tokens)
+        acc.add("approx_kl", (0.5 * (logp.detach() - old).square() * mask).sum(), num_tokens)
+        acc.add("entropy", (entropy.detach() * mask).sum(), num_tokens)
+        if terms.kl is not None:
+            acc.add("kl", (terms.kl.detach() * mask).sum(), num_tokens)
+        if m.critic is not None:
+            values = critic_forward(m.critic, mb, cp_mesh, dev)
+            vl, _ = value_token_loss(values, per_token(t.values), per_token(t.returns), a.value_clip)
+            vloss = (vl * per_token(value_coef, relative=True)).sum()
+            vloss.backward()
+            acc.add("value_loss", vloss)
+
+    def _clip_and_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, acc: MetricAccumulator,
+                       name: str) -> None:
+        norm = clip_grad_norm(model.parameters(), self.max_grad_norm)
+        finite = bool(torch.isfinite(norm))  # the step's one host sync per optimizer step
+        if finite:
+            optimizer.step()
+            acc.add(name, norm)
+        else:
+            optimizer.zero_grad(set_to_none=True)
+            acc.add("skipped_steps", 1.0)
+
+
+def _scale_lr(optimizers: list[torch.optim.Optimizer | None], factor: float) -> None:
+    for opt in optimizers:
+        if opt is not None:
+            for group in opt.param_groups:
+                group["lr"] = group.setdefault("initial_lr", group["lr"]) * factor
+
+
+def _set_gradient_sync(models: list[torch.nn.Module | None], enabled: bool) -> None:
+    """FSDP2 reduces gradients only when told to: off for all but a mini-batch's last
+    micro-batch (gradients accumulate unsharded locally in between)."""
+    for model in models:
+        if model is not None and hasattr(model, "set_requires_gradient_sync"):
+            model.set_requires_gradient_sync(enabled)
