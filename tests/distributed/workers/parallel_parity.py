@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from rlhf_trainer.data.balanced_packing import balanced_micro_batches, pack
 from rlhf_trainer.models.builtin import build_tiny_qwen2
-from rlhf_trainer.parallel.context_parallel import cp_inputs, global_token_mean, shard_sequence
+from rlhf_trainer.parallel.context_parallel import cp_inputs, shard_sequence
 from rlhf_trainer.parallel.parallelize import parallelize
 
 LENGTHS = [5, 9, 3, 12, 7, 4, 8, 6]
@@ -62,6 +62,13 @@ def reference(docs, family: str) -> tuple[float, dict[str, torch.Tensor]]:
     return total, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
+def global_token_mean(local_sum: torch.Tensor, local_count: torch.Tensor, group) -> torch.Tensor:
+    """This rank's share of the global token mean (summed over the group: the mean)."""
+    count = torch.as_tensor(local_count, dtype=torch.float64).detach().clone().reshape(())
+    dist.all_reduce(count, group=group)
+    return local_sum / count.to(local_sum.dtype).clamp(min=1)
+
+
 def targets_and_weights(packed) -> tuple[torch.Tensor, torch.Tensor]:
     """Next token within the same document, over the WHOLE row (before CP sharding)."""
     ids, doc = packed.input_ids, packed.document_ids
@@ -92,11 +99,8 @@ def run_layout(world: int, dp: int, tp: int, cp: int, ac: bool, family: str, doc
 
     loss_value = torch.zeros((), dtype=torch.float64)
     for packed, targets, weights in rows:
-        if cp > 1:
-            logits = model(**cp_inputs(packed, cp_mesh), use_cache=False).logits
-        else:  # HF builds the per-document mask from the restarting position ids
-            logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
-                           use_cache=False).logits
+        # the trainer's own inputs: per-document attention from explicit bounds (CP: whole-row document ids)
+        logits = model(**cp_inputs(packed, cp_mesh), use_cache=False).logits
         loss = global_token_mean(nll_sum(logits, targets, weights), local_count, group)
         loss.backward()
         loss_value += loss.detach().double()

@@ -2,10 +2,9 @@
 
 `torch.nn.utils.clip_grad_norm_` refuses a mix of plain and distributed gradients (pure
 tensor parallel leaves norms and other replicated parameters as plain tensors) and of
-DTensors on different meshes. Here gradients are grouped by (mesh, placements): each
-group's local squares are summed on the device, then ONE all-reduce per sharded mesh
-dimension of the group makes the sum whole (replicated dimensions need none). The total
-stays a device tensor (no host sync); clipping multiplies in place by min(1, max / norm),
+DTensors on different meshes. Here each gradient's norm is made whole on its own mesh and
+the squares are summed on the device. The total stays a device tensor (no host sync;
+one small all-reduce per distributed parameter remains); clipping multiplies in place by min(1, max / norm),
 so a non-finite norm leaves the gradients alone and the caller skips the step.
 """
 
@@ -15,38 +14,30 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor import DTensor
 
 
 def _local(g: torch.Tensor) -> torch.Tensor:
-    return g.to_local() if isinstance(g, DTensor) else g
+    """The local shard itself (not a copy: clipping scales it in place). `to_local()` may
+    return a new tensor for strided shards (FSDP over TP), so read the attribute."""
+    return g._local_tensor if isinstance(g, DTensor) else g
 
 
 @torch.no_grad()
 def grad_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor:
-    """The global L2 norm of the gradients (fp32 0-d tensor on their device)."""
-    groups: dict[object, list[torch.Tensor]] = {}
-    for p in parameters:
-        g = p.grad
-        if g is None:
-            continue
-        key = (g.device_mesh, tuple(g.placements)) if isinstance(g, DTensor) else None
-        groups.setdefault(key, []).append(g)
+    """The global L2 norm of the gradients (fp32 0-d tensor on their device): each
+    distributed gradient's norm is made whole on its own mesh (`full_tensor` of a scalar),
+    the squares are summed on the device."""
     total: torch.Tensor | None = None
-    for key, grads in groups.items():
-        if key is not None and any(isinstance(pl, Partial) for pl in key[1]):
-            grads, key = [g.full_tensor() for g in grads], None  # pending sums: make them whole first
-        local = [_local(g) for g in grads]
-        sq = torch.stack([t.float().square().sum() for t in local]).sum()
-        if key is not None:
-            mesh, placements = key
-            for dim, placement in enumerate(placements):
-                if isinstance(placement, Shard) and mesh.size(dim) > 1:
-                    dist.all_reduce(sq, group=mesh.get_group(dim))
+    for p in parameters:
+        if p.grad is None:
+            continue
+        norm = p.grad.norm()
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        sq = norm.float().square()
         total = sq if total is None else total + sq.to(total.device)
-    if total is None:
-        return torch.zeros(())
-    return total.sqrt()
+    return torch.zeros(()) if total is None else total.sqrt()
 
 
 @torch.no_grad()

@@ -1,0 +1,115 @@
+"""torchrun worker: the trainer's own `TrainStep` (prepare + updates) on fixed rows under a
+parallel layout vs the same step in one process (computed on every rank, no process group
+involved), for several algorithm settings.
+
+Each case: `layout=dp,tp,cp` and an algorithm variant. Rank 0 writes
+`{case: {metrics, ref_metrics, param_rel_err, worst}}` to --out. The rows are random but
+fixed; two mini-batches make the second one's policy differ from the old one (ratio != 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from rlhf_contract.api.models import AlgorithmSpec
+from rlhf_trainer.models.builtin import build_tiny_qwen2
+from rlhf_trainer.orchestrator.types import RolloutBatch, RolloutStats, Row
+from rlhf_trainer.parallel.parallelize import parallelize_models
+from rlhf_trainer.train.micro_batches import attach_logprob_head
+from rlhf_trainer.train.step import Models, TrainStep
+
+VARIANTS = {
+    "grpo": dict(preset="grpo", loss_agg="seq-mean-token-mean", kl_coef=0.04),
+    "token-mean-2mb": dict(preset="grpo", loss_agg="token-mean", num_mini_batches=2, kl_coef=0.0),
+    "seq-sum-tis": dict(preset="dr_grpo", loss_agg="seq-mean-token-sum", tis_cap=2.0, num_mini_batches=2),
+    "sum-norm-entropy": dict(preset="dr_grpo", loss_agg="seq-mean-token-sum-norm", entropy_coef=0.01,
+                             num_mini_batches=2),
+    "dapo-dual": dict(preset="dapo", dual_clip=3.0, num_mini_batches=2, kl_coef=0.01, kl_mode="reward"),
+}
+GROUP = 4
+
+
+def resolved(variant: str) -> AlgorithmSpec:
+    from rlhf_contract.api.presets import PRESETS
+
+    fields = dict(VARIANTS[variant])
+    preset = fields["preset"]
+    base = {k: v for k, v in PRESETS[preset].items() if v != "maxTokens/5"}
+    base["overlong_buffer"] = 0
+    return AlgorithmSpec(**{**base, **fields})
+
+
+def rows() -> list[Row]:
+    gen = torch.Generator().manual_seed(3)
+    out = []
+    for i in range(8):
+        p = int(torch.randint(2, 7, (1,), generator=gen))
+        r = int(torch.randint(1, 6, (1,), generator=gen))
+        prompt = torch.randint(3, 16, (p,), generator=gen).tolist()
+        response = torch.randint(3, 16, (r,), generator=gen).tolist()
+        logprobs = (-torch.rand(r, generator=gen) * 3).tolist()
+        reward = float(torch.rand((), generator=gen) > 0.5)
+        out.append(Row(prompt, response, logprobs, reward, reward, False))
+    return out
+
+
+def run(layout: tuple[int, int, int], variant: str, temperature: float) -> tuple[dict, dict[str, torch.Tensor]]:
+    dp, tp, cp = layout
+    world = dp * tp * cp
+    a = resolved(variant)
+    policy = build_tiny_qwen2(0)
+    ref = build_tiny_qwen2(0).eval().requires_grad_(False) if a.kl_coef else None
+    lay = parallelize_models(policy, ref=ref, critic=None, world_size=world, tp=tp, cp=cp,
+                             activation_checkpointing=False, device_type="cpu")
+    for m in (policy, ref):
+        if m is not None:
+            attach_logprob_head(m, tensor_parallel=tp > 1)
+    models = Models(policy, torch.optim.AdamW(policy.parameters(), lr=1e-2), ref)
+    step = TrainStep(a, models, lay, max_tokens_per_micro_batch=24, max_grad_norm=0.3, temperature=temperature,
+                     device=torch.device("cpu"))
+    batch = RolloutBatch(rows(), GROUP, RolloutStats(0, 0, 0, 0, 0, 0))
+    tensors = step.prepare(batch)
+    metrics = step(batch, tensors)
+    params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+              for n, p in policy.named_parameters()}
+    return metrics, params
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("cases", nargs="+", help="dp,tp,cp:variant[:temperature]")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    results = {}
+    try:
+        for case in args.cases:
+            layout_s, variant, *rest = case.split(":")
+            temperature = float(rest[0]) if rest else 1.0
+            layout = tuple(int(x) for x in layout_s.split(","))
+            ref_metrics, ref_params = run((1, 1, 1), variant, temperature)
+            metrics, params = run(layout, variant, temperature)
+            worst, worst_name = 0.0, ""
+            for name, ref in ref_params.items():
+                err = ((params[name] - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+                if err > worst:
+                    worst, worst_name = err, name
+            moved = max(((params[n] - build_tiny_qwen2(0).state_dict()[n]).norm().item() for n in params))
+            results[case] = {"metrics": metrics, "ref_metrics": ref_metrics, "param_rel_err": worst,
+                             "worst": worst_name, "moved": moved}
+    finally:
+        if dist.get_rank() == 0:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
