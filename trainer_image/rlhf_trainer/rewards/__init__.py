@@ -3,8 +3,11 @@
 `score` is logged (RL2's split); the built-in rewards return the same number for both.
 
   exact_match / prefix_match   string comparison with the answer
-  math                         math.score_math: final boxed / <answer> answer, math-verify
-  code                         code.score_code: last fenced Python block vs test_cases, sandboxed
+  math                         math.score_math: final boxed / <answer> answer, math-verify, in
+                               worker processes killed past `timeout_seconds` per answer
+  code                         code.score_code_batch: last fenced Python block vs test_cases,
+                               every (response x case) through ONE bounded sandbox queue, run
+                               by the sandbox service (cluster) or bubblewrap here (local)
   python                       custom.load_reward_function: a user file's function
   http                         custom.RemoteReward: a reward service
 """
@@ -53,26 +56,53 @@ def _same(value: float) -> Result:
     return value, value
 
 
-def build_scorer(spec: "RewardSpec") -> Scorer:
+def sandbox_runner(spec: "RewardSpec", sandbox_url: str | None = None):
+    """Who runs model code: the service at `sandbox_url`, `reward.sandbox.url` or
+    `$RLHF_SANDBOX_URL` (first set wins), else None (this process, with bubblewrap)."""
+    url = sandbox_url or spec.sandbox.url or os.environ.get("RLHF_SANDBOX_URL")
+    if not url:
+        return None
+    from .sandbox_service import SandboxClient
+
+    return SandboxClient(url)
+
+
+def build_scorer(spec: "RewardSpec", *, sandbox_url: str | None = None) -> Scorer:
+    """The scorer of `spec`. `sandbox_url` (code only): the sandbox service the operator
+    created for this job (`rlhf_contract.sandbox.sandbox_url(job, namespace)` on a cluster)."""
     t = spec.type
     if t == "exact_match":
         return Scorer(lambda r, a, e: _same(exact_match(r, a)))
     if t == "prefix_match":
         return Scorer(lambda r, a, e: _same(prefix_match(r, a)))
     if t == "math":
-        from .math import score_math
+        from .math import MathScorer
 
-        return Scorer(lambda r, a, e: _same(score_math(r, a)), workers=4)
+        scorer = MathScorer(timeout_s=spec.timeout_seconds)
+        return Scorer(batch_fn=lambda items: [_same(x) for x in scorer.score_many(
+            [(r, a) for r, a, _ in items])])
     if t == "code":
-        from .code import score_code
+        from .code import score_code_batch
+        from .sandbox import Limits
 
-        def code(r: str, a: str, e: dict) -> Result:
-            if "test_cases" not in e:
-                raise ValueError("reward.type code: a data row has no test_cases column")
-            return _same(score_code(r, e["test_cases"], spec.timeout_seconds, all_or_nothing=spec.all_or_nothing,
-                                    require_isolation=spec.require_sandbox_isolation))
+        s = spec.sandbox
+        limits = Limits(timeout_s=spec.timeout_seconds, memory_mb=s.memory_mb,
+                        max_processes=s.max_processes, tmpfs_mb=s.tmpfs_mb,
+                        max_output_bytes=s.max_output_kb << 10)
+        runner = sandbox_runner(spec, sandbox_url)
 
-        return Scorer(code, workers=max(2, os.cpu_count() or 2))
+        def code(items: list[Item]) -> list[Result]:
+            for i, (_, _, extra) in enumerate(items):
+                if "test_cases" not in extra:
+                    raise ValueError(f"reward.type code: data row {i} of the batch has no "
+                                     "test_cases column")
+            scores = score_code_batch([(r, e["test_cases"]) for r, _, e in items],
+                                      spec.timeout_seconds, all_or_nothing=spec.all_or_nothing,
+                                      limits=limits, runner=runner,
+                                      require_isolation=spec.require_sandbox_isolation)
+            return [_same(x) for x in scores]
+
+        return Scorer(batch_fn=code)
     if t == "python":
         from .custom import load_reward_function
 

@@ -97,6 +97,12 @@ exec(_code, {"__name__": "__main__", "__builtins__": builtins, "__file__": "main
 """
 
 
+SPAWN_LOCK = threading.Lock()
+LIVE_PIDS: set[int] = set()
+"""Pids of the runs' direct children, registered under SPAWN_LOCK until they are reaped (a PID 1
+that reaps orphans must leave these to their Popen)."""
+
+
 class SandboxError(RuntimeError):
     """The sandbox itself could not run (not the program in it)."""
 
@@ -273,9 +279,11 @@ def _run(iso: Isolation, code: str, stdin: str, limits: Limits) -> SandboxResult
                     open(io / "stderr", "wb") as ferr:
                 start = time.monotonic()
                 try:
-                    proc = subprocess.Popen(argv, cwd=cwd, env=CHILD_ENV, stdin=fin, stdout=fout,
-                                            stderr=ferr, pass_fds=pass_fds,
-                                            start_new_session=True)
+                    with SPAWN_LOCK:
+                        proc = subprocess.Popen(argv, cwd=cwd, env=CHILD_ENV, stdin=fin,
+                                                stdout=fout, stderr=ferr, pass_fds=pass_fds,
+                                                start_new_session=True)
+                        LIVE_PIDS.add(proc.pid)
                 except OSError as err:
                     raise SandboxError(f"the sandbox could not start {argv[0]}: {err}") from err
                 os.close(started_w)
@@ -290,6 +298,8 @@ def _run(iso: Isolation, code: str, stdin: str, limits: Limits) -> SandboxResult
                     # whole PID namespace; rlimits: the process group
                     _kill_group(proc.pid)
                     proc.wait()
+                    with SPAWN_LOCK:
+                        LIVE_PIDS.discard(proc.pid)
                 wall_s = time.monotonic() - start
             os.set_blocking(started_r, False)
             try:
