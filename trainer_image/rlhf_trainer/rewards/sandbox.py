@@ -23,6 +23,10 @@ Backends (`isolation()` probes once which one this host allows):
            sandbox service pod that the operator creates (no token, no data, no egress, its own
            PID namespace), never in the trainer's pod. `require_isolation=True` refuses it.
 
+As root, bwrap itself runs as uid 65534 (`SANDBOX_UID`): the kernel does not apply RLIMIT_NPROC
+to a user namespace made by root, so a fork bomb would be unbounded; as nobody it is exactly the
+unprivileged case, which is also what a trainer pod (uid 1000, no capabilities) runs.
+
 Limits per run (`Limits`): wall time (the whole run is killed), CPU seconds, memory, processes
 (threads count), file size and captured output, open files. Memory: RLIMIT_AS bounds each
 process and RLIMIT_NPROC the number of processes of the run (counted per user namespace, so per
@@ -114,7 +118,7 @@ class Limits:
     """Wall clock; past it every process of the run is killed."""
     memory_mb: int = 512
     """Address space of each process (RLIMIT_AS)."""
-    max_processes: int = 8
+    max_processes: int = 4
     """Processes and threads of the run together (RLIMIT_NPROC, per user namespace)."""
     tmpfs_mb: int = 64
     """The run's only writable space (/tmp, its working directory); also caps each file."""
@@ -259,7 +263,8 @@ def _run(iso: Isolation, code: str, stdin: str, limits: Limits) -> SandboxResult
         (io / "stdin").write_text(stdin, encoding="utf-8")
         started_r, started_w = os.pipe()
         pass_fds: tuple[int, ...] = (started_w,)
-        code_fd = -1
+        code_fd = bwrap_fd = -1
+        user: dict = {}
         if iso.backend == "bwrap":
             code_fd = os.memfd_create("main.py")
             os.write(code_fd, code.encode("utf-8"))
@@ -268,7 +273,16 @@ def _run(iso: Isolation, code: str, stdin: str, limits: Limits) -> SandboxResult
             # bwrap's own init is PID 1 of the run: one more process in the run's count
             argv = _bwrap_argv(iso, limits.rlimits(extra_processes=1), limits.tmpfs_mb, code_fd,
                                started_w)
-            cwd = io_dir
+            cwd = "/"
+            if os.geteuid() == 0:
+                # As root the kernel does not apply RLIMIT_NPROC in the run's user namespace
+                # (a fork bomb is unbounded), so bwrap runs as `nobody`, exactly as it does
+                # for an unprivileged trainer; exec'd through its fd, because its directory
+                # (e.g. under /root) may be closed to that uid.
+                bwrap_fd = os.open(iso.bwrap, os.O_RDONLY)
+                pass_fds += (bwrap_fd,)
+                argv[0] = f"/proc/self/fd/{bwrap_fd}"
+                user = {"user": SANDBOX_UID, "group": SANDBOX_UID, "extra_groups": []}
         else:
             scratch = io / "scratch"
             scratch.mkdir()
@@ -282,7 +296,7 @@ def _run(iso: Isolation, code: str, stdin: str, limits: Limits) -> SandboxResult
                     with SPAWN_LOCK:
                         proc = subprocess.Popen(argv, cwd=cwd, env=CHILD_ENV, stdin=fin,
                                                 stdout=fout, stderr=ferr, pass_fds=pass_fds,
-                                                start_new_session=True)
+                                                start_new_session=True, **user)
                         LIVE_PIDS.add(proc.pid)
                 except OSError as err:
                     raise SandboxError(f"the sandbox could not start {argv[0]}: {err}") from err
@@ -307,7 +321,7 @@ def _run(iso: Isolation, code: str, stdin: str, limits: Limits) -> SandboxResult
             except BlockingIOError:  # a writer still open but nothing written: never started
                 started = False
         finally:
-            for fd in (code_fd, started_w, started_r):
+            for fd in (code_fd, bwrap_fd, started_w, started_r):
                 if fd >= 0:
                     os.close(fd)
         stdout, cut_out = _read_capped(io / "stdout", limits.max_output_bytes)
@@ -396,7 +410,7 @@ def cgroup_memory_limit_mb() -> int | None:
 
 def capacity(limits: Limits | None = None) -> int:
     """Runs at once in this process: `RLHF_SANDBOX_CONCURRENCY`, else the CPUs this process
-    may use, and no more than half its cgroup memory limit holds at `limits.memory_bound_mb`."""
+    may use, and no more than its cgroup memory limit holds at `limits.memory_bound_mb` each."""
     if os.environ.get(CONCURRENCY_ENV):
         value = int(os.environ[CONCURRENCY_ENV])
         if value < 1:
@@ -405,7 +419,7 @@ def capacity(limits: Limits | None = None) -> int:
     n = max(1, int(available_cpus()))
     memory = cgroup_memory_limit_mb()
     if memory and limits is not None:
-        n = min(n, max(1, (memory // 2) // limits.memory_bound_mb))
+        n = min(n, max(1, memory // limits.memory_bound_mb))
     return n
 
 
