@@ -15,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,6 +36,15 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv")
                                 reason="needs root and setpriv to become an unprivileged uid")
 UNPRIVILEGED = ["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups", "--inh-caps=-all",
                 "--bounding-set=-all", "--no-new-privs"]
+
+
+@pytest.fixture
+def world_readable_tmp():
+    """A directory uid 1000 can enter (pytest's tmp_path is under a 0700 directory)."""
+    path = Path(tempfile.mkdtemp(prefix="rlhf-sandbox-test-", dir="/tmp"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def test_extract_code_and_normalize():
@@ -66,10 +76,10 @@ def test_48_responses_x_24_cases_at_once():
 
 @needs_bwrap
 @needs_root
-def test_same_checks_as_an_unprivileged_uid_without_capabilities(tmp_path):
+def test_same_checks_as_an_unprivileged_uid_without_capabilities(world_readable_tmp):
     """What a `restricted` trainer pod is: uid 1000, no capabilities, no_new_privs, and only
     world-readable code (the system Python and this repository)."""
-    tmp_path.chmod(0o755)
+    tmp_path = world_readable_tmp
     bwrap = tmp_path / "bwrap"
     shutil.copy(ISO.bwrap, bwrap)
     bwrap.chmod(0o755)
@@ -170,11 +180,11 @@ def test_service_scores_through_the_client_and_the_scorer():
 
 
 @needs_root
-def test_service_as_pid_1_with_rlimits_only_survives_its_programs(tmp_path):
+def test_service_as_pid_1_with_rlimits_only_survives_its_programs(world_readable_tmp):
     """A sandbox pod without user namespaces: the pod is the barrier, the service its PID 1."""
     if not shutil.which("unshare"):
         pytest.skip("no unshare")
-    tmp_path.chmod(0o755)
+    tmp_path = world_readable_tmp
     # the service needs only the standard library and rlhf_trainer: the system Python, which
     # uid 1000 may run (this venv may live under /root)
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO / "trainer_image"),
