@@ -82,6 +82,12 @@ class CodeSandboxSpec(_Model):
     """The run's only writable space, /tmp (MiB, counted in memory)."""
     max_output_kb: int = Field(default=1024, ge=1)
     """stdout and stderr are each cut here; a run that goes past it fails its case."""
+
+
+class SandboxServiceSpec(_Model):
+    """The pods that run model-written programs for `reward.type: code` on a cluster
+    (`<job>-sandbox`), unless `reward.sandbox.url` names another service."""
+
     replicas: int = Field(default=1, ge=1)
     """Sandbox service pods (cluster only)."""
     cpu: str = Field(default="4", pattern=r"^[0-9]+(\.[0-9]+)?m?$")
@@ -294,6 +300,8 @@ class RLHFJobSpec(_Model):
     """How responses are scored."""
     environment: EnvironmentSpec | None = None
     """Multi-turn environment; null means single-turn generation scored by `reward`."""
+    sandbox_service: SandboxServiceSpec = SandboxServiceSpec()
+    """`reward.type: code` on a cluster: the sandbox service pods the operator creates."""
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
     """The RL algorithm."""
     rollout: RolloutSpec = RolloutSpec()
