@@ -96,8 +96,12 @@ def test_same_checks_as_an_unprivileged_uid_without_capabilities(world_readable_
 def test_no_isolation_is_refused_not_scored(monkeypatch):
     weak = sandbox.Isolation("rlimits", ISO.python, None, "no bwrap binary (test)")
     monkeypatch.setattr(sandbox, "isolation", lambda: weak)
-    with pytest.raises(SandboxError, match="needs bubblewrap.*requireSandboxIsolation"):
+    with pytest.raises(SandboxError, match="needs bubblewrap.*requireSandboxIsolation is true"):
         score_code(checks.fenced("print(1)"), {"inputs": [""], "outputs": ["1"]})
+    # resource limits alone never run model code in the trainer, whatever the spec says
+    with pytest.raises(SandboxError, match="not a sandbox service started with --allow-rlimits"):
+        score_code(checks.fenced("print(1)"), {"inputs": [""], "outputs": ["1"]},
+                   require_isolation=False)
     broken = sandbox.Isolation("bwrap", "/nonexistent/python3", ISO.bwrap or "/bin/false", "",
                                ISO.mounts or ("/usr",))
     monkeypatch.setattr(sandbox, "isolation", lambda: broken)

@@ -101,6 +101,9 @@ exec(_code, {"__name__": "__main__", "__builtins__": builtins, "__file__": "main
 """
 
 
+RLIMITS_ONLY_ALLOWED = False
+"""Set by the sandbox service started with --allow-rlimits-only (its pod is the barrier). In any
+other process, the trainer's above all, the rlimits backend never runs model code."""
 SPAWN_LOCK = threading.Lock()
 LIVE_PIDS: set[int] = set()
 """Pids of the runs' direct children, registered under SPAWN_LOCK until they are reaped (a PID 1
@@ -441,16 +444,22 @@ class _Queue:
 def run_python(code: str, stdin: str = "", limits: Limits | None = None, *,
                require_isolation: bool = True) -> SandboxResult:
     """Run `code` on `stdin` under `limits` (see the module docstring), waiting for a free
-    slot of the queue first. `require_isolation=True` raises SandboxError unless the bwrap
-    backend works here."""
+    slot of the queue first. Without the bwrap backend it raises SandboxError, unless
+    `require_isolation` is False AND this process is a sandbox service allowed to run with
+    resource limits only."""
     limits = limits or Limits()
     iso = isolation()
-    if require_isolation and iso.backend != "bwrap":
+    if iso.backend != "bwrap" and (require_isolation or not RLIMITS_ONLY_ALLOWED):
+        why = ("reward.requireSandboxIsolation is true" if require_isolation else
+               "this process is not a sandbox service started with --allow-rlimits-only, and "
+               "resource limits alone would leave the trainer's files, processes, token and "
+               "network in reach")
         raise SandboxError(
             "the code sandbox needs bubblewrap with unprivileged user namespaces (per-run "
-            f"filesystem, /proc and network namespaces) and this host has none: {iso.reason}. "
-            "Set reward.requireSandboxIsolation: false only where the pod itself is the barrier "
-            "(the operator's sandbox service pod).")
+            f"filesystem, /proc and network namespaces), and here: {iso.reason}; {why}. "
+            "On a cluster, give the sandbox pods a seccomp profile that allows user namespaces "
+            "(sandboxService.seccompLocalhostProfile), or set reward.requireSandboxIsolation: "
+            "false to let the sandbox pod (no token, no data, no egress) be the only barrier.")
     with _Queue.slot(limits):
         return _run(iso, code, stdin, limits)
 

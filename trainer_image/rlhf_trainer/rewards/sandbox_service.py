@@ -49,7 +49,6 @@ PR_SET_DUMPABLE = 4
 
 class _Handler(BaseHTTPRequestHandler):
     server_version = "rlhf-sandbox/1"
-    allow_rlimits_only = False
 
     def log_message(self, fmt: str, *args) -> None:  # quiet: one line per request at debug
         logger.debug("%s " + fmt, self.address_string(), *args)
@@ -84,8 +83,6 @@ class _Handler(BaseHTTPRequestHandler):
             return self._answer(400, {"error": f"bad request: {type(err).__name__}: {err}"})
         if len(jobs) > MAX_JOBS_PER_REQUEST:
             return self._answer(413, {"error": f"at most {MAX_JOBS_PER_REQUEST} jobs a request"})
-        if not require and not self.allow_rlimits_only and sandbox.isolation().backend != "bwrap":
-            require = True  # the operator did not allow this pod to run without namespaces
         try:
             results = sandbox.run_many(jobs, limits, require_isolation=require)
         except SandboxError as err:
@@ -132,7 +129,8 @@ def serve(host: str, port: int, *, allow_rlimits_only: bool = False) -> None:
     if iso.backend != "bwrap" and not allow_rlimits_only:
         logger.warning("no per-run namespaces here (%s); requests that require isolation fail",
                        iso.reason)
-    handler = type("Handler", (_Handler,), {"allow_rlimits_only": allow_rlimits_only})
+    sandbox.RLIMITS_ONLY_ALLOWED = allow_rlimits_only
+    handler = _Handler
     server = ThreadingHTTPServer((host, port), handler)
     server.daemon_threads = True
     stop = threading.Event()
