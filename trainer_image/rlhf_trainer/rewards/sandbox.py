@@ -21,7 +21,16 @@ Backends (`isolation()` probes once which one this host allows):
            seccomp profile forbids user namespaces, e.g. a pod at the `restricted` level with the
            RuntimeDefault seccomp profile. Safe only where the POD is the barrier, i.e. the
            sandbox service pod that the operator creates (no token, no data, no egress, its own
-           PID namespace), never in the trainer's pod. `require_isolation=True` refuses it.
+           PID namespace), never in the trainer's pod: only a sandbox service started with
+           `--allow-rlimits-only` runs it (`RLIMITS_ONLY_ALLOWED`), and only for requests with
+           `require_isolation=False`.
+
+Why bubblewrap: it is the smallest tool that builds a whole per-run root filesystem, /proc and
+network namespace from unprivileged user namespaces (Flatpak's sandbox, packaged by Debian, 72 kB,
+no daemon, no config file); nsjail would add seccomp policies and cgroups but is a build from
+source with protobuf; a remote sandbox (SandboxFusion and the like) moves the same problem into
+another service. We use bubblewrap in both places: in the trainer's process tree (local mode)
+and in the sandbox service pods the operator creates (cluster).
 
 As root, bwrap itself runs as uid 65534 (`SANDBOX_UID`): the kernel does not apply RLIMIT_NPROC
 to a user namespace made by root, so a fork bomb would be unbounded; as nobody it is exactly the
