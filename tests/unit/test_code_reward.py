@@ -195,11 +195,8 @@ def test_service_as_pid_1_with_rlimits_only_survives_its_programs(world_readable
            "RLHF_BWRAP": "/nonexistent", "HOME": str(tmp_path)}
     # as PID 1 of a new PID namespace (the pod), as uid 1000 without capabilities
     prefix = ["unshare", "--pid", "--fork", "--kill-child", *UNPRIVILEGED]
-    try:
-        proc, url, health = _start_service(prefix, env, ["--allow-rlimits-only"],
-                                           python="/usr/bin/python3")
-    except RuntimeError as err:
-        pytest.skip(f"cannot start the service as uid 1000 here: {err}")
+    proc, url, health = _start_service(prefix, env, ["--allow-rlimits-only"],
+                                       python="/usr/bin/python3")
     try:
         assert health["backend"] == "rlimits"
         client = SandboxClient(url, retries=0)
@@ -221,3 +218,34 @@ def test_service_as_pid_1_with_rlimits_only_survives_its_programs(world_readable
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_where_model_code_runs(monkeypatch, tmp_path):
+    from rlhf_contract.api.models import RewardSpec
+    from rlhf_contract.trainer_config import TrainerConfig
+    from rlhf_trainer.rewards import sandbox_url_for
+
+    for name in ("RLHF_SANDBOX_URL", "RLHF_TRAINER_CONFIG", "KUBERNETES_SERVICE_HOST"):
+        monkeypatch.delenv(name, raising=False)
+    spec = RewardSpec(type="code")
+    assert sandbox_url_for(spec) is None  # local: this process, with bubblewrap
+    from rlhf_contract.api import validate_job
+
+    doc = {"apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob",
+           "metadata": {"name": "coder", "namespace": "team-a"},
+           "spec": {"model": {"path": "/m"}, "data": {"path": "/d.jsonl"}, "reward": {"type": "code"}}}
+    path = tmp_path / "trainer.json"
+    path.write_text(TrainerConfig.from_job(validate_job(doc)).to_json())
+    monkeypatch.setenv("RLHF_TRAINER_CONFIG", str(path))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    assert sandbox_url_for(spec) is None  # not in a pod
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
+    assert sandbox_url_for(spec) == "http://coder-sandbox.team-a.svc:8080"  # the operator's
+    del doc["metadata"]["namespace"]
+    path.write_text(TrainerConfig.from_job(validate_job(doc)).to_json())
+    assert sandbox_url_for(spec) is None  # local mode has no namespace
+    monkeypatch.setenv("RLHF_SANDBOX_URL", "http://env:1")
+    assert sandbox_url_for(spec) == "http://env:1"
+    spec = RewardSpec(type="code", sandbox={"url": "http://shared:8080"})
+    assert sandbox_url_for(spec) == "http://shared:8080"
+    assert sandbox_url_for(spec, "http://arg:2") == "http://arg:2"

@@ -56,10 +56,32 @@ def _same(value: float) -> Result:
     return value, value
 
 
+def sandbox_url_for(spec: "RewardSpec", sandbox_url: str | None = None) -> str | None:
+    """Where model code runs, first that applies: `sandbox_url`, `reward.sandbox.url`,
+    `$RLHF_SANDBOX_URL`, and in a Kubernetes pod (`$KUBERNETES_SERVICE_HOST` set, and the
+    trainer config `$RLHF_TRAINER_CONFIG` has the job's namespace) the `<job>-sandbox` service
+    the operator creates for every code-reward job.
+    None: this process runs programs itself, with bubblewrap (local mode)."""
+    from rlhf_contract.pod import ENV_TRAINER_CONFIG
+    from rlhf_contract.sandbox import ENV_SANDBOX_URL
+    from rlhf_contract.sandbox import sandbox_url as service_url
+
+    if sandbox_url or spec.sandbox.url or os.environ.get(ENV_SANDBOX_URL):
+        return sandbox_url or spec.sandbox.url or os.environ[ENV_SANDBOX_URL]
+    path = os.environ.get(ENV_TRAINER_CONFIG)
+    if path and os.path.isfile(path) and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        from rlhf_contract.trainer_config import TrainerConfig
+
+        with open(path, encoding="utf-8") as f:
+            config = TrainerConfig.from_json(f.read())
+        if config.namespace is not None:
+            return service_url(config.job_name, config.namespace)
+    return None
+
+
 def sandbox_runner(spec: "RewardSpec", sandbox_url: str | None = None):
-    """Who runs model code: the service at `sandbox_url`, `reward.sandbox.url` or
-    `$RLHF_SANDBOX_URL` (first set wins), else None (this process, with bubblewrap)."""
-    url = sandbox_url or spec.sandbox.url or os.environ.get("RLHF_SANDBOX_URL")
+    """The sandbox service client for `sandbox_url_for(...)`, or None (run here)."""
+    url = sandbox_url_for(spec, sandbox_url)
     if not url:
         return None
     from .sandbox_service import SandboxClient
@@ -68,8 +90,8 @@ def sandbox_runner(spec: "RewardSpec", sandbox_url: str | None = None):
 
 
 def build_scorer(spec: "RewardSpec", *, sandbox_url: str | None = None) -> Scorer:
-    """The scorer of `spec`. `sandbox_url` (code only): the sandbox service the operator
-    created for this job (`rlhf_contract.sandbox.sandbox_url(job, namespace)` on a cluster)."""
+    """The scorer of `spec`. `sandbox_url` (code only): a sandbox service to use; see
+    `sandbox_url_for` for what is used without it."""
     t = spec.type
     if t == "exact_match":
         return Scorer(lambda r, a, e: _same(exact_match(r, a)))

@@ -163,8 +163,9 @@ class SandboxClient:
 
         body = {"jobs": [list(j) for j in jobs], "limits": limits.to_json(),
                 "require_isolation": require_isolation}
-        # the service queues: allow every run of the chunk its full time, one after another
-        timeout = httpx.Timeout(len(jobs) * (limits.timeout_s + 5) + 60,
+        # the service queues: allow every run of every chunk in flight its full time, one
+        # after another (a bound that holds for a service with a single slot)
+        timeout = httpx.Timeout(self.max_in_flight * len(jobs) * (limits.timeout_s + 5) + 60,
                                 connect=self.connect_timeout_s)
         last = ""
         for attempt in range(self.retries + 1):
