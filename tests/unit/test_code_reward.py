@@ -193,8 +193,9 @@ def test_service_as_pid_1_with_rlimits_only_survives_its_programs(world_readable
     # uid 1000 may run (this venv may live under /root)
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO / "trainer_image"),
            "RLHF_BWRAP": "/nonexistent", "HOME": str(tmp_path)}
-    # as PID 1 of a new PID namespace (the pod), as uid 1000 without capabilities
-    prefix = ["unshare", "--pid", "--fork", "--kill-child", *UNPRIVILEGED]
+    # as PID 1 of a new PID namespace with its own /proc (the pod), as uid 1000 without
+    # capabilities
+    prefix = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", *UNPRIVILEGED]
     proc, url, health = _start_service(prefix, env, ["--allow-rlimits-only"],
                                        python="/usr/bin/python3")
     try:
@@ -212,6 +213,17 @@ def test_service_as_pid_1_with_rlimits_only_survives_its_programs(world_readable
                               runner=client, timeout_s=2.0, require_isolation=False) == 0.0
             assert httpx.get(f"{url}/healthz", timeout=10).status_code == 200
         assert checks.wait_no_leftovers() == []  # PID 1 killed the bomb's orphans
+        # a run that leaves a process behind (to spy on the next run's output)...
+        spy = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n"
+               "    os.execv('/usr/bin/sleep', ['sleep', '300'])\nprint('left')")
+        left = client.run_many([(spy, "")], Limits(timeout_s=5.0, max_processes=64),
+                               require_isolation=False)
+        assert left[0].stdout.strip() == "left", left
+        # ...finds it gone before the next run: that run sees only PID 1 (the service) and itself
+        look = ("import os\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit() "
+                "and int(p) not in (1, os.getpid())))")
+        seen = client.run_many([(look, "")], Limits(), require_isolation=False)
+        assert seen[0].stdout.strip() == "[]", seen
         # the service refuses a request that requires namespaces it does not have
         with pytest.raises(SandboxError, match="needs bubblewrap"):
             score_code(checks.fenced(right), checks.SUM_CASES, runner=client)

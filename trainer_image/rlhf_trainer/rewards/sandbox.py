@@ -23,7 +23,10 @@ Backends (`isolation()` probes once which one this host allows):
            sandbox service pod that the operator creates (no token, no data, no egress, its own
            PID namespace), never in the trainer's pod: only a sandbox service started with
            `--allow-rlimits-only` runs it (`RLIMITS_ONLY_ALLOWED`), and only for requests with
-           `require_isolation=False`.
+           `require_isolation=False`. Runs go one at a time (same-uid runs could otherwise read
+           each other's output), and as PID 1 the service kills every leftover process before
+           the next run. Programs cannot start processes or threads there (RLIMIT_NPROC counts
+           all processes of the pod's uid), and the pod's disk (emptyDir) is shared by runs.
 
 Why bubblewrap: it is the smallest tool that builds a whole per-run root filesystem, /proc and
 network namespace from unprivileged user namespaces (Flatpak's sandbox, packaged by Debian, 72 kB,
@@ -113,6 +116,7 @@ exec(_code, {"__name__": "__main__", "__builtins__": builtins, "__file__": "main
 RLIMITS_ONLY_ALLOWED = False
 """Set by the sandbox service started with --allow-rlimits-only (its pod is the barrier). In any
 other process, the trainer's above all, the rlimits backend never runs model code."""
+_RLIMITS_ONE_AT_A_TIME = threading.Lock()
 SPAWN_LOCK = threading.Lock()
 LIVE_PIDS: set[int] = set()
 """Pids of the runs' direct children, registered under SPAWN_LOCK until they are reaped (a PID 1
@@ -469,8 +473,37 @@ def run_python(code: str, stdin: str = "", limits: Limits | None = None, *,
             "On a cluster, give the sandbox pods a seccomp profile that allows user namespaces "
             "(sandboxService.seccompLocalhostProfile), or set reward.requireSandboxIsolation: "
             "false to let the sandbox pod (no token, no data, no egress) be the only barrier.")
+    if iso.backend != "bwrap":
+        # Without namespaces, runs of one uid could read each other's files and /proc (a
+        # program could copy a sibling sample's correct output): one run at a time, and as the
+        # pod's PID 1 every leftover process of earlier runs is killed before the next starts.
+        with _Queue.slot(limits), _RLIMITS_ONE_AT_A_TIME:
+            _kill_leftovers()
+            return _run(iso, code, stdin, limits)
     with _Queue.slot(limits):
         return _run(iso, code, stdin, limits)
+
+
+def _kill_leftovers() -> None:
+    """As PID 1 of a PID namespace (the sandbox pod): SIGKILL every other process in it. Runs
+    are over by then, so any process left is a program's orphan. Elsewhere: nothing (it would
+    not be ours to kill)."""
+    if os.getpid() != 1:
+        return
+    deadline = time.monotonic() + 30
+    while others := [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != 1]:
+        if time.monotonic() > deadline:
+            raise SandboxError(f"processes {others[:10]} of earlier runs do not die")
+        for pid in others:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+            try:
+                os.waitpid(pid, os.WNOHANG)  # reparented to us: reap it (or the reaper does)
+            except ChildProcessError:
+                pass
+        time.sleep(0.01)
 
 
 def run_many(jobs: Sequence[tuple[str, str]], limits: Limits | None = None, *,
