@@ -134,6 +134,8 @@ def check_kill_all_leaves_trainer_alive() -> None:
             assert proc.poll() is None, f"{code!r} killed a trainer process"
         assert score("import os, signal\nos.kill(-1, signal.SIGKILL)",
                      {"inputs": [""], "outputs": [""]}) == 0.0
+        time.sleep(1.0)
+        assert proc.poll() is None, "a trainer process died"
     finally:
         proc.kill()
         proc.wait()

@@ -113,6 +113,8 @@ exec(_code, {"__name__": "__main__", "__builtins__": builtins, "__file__": "main
 """
 
 
+START_RETRIES = 2
+"""A bwrap sandbox that fails to start is retried this often (0.5 s, then 2 s apart)."""
 RLIMITS_ONLY_ALLOWED = False
 """Set by the sandbox service started with --allow-rlimits-only (its pod is the barrier). In any
 other process, the trainer's above all, the rlimits backend never runs model code."""
@@ -481,7 +483,16 @@ def run_python(code: str, stdin: str = "", limits: Limits | None = None, *,
             _kill_leftovers()
             return _run(iso, code, stdin, limits)
     with _Queue.slot(limits):
-        return _run(iso, code, stdin, limits)
+        for attempt in range(START_RETRIES + 1):
+            try:
+                return _run(iso, code, stdin, limits)
+            except SandboxError:
+                # a sandbox that did not start (e.g. the kernel short of namespaces for a
+                # moment under load) is tried again before the step is failed
+                if attempt == START_RETRIES:
+                    raise
+                time.sleep(0.5 * 4 ** attempt)
+    raise AssertionError("unreachable")
 
 
 def _kill_leftovers() -> None:
