@@ -36,8 +36,8 @@ def prefix_match(response: str, answer: str) -> float:
 
 
 class Scorer:
-    """Scores a batch; per-item functions run in a thread pool (code rewards wait on
-    sandbox processes, so threads overlap them)."""
+    """Scores a batch: with `batch_fn` in one call (code, math, http), else item by item with
+    `fn`, in a thread pool of `workers` when that is above 1."""
 
     def __init__(self, fn: Callable[[str, str, dict], Result] | None = None,
                  batch_fn: Callable[[list[Item]], list[Result]] | None = None, workers: int = 1):
