@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -228,6 +229,14 @@ def test_service_as_pid_1_with_rlimits_only_survives_its_programs(world_readable
         with pytest.raises(SandboxError, match="needs bubblewrap"):
             score_code(checks.fenced(right), checks.SUM_CASES, runner=client)
     finally:
+        # the service is unshare's child (setpriv's uid change clears unshare's parent-death
+        # signal): kill it, the namespace's init, and with it the namespace, then unshare
+        try:
+            children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        except OSError:
+            children = []
+        for child in children:
+            os.kill(int(child), signal.SIGKILL)
         proc.kill()
         proc.wait()
 
