@@ -1,54 +1,51 @@
 """The code reward and its sandbox: right, wrong and partial programs, then hostile ones.
 
-Each hostile program must score 0 and leave the trainer (this test process) unharmed and
-unstalled. The barrier tests skip where the host lacks the barrier (not root, no netns).
+The hostile programs live in sandbox_checks.py; here each runs once in this process (root in
+CI) and all of them once more as an unprivileged uid without capabilities, as in a pod at the
+`restricted` level. Then the sandbox service: the trainer's client against a real server, and
+the server as PID 1 of its own PID namespace with resource limits only (what a sandbox pod under
+the RuntimeDefault seccomp profile has), surviving programs that try to kill it.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import signal
 import socket
 import subprocess
-import threading
+import sys
+import tempfile
 import time
-import uuid
+from pathlib import Path
 
+import httpx
 import pytest
 
-from rlhf_trainer.rewards import sandbox
+import sandbox_checks as checks
+from rlhf_trainer.rewards import build_scorer, sandbox
 from rlhf_trainer.rewards.code import extract_code, normalize_output, score_code
-from rlhf_trainer.rewards.sandbox import SandboxError, isolation, run_many, run_python
+from rlhf_trainer.rewards.sandbox import Limits, SandboxError, run_python
+from rlhf_trainer.rewards.sandbox_service import SandboxClient
 
-ISO = isolation()
-STRICT = ISO.netns and ISO.uid
-needs_netns = pytest.mark.skipif(not ISO.netns, reason="no network namespace on this host")
-needs_uid = pytest.mark.skipif(not ISO.uid, reason="not root: no uid switch")
-needs_mountns = pytest.mark.skipif(not ISO.mountns, reason="no mount namespace on this host")
-
-SUM_CASES = {"inputs": ["1 2\n", "10 -3\n", "0 0\n", "5 5\n"],
-             "outputs": ["3\n", "7", "0\n\n", "10"]}
-
-
-def fenced(code: str, lang: str = "python") -> str:
-    return f"Here is my solution:\n```{lang}\n{code}\n```\nDone."
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+ISO = sandbox.isolation()
+needs_bwrap = pytest.mark.skipif(ISO.backend != "bwrap", reason=f"no bubblewrap: {ISO.reason}")
+needs_root = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
+                                reason="needs root and setpriv to become an unprivileged uid")
+UNPRIVILEGED = ["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups", "--inh-caps=-all",
+                "--bounding-set=-all", "--no-new-privs"]
 
 
-def score(code: str, cases=SUM_CASES, **kwargs) -> float:
-    return score_code(fenced(code), cases, require_isolation=STRICT, **kwargs)
-
-
-def sandbox_uid_processes() -> list[int]:
-    """pids of processes running as any sandbox uid."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                uid = os.stat(f"/proc/{entry}").st_uid
-            except FileNotFoundError:
-                continue
-            if sandbox.UID_BASE <= uid < sandbox.UID_BASE + sandbox.MAX_SLOTS:
-                pids.append(int(entry))
-    return pids
+@pytest.fixture
+def world_readable_tmp():
+    """A directory uid 1000 can enter (pytest's tmp_path is under a 0700 directory)."""
+    path = Path(tempfile.mkdtemp(prefix="rlhf-sandbox-test-", dir="/tmp"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def test_extract_code_and_normalize():
@@ -58,160 +55,218 @@ def test_extract_code_and_normalize():
     assert normalize_output("1  \n2\t\n\n\n") == "1\n2"
 
 
-def test_correct_wrong_and_partial_programs():
-    assert score("a, b = map(int, input().split())\nprint(a + b)") == 1.0
-    assert score("print(42)") == 0.0
-    # right except when the sum is 0: 3 of 4 cases
-    partial = "a, b = map(int, input().split())\nprint(a + b if a + b else 'zero')"
-    assert score(partial) == 0.75
-    assert score(partial, all_or_nothing=True) == 0.0
-    assert score("raise SystemExit(1)") == 0.0
-    assert score_code("I think the answer is a+b", SUM_CASES) == 0.0  # no code block
-    unlabelled = "```\nimport sys\nprint(sum(map(int, sys.stdin.read().split())))\n```"
-    assert score_code(unlabelled, SUM_CASES, require_isolation=STRICT) == 1.0
-
-
-def test_bad_test_cases_are_an_error():
+def test_bad_test_cases_and_limits_are_errors_naming_the_field():
     with pytest.raises(ValueError, match="same length"):
-        score_code(fenced("print(1)"), {"inputs": ["1"], "outputs": []})
+        score_code(checks.fenced("print(1)"), {"inputs": ["1"], "outputs": []})
+    with pytest.raises(ValueError, match="memory_mb must be a positive"):
+        Limits(memory_mb=0)
+    with pytest.raises(TypeError, match="unknown sandbox limits"):
+        score_code(checks.fenced("print(1)"), {"inputs": ["1"], "outputs": ["1"]}, memroy_mb=1)
 
 
-def test_infinite_loop_stops_at_the_timeout():
-    start = time.monotonic()
-    assert score("while True:\n    pass", {"inputs": ["", ""], "outputs": ["x", "x"]},
-                 timeout_s=1.0) == 0.0
-    assert time.monotonic() - start < 1.0 + 3.0  # cases run in parallel; small margin
-    assert sandbox_uid_processes() == []
+@needs_bwrap
+@pytest.mark.parametrize("name", [n for n in checks.CHECKS if n != "many_responses_at_once"])
+def test_hostile_and_honest_programs(name):
+    checks.CHECKS[name]()
 
 
-def test_fork_bomb_is_bounded_and_cleaned_up():
-    bomb = ("import os\nwhile True:\n    try:\n"
-            "        if os.fork() == 0:\n            os.setsid()\n"
-            "    except OSError:\n        pass")
-    start = time.monotonic()
-    result = run_python(bomb, timeout_s=2.0, max_processes=16, require_isolation=STRICT)
-    assert result.timed_out and time.monotonic() - start < 2.0 + 3.0
-    if ISO.uid:
-        assert sandbox_uid_processes() == []  # even children that left the process group
-    assert subprocess.run(["true"]).returncode == 0  # the host can still spawn processes
+@needs_bwrap
+def test_48_responses_x_24_cases_at_once():
+    checks.check_many_responses_at_once(48, 24)
 
 
-def test_huge_allocation_fails_inside_the_sandbox():
-    result = run_python("x = bytearray(8 << 30)\nprint('allocated')", memory_mb=256,
-                        timeout_s=5.0, require_isolation=STRICT)
-    assert "MemoryError" in result.stderr and result.stdout == ""
-    assert score("x = bytearray(8 << 30)\nprint(3)", {"inputs": [""], "outputs": ["3"]},
-                 memory_mb=256) == 0.0
+@needs_bwrap
+@needs_root
+def test_same_checks_as_an_unprivileged_uid_without_capabilities(world_readable_tmp):
+    """What a `restricted` trainer pod is: uid 1000, no capabilities, no_new_privs, and only
+    world-readable code (the system Python and this repository)."""
+    tmp_path = world_readable_tmp
+    bwrap = tmp_path / "bwrap"
+    shutil.copy(ISO.bwrap, bwrap)
+    bwrap.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO / "trainer_image"),
+           "RLHF_BWRAP": str(bwrap), "HOME": str(tmp_path)}
+    proc = subprocess.run([*UNPRIVILEGED, "/usr/bin/python3", str(HERE / "sandbox_checks.py")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report.pop("uid") == 1000 and report.pop("backend") == "bwrap", report
+    assert report == {name: "ok" for name in checks.CHECKS}, report
 
 
-def test_output_flood_is_capped():
-    result = run_python("while True:\n    print('y' * 1000)", timeout_s=5.0, max_file_mb=2,
-                        max_output_bytes=1000, require_isolation=STRICT)
-    assert result.output_truncated and len(result.stdout) == 1000 and not result.ok
-
-
-@needs_uid
-def test_writing_outside_the_scratch_directory_fails(tmp_path):
-    tmp_path.chmod(0o777)
-    target = tmp_path / "pwned"
-    shared_tmp = f"/tmp/rlhf-pwned-{uuid.uuid4().hex}"  # world-writable on the host
-    code = (f"for p in [{str(target)!r}, {shared_tmp!r}, 'here.txt']:\n"
-            "    try:\n        open(p, 'w').write('x'); print('wrote', p)\n"
-            "    except OSError as e:\n        print('denied', p)")
-    try:
-        result = run_python(code, require_isolation=STRICT)
-        assert f"denied {target}" in result.stdout or not ISO.mountns
-        assert "wrote here.txt" in result.stdout  # its own directory is writable
-        assert not target.exists()
-        if ISO.mountns:
-            assert not os.path.exists(shared_tmp)
-    finally:
-        if os.path.exists(shared_tmp):
-            os.unlink(shared_tmp)
-
-
-@needs_mountns
-def test_scratch_space_is_bounded():
-    code = ("import os\nfor i in range(100):\n    try:\n"
-            "        open(f'f{i}', 'wb').write(b'x' * (1 << 20))\n"
-            "    except OSError as e:\n        print('full after', i, os.strerror(e.errno)); break")
-    result = run_python(code, max_file_mb=8, require_isolation=STRICT)
-    assert result.stdout.startswith("full after") and int(result.stdout.split()[2]) <= 8
-
-
-@needs_netns
-def test_no_connection_reaches_a_local_server():
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(8)
-    server.settimeout(0.2)
-    port = server.getsockname()[1]
-    accepted = []
-
-    def accept_loop(stop: threading.Event):
-        while not stop.is_set():
-            try:
-                accepted.append(server.accept()[0])
-            except OSError:
-                pass
-
-    stop = threading.Event()
-    thread = threading.Thread(target=accept_loop, args=(stop,), daemon=True)
-    thread.start()
-    connect = (f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2); "
-               "print('connected')")
-    # directly (the socket guard), and from a fresh interpreter that has no guard (netns)
-    via_child = f"import subprocess; subprocess.run(['python3', '-c', {connect!r}])"
-    try:
-        for code in (connect, via_child, "import _socket\ns = _socket.socket()\n"
-                     f"s.connect(('127.0.0.1', {port})); print('connected')"):
-            assert score(code, {"inputs": [""], "outputs": ["connected"]}) == 0.0
-        time.sleep(0.3)
-    finally:
-        stop.set()
-        thread.join()
-        server.close()
-    assert accepted == []
-
-
-@needs_uid
-def test_trainer_environment_is_not_readable(monkeypatch):
-    secret = "s3cr3t-" + uuid.uuid4().hex
-    monkeypatch.setenv("RLHF_TEST_SECRET", secret)
-    code = ("import os\nprint(dict(os.environ))\n"
-            f"for pid in (os.getppid(), {os.getpid()}):\n"
-            "    try:\n        print(open(f'/proc/{pid}/environ').read())\n"
-            "    except OSError:\n        print('denied', pid)")
-    result = run_python(code, require_isolation=STRICT)
-    assert secret not in result.stdout and "HOME=" not in result.stdout
-    assert result.stdout.count("denied") == 2
-    assert "RLHF_TEST_SECRET" not in result.stdout
-
-
-def test_parallel_runs():
-    code = "import time\nt = time.time()\ntime.sleep(0.5)\nprint(int(input()) * {}, t, time.time())"
-    jobs = [(code.format(i), "3\n") for i in range(8)]
-    results = run_many(jobs, max_workers=8, require_isolation=STRICT)
-    lines = [r.stdout.split() for r in results]
-    assert [line[0] for line in lines] == [str(3 * i) for i in range(8)]
-    starts, ends = [float(line[1]) for line in lines], [float(line[2]) for line in lines]
-    assert max(starts) < min(ends)  # all eight were running at the same moment
-    assert len({r.barriers for r in results}) == 1
-
-
-def test_broken_sandbox_raises_instead_of_scoring_zero(monkeypatch):
-    if ISO.uid:
-        monkeypatch.setattr(sandbox, "UID_BASE", 2**32 - 1)  # setuid fails in the child
-        with pytest.raises(SandboxError, match=r"could not start: .*\(OSError: .*Invalid arg"):
-            run_python("print(1)", require_isolation=STRICT)
-        monkeypatch.undo()
-    broken = sandbox.Isolation(python="/nonexistent/python3", netns=ISO.netns,
-                               mountns=ISO.mountns, pidns=ISO.pidns, uid=ISO.uid)
-    monkeypatch.setattr(sandbox, "isolation", lambda: broken)
-    with pytest.raises(SandboxError, match="could not start"):
-        score("print(1)")
-    weak = sandbox.Isolation(python=ISO.python, netns=False, mountns=False, pidns=False,
-                             uid=False)
+def test_no_isolation_is_refused_not_scored(monkeypatch):
+    weak = sandbox.Isolation("rlimits", ISO.python, None, "no bwrap binary (test)")
     monkeypatch.setattr(sandbox, "isolation", lambda: weak)
-    with pytest.raises(SandboxError, match="needs a network namespace and a uid switch"):
-        run_python("print(1)")
+    with pytest.raises(SandboxError, match="needs bubblewrap.*requireSandboxIsolation is true"):
+        score_code(checks.fenced("print(1)"), {"inputs": [""], "outputs": ["1"]})
+    # resource limits alone never run model code in the trainer, whatever the spec says
+    with pytest.raises(SandboxError, match="not a sandbox service started with --allow-rlimits"):
+        score_code(checks.fenced("print(1)"), {"inputs": [""], "outputs": ["1"]},
+                   require_isolation=False)
+    broken = sandbox.Isolation("bwrap", "/nonexistent/python3", ISO.bwrap or "/bin/false", "",
+                               ISO.mounts or ("/usr",))
+    monkeypatch.setattr(sandbox, "isolation", lambda: broken)
+    with pytest.raises(SandboxError, match="did not start the program"):
+        score_code(checks.fenced("print(1)"), {"inputs": [""], "outputs": ["1"]})
+
+
+@needs_bwrap
+def test_a_program_cannot_fake_a_sandbox_failure():
+    """Writing bwrap's error format and exiting 1 is a failed case, not a SandboxError."""
+    result = run_python("import sys\nsys.stderr.write('bwrap: Can\\'t mount proc\\n')\n"
+                        "sys.exit(1)")
+    assert result.exit_code == 1 and not result.ok
+
+
+def test_capacity_comes_from_the_cgroup_and_affinity(monkeypatch):
+    monkeypatch.delenv(sandbox.CONCURRENCY_ENV, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+    monkeypatch.setattr(sandbox, "_cgroup_cpu_quota", lambda: 3.5)
+    monkeypatch.setattr(sandbox, "cgroup_memory_limit_mb", lambda: None)
+    assert sandbox.capacity(Limits()) == 3  # never the 64 host cores
+    monkeypatch.setattr(sandbox, "cgroup_memory_limit_mb", lambda: 2 * Limits().memory_bound_mb)
+    monkeypatch.setattr(sandbox, "_cgroup_cpu_quota", lambda: None)
+    assert sandbox.capacity(Limits()) == 2  # what fits the memory limit
+    monkeypatch.setenv(sandbox.CONCURRENCY_ENV, "5")
+    assert sandbox.capacity(Limits()) == 5
+
+
+# --- the sandbox service ----------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_service(command_prefix: list[str], env: dict, extra: list[str] = (),
+                   python: str = sys.executable):
+    port = _free_port()
+    proc = subprocess.Popen([*command_prefix, python, "-m",
+                             "rlhf_trainer.rewards.sandbox_service", "--host", "127.0.0.1",
+                             "--port", str(port), *extra], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"service exited: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            return proc, url, httpx.get(f"{url}/healthz", timeout=2).json()
+        except httpx.TransportError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("service did not answer /healthz")
+
+
+@needs_bwrap
+def test_service_scores_through_the_client_and_the_scorer():
+    proc, url, health = _start_service([], dict(os.environ))
+    try:
+        assert health["backend"] == "bwrap" and health["capacity"] >= 1
+        client = SandboxClient(url)
+        right = "a, b = map(int, input().split())\nprint(a + b)"
+        assert score_code(checks.fenced(right), checks.SUM_CASES, runner=client) == 1.0
+        assert score_code(checks.fenced("import os, signal\nos.kill(-1, 9)"), checks.SUM_CASES,
+                          runner=client) == 0.0
+        from rlhf_contract.api.models import RewardSpec
+
+        scorer = build_scorer(RewardSpec(type="code"), sandbox_url=url)
+        items = [(checks.fenced(right), "", {"test_cases": checks.SUM_CASES}),
+                 (checks.fenced("print(3)"), "", {"test_cases": checks.SUM_CASES})]
+        assert scorer.score_batch(items) == [(1.0, 1.0), (0.25, 0.25)]
+        with pytest.raises(ValueError, match="data row 0 of the batch has no test_cases"):
+            scorer.score_batch([(checks.fenced(right), "", {})])
+        bad = httpx.post(f"{url}/run_many", json={"jobs": "nope"})
+        assert bad.status_code == 400
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@needs_root
+def test_service_as_pid_1_with_rlimits_only_survives_its_programs(world_readable_tmp):
+    """A sandbox pod without user namespaces: the pod is the barrier, the service its PID 1."""
+    if not shutil.which("unshare"):
+        pytest.skip("no unshare")
+    tmp_path = world_readable_tmp
+    # the service needs only the standard library and rlhf_trainer: the system Python, which
+    # uid 1000 may run (this venv may live under /root)
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO / "trainer_image"),
+           "RLHF_BWRAP": "/nonexistent", "HOME": str(tmp_path)}
+    # as PID 1 of a new PID namespace with its own /proc (the pod), as uid 1000 without
+    # capabilities
+    prefix = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", *UNPRIVILEGED]
+    proc, url, health = _start_service(prefix, env, ["--allow-rlimits-only"],
+                                       python="/usr/bin/python3")
+    try:
+        assert health["backend"] == "rlimits"
+        client = SandboxClient(url, retries=0)
+        right = "a, b = map(int, input().split())\nprint(a + b)"
+        assert score_code(checks.fenced(right), checks.SUM_CASES, runner=client,
+                          require_isolation=False) == 1.0
+        for attack in ("import os, signal\nos.kill(-1, signal.SIGKILL)",
+                       "import os, signal\nos.kill(1, signal.SIGKILL)",
+                       "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)",
+                       "import os\nwhile True:\n    try:\n        if os.fork() == 0:\n"
+                       "            os.setsid()\n    except OSError:\n        pass"):
+            assert score_code(checks.fenced(attack), {"inputs": [""], "outputs": ["x"]},
+                              runner=client, timeout_s=2.0, require_isolation=False) == 0.0
+            assert httpx.get(f"{url}/healthz", timeout=10).status_code == 200
+        assert checks.wait_no_leftovers() == []  # PID 1 killed the bomb's orphans
+        # a run that leaves a process behind (to spy on the next run's output)...
+        spy = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n"
+               "    os.execv('/usr/bin/sleep', ['sleep', '300'])\nprint('left')")
+        left = client.run_many([(spy, "")], Limits(timeout_s=5.0, max_processes=64),
+                               require_isolation=False)
+        assert left[0].stdout.strip() == "left", left
+        # ...finds it gone before the next run: that run sees only PID 1 (the service) and itself
+        look = ("import os\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit() "
+                "and int(p) not in (1, os.getpid())))")
+        seen = client.run_many([(look, "")], Limits(), require_isolation=False)
+        assert seen[0].stdout.strip() == "[]", seen
+        # the service refuses a request that requires namespaces it does not have
+        with pytest.raises(SandboxError, match="needs bubblewrap"):
+            score_code(checks.fenced(right), checks.SUM_CASES, runner=client)
+    finally:
+        # the service is unshare's child (setpriv's uid change clears unshare's parent-death
+        # signal): kill it, the namespace's init, and with it the namespace, then unshare
+        try:
+            children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        except OSError:
+            children = []
+        for child in children:
+            os.kill(int(child), signal.SIGKILL)
+        proc.kill()
+        proc.wait()
+
+
+def test_where_model_code_runs(monkeypatch, tmp_path):
+    from rlhf_contract.api.models import RewardSpec
+    from rlhf_contract.trainer_config import TrainerConfig
+    from rlhf_trainer.rewards import sandbox_url_for
+
+    for name in ("RLHF_SANDBOX_URL", "RLHF_TRAINER_CONFIG", "KUBERNETES_SERVICE_HOST"):
+        monkeypatch.delenv(name, raising=False)
+    spec = RewardSpec(type="code")
+    assert sandbox_url_for(spec) is None  # local: this process, with bubblewrap
+    from rlhf_contract.api import validate_job
+
+    doc = {"apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob",
+           "metadata": {"name": "coder", "namespace": "team-a"},
+           "spec": {"model": {"path": "/m"}, "data": {"path": "/d.jsonl"}, "reward": {"type": "code"}}}
+    path = tmp_path / "trainer.json"
+    path.write_text(TrainerConfig.from_job(validate_job(doc)).to_json())
+    monkeypatch.setenv("RLHF_TRAINER_CONFIG", str(path))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    assert sandbox_url_for(spec) is None  # not in a pod
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
+    assert sandbox_url_for(spec) == "http://coder-sandbox.team-a.svc:8080"  # the operator's
+    del doc["metadata"]["namespace"]
+    path.write_text(TrainerConfig.from_job(validate_job(doc)).to_json())
+    assert sandbox_url_for(spec) is None  # local mode has no namespace
+    monkeypatch.setenv("RLHF_SANDBOX_URL", "http://env:1")
+    assert sandbox_url_for(spec) == "http://env:1"
+    spec = RewardSpec(type="code", sandbox={"url": "http://shared:8080"})
+    assert sandbox_url_for(spec) == "http://shared:8080"
+    assert sandbox_url_for(spec, "http://arg:2") == "http://arg:2"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -65,3 +66,33 @@ def test_works_from_worker_threads():
     with ThreadPoolExecutor(4) as pool:
         scores = list(pool.map(lambda c: score_math(*c), cases))
     assert scores == [1.0, 0.0] * 4
+
+
+def test_pathological_answer_scores_zero_within_its_limit_and_the_worker_is_replaced():
+    """`9^{9^{9^{9}}}` makes sympy compute a 370-million-digit integer in C: no signal stops
+    it, so only killing the worker process does. Scored from a worker thread, as the trainer does."""
+    from rlhf_trainer.rewards.math import MathScorer
+
+    scorer = MathScorer(timeout_s=2.0, workers=1)
+    try:
+        assert scorer.score(r"\boxed{2}", "2") == 1.0  # the worker is up (start-up not timed)
+        before = scorer._all[-1].proc
+        start = time.monotonic()
+        with ThreadPoolExecutor(1) as pool:
+            bad = pool.submit(scorer.score, r"\boxed{9^{9^{9^{9}}}}", "1").result()
+        elapsed = time.monotonic() - start
+        assert bad == 0.0
+        assert elapsed < 2.0 + 2.0, elapsed  # the limit, plus the kill (a loaded machine)
+        assert before.poll() is not None  # that worker was killed...
+        assert scorer.score(r"\boxed{\frac{1}{2}}", "0.5") == 1.0  # ...and a new one scores
+    finally:
+        scorer.close()
+
+
+def test_build_scorer_math_uses_the_per_answer_limit():
+    from rlhf_contract.api.models import RewardSpec
+    from rlhf_trainer.rewards import build_scorer
+
+    scorer = build_scorer(RewardSpec(type="math", timeout_seconds=3))
+    items = [(r"\boxed{1/2}", "0.5", {}), (r"\boxed{3}", "4", {}), ("no answer", "1", {})]
+    assert scorer.score_batch(items) == [(1.0, 1.0), (0.0, 0.0), (0.0, 0.0)]

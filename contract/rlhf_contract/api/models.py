@@ -67,6 +67,40 @@ class DataSpec(_Model):
     """Shuffle the prompts each epoch (seeded by `schedule.seed`)."""
 
 
+class CodeSandboxSpec(_Model):
+    """Where model-written programs run (`reward.type: code`) and their per-run limits."""
+
+    url: str | None = Field(default=None, pattern=r"^https?://")
+    """A sandbox service to use (this project's `rlhf_trainer.rewards.sandbox_service`);
+    null: on a cluster the operator creates `<job>-sandbox`, locally the trainer runs programs
+    itself with bubblewrap."""
+    memory_mb: int = Field(default=512, ge=32)
+    """Address space of each process of a run (MiB)."""
+    max_processes: int = Field(default=4, ge=1, le=1024)
+    """Processes and threads of one run together."""
+    tmpfs_mb: int = Field(default=64, ge=1)
+    """The run's only writable space, /tmp (MiB, counted in memory)."""
+    max_output_kb: int = Field(default=1024, ge=1)
+    """stdout and stderr are each cut here; a run that goes past it fails its case."""
+
+
+class SandboxServiceSpec(_Model):
+    """The pods that run model-written programs for `reward.type: code` on a cluster
+    (`<job>-sandbox`), unless `reward.sandbox.url` names another service."""
+
+    replicas: int = Field(default=1, ge=1)
+    """Sandbox service pods (cluster only)."""
+    cpu: str = Field(default="4", pattern=r"^[0-9]+(\.[0-9]+)?m?$")
+    """CPU of each sandbox pod (request = limit); it runs that many programs at once."""
+    memory: str = Field(default="12Gi", pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$")
+    """Memory of each sandbox pod (request = limit); it runs no more programs at once than
+    fit at memoryMb x maxProcesses + tmpfsMb each."""
+    seccomp_localhost_profile: str | None = None
+    """Run the sandbox pod under this node-local seccomp profile (`Localhost`, allowed at the
+    `restricted` level) instead of RuntimeDefault, which forbids the user namespaces that
+    per-run isolation needs; the profile must allow unshare/clone with CLONE_NEWUSER."""
+
+
 class RewardSpec(_Model):
     """How a response is scored. A reward function returns `reward` (used for advantages)
     and `score` (logged); the built-in ones return the same number for both."""
@@ -83,12 +117,17 @@ class RewardSpec(_Model):
     url: str | None = None
     """`http`: endpoint that answers {response, answer, extra_info} with {reward, score}."""
     timeout_seconds: float = Field(default=10.0, gt=0)
-    """`code`: wall-clock limit per test case; `http`: per request."""
+    """`code`: wall-clock limit per test case; `math`: per answer; `http`: per request."""
     all_or_nothing: bool = False
     """`code`: 1 only when every test case passes (default: the fraction that pass)."""
     require_sandbox_isolation: bool = True
-    """`code`: refuse to run without network / uid isolation (needs root or CAP_SYS_ADMIN
-    in the trainer pod); false falls back to resource limits only."""
+    """`code`: refuse to run model code without per-run namespaces (bubblewrap: its own root
+    filesystem view, /proc and network per run; needs unprivileged user namespaces, not root).
+    false lets the operator's sandbox pod run programs with resource limits only, where the pod
+    (no token, no data, no egress) is the only barrier, e.g. under the RuntimeDefault seccomp
+    profile, which forbids user namespaces."""
+    sandbox: CodeSandboxSpec = CodeSandboxSpec()
+    """`code`: where and within which limits model-written programs run."""
 
 
 class EnvironmentSpec(_Model):
@@ -271,6 +310,8 @@ class RLHFJobSpec(_Model):
     """How responses are scored."""
     environment: EnvironmentSpec | None = None
     """Multi-turn environment; null means single-turn generation scored by `reward`."""
+    sandbox_service: SandboxServiceSpec = SandboxServiceSpec()
+    """`reward.type: code` on a cluster: the sandbox service pods the operator creates."""
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
     """The RL algorithm."""
     rollout: RolloutSpec = RolloutSpec()

@@ -16,6 +16,7 @@ from .meta import (
     network_policy_name, rollout_name, trainer_name, weight_sync_name,
 )
 from .pods import POD_SETTINGS_ANNOTATION, PodSettings, PodSettingsError
+from .sandbox import build_sandbox, wants_sandbox
 from .services import build_network_policy, build_rollout_service, build_weight_sync_service
 from .workloads import build_rollout_statefulset, build_trainer_pytorchjob, rollout_endpoints, weight_sync_addr
 
@@ -32,6 +33,7 @@ def build_support(job: RLHFJob) -> list[dict[str, Any]]:
         build_rollout_service(job),
         build_weight_sync_service(job),
         build_network_policy(job),
+        *build_sandbox(job),  # reward.type code: the sandbox service, out of the trainer's pod
     ]
 
 
@@ -49,6 +51,6 @@ def build_children(job: RLHFJob, attempt: int, settings: PodSettings | None = No
 __all__ = [
     "LABEL_ATTEMPT", "LABEL_JOB", "LABEL_JOB_UID", "LABEL_ROLE", "POD_SETTINGS_ANNOTATION", "ROLE_ROLLOUT",
     "ROLE_TRAINER", "WORKLOAD_KINDS", "PodSettings", "PodSettingsError", "build_children", "build_support",
-    "build_workloads", "config_map_name", "trainer_config", "network_policy_name", "rollout_endpoints",
-    "rollout_name", "trainer_name", "weight_sync_addr", "weight_sync_name",
+    "build_sandbox", "build_workloads", "config_map_name", "trainer_config", "network_policy_name", "rollout_endpoints",
+    "rollout_name", "trainer_name", "weight_sync_addr", "weight_sync_name", "wants_sandbox",
 ]

@@ -3,8 +3,11 @@
 `score` is logged (RL2's split); the built-in rewards return the same number for both.
 
   exact_match / prefix_match   string comparison with the answer
-  math                         math.score_math: final boxed / <answer> answer, math-verify
-  code                         code.score_code: last fenced Python block vs test_cases, sandboxed
+  math                         math.score_math: final boxed / <answer> answer, math-verify, in
+                               worker processes killed past `timeout_seconds` per answer
+  code                         code.score_code_batch: last fenced Python block vs test_cases,
+                               every (response x case) through ONE bounded sandbox queue, run
+                               by the sandbox service (cluster) or bubblewrap here (local)
   python                       custom.load_reward_function: a user file's function
   http                         custom.RemoteReward: a reward service
 """
@@ -33,8 +36,8 @@ def prefix_match(response: str, answer: str) -> float:
 
 
 class Scorer:
-    """Scores a batch; per-item functions run in a thread pool (code rewards wait on
-    sandbox processes, so threads overlap them)."""
+    """Scores a batch: with `batch_fn` in one call (code, math, http), else item by item with
+    `fn`, in a thread pool of `workers` when that is above 1."""
 
     def __init__(self, fn: Callable[[str, str, dict], Result] | None = None,
                  batch_fn: Callable[[list[Item]], list[Result]] | None = None, workers: int = 1):
@@ -53,26 +56,75 @@ def _same(value: float) -> Result:
     return value, value
 
 
-def build_scorer(spec: "RewardSpec") -> Scorer:
+def sandbox_url_for(spec: "RewardSpec", sandbox_url: str | None = None) -> str | None:
+    """Where model code runs, first that applies: `sandbox_url`, `reward.sandbox.url`,
+    `$RLHF_SANDBOX_URL`, and in a Kubernetes pod (`$KUBERNETES_SERVICE_HOST` set, and the
+    trainer config `$RLHF_TRAINER_CONFIG` has the job's namespace) the `<job>-sandbox` service
+    the operator creates for every code-reward job.
+    None: this process runs programs itself, with bubblewrap (local mode)."""
+    from rlhf_contract.pod import ENV_TRAINER_CONFIG
+    from rlhf_contract.sandbox import ENV_SANDBOX_URL
+    from rlhf_contract.sandbox import sandbox_url as service_url
+
+    if sandbox_url or spec.sandbox.url or os.environ.get(ENV_SANDBOX_URL):
+        return sandbox_url or spec.sandbox.url or os.environ[ENV_SANDBOX_URL]
+    path = os.environ.get(ENV_TRAINER_CONFIG)
+    if path and os.path.isfile(path) and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        from rlhf_contract.trainer_config import TrainerConfig
+
+        with open(path, encoding="utf-8") as f:
+            config = TrainerConfig.from_json(f.read())
+        if config.namespace is not None:
+            return service_url(config.job_name, config.namespace)
+    return None
+
+
+def sandbox_runner(spec: "RewardSpec", sandbox_url: str | None = None):
+    """The sandbox service client for `sandbox_url_for(...)`, or None (run here)."""
+    url = sandbox_url_for(spec, sandbox_url)
+    if not url:
+        return None
+    from .sandbox_service import SandboxClient
+
+    return SandboxClient(url)
+
+
+def build_scorer(spec: "RewardSpec", *, sandbox_url: str | None = None) -> Scorer:
+    """The scorer of `spec`. `sandbox_url` (code only): a sandbox service to use; see
+    `sandbox_url_for` for what is used without it."""
     t = spec.type
     if t == "exact_match":
         return Scorer(lambda r, a, e: _same(exact_match(r, a)))
     if t == "prefix_match":
         return Scorer(lambda r, a, e: _same(prefix_match(r, a)))
     if t == "math":
-        from .math import score_math
+        from .math import MathScorer
 
-        return Scorer(lambda r, a, e: _same(score_math(r, a)), workers=4)
+        scorer = MathScorer(timeout_s=spec.timeout_seconds)
+        return Scorer(batch_fn=lambda items: [_same(x) for x in scorer.score_many(
+            [(r, a) for r, a, _ in items])])
     if t == "code":
-        from .code import score_code
+        from .code import score_code_batch
+        from .sandbox import Limits
 
-        def code(r: str, a: str, e: dict) -> Result:
-            if "test_cases" not in e:
-                raise ValueError("reward.type code: a data row has no test_cases column")
-            return _same(score_code(r, e["test_cases"], spec.timeout_seconds, all_or_nothing=spec.all_or_nothing,
-                                    require_isolation=spec.require_sandbox_isolation))
+        s = spec.sandbox
+        limits = Limits(timeout_s=spec.timeout_seconds, memory_mb=s.memory_mb,
+                        max_processes=s.max_processes, tmpfs_mb=s.tmpfs_mb,
+                        max_output_bytes=s.max_output_kb << 10)
+        runner = sandbox_runner(spec, sandbox_url)
 
-        return Scorer(code, workers=max(2, os.cpu_count() or 2))
+        def code(items: list[Item]) -> list[Result]:
+            for i, (_, _, extra) in enumerate(items):
+                if "test_cases" not in extra:
+                    raise ValueError(f"reward.type code: data row {i} of the batch has no "
+                                     "test_cases column")
+            scores = score_code_batch([(r, e["test_cases"]) for r, _, e in items],
+                                      spec.timeout_seconds, all_or_nothing=spec.all_or_nothing,
+                                      limits=limits, runner=runner,
+                                      require_isolation=spec.require_sandbox_isolation)
+            return [_same(x) for x in scores]
+
+        return Scorer(batch_fn=code)
     if t == "python":
         from .custom import load_reward_function
 

@@ -1,55 +1,64 @@
-"""Run untrusted Python (model-written code) in a locked-down child process.
+"""Run untrusted Python (model-written code) where it can neither cheat, escape nor stall.
 
-`run_python(code, stdin, timeout_s=...)` writes `code` to a fresh scratch directory and runs
-it with `python -I` in a new session, then deletes the directory. Barriers (`isolation()` says
-which ones this host supports; `SandboxResult.barriers` lists those a run used):
+`run_python(code, stdin, limits)` runs one program on one input and returns a
+`SandboxResult`; `run_many(jobs, limits)` runs many through ONE bounded queue.
 
-  netns     a new, empty network namespace (`unshare(CLONE_NEWNET)`): not even loopback is up,
-            so no socket can reach the trainer, the cluster or the internet.
-  mountns   a new mount namespace with fresh small tmpfs over /tmp, /var/tmp and /dev/shm,
-            so the world-writable directories the host shares are out of reach, and the
-            scratch directory itself a tmpfs of `max_file_mb`, so the disk cannot be filled.
-  pidns     a new PID namespace whose init is the program: when it ends or is killed, the
-            kernel kills and reaps everything it started (also children that called setsid),
-            so no orphan or zombie is left to a PID 1 that may not reap (a trainer running as
-            a container's PID 1 does not). A root "relay" process outside the namespace waits
-            for it and mirrors its exit status to the trainer.
-  uid       as root, the child runs as an unprivileged uid of its own (one per concurrent run,
-            `UID_BASE` + slot, reserved across processes with a lock file), group the same
-            number, no supplementary groups, `PR_SET_NO_NEW_PRIVS`: the filesystem protects
-            the trainer's files and /proc/<trainer>/environ, and at the end every process of
-            the run is killed at once with `kill(-1)` sent from that uid.
-  rlimits   RLIMIT_AS (memory), RLIMIT_CPU, RLIMIT_NPROC (per uid: a fork bomb is bounded),
-            RLIMIT_FSIZE (also caps captured stdout/stderr), RLIMIT_NOFILE, RLIMIT_CORE=0.
-  env       an empty environment apart from PATH, LANG, PYTHONIOENCODING and *_NUM_THREADS=1.
-  guard     a bootstrap that replaces `socket.socket` before the user code runs (defence in
-            depth only: `os.system("curl ...")` walks around it).
-The wall-clock timeout kills the whole run (without `uid`: its process group).
+Backends (`isolation()` probes once which one this host allows):
 
-As non-root, netns and mountns come from a user namespace where the kernel allows one; there
-is no uid switch and no pidns, so the child can read what the trainer's user can read (not
-its environment: that is empty, but /proc/<trainer>/environ is readable by the same uid) and
-a child that left the process group survives the timeout.
-`require_isolation=True` (the default) refuses to run without netns and uid: SandboxError.
+  bwrap    bubblewrap (https://github.com/containers/bubblewrap), as any user: it needs
+           unprivileged user namespaces, not root and not a capability. Each run gets a new
+           user, PID, network, mount, IPC, UTS and cgroup namespace and a FRESH root filesystem
+           view that holds only /usr (read-only), a new /proc that shows only the run's own
+           processes, a minimal /dev, and one private tmpfs of `tmpfs_mb` at /tmp (the working
+           directory, holding main.py). The trainer's files (data with test outputs, checkpoints,
+           the mounted service-account token), its processes and its network are simply not
+           there: nothing to read, signal or connect to. `kill(-1)` reaches only the run's own
+           processes. The program runs as uid 65534 inside, with no capabilities and no way to
+           create further user namespaces (`--disable-userns`), so it cannot mount anything.
+           When the run ends or is killed, its PID namespace goes with it (every process of the
+           run, also those that called setsid).
+  rlimits  resource limits and a process group only (no namespaces): for hosts whose kernel or
+           seccomp profile forbids user namespaces, e.g. a pod at the `restricted` level with the
+           RuntimeDefault seccomp profile. Safe only where the POD is the barrier, i.e. the
+           sandbox service pod that the operator creates (no token, no data, no egress, its own
+           PID namespace), never in the trainer's pod: only a sandbox service started with
+           `--allow-rlimits-only` runs it (`RLIMITS_ONLY_ALLOWED`), and only for requests with
+           `require_isolation=False`. Runs go one at a time (same-uid runs could otherwise read
+           each other's output), and as PID 1 the service kills every leftover process before
+           the next run. Programs cannot start processes or threads there (RLIMIT_NPROC counts
+           all processes of the pod's uid), and the pod's disk (emptyDir) is shared by runs.
 
-A sandbox that cannot run at all (no interpreter, a setrlimit/unshare/setuid failure, a
-namespace that worked at probe time failing later) raises `SandboxError`; it never reports a
-0 reward in disguise. What the program does (crash, timeout, memory error) is a result.
-Inside the PID namespace the program is PID 1: signals it sends itself without a handler
-are ignored, and so is SIGXFSZ (a write past RLIMIT_FSIZE fails with EFBIG instead).
+Why bubblewrap: it is the smallest tool that builds a whole per-run root filesystem, /proc and
+network namespace from unprivileged user namespaces (Flatpak's sandbox, packaged by Debian, 72 kB,
+no daemon, no config file); nsjail would add seccomp policies and cgroups but is a build from
+source with protobuf; a remote sandbox (SandboxFusion and the like) moves the same problem into
+another service. We use bubblewrap in both places: in the trainer's process tree (local mode)
+and in the sandbox service pods the operator creates (cluster).
 
-Not done: seccomp syscall filtering, cgroup accounting (RLIMIT_AS bounds memory per process,
-so `max_processes * memory_mb` bounds a run), a read-only view of the host filesystem (files
-readable by "other" stay readable; with netns there is no way to send them anywhere).
+As root, bwrap itself runs as uid 65534 (`SANDBOX_UID`): the kernel does not apply RLIMIT_NPROC
+to a user namespace made by root, so a fork bomb would be unbounded; as nobody it is exactly the
+unprivileged case, which is also what a trainer pod (uid 1000, no capabilities) runs.
+
+Limits per run (`Limits`): wall time (the whole run is killed), CPU seconds, memory, processes
+(threads count), file size and captured output, open files. Memory: RLIMIT_AS bounds each
+process and RLIMIT_NPROC the number of processes of the run (counted per user namespace, so per
+run, with bwrap), and the only writable space is the tmpfs of `tmpfs_mb`; a run therefore never
+holds more than `Limits.memory_bound_mb` = max_processes * memory_mb + tmpfs_mb, and the queue
+admits only as many runs as fit the memory the process may use (cgroup limit).
+
+Concurrency: ONE queue per process (`capacity()` runs at once, from the CPUs this process may
+use: cgroup CPU quota and CPU affinity, never the host's core count, and from the cgroup memory
+limit divided by the memory bound of a run). A caller that finds it full waits; it never fails.
+
+A sandbox that cannot run at all (no bubblewrap, no interpreter, the namespace setup failing)
+raises `SandboxError`; it never reports a 0 reward in disguise. What the program does (crash,
+timeout, memory error, output flood) is a result.
 """
 
 from __future__ import annotations
 
-import ctypes
-import errno
-import fcntl
+import json
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -58,55 +67,106 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Sequence
 
-CLONE_NEWNS = 0x00020000
-CLONE_NEWUSER = 0x10000000
-CLONE_NEWNET = 0x40000000
-CLONE_NEWPID = 0x20000000
-MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 2, 4, 16384, 1 << 18
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
-
-UID_BASE = 61000
-"""First uid the sandbox runs as (root only); runs in flight use UID_BASE + [0, MAX_SLOTS)."""
-MAX_SLOTS = 512
-LOCK_DIR = Path(tempfile.gettempdir()) / "rlhf-sandbox-uids"
-"""Lock files reserving a uid across trainer processes on one host."""
-TMPFS_SIZE = "16m"
-"""Size of each private tmpfs (/tmp, /var/tmp, /dev/shm) in the mount namespace."""
-CHILD_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
-             "PYTHONIOENCODING": "utf-8",
+BWRAP_ENV = "RLHF_BWRAP"
+"""Path of the bwrap binary; otherwise PATH, then the cache that `make test` fills."""
+BWRAP_CACHE = Path.home() / ".cache" / "rlhf-operator" / "bubblewrap" / "usr" / "bin" / "bwrap"
+CONCURRENCY_ENV = "RLHF_SANDBOX_CONCURRENCY"
+"""Overrides `capacity()` (runs at once in this process)."""
+SANDBOX_UID = 65534
+"""The uid (and gid) a program has inside its user namespace (nobody)."""
+CHILD_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp",
+             "TMPDIR": "/tmp", "PYTHONIOENCODING": "utf-8", "PYTHONDONTWRITEBYTECODE": "1",
              # one thread per BLAS/OpenMP pool: threads count against RLIMIT_NPROC and RLIMIT_AS
              "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
-_libc = ctypes.CDLL(None, use_errno=True)
-
+# Runs inside the sandbox: lower the limits (after the user namespace exists, so RLIMIT_NPROC
+# counts this run's processes only), say "started" on the fd argv[2] and close it (so the
+# program cannot fake a sandbox failure, nor a start), then run main.py as __main__.
+# argv[1]: limits as JSON.
 BOOTSTRAP = r"""
-import builtins, socket, sys
+import builtins, json, os, resource, sys
+for _name, _value in json.loads(sys.argv[1]).items():
+    _res = getattr(resource, _name)
+    resource.setrlimit(_res, (_value, _value))
+os.write(int(sys.argv[2]), b"1")
+os.close(int(sys.argv[2]))
+import socket, _socket
 def _no_network(*args, **kwargs):
     raise PermissionError(1, "network access is disabled in the sandbox")
 class _NoSocket:
     def __init__(self, *args, **kwargs):
         _no_network()
-for _name in ("socket", "SocketType"):
-    setattr(socket, _name, _NoSocket)
+for _mod in (socket, _socket):
+    _mod.socket = _mod.SocketType = _NoSocket
 for _name in ("create_connection", "create_server", "socketpair", "fromfd", "getaddrinfo"):
     setattr(socket, _name, _no_network)
-import _socket
-_socket.socket = _socket.SocketType = _NoSocket
-del _name
 sys.argv = ["main.py"]
 with open("main.py", encoding="utf-8") as _f:
     _code = compile(_f.read(), "main.py", "exec")
+del _f, _name, _value, _res, _mod
 exec(_code, {"__name__": "__main__", "__builtins__": builtins, "__file__": "main.py"})
 """
 
 
+START_RETRIES = 2
+"""A bwrap sandbox that fails to start is retried this often (0.5 s, then 2 s apart)."""
+RLIMITS_ONLY_ALLOWED = False
+"""Set by the sandbox service started with --allow-rlimits-only (its pod is the barrier). In any
+other process, the trainer's above all, the rlimits backend never runs model code."""
+_RLIMITS_ONE_AT_A_TIME = threading.Lock()
+SPAWN_LOCK = threading.Lock()
+LIVE_PIDS: set[int] = set()
+"""Pids of the runs' direct children, registered under SPAWN_LOCK until they are reaped (a PID 1
+that reaps orphans must leave these to their Popen)."""
+
+
 class SandboxError(RuntimeError):
     """The sandbox itself could not run (not the program in it)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-run limits. Every field is checked to be positive."""
+    timeout_s: float = 10.0
+    """Wall clock; past it every process of the run is killed."""
+    memory_mb: int = 512
+    """Address space of each process (RLIMIT_AS)."""
+    max_processes: int = 4
+    """Processes and threads of the run together (RLIMIT_NPROC, per user namespace)."""
+    tmpfs_mb: int = 64
+    """The run's only writable space (/tmp, its working directory); also caps each file."""
+    max_output_bytes: int = 1 << 20
+    """stdout and stderr are each cut here; a run that goes past it is not `ok`."""
+    cpu_s: int | None = None
+    """CPU seconds per process; default ceil(timeout_s) + 1."""
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_s", "memory_mb", "max_processes", "tmpfs_mb", "max_output_bytes"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"sandbox limit {name} must be a positive number, got {value!r}")
+        if self.cpu_s is not None and not self.cpu_s > 0:
+            raise ValueError(f"sandbox limit cpu_s must be positive, got {self.cpu_s!r}")
+
+    @property
+    def memory_bound_mb(self) -> int:
+        """The most memory one run can hold: every process at its limit, plus a full tmpfs."""
+        return self.max_processes * self.memory_mb + self.tmpfs_mb
+
+    def rlimits(self, extra_processes: int = 0) -> dict[str, int]:
+        cpu = int(self.cpu_s if self.cpu_s is not None else -(-self.timeout_s // 1) + 1)
+        return {"RLIMIT_AS": self.memory_mb << 20, "RLIMIT_CPU": cpu,
+                "RLIMIT_NPROC": self.max_processes + extra_processes,
+                "RLIMIT_FSIZE": max(self.tmpfs_mb << 20, self.max_output_bytes + 1),
+                "RLIMIT_NOFILE": 64, "RLIMIT_CORE": 0}
+
+    def to_json(self) -> dict:
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -120,246 +180,85 @@ class SandboxResult:
     """Killed for running past the wall-clock `timeout_s`."""
     wall_s: float
     output_truncated: bool
-    """stdout or stderr went past `max_output_bytes` (or the file size limit killed it)."""
-    barriers: tuple[str, ...]
-    """The barriers this run used (see the module docstring)."""
+    """stdout or stderr went past `max_output_bytes` (or the file size limit stopped it)."""
+    backend: str
+    """"bwrap" or "rlimits" (see the module docstring)."""
 
     @property
     def ok(self) -> bool:
         return self.exit_code == 0 and not self.timed_out and not self.output_truncated
 
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "SandboxResult":
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+
 
 @dataclass(frozen=True)
 class Isolation:
     """What this host lets the sandbox do, probed once per process."""
+    backend: str
+    """"bwrap" (per-run namespaces) or "rlimits"."""
     python: str
-    """The interpreter the sandbox runs (readable and executable by the sandbox uid)."""
-    netns: bool
-    mountns: bool
-    pidns: bool
-    uid: bool
-
-    @property
-    def barriers(self) -> tuple[str, ...]:
-        names = [n for n in ("netns", "mountns", "pidns", "uid") if getattr(self, n)]
-        return (*names, "rlimits", "env", "guard")
+    """The interpreter programs run with."""
+    bwrap: str | None
+    """The bwrap binary, when found."""
+    reason: str = ""
+    """Why bwrap is not used, when it is not."""
+    mounts: tuple[str, ...] = field(default=())
+    """Host directories bound read-only into each run (bwrap)."""
 
 
-def _check(ret: int, what: str) -> None:
-    if ret != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
-
-
-def _world_executable(path: str) -> bool:
-    """True when a uid with no relation to the owner can execute `path` (every directory o+x)."""
-    real = Path(os.path.realpath(path))
-    try:
-        if not real.stat().st_mode & 0o005 == 0o005:
-            return False
-        return all(p.stat().st_mode & 0o001 for p in real.parents)
-    except OSError:
-        return False
-
-
-def _pick_python(switch_uid: bool) -> str:
-    candidates = [sys.executable, "/usr/local/bin/python3", "/usr/bin/python3"]
-    for candidate in candidates:
-        if candidate and os.path.exists(candidate) and (not switch_uid
-                                                        or _world_executable(candidate)):
+def find_bwrap() -> str | None:
+    for candidate in (os.environ.get(BWRAP_ENV), shutil.which("bwrap"), str(BWRAP_CACHE)):
+        if candidate and os.access(candidate, os.X_OK):
             return candidate
-    raise SandboxError("no Python interpreter the sandbox uid may run: tried "
-                       + ", ".join(filter(None, candidates))
-                       + " (each directory on the path needs o+x, the file o+rx)")
+    return None
 
 
-def _relay_child(pid: int) -> None:
-    """The root process outside the PID namespace: wait for its init, mirror how it ended.
-
-    Never returns. It holds no file descriptors, so Popen's exec check completes at once.
-    """
-    os.closerange(0, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
-    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    code = 255
-    try:
-        while True:
-            try:
-                _, status = os.waitpid(pid, 0)
-                break
-            except InterruptedError:
-                continue
-        code = os.waitstatus_to_exitcode(status)
-        if code < 0:
-            os.kill(os.getpid(), -code)  # default action for most signals: die the same way
-            code = 128 - code
-    finally:
-        os._exit(code)
+def _pick_python() -> str:
+    for candidate in ("/usr/bin/python3", "/usr/local/bin/python3", sys.executable):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    raise SandboxError("no Python interpreter for the sandbox: tried /usr/bin/python3, "
+                       f"/usr/local/bin/python3, {sys.executable}")
 
 
-def _make_preexec(*, netns: bool, mountns: bool, pidns: bool, uid: int | None,
-                  limits: dict[int, int], err_fd: int | None, scratch: str = "/",
-                  scratch_mb: int = 16):
-    """The function the child runs between fork and exec (cwd: `scratch`, which holds
-    main.py). It must stay small: the trainer has threads."""
-    owner = f",uid={uid},gid={uid}" if uid is not None else ""
-    scratch_opts = f"size={scratch_mb}m,mode=0700{owner}".encode()
-    scratch = scratch.encode()
-    flags = ((CLONE_NEWNET if netns else 0) | (CLONE_NEWNS if mountns else 0)
-             | (CLONE_NEWPID if pidns else 0))
-    if flags and uid is None:
-        flags |= CLONE_NEWUSER  # unprivileged: namespaces only inside a user namespace
-    tmp_dirs = [d.encode() for d in ("/tmp", "/var/tmp", "/dev/shm") if os.path.isdir(d)]
-    tmpfs_opts = f"size={TMPFS_SIZE},mode=1777".encode()
-
-    def preexec() -> None:
-        try:
-            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-            if flags:
-                ids = os.getuid(), os.getgid()
-                _check(_libc.unshare(flags), "unshare")
-                if flags & CLONE_NEWUSER:  # keep our own ids inside (files on tmpfs need them)
-                    for name, text in (("setgroups", "deny"), ("uid_map", f"{ids[0]} {ids[0]} 1"),
-                                       ("gid_map", f"{ids[1]} {ids[1]} 1")):
-                        with open(f"/proc/self/{name}", "w") as f:
-                            f.write(text)
-            if mountns:
-                _check(_libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None),
-                       "make / private")
-                # the scratch directory becomes a tmpfs of its own: a bounded disk
-                with open("main.py", "rb") as f:
-                    program = f.read()
-                _check(_libc.mount(b"tmpfs", scratch, b"tmpfs", MS_NOSUID | MS_NODEV,
-                                   scratch_opts), "mount tmpfs on the scratch directory")
-                os.chdir(scratch)
-                with open("main.py", "wb") as f:
-                    f.write(program)
-                if uid is not None:
-                    os.chown("main.py", uid, uid)
-                for d in tmp_dirs:  # the cwd (scratch dir) stays reachable: it is open
-                    _check(_libc.mount(b"tmpfs", d, b"tmpfs", MS_NOSUID | MS_NODEV, tmpfs_opts),
-                           "mount tmpfs on " + d.decode())
-            if pidns:  # the next child is PID 1 of the new namespace: it goes on to exec
-                child = os.fork()
-                if child:
-                    _relay_child(child)
-            for res, value in limits.items():
-                resource.setrlimit(res, (value, value))
-            if uid is not None:
-                try:
-                    os.setgroups([])
-                    os.setgid(uid)
-                    os.setuid(uid)
-                except OSError as err:
-                    raise OSError(err.errno, f"switch to uid {uid}: {err.strerror}") from None
-            _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
-            _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
-        except BaseException as err:
-            if err_fd is not None:
-                os.write(err_fd, f"{type(err).__name__}: {err}".encode()[:1000])
-            raise
-
-    return preexec
+def _mounts(python: str) -> tuple[str, ...]:
+    """Read-only host directories a run needs: /usr, plus the interpreter's prefix if elsewhere."""
+    mounts = ["/usr"]
+    prefix = Path(os.path.realpath(python)).parent.parent
+    if not str(prefix).startswith("/usr/") and str(prefix) != "/usr":
+        mounts.append(str(prefix))
+    return tuple(mounts)
 
 
-class _UidSlot:
-    """Reserves one uid for a run: in-process set plus a flock'ed file for other processes."""
-    _lock = threading.Lock()
-    _taken: set[int] = set()
-
-    def __init__(self) -> None:
-        self.uid: int | None = None
-        self._fd: int | None = None
-
-    def __enter__(self) -> int:
-        LOCK_DIR.mkdir(mode=0o700, exist_ok=True)
-        for uid in range(UID_BASE, UID_BASE + MAX_SLOTS):
-            with self._lock:
-                if uid in self._taken:
-                    continue
-                self._taken.add(uid)
-            fd = os.open(LOCK_DIR / str(uid), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                with self._lock:
-                    self._taken.discard(uid)
-                continue
-            self.uid, self._fd = uid, fd
-            return uid
-        raise SandboxError(f"all {MAX_SLOTS} sandbox uids from {UID_BASE} are in use")
-
-    def __exit__(self, *exc) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-        with self._lock:
-            self._taken.discard(self.uid)
+def _bwrap_argv(iso: Isolation, rlimits: dict[str, int], tmpfs_mb: int, code_fd: int,
+                started_fd: int) -> list[str]:
+    argv = [iso.bwrap, "--unshare-user", "--unshare-all", "--uid", str(SANDBOX_UID),
+            "--gid", str(SANDBOX_UID), "--disable-userns", "--die-with-parent", "--new-session"]
+    for mount in iso.mounts:
+        argv += ["--ro-bind", mount, mount]
+    for name in ("bin", "lib", "lib64", "lib32", "sbin"):  # merged-/usr symlinks, or real dirs
+        host = Path("/") / name
+        if host.is_symlink():
+            argv += ["--symlink", os.readlink(host), str(host)]
+        elif host.is_dir():
+            argv += ["--ro-bind", str(host), str(host)]
+    argv += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev",
+             "--size", str(tmpfs_mb << 20), "--perms", "1777", "--tmpfs", "/tmp",
+             "--perms", "0444", "--ro-bind-data", str(code_fd), "/tmp/main.py",
+             "--remount-ro", "/", "--chdir", "/tmp", "--clearenv"]
+    for key, value in CHILD_ENV.items():
+        argv += ["--setenv", key, value]
+    return argv + ["--", iso.python, "-I", "-S", "-c", BOOTSTRAP, json.dumps(rlimits),
+                   str(started_fd)]
 
 
-def _kill_uid(uid: int) -> None:
-    """SIGKILL every process of `uid` at once: kill(-1) from a child that became `uid`."""
-    pid = os.fork()
-    if pid == 0:  # only async-signal-safe work here
-        code = 1
-        try:
-            os.setgid(uid)
-            os.setuid(uid)
-            try:
-                os.kill(-1, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            code = 0
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SandboxError(f"could not kill the processes of sandbox uid {uid}")
-
-
-def _make_scratch(code: str, uid: int | None) -> Path:
-    """A fresh 0700 directory holding main.py, owned by the sandbox uid."""
-    scratch = Path(tempfile.mkdtemp(prefix="rlhf-sandbox-"))
-    (scratch / "main.py").write_text(code, encoding="utf-8")
-    if uid is not None:
-        for p in (scratch, scratch / "main.py"):
-            os.chown(p, uid, uid)
-    return scratch
-
-
-def _probe_run(python: str, *, netns: bool = False, mountns: bool = False, pidns: bool = False,
-               uid: int | None) -> bool:
-    scratch = _make_scratch("", uid)
-    try:
-        proc = subprocess.run([python, "-I", "-c", BOOTSTRAP], env=CHILD_ENV, cwd=scratch,
-                              preexec_fn=_make_preexec(netns=netns, mountns=mountns, pidns=pidns,
-                                                       uid=uid, limits={}, err_fd=None,
-                                                       scratch=str(scratch)),
-                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, timeout=60)
-    except (subprocess.SubprocessError, OSError):
-        return False
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return proc.returncode == 0
-
-
-@lru_cache(maxsize=1)
-def isolation() -> Isolation:
-    """Probe once which barriers work here (a few short child processes)."""
-    root = os.geteuid() == 0
-    python = _pick_python(root)
-    uid = None
-    with _UidSlot() if root else _NoSlot() as slot:
-        if root and _probe_run(python, uid=slot):
-            uid = slot
-        if not _probe_run(python, uid=uid):
-            raise SandboxError(f"the sandbox cannot start {python} even without namespaces")
-        netns = _probe_run(python, netns=True, uid=uid)
-        mountns = netns and _probe_run(python, netns=True, mountns=True, uid=uid)
-        # a PID namespace only with a uid of its own: the relay must stay unkillable by it
-        pidns = uid is not None and _probe_run(python, netns=netns, mountns=mountns, pidns=True,
-                                               uid=uid)
-    return Isolation(python=python, netns=netns, mountns=mountns, pidns=pidns, uid=uid is not None)
+def _rlimits_argv(iso: Isolation, rlimits: dict[str, int], started_fd: int) -> list[str]:
+    return [iso.python, "-I", "-S", "-c", BOOTSTRAP, json.dumps(rlimits), str(started_fd)]
 
 
 def _read_capped(path: Path, limit: int) -> tuple[str, bool]:
@@ -368,110 +267,267 @@ def _read_capped(path: Path, limit: int) -> tuple[str, bool]:
     return data[:limit].decode("utf-8", errors="replace"), len(data) > limit
 
 
-def run_python(code: str, stdin: str = "", *, timeout_s: float = 10.0, memory_mb: int = 512,
-               max_processes: int = 16, max_file_mb: int = 16, cpu_s: int | None = None,
-               max_output_bytes: int = 1 << 20, require_isolation: bool = True) -> SandboxResult:
-    """Run `code` with `stdin` under the barriers above; see SandboxResult.
-
-    `cpu_s` defaults to ceil(timeout_s) + 1; `max_processes` counts threads too (RLIMIT_NPROC);
-    `max_file_mb` bounds each file written (and captured stdout/stderr) and, with mountns,
-    the whole scratch directory, which is then a tmpfs of that size.
-    """
-    for name, value in (("timeout_s", timeout_s), ("memory_mb", memory_mb),
-                        ("max_processes", max_processes), ("max_file_mb", max_file_mb),
-                        ("max_output_bytes", max_output_bytes)):
-        if not value > 0:
-            raise ValueError(f"sandbox {name} must be positive, got {value}")
-    iso = isolation()
-    if require_isolation and not (iso.netns and iso.uid):
-        raise SandboxError(
-            "the code sandbox needs a network namespace and a uid switch (run the trainer as "
-            f"root with CAP_SYS_ADMIN); this host gives netns={iso.netns}, uid={iso.uid}. "
-            "Pass require_isolation=False to run with what it has: " + ", ".join(iso.barriers))
-    cpu = int(cpu_s if cpu_s is not None else -(-timeout_s // 1) + 1)
-    limits = {resource.RLIMIT_AS: memory_mb << 20, resource.RLIMIT_CPU: cpu,
-              resource.RLIMIT_NPROC: max_processes, resource.RLIMIT_FSIZE: max_file_mb << 20,
-              resource.RLIMIT_NOFILE: 64, resource.RLIMIT_CORE: 0}
-    barriers = iso.barriers
-    with _UidSlot() if iso.uid else _NoSlot() as uid, \
-            tempfile.TemporaryDirectory(prefix="rlhf-sandbox-io-") as io_dir:
-        scratch = _make_scratch(code, uid)
-        try:
-            io = Path(io_dir)
-            (io / "stdin").write_text(stdin, encoding="utf-8")
-            err_r, err_w = os.pipe()
-            try:
-                with open(io / "stdin", "rb") as fin, open(io / "stdout", "wb") as fout, \
-                        open(io / "stderr", "wb") as ferr:
-                    start = time.monotonic()
-                    try:
-                        proc = subprocess.Popen(
-                            [iso.python, "-I", "-c", BOOTSTRAP], cwd=scratch, env=CHILD_ENV,
-                            stdin=fin, stdout=fout, stderr=ferr, start_new_session=True,
-                            preexec_fn=_make_preexec(netns=iso.netns, mountns=iso.mountns,
-                                                     pidns=iso.pidns, uid=uid, limits=limits,
-                                                     err_fd=err_w, scratch=str(scratch),
-                                                     scratch_mb=max_file_mb))
-                    except (OSError, subprocess.SubprocessError) as err:
-                        os.close(err_w)
-                        err_w = -1
-                        detail = os.read(err_r, 1000).decode(errors="replace")
-                        raise SandboxError(f"the sandbox could not start: {err}"
-                                           + (f" ({detail})" if detail else "")) from err
-                    timed_out = False
-                    try:
-                        proc.wait(timeout=timeout_s)
-                    except subprocess.TimeoutExpired:
-                        timed_out = True
-                    finally:
-                        if uid is not None:  # all of the run; the root relay stays to reap
-                            _kill_uid(uid)
-                        else:
-                            _kill_group(proc.pid)
-                        proc.wait()
-                    wall_s = time.monotonic() - start
-            finally:
-                os.close(err_r)
-                if err_w >= 0:
-                    os.close(err_w)
-            stdout, cut_out = _read_capped(io / "stdout", max_output_bytes)
-            stderr, cut_err = _read_capped(io / "stderr", max_output_bytes)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-    exit_code = proc.returncode
-    truncated = cut_out or cut_err or exit_code == -signal.SIGXFSZ
-    return SandboxResult(stdout, stderr, exit_code, timed_out, wall_s, truncated, barriers)
-
-
-class _NoSlot:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc) -> None:
-        return None
-
-
 def _kill_group(pgid: int) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-    except OSError as err:
-        if err.errno != errno.ESRCH:
-            raise
 
 
-def default_num_workers() -> int:
-    """Parallel sandboxes by default: one per core, at least 2."""
-    return max(2, os.cpu_count() or 1)
+def _run(iso: Isolation, code: str, stdin: str, limits: Limits) -> SandboxResult:
+    """One run, no queueing (see run_python)."""
+    with tempfile.TemporaryDirectory(prefix="rlhf-sandbox-") as io_dir:
+        io = Path(io_dir)  # 0700, ours: stdin and captured output never visible to the run
+        (io / "stdin").write_text(stdin, encoding="utf-8")
+        started_r, started_w = os.pipe()
+        pass_fds: tuple[int, ...] = (started_w,)
+        code_fd = bwrap_fd = -1
+        user: dict = {}
+        if iso.backend == "bwrap":
+            code_fd = os.memfd_create("main.py")
+            os.write(code_fd, code.encode("utf-8"))
+            os.lseek(code_fd, 0, os.SEEK_SET)
+            pass_fds += (code_fd,)
+            # bwrap's own init is PID 1 of the run: one more process in the run's count
+            argv = _bwrap_argv(iso, limits.rlimits(extra_processes=1), limits.tmpfs_mb, code_fd,
+                               started_w)
+            cwd = "/"
+            if os.geteuid() == 0:
+                # As root the kernel does not apply RLIMIT_NPROC in the run's user namespace
+                # (a fork bomb is unbounded), so bwrap runs as `nobody`, exactly as it does
+                # for an unprivileged trainer; exec'd through its fd, because its directory
+                # (e.g. under /root) may be closed to that uid.
+                bwrap_fd = os.open(iso.bwrap, os.O_RDONLY)
+                pass_fds += (bwrap_fd,)
+                argv[0] = f"/proc/self/fd/{bwrap_fd}"
+                user = {"user": SANDBOX_UID, "group": SANDBOX_UID, "extra_groups": []}
+        else:
+            scratch = io / "scratch"
+            scratch.mkdir()
+            (scratch / "main.py").write_text(code, encoding="utf-8")
+            argv, cwd = _rlimits_argv(iso, limits.rlimits(), started_w), str(scratch)
+        try:
+            with open(io / "stdin", "rb") as fin, open(io / "stdout", "wb") as fout, \
+                    open(io / "stderr", "wb") as ferr:
+                start = time.monotonic()
+                try:
+                    with SPAWN_LOCK:
+                        proc = subprocess.Popen(argv, cwd=cwd, env=CHILD_ENV, stdin=fin,
+                                                stdout=fout, stderr=ferr, pass_fds=pass_fds,
+                                                start_new_session=True, **user)
+                        LIVE_PIDS.add(proc.pid)
+                except OSError as err:
+                    raise SandboxError(f"the sandbox could not start {argv[0]}: {err}") from err
+                os.close(started_w)
+                started_w = -1
+                timed_out = False
+                try:
+                    proc.wait(timeout=limits.timeout_s)
+                except subprocess.TimeoutExpired:
+                    timed_out = True
+                finally:
+                    # bwrap: killing it kills the run's PID 1 (die-with-parent) and with it the
+                    # whole PID namespace; rlimits: the process group
+                    _kill_group(proc.pid)
+                    proc.wait()
+                    with SPAWN_LOCK:
+                        LIVE_PIDS.discard(proc.pid)
+                wall_s = time.monotonic() - start
+            os.set_blocking(started_r, False)
+            try:
+                started = os.read(started_r, 1) == b"1"
+            except BlockingIOError:  # a writer still open but nothing written: never started
+                started = False
+        finally:
+            for fd in (code_fd, bwrap_fd, started_w, started_r):
+                if fd >= 0:
+                    os.close(fd)
+        stdout, cut_out = _read_capped(io / "stdout", limits.max_output_bytes)
+        stderr, cut_err = _read_capped(io / "stderr", limits.max_output_bytes)
+    exit_code = proc.returncode
+    if not started and not timed_out:
+        raise SandboxError(f"the sandbox ({iso.backend}) did not start the program: exit "
+                           f"{exit_code}, {stderr.strip()[:500]!r}")
+    if exit_code is not None and exit_code > 128 and iso.backend == "bwrap":
+        exit_code = 128 - exit_code  # bwrap reports a signal death of the program as 128 + n
+    truncated = cut_out or cut_err or exit_code == -signal.SIGXFSZ
+    return SandboxResult(stdout, stderr, exit_code, timed_out, wall_s, truncated, iso.backend)
 
 
-def run_many(jobs: Sequence[tuple[str, str]], *, max_workers: int | None = None,
-             **kwargs) -> list[SandboxResult]:
-    """`run_python(code, stdin, **kwargs)` for each (code, stdin), `max_workers` at a time,
-    results in input order. A SandboxError in any run is raised."""
+@lru_cache(maxsize=1)
+def isolation() -> Isolation:
+    """Probe once which backend works here (one short run)."""
+    python = _pick_python()
+    bwrap = find_bwrap()
+    if bwrap is None:
+        return Isolation("rlimits", python, None,
+                         f"no bwrap binary (set {BWRAP_ENV}, put bwrap on PATH, or `make test` "
+                         f"fetches it into {BWRAP_CACHE.parent.parent.parent})")
+    iso = Isolation("bwrap", python, bwrap, mounts=_mounts(python))
+    try:
+        probe = _run(iso, "print(6 * 7)", "", Limits(timeout_s=60))
+    except SandboxError as err:
+        return Isolation("rlimits", python, bwrap, f"bwrap cannot run here: {err}")
+    if probe.stdout.strip() != "42":
+        return Isolation("rlimits", python, bwrap,
+                         f"bwrap probe printed {probe.stdout!r:.200}, stderr {probe.stderr!r:.300}")
+    return iso
+
+
+def available_cpus() -> float:
+    """CPUs this process may use: its affinity, cut by the cgroup CPU quota (v2 or v1)."""
+    cpus = float(len(os.sched_getaffinity(0)))
+    quota = _cgroup_cpu_quota()
+    return min(cpus, quota) if quota else cpus
+
+
+def _cgroup_file(v2_name: str, v1_controller: str, v1_name: str) -> str | None:
+    """Contents of a cgroup file of this process (v2 first), or None."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        hier, controllers, path = line.split(":", 2)
+        if hier == "0" and controllers == "":
+            candidates = [Path("/sys/fs/cgroup") / path.lstrip("/") / v2_name,
+                          Path("/sys/fs/cgroup") / v2_name]
+        elif v1_controller in controllers.split(","):
+            base = Path("/sys/fs/cgroup") / controllers
+            if not base.exists():
+                base = Path("/sys/fs/cgroup") / v1_controller
+            candidates = [base / path.lstrip("/") / v1_name, base / v1_name]
+        else:
+            continue
+        for candidate in candidates:
+            try:
+                return candidate.read_text().strip()
+            except OSError:
+                continue
+    return None
+
+
+def _cgroup_cpu_quota() -> float | None:
+    v2 = _cgroup_file("cpu.max", "cpu", "cpu.cfs_quota_us")
+    if v2 and " " in v2:
+        quota, period = v2.split()
+        return None if quota == "max" else int(quota) / int(period)
+    if v2 and int(v2) > 0:
+        period = _cgroup_file("", "cpu", "cpu.cfs_period_us")
+        return int(v2) / int(period or 100000)
+    return None
+
+
+def cgroup_memory_limit_mb() -> int | None:
+    """The memory limit of this process's cgroup (v2 memory.max or v1), or None."""
+    text = _cgroup_file("memory.max", "memory", "memory.limit_in_bytes")
+    if not text or text == "max" or int(text) >= 1 << 60:
+        return None
+    return int(text) >> 20
+
+
+def capacity(limits: Limits | None = None) -> int:
+    """Runs at once in this process: `RLHF_SANDBOX_CONCURRENCY`, else the CPUs this process
+    may use, and no more than its cgroup memory limit holds at `limits.memory_bound_mb` each."""
+    if os.environ.get(CONCURRENCY_ENV):
+        value = int(os.environ[CONCURRENCY_ENV])
+        if value < 1:
+            raise ValueError(f"{CONCURRENCY_ENV} must be at least 1, got {value}")
+        return value
+    n = max(1, int(available_cpus()))
+    memory = cgroup_memory_limit_mb()
+    if memory and limits is not None:
+        n = min(n, max(1, memory // limits.memory_bound_mb))
+    return n
+
+
+class _Queue:
+    """The ONE bounded queue of runs in this process: a semaphore waited on, never failed on."""
+    _lock = threading.Lock()
+    _sem: threading.BoundedSemaphore | None = None
+    size = 0
+
+    @classmethod
+    def slot(cls, limits: Limits) -> threading.BoundedSemaphore:
+        with cls._lock:
+            if cls._sem is None:
+                cls.size = capacity(limits)
+                cls._sem = threading.BoundedSemaphore(cls.size)
+            return cls._sem
+
+
+def run_python(code: str, stdin: str = "", limits: Limits | None = None, *,
+               require_isolation: bool = True) -> SandboxResult:
+    """Run `code` on `stdin` under `limits` (see the module docstring), waiting for a free
+    slot of the queue first. Without the bwrap backend it raises SandboxError, unless
+    `require_isolation` is False AND this process is a sandbox service allowed to run with
+    resource limits only."""
+    limits = limits or Limits()
+    iso = isolation()
+    if iso.backend != "bwrap" and (require_isolation or not RLIMITS_ONLY_ALLOWED):
+        why = ("reward.requireSandboxIsolation is true" if require_isolation else
+               "this process is not a sandbox service started with --allow-rlimits-only, and "
+               "resource limits alone would leave the trainer's files, processes, token and "
+               "network in reach")
+        raise SandboxError(
+            "the code sandbox needs bubblewrap with unprivileged user namespaces (per-run "
+            f"filesystem, /proc and network namespaces), and here: {iso.reason}; {why}. "
+            "On a cluster, give the sandbox pods a seccomp profile that allows user namespaces "
+            "(sandboxService.seccompLocalhostProfile), or set reward.requireSandboxIsolation: "
+            "false to let the sandbox pod (no token, no data, no egress) be the only barrier.")
+    if iso.backend != "bwrap":
+        # Without namespaces, runs of one uid could read each other's files and /proc (a
+        # program could copy a sibling sample's correct output): one run at a time, and as the
+        # pod's PID 1 every leftover process of earlier runs is killed before the next starts.
+        with _Queue.slot(limits), _RLIMITS_ONE_AT_A_TIME:
+            _kill_leftovers()
+            return _run(iso, code, stdin, limits)
+    with _Queue.slot(limits):
+        for attempt in range(START_RETRIES + 1):
+            try:
+                return _run(iso, code, stdin, limits)
+            except SandboxError:
+                # a sandbox that did not start (e.g. the kernel short of namespaces for a
+                # moment under load) is tried again before the step is failed
+                if attempt == START_RETRIES:
+                    raise
+                time.sleep(0.5 * 4 ** attempt)
+    raise AssertionError("unreachable")
+
+
+def _kill_leftovers() -> None:
+    """As PID 1 of a PID namespace (the sandbox pod): SIGKILL every other process in it. Runs
+    are over by then, so any process left is a program's orphan. Elsewhere: nothing (it would
+    not be ours to kill)."""
+    if os.getpid() != 1:
+        return
+    deadline = time.monotonic() + 30
+    while others := [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != 1]:
+        if time.monotonic() > deadline:
+            raise SandboxError(f"processes {others[:10]} of earlier runs do not die")
+        for pid in others:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+            try:
+                os.waitpid(pid, os.WNOHANG)  # reparented to us: reap it (or the reaper does)
+            except ChildProcessError:
+                pass
+        time.sleep(0.01)
+
+
+def run_many(jobs: Sequence[tuple[str, str]], limits: Limits | None = None, *,
+             require_isolation: bool = True) -> list[SandboxResult]:
+    """`run_python(code, stdin, limits)` for each (code, stdin), results in input order, at
+    most `capacity()` at once in this process (threads wait on the one queue). A SandboxError
+    in any run is raised."""
     if not jobs:
         return []
-    workers = min(len(jobs), max_workers or default_num_workers())
+    limits = limits or Limits()
+    workers = min(len(jobs), _Queue.slot(limits) and _Queue.size)
+    if workers <= 1:
+        return [run_python(c, s, limits, require_isolation=require_isolation) for c, s in jobs]
     with ThreadPoolExecutor(workers, thread_name_prefix="sandbox") as pool:
-        return list(pool.map(lambda job: run_python(job[0], job[1], **kwargs), jobs))
+        return list(pool.map(lambda job: run_python(job[0], job[1], limits,
+                                                    require_isolation=require_isolation), jobs))
