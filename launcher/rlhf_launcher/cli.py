@@ -27,7 +27,7 @@ def _cmd_crd(args: argparse.Namespace) -> int:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from rlhf_contract.api import JobError, load_job
-    from .local import LocalRunError, run_local
+    from .local import LocalConfigError, LocalRunError, run_local
 
     try:
         job = load_job(args.job, args.set)
@@ -38,7 +38,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return run_local(job, output=args.output, resume=args.resume, overwrite=args.overwrite)
     except LocalRunError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(err, LocalConfigError) else 1
 
 
 def build_parser() -> argparse.ArgumentParser:

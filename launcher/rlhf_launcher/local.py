@@ -37,6 +37,10 @@ class LocalRunError(RuntimeError):
     """The local run could not start or a process failed."""
 
 
+class LocalConfigError(LocalRunError):
+    """The job cannot work as configured (found before anything starts): exit code 2."""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -171,8 +175,14 @@ def run_local(job: RLHFJob, *, output: str | None = None, resume: bool = False, 
     resolved.spec.model.path = model_path
     resolved.spec.rollout.engine = "cpu"
     resolved.spec.output.dir = str(out)
+    trainer_config = TrainerConfig.from_job(resolved)
+    from rlhf_trainer.preflight import check
+
+    problems = check(trainer_config, spec.trainer.nproc_per_node)
+    if problems:  # the trainer pod's own check, before any server or model starts
+        raise LocalConfigError("config error: " + "; ".join(problems))
     config_path = out / "trainer.json"
-    config_path.write_text(TrainerConfig.from_job(resolved).to_json())
+    config_path.write_text(trainer_config.to_json())
 
     ports = [free_port() for _ in range(spec.rollout.replicas)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]

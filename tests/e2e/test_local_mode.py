@@ -65,7 +65,7 @@ def test_two_trainer_processes_and_two_rollout_servers(tmp_path):
     ckpts = out / "checkpoints"
     assert latest_checkpoint(ckpts.parent).name == "step-4"
     assert all((ckpts / f"step-{s}" / "COMPLETE").exists() for s in (2, 4))
-    assert json.loads((ckpts / "step-4" / "trainer_state.json").read_text())["data"]["position"] == 16
+    assert json.loads((ckpts / "step-4" / "trainer_state.json").read_text())["orchestrator"]["data"]["position"] == 16
 
     # both servers generated (requests were spread over them)
     log = (out / "logs" / "trainer.log").read_text()
@@ -112,16 +112,26 @@ def test_resume_continues_from_the_newest_checkpoint(tmp_path):
     assert "resumed from" in (out / "logs" / "trainer.log").read_text()
     assert latest_checkpoint(out).name == "step-6"
     state = json.loads((out / "checkpoints" / "step-6" / "trainer_state.json").read_text())
-    assert state["data"]["position"] == 6 * 4 and state["policy_version"] == 6
+    assert state["orchestrator"]["data"]["position"] == 6 * 4 and state["policy_version"] == 6
 
 
 def test_a_crashing_trainer_stops_the_run_with_its_error(tmp_path):
     out = tmp_path / "run"
-    res = rlhfctl("run", str(EXAMPLE), "--output", str(out), *sets("rollout.replicas=1", "data.path=/nonexistent/prompts.jsonl"))
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"question": "no prompt column here"}\n')  # exists, but the trainer cannot use it
+    res = rlhfctl("run", str(EXAMPLE), "--output", str(out), *sets("rollout.replicas=1", f"data.path={data}"))
     assert res.returncode == 1
     assert "trainer exited with code" in res.stderr
-    assert "data.path: does not exist (/nonexistent/prompts.jsonl)" in res.stderr
+    assert "prompt" in res.stderr.split("trainer exited with code", 1)[1]  # the trainer's own error line
     assert not processes_of(out)
+
+
+def test_a_config_error_ends_the_run_before_anything_starts(tmp_path):
+    out = tmp_path / "run"
+    res = rlhfctl("run", str(EXAMPLE), "--output", str(out), *sets("data.path=/nonexistent/prompts.jsonl"))
+    assert res.returncode == 2
+    assert "spec.data.path: /nonexistent/prompts.jsonl does not exist" in res.stderr
+    assert not (out / "logs" / "rollout-0.log").exists() and not processes_of(out)
 
 
 def test_ctrl_c_stops_everything_and_keeps_the_checkpoint(tmp_path):
