@@ -76,7 +76,11 @@ def job_doc(name: str, nodes: int = 1, **spec) -> dict:
     base = {"model": {"path": "/models/tiny"}, "data": {"path": "/data/train.jsonl"}, "algorithm": {},
             "rollout": {"replicas": 2, "tensorParallelSize": 1, "image": "example.invalid/vllm:1"},
             "trainer": {"numNodes": nodes, "nprocPerNode": 2, "image": "example.invalid/trainer:1"},
-            "schedule": {"promptsPerStep": 8}, "runPolicy": {"maxRestarts": 2}}
+            "schedule": {"promptsPerStep": 8}, "runPolicy": {"maxRestarts": 2},
+            # model, data and output on a mounted volume, or the operator refuses the job
+            "pod": {"volumes": [{"name": "work", "emptyDir": {}}],
+                    "volumeMounts": [{"name": "work", "mountPath": p, "subPath": p.strip("/")}
+                                     for p in ("/models", "/data", "/output")]}}
     base.update(spec)
     return {"apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob", "metadata": {"name": name}, "spec": base}
 
