@@ -444,6 +444,8 @@ class Progress(_Model):
     """Weight version the rollout servers hold."""
     last_checkpoint: str | None = None
     """Newest complete checkpoint."""
+    updated_time: str | None = None
+    """When the trainer last reported (RFC 3339, UTC)."""
 
 
 class RLHFJobStatus(_Model):
