@@ -30,3 +30,4 @@ clean:
 	rm -rf $(VENV) runs
 
 include tests/cluster/cluster.mk
+include charts/chart.mk
