@@ -32,8 +32,8 @@ def test_lint_strict(helm_bin):
 def test_defaults_render_the_operator_and_nothing_of_monitoring(render):
     docs = render()
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Role", "RoleBinding", "Service",
-                     "ServiceAccount"]
+    assert kinds == ["ClusterRole", "ClusterRole", "ClusterRoleBinding", "ClusterRoleBinding", "Deployment", "Role",
+                     "RoleBinding", "Service", "ServiceAccount"]
     dep = by_kind(docs)[("Deployment", "rel-rlhf-operator")]
     pod = dep["spec"]["template"]["spec"]
     (c,) = pod["containers"]
@@ -66,6 +66,9 @@ def test_rbac_is_least_privilege(render):
     assert verbs[("rlhf.dev", "rlhfjobs/status")] == {"get", "patch"}
     assert ("", "secrets") not in verbs and all("*" not in v for v in verbs.values())
     assert not any(r in ("clusterroles", "clusterrolebindings") for _, r in verbs)
+    discovery = docs[("ClusterRole", "rel-rlhf-operator-discovery")]["rules"]  # what kopf observes
+    assert all(r["verbs"] == ["list", "watch"] for r in discovery)
+    assert {r for rule in discovery for r in rule["resources"]} == {"namespaces", "customresourcedefinitions"}
     lease = docs[("Role", "rel-rlhf-operator-leader-election")]["rules"]
     assert {"resourceNames": ["rlhf-operator"], "verbs": ["get", "update"]}.items() <= lease[1].items()
 
@@ -73,7 +76,7 @@ def test_rbac_is_least_privilege(render):
 def test_watch_namespaces_bind_the_role_in_those_namespaces_only(render):
     docs = render("watchNamespaces={ml,research}")
     bindings = [d for d in docs if d["kind"] in ("RoleBinding", "ClusterRoleBinding")
-                and d["roleRef"]["kind"] == "ClusterRole"]
+                and d["roleRef"]["name"] == "rel-rlhf-operator"]
     assert sorted((d["kind"], d["metadata"]["namespace"]) for d in bindings) == [("RoleBinding", "ml"),
                                                                                 ("RoleBinding", "research")]
     args = by_kind(docs)[("Deployment", "rel-rlhf-operator")]["spec"]["template"]["spec"]["containers"][0]["args"]

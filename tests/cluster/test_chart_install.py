@@ -53,6 +53,7 @@ def test_helm_install_then_the_operator_with_the_chart_permissions_runs_a_job(cl
         assert can("get", "secrets", "-n", jobs_ns) == "no"
         assert can("delete", "pods", "-n", jobs_ns) == "no"
         assert can("update", "leases.coordination.k8s.io/rlhf-operator", "-n", release_ns) == "yes"
+        assert can("get", "namespaces/default") == "no"  # kopf may list namespace names, not read one
 
         config = sa_kubeconfig(cluster, release_ns, sa, tmp_path / "operator.kubeconfig")
         log = tmp_path / "operator.log"
