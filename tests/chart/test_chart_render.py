@@ -137,3 +137,12 @@ def test_prometheus_rule_passes_promtool(render, promtool, tmp_path):
     test = subprocess.run([str(promtool), "test", "rules", str(tmp_path / "alerts_test.yaml")], capture_output=True,
                           text=True)
     assert test.returncode == 0 and "SUCCESS" in test.stdout, test.stdout + test.stderr
+
+
+def test_metrics_disabled_serves_nothing_and_renders_no_service(render):
+    docs = render("metrics.enabled=false")
+    assert not [d for d in docs if d["kind"] == "Service"]
+    (c,) = by_kind(docs)[("Deployment", "rel-rlhf-operator")]["spec"]["template"]["spec"]["containers"]
+    assert "--metrics-port=0" in c["args"] and "ports" not in c
+    out = render("metrics.enabled=false", "metrics.serviceMonitor.enabled=true", check=False)
+    assert out.returncode != 0 and "needs metrics.enabled" in out.stderr

@@ -111,3 +111,13 @@ def test_local_mode_is_a_no_op(tmp_path, monkeypatch):
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
     assert ApiServer.in_cluster(sa) == ApiServer("https://10.0.0.1:443", sa / "token", None)
     assert not ProgressReporter("demo", None, 5, api=ApiServer.in_cluster(sa)).enabled
+
+
+def test_progress_and_metrics_need_no_kubernetes_client():
+    import subprocess
+    import sys
+
+    code = ("import sys, rlhf_trainer.progress, rlhf_trainer.metrics; "
+            "print(sorted(m for m in ('kubernetes', 'kopf', 'rlhf_operator') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
