@@ -129,6 +129,11 @@ class TestVolumes:
         with pytest.raises(PodSettingsError, match="spec.pod.volumes: the name 'output' is taken"):
             PodSettings.from_job(validate_job(job_data(pod=pod, output={"dir": "/work/o", "claimName": "runs"})))
 
+    def test_the_operators_own_volume_names_are_refused(self):
+        pod = {**POD, "volumes": [*POD["volumes"], {"name": "scratch", "emptyDir": {}}]}
+        with pytest.raises(PodSettingsError, match="spec.pod.volumes: the name.s. scratch are the operator's own"):
+            PodSettings.from_job(validate_job(job_data(pod=pod)))
+
     def test_the_old_annotation_is_refused_with_where_its_keys_go(self):
         data = job_data()
         data["metadata"]["annotations"] = {"rlhf.dev/pod-settings": '{"nodeSelector": {}}'}

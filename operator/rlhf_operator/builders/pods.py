@@ -33,6 +33,7 @@ OUTPUT_VOLUME = "output"
 SCRATCH_DIR = "/tmp"
 RUN_AS_USER = 1000
 BUILTIN_PREFIX = "builtin://"
+RESERVED_VOLUMES = ("config", "dshm", "scratch")
 
 
 class PodSettingsError(ValueError):
@@ -67,6 +68,10 @@ class PodSettings:
                 "and delete the annotation")
         p = job.spec.pod
         names = {v["name"] for v in p.volumes}
+        taken = sorted(names & set(RESERVED_VOLUMES))
+        if taken:
+            raise PodSettingsError(f"spec.pod.volumes: the name(s) {', '.join(taken)} are the operator's own "
+                                   f"({', '.join(RESERVED_VOLUMES)}); rename the volume")
         if job.spec.output.claim_name and OUTPUT_VOLUME in names:
             raise PodSettingsError(f"spec.pod.volumes: the name {OUTPUT_VOLUME!r} is taken by spec.output.claimName; "
                                    "rename the volume")
