@@ -73,3 +73,12 @@ def render(helm_bin):
 
 def by_kind(docs: list[dict]) -> dict[tuple[str, str], dict]:
     return {(d["kind"], d["metadata"]["name"]): d for d in docs}
+
+
+@pytest.fixture(scope="session")
+def helm_unittest() -> Path:
+    out = subprocess.run(["bash", str(REPO / "charts/tools/build.sh"), "--print"], capture_output=True, text=True)
+    path = Path(out.stdout.strip()) / "helm-unittest"
+    if out.returncode != 0 or not path.is_file():
+        pytest.skip("helm-unittest is not built: `make chart-tools` (charts/tools/build.sh) builds it")
+    return path

@@ -1,7 +1,7 @@
 """The chart rendered by the real `helm`: lint, what each value turns on, the schema
 refusing typos, least-privilege RBAC, Kubernetes objects that round-trip through the
 Kubernetes models, and the PrometheusRule checked by the real `promtool` (check rules,
-and one `test rules` case per alert: charts/rlhf-operator/tests/alerts_test.yaml)."""
+and one `test rules` case per alert: charts/rlhf-operator/tests/promtool/alerts.yaml)."""
 
 from __future__ import annotations
 
@@ -105,10 +105,13 @@ def test_monitoring_objects_when_enabled(render):
         assert json.loads(cm["data"][f"{name}.json"]) == json.loads((CHART / "dashboards" / f"{name}.json").read_text())
 
 
-def test_thresholds_reach_the_rules(render):
-    docs = by_kind(render("prometheusRule.enabled=true", "prometheusRule.thresholds.noStepMinutes=30"))
+def test_thresholds_reach_the_rules(render, tmp_path):
+    # A fraction is allowed by the schema (from a values file: `--set` passes "0.5" as a string).
+    docs = by_kind(render(values={"prometheusRule": {"enabled": True, "thresholds": {"noStepMinutes": 30, "klMax": 0.5}}},
+                          tmp=tmp_path))
     rules = {r["alert"]: r for g in docs[("PrometheusRule", "rel-rlhf-operator")]["spec"]["groups"] for r in g["rules"]}
     assert rules["RLHFJobStalled"]["expr"] == "time() - rlhf_last_step_timestamp_seconds > 1800"
+    assert rules["RLHFKLDiverging"]["expr"] == "rlhf_kl > 0.5"
 
 
 @pytest.mark.parametrize("sets, message", [
@@ -130,10 +133,10 @@ def test_prometheus_rule_passes_promtool(render, promtool, tmp_path):
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": groups}, sort_keys=False))
     check = subprocess.run([str(promtool), "check", "rules", str(tmp_path / "rules.yaml")], capture_output=True, text=True)
     assert check.returncode == 0 and "SUCCESS: 8 rules found" in check.stdout, check.stdout + check.stderr
-    cases = yaml.safe_load((CHART / "tests" / "alerts_test.yaml").read_text())
+    cases = yaml.safe_load((CHART / "tests" / "promtool" / "alerts.yaml").read_text())
     tested = {t["alertname"] for c in cases["tests"] for t in c["alert_rule_test"] if t.get("exp_alerts")}
     assert tested == {r["alert"] for g in groups for r in g["rules"]}, "every alert needs a firing test case"
-    shutil.copy(CHART / "tests" / "alerts_test.yaml", tmp_path / "alerts_test.yaml")
+    shutil.copy(CHART / "tests" / "promtool" / "alerts.yaml", tmp_path / "alerts_test.yaml")
     test = subprocess.run([str(promtool), "test", "rules", str(tmp_path / "alerts_test.yaml")], capture_output=True,
                           text=True)
     assert test.returncode == 0 and "SUCCESS" in test.stdout, test.stdout + test.stderr
