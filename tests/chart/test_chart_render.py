@@ -58,6 +58,23 @@ def test_every_object_round_trips_through_the_kubernetes_models(render):
     assert checked >= 10
 
 
+def test_every_object_validates_against_the_kubernetes_schema(render):
+    """Strict OpenAPI schemas of Kubernetes 1.34 (kubernetes-validate): types, required
+    fields, no unknown fields. The monitoring.coreos.com kinds are checked by helm-unittest
+    and the tests above, not against their CRD schemas (none is packaged on PyPI here)."""
+    import kubernetes_validate
+
+    docs = render(*ALL_ON, "watchNamespaces={ml}", "trainerMetrics.networkPolicy.enabled=true")
+    core = [d for d in docs if d["apiVersion"].split("/")[0] != "monitoring.coreos.com"]
+    assert len(core) >= 12
+    for d in core:
+        kubernetes_validate.validate(d, "1.34", strict=True)
+    bad = copy.deepcopy(next(d for d in core if d["kind"] == "Deployment"))
+    bad["spec"]["replicas"] = "two"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, "1.34", strict=True)
+
+
 def test_rbac_is_least_privilege(render):
     docs = by_kind(render())
     rules = docs[("ClusterRole", "rel-rlhf-operator")]["rules"]
