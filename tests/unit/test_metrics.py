@@ -50,3 +50,23 @@ def test_declared_gauges_cover_the_documented_keys_and_the_new_ones():
                 "tokens_per_second", "mfu", "peak_gpu_memory_bytes", "logprob_mismatch", "rollout_seconds",
                 "train_seconds", "weight_sync_seconds", "policy_version"):
         assert key in STEP_GAUGES
+
+
+def test_mfu_peak_flops_and_logprob_mismatch():
+    import torch
+
+    from rlhf_trainer.metrics import logprob_mismatch, peak_flops, peak_gpu_memory_bytes, train_mfu
+
+    assert peak_flops("NVIDIA H100 80GB HBM3") == 989e12 and peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert peak_flops("cpu") is None
+    # 1.5e9 params, 43k tokens, 3 passes: 3.87e14 FLOPs in 1 s on one H100 -> about 39%.
+    mfu = train_mfu(num_params=1_500_000_000, tokens=43_000, train_seconds=1.0, world_size=1,
+                    device_peak_flops=989e12)
+    assert abs(mfu - 3 * 2 * 1.5e9 * 43_000 / 989e12) < 1e-12 and 0.39 < mfu < 0.40
+    assert train_mfu(num_params=10, tokens=10, train_seconds=1.0, world_size=1, device_peak_flops=None) is None
+    lp = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, 0.0]])
+    rollout = torch.tensor([[-1.5, -2.0, -9.0], [-0.5, -1.5, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])  # the -9 is padding: ignored
+    assert logprob_mismatch(lp, rollout, mask) == (0.5 + 0 + 0 + 1.0) / 4
+    if not torch.cuda.is_available():
+        assert peak_gpu_memory_bytes() is None

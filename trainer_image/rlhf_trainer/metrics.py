@@ -12,6 +12,9 @@ the Unix time of the last `write` (the "no training step for N minutes" alert). 
 rank 0 when RLHF_METRICS_PORT is set (the operator sets 9400 in trainer pods).
 A row key that is not declared still goes to `metrics.jsonl`, and is logged once as not
 exported: add it to `STEP_GAUGES` to export it.
+
+Helpers for the row's newer keys (the run loop calls them once per step on rank 0):
+`train_mfu` + `peak_flops` (mfu), `peak_gpu_memory_bytes`, `logprob_mismatch`.
 """
 
 from __future__ import annotations
@@ -123,3 +126,57 @@ class MetricsWriter:
             elif isinstance(value, (int, float)):
                 gauge.set(float(value))
         self._last_step.set(time.time())
+
+
+# ---- values the run loop puts into the row (the new dashboard keys) ---------------------
+
+# Dense peak throughput per device (FLOP/s) by CUDA device-name substring, for MFU.
+# bf16 / fp16 tensor-core peaks without sparsity; fp32 uses the TF32 tensor-core peak.
+PEAK_FLOPS: dict[str, dict[str, float]] = {
+    "H200": {"bf16": 989e12, "fp32": 494e12},
+    "H100": {"bf16": 989e12, "fp32": 494e12},  # SXM; PCIe is lower (756e12)
+    "A100": {"bf16": 312e12, "fp32": 156e12},
+    "L40S": {"bf16": 362e12, "fp32": 183e12},
+}
+
+
+def peak_flops(device_name: str, dtype: str = "bf16") -> float | None:
+    """Peak FLOP/s of one device of this name (torch.cuda.get_device_name()); None if unknown."""
+    if "PCIe" in device_name and "H100" in device_name:
+        return {"bf16": 756e12, "fp32": 378e12}[dtype]
+    for key, peaks in PEAK_FLOPS.items():
+        if key in device_name:
+            return peaks[dtype]
+    return None
+
+
+def train_mfu(*, num_params: int, tokens: float, train_seconds: float, world_size: int,
+              device_peak_flops: float | None, passes: float = 3.0) -> float | None:
+    """Model FLOPs utilization of the train phase: `passes` x 2 x params FLOPs per token
+    (forward 2N, backward 4N: passes = 3; add 1 per extra forward pass, e.g. old and
+    reference log-probs), over the step's train time on `world_size` devices. None when
+    the device's peak is unknown (CPU)."""
+    if not device_peak_flops or train_seconds <= 0 or world_size <= 0:
+        return None
+    return passes * 2.0 * num_params * tokens / (train_seconds * world_size * device_peak_flops)
+
+
+def peak_gpu_memory_bytes(reset: bool = True) -> int | None:
+    """Peak memory allocated by this process on its CUDA device since the last reset (None
+    without CUDA); resets the peak so the next step starts afresh."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    peak = int(torch.cuda.max_memory_allocated())
+    if reset:
+        torch.cuda.reset_peak_memory_stats()
+    return peak
+
+
+def logprob_mismatch(logprobs, rollout_logprobs, mask) -> float:
+    """Mean |trainer log-prob - rollout engine log-prob| over response tokens ([B, T]
+    tensors, mask 1 on response tokens): how far the two engines disagree on the same
+    tokens with the same weights (dtype, kernels, or stale weights after a bad sync)."""
+    diff = (logprobs.detach().float() - rollout_logprobs.detach().float()).abs() * mask
+    return float(diff.sum() / mask.sum().clamp(min=1))
