@@ -45,3 +45,4 @@ clean:
 	rm -rf $(VENV) runs
 
 include tests/cluster/cluster.mk
+include charts/chart.mk

@@ -7,8 +7,10 @@ locally is therefore what runs in pods.
 Environment a trainer process can rely on (besides torchrun's RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT, LOCAL_RANK): RLHF_TRAINER_CONFIG (the trainer config,
 trainer_config.py), RLHF_ROLLOUT_ENDPOINTS,
-RLHF_WEIGHT_SYNC_ADDR, RLHF_OUTPUT_DIR, and RLHF_RESUME ("1": continue from the newest
-complete checkpoint in the output directory).
+RLHF_WEIGHT_SYNC_ADDR, RLHF_OUTPUT_DIR, RLHF_RESUME ("1": continue from the newest
+complete checkpoint in the output directory), and RLHF_METRICS_PORT (rank 0 serves
+Prometheus metrics on it; unset: no endpoint). Rank 0 also writes the job's
+`status.progress` with the pod's service-account token (rlhf_trainer.progress).
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ ENV_ROLLOUT_ENDPOINTS = "RLHF_ROLLOUT_ENDPOINTS"
 ENV_WEIGHT_SYNC_ADDR = "RLHF_WEIGHT_SYNC_ADDR"
 ENV_OUTPUT_DIR = "RLHF_OUTPUT_DIR"
 ENV_RESUME = "RLHF_RESUME"
+ENV_METRICS_PORT = "RLHF_METRICS_PORT"
 
 ROLLOUT_PORT = 8000
 TRAINER_MASTER_PORT = 29500
 WEIGHT_SYNC_PORT = 29600
+TRAINER_METRICS_PORT = 9400
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,7 @@ def trainer_process(
     master_addr: str | None = None,
     master_port: int | None = None,
     resume: bool = True,
+    metrics_port: int | None = None,
     python: str = "python",
 ) -> Process:
     """One trainer node: `python -m rlhf_trainer.launch` checks the config (exit code 2
@@ -99,4 +104,6 @@ def trainer_process(
         ENV_OUTPUT_DIR: output_dir,
         ENV_RESUME: "1" if resume else "0",
     }
+    if metrics_port:
+        env[ENV_METRICS_PORT] = str(metrics_port)
     return Process(command, env)

@@ -1,4 +1,7 @@
-"""Prometheus metrics of the operator (prometheus-client), served on `--metrics-port`."""
+"""Prometheus metrics of the operator (prometheus-client), served on `--metrics-port`.
+
+The chart's alerts and Grafana dashboard query these names (a test checks each name they
+use is one of `exported_names()`)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,24 @@ JOBS = Gauge("rlhf_operator_jobs", "RLHFJobs by phase (updated on every resync).
 LEADER = Gauge("rlhf_operator_leader", "1 while this process holds the leader lease.")
 
 PHASES = ("Pending", "Initializing", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
+TRIGGERS = ("job", "pod", "pytorchjob", "resync")
+
+# Series exist (at 0) from the start, so rates and "jobs by phase" have data before the first event.
+for _trigger in TRIGGERS:
+    RECONCILES.labels(trigger=_trigger)
+for _phase in PHASES:
+    JOBS.labels(phase=_phase)
+
+
+def exported_names() -> set[str]:
+    """Every sample name the operator exports (counters with `_total`, histogram series)."""
+    names = set()
+    for metric in (RECONCILES, ERRORS, DURATION, RESTARTS, JOBS, LEADER):
+        for family in metric.describe():
+            names.add(family.name + ("_total" if family.type == "counter" else ""))
+            if family.type == "histogram":
+                names |= {family.name + s for s in ("_bucket", "_sum", "_count")}
+    return names
 
 
 def set_jobs_by_phase(phases: list[str]) -> None:

@@ -12,6 +12,7 @@ injects an `init-pytorch` container into Worker pods without a security context,
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -76,7 +77,11 @@ def job_doc(name: str, nodes: int = 1, **spec) -> dict:
     base = {"model": {"path": "/models/tiny"}, "data": {"path": "/data/train.jsonl"}, "algorithm": {},
             "rollout": {"replicas": 2, "tensorParallelSize": 1, "image": "example.invalid/vllm:1"},
             "trainer": {"numNodes": nodes, "nprocPerNode": 2, "image": "example.invalid/trainer:1"},
-            "schedule": {"promptsPerStep": 8}, "runPolicy": {"maxRestarts": 2}}
+            "schedule": {"promptsPerStep": 8}, "runPolicy": {"maxRestarts": 2},
+            # model, data and output on a mounted volume, or the operator refuses the job
+            "pod": {"volumes": [{"name": "work", "emptyDir": {}}],
+                    "volumeMounts": [{"name": "work", "mountPath": p, "subPath": p.strip("/")}
+                                     for p in ("/models", "/data", "/output")]}}
     base.update(spec)
     return {"apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob", "metadata": {"name": name}, "spec": base}
 
@@ -178,7 +183,8 @@ def test_valid_job_gets_its_children_and_runs(cluster: Cluster, setup):
         text = metrics_text()
         return text if 'rlhf_operator_jobs{phase="Running"} 1.0' in text else None
     text = wait_for(gauge_counts_running, 10, "the jobs-by-phase gauge")
-    assert 'rlhf_operator_reconciles_total{trigger="pod"}' in text and 'trigger="resync"' in text
+    counts = {t: float(v) for t, v in re.findall(r'rlhf_operator_reconciles_total\{trigger="(\w+)"\} (\S+)', text)}
+    assert counts["pod"] > 0 and counts["resync"] > 0, counts  # the series exist at 0 from the start
     assert "rlhf_operator_reconcile_duration_seconds_bucket" in text and "rlhf_operator_leader 1.0" in text
 
     # The trainer's service account may patch its own job's status, and nothing else.

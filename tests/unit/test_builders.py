@@ -15,9 +15,7 @@ from kubernetes.client import ApiClient
 
 from rlhf_contract import pod as contract
 from rlhf_contract.api import validate_job
-from rlhf_operator.builders import (
-    POD_SETTINGS_ANNOTATION, PodSettings, PodSettingsError, build_children, rollout_endpoints, weight_sync_addr,
-)
+from rlhf_operator.builders import build_children, rollout_endpoints, weight_sync_addr
 from rlhf_contract.trainer_config import TrainerConfig
 from rlhf_operator.builders.pods import CONFIG_PATH
 
@@ -38,7 +36,11 @@ def make_job(**spec_overrides):
                      "labels": {"kueue.x-k8s.io/queue-name": "gpu-queue"}},
         "spec": {"model": {"path": "/models/qwen"}, "data": {"path": "/data/train.jsonl"},
                  "rollout": {"replicas": 3, "tensorParallelSize": 2},
-                 "trainer": {"numNodes": 2, "nprocPerNode": 8}, "schedule": {"promptsPerStep": 32}},
+                 "trainer": {"numNodes": 2, "nprocPerNode": 8}, "schedule": {"promptsPerStep": 32},
+                 "output": {"claimName": "runs"},
+                 "pod": {"volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "models"}}],
+                         "volumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": True},
+                                          {"name": "models", "mountPath": "/data", "subPath": "data"}]}},
     }
     for key, value in spec_overrides.items():
         data["spec"][key] = value
@@ -218,7 +220,9 @@ def test_trainer_pytorchjob_uses_the_contract_and_the_training_operator_conventi
         assert {k: env[k] for k in proc.env} == proc.env
         assert env["RLHF_ROLLOUT_ENDPOINTS"] == ",".join(endpoints) and env["RLHF_RESUME"] == "1"
         assert c["resources"]["limits"] == {"nvidia.com/gpu": "8"}
-        assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"pytorchjob-port": 29500, "weight-sync": 29600}
+        assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"pytorchjob-port": 29500, "weight-sync": 29600,
+                                                                      "metrics": 9400}
+        assert env["RLHF_METRICS_PORT"] == "9400"  # rank 0 serves Prometheus there
         assert pod["serviceAccountName"] == "demo-trainer"
         assert_restricted(pod)
 
@@ -246,43 +250,6 @@ def assert_restricted(pod: dict) -> None:
     assert dshm["emptyDir"] == {"medium": "Memory"}
     mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
     assert mounts["dshm"] == "/dev/shm" and mounts["config"] == "/etc/rlhf"
-
-
-def test_pod_settings_reach_every_pod():
-    data = make_job()
-    settings = {
-        "nodeSelector": {"nvidia.com/gpu.product": "H100"},
-        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-        "priorityClassName": "training",
-        "imagePullSecrets": ["regcred"],
-        "volumes": [{"name": "work", "persistentVolumeClaim": {"claimName": "rlhf-work"}}],
-        "volumeMounts": [{"name": "work", "mountPath": "/work"}],
-    }
-    data["metadata"]["annotations"] = {POD_SETTINGS_ANNOTATION: json.dumps(settings)}
-    children = children_of(data)
-    sts = children[("StatefulSet", "demo-rollout")]
-    ptj = children[("PyTorchJob", "demo-trainer")]
-    pods = [sts["spec"]["template"]["spec"]] + [s["template"]["spec"] for s in ptj["spec"]["pytorchReplicaSpecs"].values()]
-    for pod in pods:
-        assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "H100"}
-        assert pod["tolerations"] == settings["tolerations"]
-        assert pod["priorityClassName"] == "training"
-        assert pod["imagePullSecrets"] == [{"name": "regcred"}]
-        assert {"name": "work", "persistentVolumeClaim": {"claimName": "rlhf-work"}} in pod["volumes"]
-        assert {"name": "work", "mountPath": "/work"} in pod["containers"][0]["volumeMounts"]
-    roundtrip(sts, "V1StatefulSet")
-
-
-@pytest.mark.parametrize("text, message", [
-    ("{", "not valid JSON"),
-    ('{"nodeSelektor": {}}', "unknown key(s) nodeSelektor"),
-    ('{"tolerations": {}}', "tolerations: must be a JSON array"),
-])
-def test_bad_pod_settings_say_what_to_change(text, message):
-    data = make_job()
-    data["metadata"]["annotations"] = {POD_SETTINGS_ANNOTATION: text}
-    with pytest.raises(PodSettingsError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        PodSettings.from_job(validate_job(data))
 
 
 def test_rbac_lets_the_trainer_patch_only_its_own_status():
@@ -319,7 +286,7 @@ def test_builders_are_pure_and_deterministic():
     assert children_of(data, 1)[("ConfigMap", "demo-config")] == children_of(data, 2)[("ConfigMap", "demo-config")]
 
 
-def test_the_cluster_example_builds_with_its_pod_settings():
+def test_the_cluster_example_builds_with_its_pod_block():
     data = yaml.safe_load((REPO / "examples" / "rlhfjob.yaml").read_text())
     data["metadata"].update(namespace="ml", uid=UID)
     children = children_of(data)
@@ -327,7 +294,8 @@ def test_the_cluster_example_builds_with_its_pod_settings():
     pod = sts["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
     assert {"name": "work", "mountPath": "/work"} in pod["containers"][0]["volumeMounts"]
-    assert pod["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "2"}
+    assert pod["containers"][0]["resources"] == {"requests": {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": "2"},
+                                                 "limits": {"memory": "64Gi", "nvidia.com/gpu": "2"}}
     ptj = children[("PyTorchJob", "qwen-math-grpo-trainer")]
     env = {e["name"]: e["value"] for e in ptj["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
            ["containers"][0]["env"]}

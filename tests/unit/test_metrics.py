@@ -1,11 +1,12 @@
 """Trainer metrics: metrics.jsonl and the Prometheus endpoint on rank 0."""
 
 import json
+import time
 
 import httpx
 
 from rlhf_launcher.local import free_port, summarize
-from rlhf_trainer.metrics import MetricsWriter
+from rlhf_trainer.metrics import STEP_GAUGES, MetricsWriter, gauge_names
 
 
 def test_jsonl_prometheus_and_resume_truncation(tmp_path, monkeypatch):
@@ -18,7 +19,10 @@ def test_jsonl_prometheus_and_resume_truncation(tmp_path, monkeypatch):
     assert [r["reward_mean"] for r in lines] == [0.25, 0.5, 0.75]
     text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
     assert "rlhf_reward_mean 0.75" in text and "rlhf_step 3.0" in text
-    assert "rlhf_kl" not in text  # null values are not exported
+    assert "rlhf_kl NaN" in text  # null: no value (NaN), not a stale or zero one
+    assert "rlhf_value_loss NaN" in text  # declared up front although no row had it
+    stamp = float(next(l for l in text.splitlines() if l.startswith("rlhf_last_step_timestamp_seconds ")).split()[1])
+    assert abs(stamp - time.time()) < 60
     writer.truncate_after(1)  # a run resumed from step 1 rewrites steps 2 and 3
     assert [json.loads(line)["step"] for line in writer.path.read_text().splitlines()] == [1]
 
@@ -27,3 +31,42 @@ def test_summary_of_first_and_last_ten_steps():
     rows = [{"reward_mean": 0.1}] * 10 + [{"reward_mean": 0.5}] * 5 + [{"reward_mean": 0.9}] * 10
     assert summarize(rows) == "reward_mean: first 10 steps 0.100, last 10 steps 0.900 (9.0x)"
     assert summarize([]) == "no steps completed"
+
+
+def test_each_writer_has_its_own_registry_and_only_declared_names(tmp_path):
+    a, b = MetricsWriter(tmp_path / "a", port=free_port()), MetricsWriter(tmp_path / "b", port=free_port())
+    a.write({"step": 1, "reward_mean": 0.5, "not_declared": 3.0})
+    b.write({"step": 7})
+    from prometheus_client import generate_latest
+    text_a, text_b = generate_latest(a.registry).decode(), generate_latest(b.registry).decode()
+    assert "rlhf_step 1.0" in text_a and "rlhf_step 7.0" in text_b  # no shared global registry
+    exported = {line.split()[2] for line in text_a.splitlines() if line.startswith("# TYPE")}
+    assert exported == gauge_names()  # stable names: a row key never creates a new metric
+    assert "not_declared" in (tmp_path / "a" / "metrics.jsonl").read_text()  # still in the jsonl
+
+
+def test_declared_gauges_cover_the_documented_keys_and_the_new_ones():
+    for key in ("reward_mean", "kl", "entropy", "response_length_mean", "clip_fraction", "grad_norm",
+                "tokens_per_second", "mfu", "peak_gpu_memory_bytes", "logprob_mismatch", "rollout_seconds",
+                "train_seconds", "weight_sync_seconds", "policy_version"):
+        assert key in STEP_GAUGES
+
+
+def test_mfu_peak_flops_and_logprob_mismatch():
+    import torch
+
+    from rlhf_trainer.metrics import logprob_mismatch, peak_flops, peak_gpu_memory_bytes, train_mfu
+
+    assert peak_flops("NVIDIA H100 80GB HBM3") == 989e12 and peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert peak_flops("cpu") is None
+    # 1.5e9 params, 43k tokens, 3 passes: 3.87e14 FLOPs in 1 s on one H100 -> about 39%.
+    mfu = train_mfu(num_params=1_500_000_000, tokens=43_000, train_seconds=1.0, world_size=1,
+                    device_peak_flops=989e12)
+    assert abs(mfu - 3 * 2 * 1.5e9 * 43_000 / 989e12) < 1e-12 and 0.39 < mfu < 0.40
+    assert train_mfu(num_params=10, tokens=10, train_seconds=1.0, world_size=1, device_peak_flops=None) is None
+    lp = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, 0.0]])
+    rollout = torch.tensor([[-1.5, -2.0, -9.0], [-0.5, -1.5, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])  # the -9 is padding: ignored
+    assert logprob_mismatch(lp, rollout, mask) == (0.5 + 0 + 0 + 1.0) / 4
+    if not torch.cuda.is_available():
+        assert peak_gpu_memory_bytes() is None

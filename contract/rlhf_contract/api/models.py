@@ -11,9 +11,10 @@ Cross-field rules live in `RULES` (rules.py) so that the same rule is checked he
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 API_GROUP = "rlhf.dev"
@@ -32,6 +33,104 @@ class _Model(BaseModel):
         validate_default=True,
         use_attribute_docstrings=True,
     )
+
+
+# A Kubernetes object kept as written (a Volume, a Toleration, an Affinity): the API server
+# checks it when the operator creates the pods; the CRD keeps its unknown fields.
+KubeObject = Annotated[dict[str, Any], WithJsonSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True})]
+_QUANTITY = re.compile(r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+|Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)?$")
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
+def _quantity(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("must be a Kubernetes quantity such as 4, 500m, 64Gi")
+    if isinstance(value, (int, float)):
+        value = str(value)
+    if isinstance(value, str) and not _QUANTITY.match(value):
+        raise ValueError(f"{value!r} is not a Kubernetes quantity (examples: 4, 500m, 64Gi, 1.5)")
+    return value
+
+
+Quantity = Annotated[str, BeforeValidator(_quantity), WithJsonSchema({"x-kubernetes-int-or-string": True})]
+
+
+class Resources(_Model):
+    """CPU, memory and other non-GPU resources of a container (GPUs come from
+    `trainer.nprocPerNode` and `rollout.tensorParallelSize`)."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        {"rule": f"!has(self.requests) || !('{GPU_RESOURCE}' in self.requests)",
+         "message": f"{GPU_RESOURCE} is set from trainer.nprocPerNode / rollout.tensorParallelSize; remove it here"},
+        {"rule": f"!has(self.limits) || !('{GPU_RESOURCE}' in self.limits)",
+         "message": f"{GPU_RESOURCE} is set from trainer.nprocPerNode / rollout.tensorParallelSize; remove it here"},
+    ]})
+    requests: dict[str, Quantity] = {}
+    """Requested amounts, e.g. {cpu: "16", memory: 200Gi}; the scheduler reserves them."""
+    limits: dict[str, Quantity] = {}
+    """Limits, e.g. {memory: 200Gi}; a container above its memory limit is killed (OOMKilled)."""
+
+    @field_validator("requests", "limits")
+    @classmethod
+    def _no_gpus(cls, value: dict[str, str]) -> dict[str, str]:
+        if GPU_RESOURCE in value:
+            raise ValueError(f"{GPU_RESOURCE} is set from trainer.nprocPerNode / rollout.tensorParallelSize; "
+                             "remove it here")
+        return value
+
+
+class VolumeMount(_Model):
+    """Where a volume of `pod.volumes` appears in every container."""
+
+    name: str = Field(min_length=1)
+    """Name of a volume in `pod.volumes`."""
+    mount_path: str = Field(min_length=1, pattern=r"^/")
+    """Absolute path in the container."""
+    sub_path: str | None = None
+    """Mount only this sub-directory of the volume."""
+    read_only: bool = False
+    """Mount read-only (the output directory cannot be on such a mount)."""
+
+
+class PodTemplateSpec(_Model):
+    """What every pod of the job (trainer and rollout servers) gets on a real cluster:
+    where it may run and what it mounts."""
+
+    node_selector: dict[str, str] = {}
+    """Node labels a pod's node must have, e.g. {nvidia.com/gpu.product: NVIDIA-H100-80GB-HBM3}."""
+    tolerations: list[KubeObject] = []
+    """Kubernetes tolerations, e.g. [{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]."""
+    affinity: KubeObject | None = None
+    """A Kubernetes affinity (node / pod affinity and anti-affinity)."""
+    priority_class_name: str | None = None
+    """PriorityClass of the pods (preemption order)."""
+    image_pull_secrets: list[str] = []
+    """Names of Secrets (in the job's namespace) used to pull the images."""
+    volumes: list[KubeObject] = []
+    """Kubernetes volumes, e.g. [{name: work, persistentVolumeClaim: {claimName: rlhf-work}}];
+    the model, the data and the output directory must be on one of them."""
+    volume_mounts: list[VolumeMount] = []
+    """Mounts of `volumes` into every container."""
+
+    @field_validator("volumes")
+    @classmethod
+    def _named(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for i, v in enumerate(value):
+            if not isinstance(v.get("name"), str) or not v["name"]:
+                raise ValueError(f"volumes[{i}] needs a name (it is how volumeMounts refer to it)")
+        return value
+
+    @model_validator(mode="after")
+    def _mounts_name_volumes(self) -> "PodTemplateSpec":
+        names = [v["name"] for v in self.volumes]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"volumes: duplicate name(s) {', '.join(dup)}")
+        for i, m in enumerate(self.volume_mounts):
+            if m.name not in names:
+                raise ValueError(f"volumeMounts[{i}].name: {m.name!r} is not a volume in pod.volumes "
+                                 f"(have: {', '.join(names) or 'none'})")
+        return self
 
 
 class ModelSpec(_Model):
@@ -217,6 +316,8 @@ class RolloutSpec(_Model):
     """Nucleus sampling probability mass."""
     top_k: int = Field(default=-1, ge=-1)
     """Top-k sampling; -1 disables it."""
+    resources: Resources = Field(default_factory=Resources)
+    """CPU and memory of each rollout server container (GPUs: `tensorParallelSize`)."""
 
 
 class ParallelismSpec(_Model):
@@ -261,6 +362,8 @@ class TrainerSpec(_Model):
     log-prob head never holds more than 1024 tokens of fp32 logits)."""
     parallelism: "ParallelismSpec" = Field(default_factory=lambda: ParallelismSpec())
     """How the model and the sequences are split over the trainer processes."""
+    resources: Resources = Field(default_factory=Resources)
+    """CPU and memory of each trainer pod's container (GPUs: `nprocPerNode`)."""
 
 
 class ScheduleSpec(_Model):
@@ -280,7 +383,12 @@ class OutputSpec(_Model):
     """Where results go."""
 
     dir: str = ""
-    """Output directory; empty means `runs/<job name>` in local mode and `/output` in pods."""
+    """Output directory; empty means `runs/<job name>` in local mode and `/output` in pods.
+    In pods it must be on a writable mounted volume: `claimName`, or a `pod.volumeMounts`
+    entry that contains it."""
+    claim_name: str | None = None
+    """A PersistentVolumeClaim mounted at `dir` in the trainer pods, so checkpoints survive
+    restarts (ReadWriteMany when `trainer.numNodes` > 1)."""
     keep_checkpoints: int = Field(default=3, ge=1)
     """How many complete checkpoints to keep."""
     save_rollouts: bool = False
@@ -324,6 +432,8 @@ class RLHFJobSpec(_Model):
     """Outputs."""
     run_policy: RunPolicy = RunPolicy()
     """Restarts and lifetime."""
+    pod: PodTemplateSpec = Field(default_factory=PodTemplateSpec)
+    """Scheduling and volumes of every pod of the job (ignored in local mode)."""
     suspend: bool = False
     """Scale everything to zero, keeping checkpoints; set back to false to resume."""
 
@@ -385,6 +495,8 @@ class Progress(_Model):
     """Weight version the rollout servers hold."""
     last_checkpoint: str | None = None
     """Newest complete checkpoint."""
+    updated_time: str | None = None
+    """When the trainer last reported (RFC 3339, UTC)."""
 
 
 class RLHFJobStatus(_Model):

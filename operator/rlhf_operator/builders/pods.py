@@ -1,11 +1,15 @@
 """What every pod of a job shares: the config volume, `/dev/shm`, a security context the
-`restricted` Pod Security level admits, GPU requests, and the user's scheduling settings.
+`restricted` Pod Security level admits, GPU requests, CPU / memory resources, and the
+user's scheduling settings and volumes (`spec.pod`).
 
-Scheduling settings (nodeSelector, tolerations, priorityClassName, imagePullSecrets, and
-extra volumes such as the PVC holding the model and the output directory) are not part of
-the RLHFJob spec yet; until they are, they come from the JSON annotation
-`rlhf.dev/pod-settings` on the job (see `PodSettings.from_job`). The Kueue queue label
-(`kueue.x-k8s.io/queue-name`) is copied from the job's labels (meta.job_labels).
+`spec.pod` (nodeSelector, tolerations, affinity, priorityClassName, imagePullSecrets,
+volumes, volumeMounts) goes into every pod; `spec.output.claimName` mounts a
+PersistentVolumeClaim at the output directory of the trainer pods. `PodSettings.from_job`
+also refuses a job whose model, data or output directory is on no mounted volume (the
+pods could not read or keep them), naming the field; `builtin://` paths need none. The
+old annotation `rlhf.dev/pod-settings` is refused with a pointer to `spec.pod`. The Kueue
+queue label (`kueue.x-k8s.io/queue-name`) is copied from the job's labels
+(meta.job_labels).
 
 Simplifications: images are assumed to run as any non-root uid (1000 here); HOME points
 at a writable emptyDir because such a uid has no home directory in most images.
@@ -14,73 +18,120 @@ at a writable emptyDir because such a uid has no home directory in most images.
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlhf_contract.api.models import RLHFJob
+from rlhf_contract.api.models import GPU_RESOURCE, Resources, RLHFJob
 from .meta import config_map_name
 
 POD_SETTINGS_ANNOTATION = "rlhf.dev/pod-settings"
-GPU_RESOURCE = "nvidia.com/gpu"
 CONFIG_DIR = "/etc/rlhf"
 CONFIG_FILE = "trainer.json"
 CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_FILE}"
 DEFAULT_OUTPUT_DIR = "/output"
+OUTPUT_VOLUME = "output"
 SCRATCH_DIR = "/tmp"
 RUN_AS_USER = 1000
-
-_SETTING_KEYS = ("nodeSelector", "tolerations", "priorityClassName", "imagePullSecrets", "volumes", "volumeMounts")
+BUILTIN_PREFIX = "builtin://"
+RESERVED_VOLUMES = ("config", "dshm", "scratch")
 
 
 class PodSettingsError(ValueError):
-    """The `rlhf.dev/pod-settings` annotation is malformed; the message says how."""
+    """The job cannot be laid out in pods (`spec.pod`, `spec.output`); the message names the
+    field and says what to change."""
 
 
 @dataclass(frozen=True)
 class PodSettings:
-    """Where and how the job's pods are scheduled, beyond what the spec says."""
+    """Where and how the job's pods are scheduled and what they mount (from `spec.pod`
+    and `spec.output.claimName`)."""
 
     node_selector: dict[str, str] = field(default_factory=dict)
     tolerations: list[dict[str, Any]] = field(default_factory=list)
+    affinity: dict[str, Any] | None = None
     priority_class_name: str | None = None
     image_pull_secrets: list[str] = field(default_factory=list)
     volumes: list[dict[str, Any]] = field(default_factory=list)
-    """Extra pod volumes (e.g. a PVC with the model, the data and the output directory)."""
+    """The user's pod volumes (e.g. a PVC with the model and the data)."""
     volume_mounts: list[dict[str, Any]] = field(default_factory=list)
     """Mounts of `volumes` into every container."""
+    output_claim: str | None = None
+    """PVC mounted at the output directory of the trainer pods."""
+    output_dir: str = DEFAULT_OUTPUT_DIR
 
     @classmethod
     def from_job(cls, job: RLHFJob) -> "PodSettings":
-        text = job.metadata.annotations.get(POD_SETTINGS_ANNOTATION)
-        if not text:
-            return cls()
-        where = f"metadata.annotations[{POD_SETTINGS_ANNOTATION}]"
-        try:
-            data = json.loads(text)
-        except ValueError as err:
-            raise PodSettingsError(f"{where}: not valid JSON ({err})") from None
-        if not isinstance(data, dict):
-            raise PodSettingsError(f"{where}: must be a JSON object with keys {', '.join(_SETTING_KEYS)}")
-        unknown = sorted(set(data) - set(_SETTING_KEYS))
-        if unknown:
-            raise PodSettingsError(f"{where}: unknown key(s) {', '.join(unknown)} (allowed: {', '.join(_SETTING_KEYS)})")
-        checks = {"nodeSelector": dict, "tolerations": list, "priorityClassName": str,
-                  "imagePullSecrets": list, "volumes": list, "volumeMounts": list}
-        for key, typ in checks.items():
-            if key in data and not isinstance(data[key], typ):
-                raise PodSettingsError(f"{where}.{key}: must be a JSON {typ.__name__.replace('dict', 'object').replace('list', 'array').replace('str', 'string')}")
-        secrets = [s["name"] if isinstance(s, dict) else s for s in data.get("imagePullSecrets", [])]
-        if not all(isinstance(s, str) and s for s in secrets):
-            raise PodSettingsError(f"{where}.imagePullSecrets: must list secret names")
-        return cls(
-            node_selector=dict(data.get("nodeSelector", {})),
-            tolerations=list(data.get("tolerations", [])),
-            priority_class_name=data.get("priorityClassName"),
-            image_pull_secrets=secrets,
-            volumes=list(data.get("volumes", [])),
-            volume_mounts=list(data.get("volumeMounts", [])),
+        if POD_SETTINGS_ANNOTATION in job.metadata.annotations:
+            raise PodSettingsError(
+                f"metadata.annotations[{POD_SETTINGS_ANNOTATION}] is no longer read: move its keys to spec.pod "
+                "(nodeSelector, tolerations, affinity, priorityClassName, imagePullSecrets, volumes, volumeMounts) "
+                "and delete the annotation")
+        p = job.spec.pod
+        names = {v["name"] for v in p.volumes}
+        taken = sorted(names & set(RESERVED_VOLUMES))
+        if taken:
+            raise PodSettingsError(f"spec.pod.volumes: the name(s) {', '.join(taken)} are the operator's own "
+                                   f"({', '.join(RESERVED_VOLUMES)}); rename the volume")
+        if job.spec.output.claim_name and OUTPUT_VOLUME in names:
+            raise PodSettingsError(f"spec.pod.volumes: the name {OUTPUT_VOLUME!r} is taken by spec.output.claimName; "
+                                   "rename the volume")
+        settings = cls(
+            node_selector=dict(p.node_selector),
+            tolerations=copy.deepcopy(p.tolerations),
+            affinity=copy.deepcopy(p.affinity),
+            priority_class_name=p.priority_class_name,
+            image_pull_secrets=list(p.image_pull_secrets),
+            volumes=copy.deepcopy(p.volumes),
+            volume_mounts=[m.model_dump(by_alias=True, exclude_defaults=True) for m in p.volume_mounts],
+            output_claim=job.spec.output.claim_name,
+            output_dir=output_dir(job),
         )
+        settings.check_paths(job)
+        return settings
+
+    def check_paths(self, job: RLHFJob) -> None:
+        """The model, the data and the output directory must be on a mounted volume."""
+        s = job.spec
+        problems = []
+        for where, path in (("spec.model.path", s.model.path), ("spec.data.path", s.data.path)):
+            if not path.startswith(BUILTIN_PREFIX) and _mount_of(path, self.volume_mounts) is None:
+                problems.append(f"{where}: {path!r} is on no mounted volume; add a spec.pod.volumes entry (e.g. a "
+                                "persistentVolumeClaim) and a spec.pod.volumeMounts entry whose mountPath contains it")
+        if not self.output_claim:
+            mount = _mount_of(self.output_dir, self.volume_mounts)
+            if mount is None:
+                problems.append(
+                    f"spec.output.dir: {self.output_dir!r} is on no mounted volume, so checkpoints would be lost "
+                    "(and uid 1000 cannot create it); set spec.output.claimName to a PersistentVolumeClaim, or "
+                    "mount a volume containing it with spec.pod.volumeMounts")
+            elif mount.get("readOnly"):
+                problems.append(f"spec.output.dir: {self.output_dir!r} is on the read-only mount "
+                                f"{mount['mountPath']!r}; set readOnly: false or choose another directory")
+        if problems:
+            raise PodSettingsError("; ".join(problems))
+
+    def trainer_volume_mounts(self) -> list[dict[str, Any]]:
+        mounts = copy.deepcopy(self.volume_mounts)
+        if self.output_claim:
+            mounts.append({"name": OUTPUT_VOLUME, "mountPath": self.output_dir})
+        return mounts
+
+    def trainer_volumes(self) -> list[dict[str, Any]]:
+        vols = copy.deepcopy(self.volumes)
+        if self.output_claim:
+            vols.append({"name": OUTPUT_VOLUME, "persistentVolumeClaim": {"claimName": self.output_claim}})
+        return vols
+
+
+def _mount_of(path: str, mounts: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The deepest mount whose mountPath contains `path` (None: no mount does)."""
+    best = None
+    for m in mounts:
+        root = m["mountPath"].rstrip("/")
+        if (path == root or path.startswith(root + "/") or root == "") and (
+                best is None or len(root) > len(best["mountPath"].rstrip("/"))):
+            best = m
+    return best
 
 
 def output_dir(job: RLHFJob) -> str:
@@ -107,8 +158,17 @@ def pod_security_context() -> dict[str, Any]:
     }
 
 
-def gpu_resources(gpus: int) -> dict[str, Any]:
-    return {"requests": {GPU_RESOURCE: str(gpus)}, "limits": {GPU_RESOURCE: str(gpus)}}
+def container_resources(gpus: int, resources: Resources) -> dict[str, Any]:
+    """The user's CPU / memory requests and limits plus `gpus` GPUs (request = limit).
+    A memory request without a limit gets the request as its limit, so the pod is not
+    BestEffort and is OOM-killed at a predictable size."""
+    requests = dict(resources.requests)
+    limits = dict(resources.limits)
+    if "memory" in requests and "memory" not in limits:
+        limits["memory"] = requests["memory"]
+    requests[GPU_RESOURCE] = str(gpus)
+    limits[GPU_RESOURCE] = str(gpus)
+    return {"requests": requests, "limits": limits}
 
 
 def env_list(env: dict[str, str]) -> list[dict[str, str]]:
@@ -117,32 +177,32 @@ def env_list(env: dict[str, str]) -> list[dict[str, str]]:
     return [{"name": k, "value": v} for k, v in sorted(merged.items())]
 
 
-def volume_mounts(settings: PodSettings) -> list[dict[str, Any]]:
+def volume_mounts(settings: PodSettings, *, trainer: bool = False) -> list[dict[str, Any]]:
     return [
         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "scratch", "mountPath": SCRATCH_DIR},
-        *copy.deepcopy(settings.volume_mounts),
+        *(settings.trainer_volume_mounts() if trainer else copy.deepcopy(settings.volume_mounts)),
     ]
 
 
-def volumes(job: RLHFJob, settings: PodSettings) -> list[dict[str, Any]]:
+def volumes(job: RLHFJob, settings: PodSettings, *, trainer: bool = False) -> list[dict[str, Any]]:
     return [
         {"name": "config", "configMap": {"name": config_map_name(job.metadata.name)}},
         # NCCL and PyTorch data loaders need far more shared memory than the 64 MiB default.
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
         {"name": "scratch", "emptyDir": {}},
-        *copy.deepcopy(settings.volumes),
+        *(settings.trainer_volumes() if trainer else copy.deepcopy(settings.volumes)),
     ]
 
 
 def pod_spec(job: RLHFJob, settings: PodSettings, containers: list[dict[str, Any]], *,
-             restart_policy: str, service_account: str | None) -> dict[str, Any]:
+             restart_policy: str, service_account: str | None, trainer: bool = False) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "restartPolicy": restart_policy,
         "securityContext": pod_security_context(),
         "containers": containers,
-        "volumes": volumes(job, settings),
+        "volumes": volumes(job, settings, trainer=trainer),
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 30,
     }
@@ -155,6 +215,8 @@ def pod_spec(job: RLHFJob, settings: PodSettings, containers: list[dict[str, Any
         spec["nodeSelector"] = dict(settings.node_selector)
     if settings.tolerations:
         spec["tolerations"] = copy.deepcopy(settings.tolerations)
+    if settings.affinity:
+        spec["affinity"] = copy.deepcopy(settings.affinity)
     if settings.priority_class_name:
         spec["priorityClassName"] = settings.priority_class_name
     if settings.image_pull_secrets:

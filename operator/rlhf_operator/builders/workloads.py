@@ -23,7 +23,7 @@ from .meta import (
     weight_sync_name,
 )
 from .pods import (
-    CONFIG_PATH, PodSettings, container_security_context, env_list, gpu_resources, output_dir, pod_spec,
+    CONFIG_PATH, PodSettings, container_resources, container_security_context, env_list, output_dir, pod_spec,
     volume_mounts,
 )
 
@@ -55,7 +55,7 @@ def build_rollout_statefulset(job: RLHFJob, attempt: int, settings: PodSettings)
         "command": proc.command,
         "env": env_list(proc.env),
         "ports": [{"name": "http", "containerPort": contract.ROLLOUT_PORT, "protocol": "TCP"}],
-        "resources": gpu_resources(r.tensor_parallel_size),
+        "resources": container_resources(r.tensor_parallel_size, r.resources),
         "securityContext": container_security_context(),
         "volumeMounts": volume_mounts(settings),
         # Loading a large model takes minutes: up to 30 min before liveness applies.
@@ -90,6 +90,7 @@ def build_trainer_pytorchjob(job: RLHFJob, attempt: int, settings: PodSettings) 
     proc = contract.trainer_process(
         job, config_path=CONFIG_PATH, rollout_endpoints=rollout_endpoints(job),
         weight_sync_addr=weight_sync_addr(job), output_dir=output_dir(job), master_addr=None, resume=True,
+        metrics_port=contract.TRAINER_METRICS_PORT,
     )
     container = {
         "name": "pytorch",  # the training-operator injects PET_* / MASTER_* into this container
@@ -99,16 +100,18 @@ def build_trainer_pytorchjob(job: RLHFJob, attempt: int, settings: PodSettings) 
         "ports": [
             {"name": "pytorchjob-port", "containerPort": contract.TRAINER_MASTER_PORT, "protocol": "TCP"},
             {"name": "weight-sync", "containerPort": contract.WEIGHT_SYNC_PORT, "protocol": "TCP"},
+            # Prometheus scrapes rank 0 (the Master pod) here; other ranks serve nothing.
+            {"name": "metrics", "containerPort": contract.TRAINER_METRICS_PORT, "protocol": "TCP"},
         ],
-        "resources": gpu_resources(t.nproc_per_node),
+        "resources": container_resources(t.nproc_per_node, t.resources),
         "securityContext": container_security_context(),
-        "volumeMounts": volume_mounts(settings),
+        "volumeMounts": volume_mounts(settings, trainer=True),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     template = {
         "metadata": {"labels": pod_labels(job, ROLE_TRAINER, attempt)},
         "spec": pod_spec(job, settings, [container], restart_policy="Never",
-                         service_account=trainer_name(job.metadata.name)),
+                         service_account=trainer_name(job.metadata.name), trainer=True),
     }
     replicas = {"Master": {"replicas": 1, "restartPolicy": "Never", "template": template}}
     if t.num_nodes > 1:

@@ -1,0 +1,168 @@
+"""The chart rendered by the real `helm`: lint, what each value turns on, the schema
+refusing typos, least-privilege RBAC, Kubernetes objects that round-trip through the
+Kubernetes models, and the PrometheusRule checked by the real `promtool` (check rules,
+and one `test rules` case per alert: charts/rlhf-operator/tests/promtool/alerts.yaml)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import subprocess
+
+import pytest
+import yaml
+from kubernetes.client import ApiClient
+
+from .conftest import CHART, by_kind
+
+MODELS = {"Deployment": "V1Deployment", "ServiceAccount": "V1ServiceAccount", "ClusterRole": "V1ClusterRole",
+          "ClusterRoleBinding": "V1ClusterRoleBinding", "Role": "V1Role", "RoleBinding": "V1RoleBinding",
+          "Service": "V1Service", "ConfigMap": "V1ConfigMap", "NetworkPolicy": "V1NetworkPolicy"}
+ALL_ON = ["metrics.serviceMonitor.enabled=true", "trainerMetrics.podMonitor.enabled=true",
+          "prometheusRule.enabled=true", "grafana.dashboards.enabled=true"]
+
+
+def test_lint_strict(helm_bin):
+    out = subprocess.run([str(helm_bin), "lint", "--strict", str(CHART), *[a for s in ALL_ON for a in ("--set", s)]],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_defaults_render_the_operator_and_nothing_of_monitoring(render):
+    docs = render()
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == ["ClusterRole", "ClusterRole", "ClusterRoleBinding", "ClusterRoleBinding", "Deployment", "Role",
+                     "RoleBinding", "Service", "ServiceAccount"]
+    dep = by_kind(docs)[("Deployment", "rel-rlhf-operator")]
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["image"] == "ghcr.io/rlhf-operator/operator:0.1.0"  # appVersion when image.tag is empty
+    assert c["args"] == ["--metrics-port=8080", "--lease-namespace=rlhf-system", "--lease-duration=15",
+                         "--resync-seconds=15"]
+    assert c["securityContext"]["readOnlyRootFilesystem"] and c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert c["resources"]["requests"] == {"cpu": "100m", "memory": "256Mi"}
+    assert pod["serviceAccountName"] == "rel-rlhf-operator"
+    assert dep["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+
+
+def test_every_object_round_trips_through_the_kubernetes_models(render):
+    api = ApiClient()
+    docs = render(*ALL_ON, "watchNamespaces={ml}", "trainerMetrics.networkPolicy.enabled=true")
+    checked = 0
+    for d in docs:
+        if d["kind"] in MODELS:
+            model = api._ApiClient__deserialize(copy.deepcopy(d), MODELS[d["kind"]])
+            assert api.sanitize_for_serialization(model) == d, f"{d['kind']} {d['metadata']['name']}: unknown field"
+            checked += 1
+    assert checked >= 10
+
+
+def test_every_object_validates_against_the_kubernetes_schema(render):
+    """Strict OpenAPI schemas of Kubernetes 1.34 (kubernetes-validate): types, required
+    fields, no unknown fields. The monitoring.coreos.com kinds are checked by helm-unittest
+    and the tests above, not against their CRD schemas (none is packaged on PyPI here)."""
+    import kubernetes_validate
+
+    docs = render(*ALL_ON, "watchNamespaces={ml}", "trainerMetrics.networkPolicy.enabled=true")
+    core = [d for d in docs if d["apiVersion"].split("/")[0] != "monitoring.coreos.com"]
+    assert len(core) >= 12
+    for d in core:
+        kubernetes_validate.validate(d, "1.34", strict=True)
+    bad = copy.deepcopy(next(d for d in core if d["kind"] == "Deployment"))
+    bad["spec"]["replicas"] = "two"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, "1.34", strict=True)
+
+
+def test_rbac_is_least_privilege(render):
+    docs = by_kind(render())
+    rules = docs[("ClusterRole", "rel-rlhf-operator")]["rules"]
+    verbs = {(g, r): set(rule["verbs"]) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]}
+    assert verbs[("", "pods")] == {"get", "list", "watch"}  # pods are never written
+    assert verbs[("rlhf.dev", "rlhfjobs/status")] == {"get", "patch"}
+    assert ("", "secrets") not in verbs and all("*" not in v for v in verbs.values())
+    assert not any(r in ("clusterroles", "clusterrolebindings") for _, r in verbs)
+    discovery = docs[("ClusterRole", "rel-rlhf-operator-discovery")]["rules"]  # what kopf observes
+    assert all(r["verbs"] == ["list", "watch"] for r in discovery)
+    assert {r for rule in discovery for r in rule["resources"]} == {"namespaces", "customresourcedefinitions"}
+    lease = docs[("Role", "rel-rlhf-operator-leader-election")]["rules"]
+    assert {"resourceNames": ["rlhf-operator"], "verbs": ["get", "update"]}.items() <= lease[1].items()
+
+
+def test_watch_namespaces_bind_the_role_in_those_namespaces_only(render):
+    docs = render("watchNamespaces={ml,research}")
+    bindings = [d for d in docs if d["kind"] in ("RoleBinding", "ClusterRoleBinding")
+                and d["roleRef"]["name"] == "rel-rlhf-operator"]
+    assert sorted((d["kind"], d["metadata"]["namespace"]) for d in bindings) == [("RoleBinding", "ml"),
+                                                                                ("RoleBinding", "research")]
+    args = by_kind(docs)[("Deployment", "rel-rlhf-operator")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--namespace=ml" in args and "--namespace=research" in args
+
+
+def test_monitoring_objects_when_enabled(render):
+    docs = by_kind(render(*ALL_ON, "metrics.serviceMonitor.additionalLabels.release=kps",
+                          "grafana.dashboards.annotations.grafana_folder=RLHF"))
+    sm = docs[("ServiceMonitor", "rel-rlhf-operator")]
+    assert sm["metadata"]["labels"]["release"] == "kps" and sm["spec"]["endpoints"][0]["port"] == "metrics"
+    pm = docs[("PodMonitor", "rel-rlhf-operator-trainers")]["spec"]
+    assert pm["selector"]["matchLabels"] == {"app.kubernetes.io/managed-by": "rlhf-operator",
+                                             "rlhf.dev/role": "trainer", "training.kubeflow.org/replica-type": "master"}
+    assert pm["podMetricsEndpoints"][0]["port"] == "metrics" and pm["namespaceSelector"] == {"any": True}
+    assert {"sourceLabels": ["__meta_kubernetes_pod_label_rlhf_dev_job"], "targetLabel": "rlhf_job"} in \
+        pm["podMetricsEndpoints"][0]["relabelings"]
+    rule = docs[("PrometheusRule", "rel-rlhf-operator")]
+    alerts = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert alerts == {"RLHFJobFailed", "RLHFJobRestarting", "RLHFJobStalled", "RLHFWeightSyncSlow",
+                      "RLHFRewardCollapsed", "RLHFKLDiverging", "RLHFOperatorReconcileErrors", "RLHFOperatorNoLeader"}
+    for name in ("training-run", "operator"):
+        cm = docs[("ConfigMap", f"rel-rlhf-operator-dashboard-{name}")]
+        assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+        assert cm["metadata"]["annotations"] == {"grafana_folder": "RLHF"}
+        assert json.loads(cm["data"][f"{name}.json"]) == json.loads((CHART / "dashboards" / f"{name}.json").read_text())
+
+
+def test_thresholds_reach_the_rules(render, tmp_path):
+    # A fraction is allowed by the schema (from a values file: `--set` passes "0.5" as a string).
+    docs = by_kind(render(values={"prometheusRule": {"enabled": True, "thresholds": {"noStepMinutes": 30, "klMax": 0.5}}},
+                          tmp=tmp_path))
+    rules = {r["alert"]: r for g in docs[("PrometheusRule", "rel-rlhf-operator")]["spec"]["groups"] for r in g["rules"]}
+    assert rules["RLHFJobStalled"]["expr"] == "time() - rlhf_last_step_timestamp_seconds > 1800"
+    assert rules["RLHFKLDiverging"]["expr"] == "rlhf_kl > 0.5"
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["replicaCuont=2"], "additional properties 'replicaCuont' not allowed"),
+    (["metrics.serviceMonitor.enabeld=true"], "additional properties 'enabeld' not allowed"),
+    (["replicaCount=two"], "replicaCount"),
+    (["metrics.serviceMonitor.enabled=true", "metrics.podMonitor.enabled=true"], "are both true"),
+    (["trainerMetrics.networkPolicy.enabled=true"], "needs watchNamespaces"),
+    (["serviceAccount.create=false"], "serviceAccount.name is required"),
+])
+def test_bad_values_fail_with_the_value_named(render, sets, message):
+    out = render(*sets, check=False)
+    assert out.returncode != 0 and message in out.stderr, out.stderr
+
+
+def test_prometheus_rule_passes_promtool(render, promtool, tmp_path):
+    docs = by_kind(render("prometheusRule.enabled=true"))
+    groups = docs[("PrometheusRule", "rel-rlhf-operator")]["spec"]["groups"]
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": groups}, sort_keys=False))
+    check = subprocess.run([str(promtool), "check", "rules", str(tmp_path / "rules.yaml")], capture_output=True, text=True)
+    assert check.returncode == 0 and "SUCCESS: 8 rules found" in check.stdout, check.stdout + check.stderr
+    cases = yaml.safe_load((CHART / "tests" / "promtool" / "alerts.yaml").read_text())
+    tested = {t["alertname"] for c in cases["tests"] for t in c["alert_rule_test"] if t.get("exp_alerts")}
+    assert tested == {r["alert"] for g in groups for r in g["rules"]}, "every alert needs a firing test case"
+    shutil.copy(CHART / "tests" / "promtool" / "alerts.yaml", tmp_path / "alerts_test.yaml")
+    test = subprocess.run([str(promtool), "test", "rules", str(tmp_path / "alerts_test.yaml")], capture_output=True,
+                          text=True)
+    assert test.returncode == 0 and "SUCCESS" in test.stdout, test.stdout + test.stderr
+
+
+def test_metrics_disabled_serves_nothing_and_renders_no_service(render):
+    docs = render("metrics.enabled=false")
+    assert not [d for d in docs if d["kind"] == "Service"]
+    (c,) = by_kind(docs)[("Deployment", "rel-rlhf-operator")]["spec"]["template"]["spec"]["containers"]
+    assert "--metrics-port=0" in c["args"] and "ports" not in c
+    out = render("metrics.enabled=false", "metrics.serviceMonitor.enabled=true", check=False)
+    assert out.returncode != 0 and "needs metrics.enabled" in out.stderr

@@ -1,0 +1,84 @@
+"""`helm install` of charts/rlhf-operator into the real control plane, then the operator
+running with exactly the chart's ServiceAccount permissions (its token, not the admin's)
+takes a job to Running: the chart's RBAC is enough, and `kubectl auth can-i` shows it is
+no more than it says."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from .harness import Cluster
+from .test_operator import create, job_doc, new_namespace, wait_job
+
+pytestmark = pytest.mark.cluster
+
+CHART = Path(__file__).resolve().parents[2] / "charts" / "rlhf-operator"
+
+
+def sa_kubeconfig(cluster: Cluster, ns: str, sa: str, path: Path) -> Path:
+    token = cluster.kubectl("create", "token", sa, "-n", ns, "--duration=1h").stdout.strip()
+    admin = yaml.safe_load(Path(cluster.kubeconfig).read_text())
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "sa",
+        "clusters": [{"name": "c", "cluster": admin["clusters"][0]["cluster"]}],
+        "users": [{"name": sa, "user": {"token": token}}],
+        "contexts": [{"name": "sa", "context": {"cluster": "c", "user": sa, "namespace": ns}}],
+    }))
+    return path
+
+
+def test_helm_install_then_the_operator_with_the_chart_permissions_runs_a_job(cluster: Cluster, tmp_path):
+    release_ns = f"rlhf-system-{uuid.uuid4().hex[:6]}"
+    jobs_ns = new_namespace(cluster, "chart")
+    release = f"r{uuid.uuid4().hex[:6]}"
+    try:
+        out = cluster.helm("install", release, str(CHART), "--namespace", release_ns, "--create-namespace",
+                           "--set", f"watchNamespaces={{{jobs_ns}}}", "--wait=false")
+        assert out.returncode == 0, out.stderr
+        assert cluster.get("crd", "rlhfjobs.rlhf.dev")["spec"]["names"]["shortNames"] == ["rlj"]
+        sa = f"{release}-rlhf-operator"
+        who = f"--as=system:serviceaccount:{release_ns}:{sa}"
+
+        def can(*args: str) -> str:
+            return cluster.kubectl("auth", "can-i", *args, who, check=False).stdout.strip()
+        assert can("patch", "rlhfjobs.rlhf.dev", "-n", jobs_ns, "--subresource=status") == "yes"
+        assert can("create", "pytorchjobs.kubeflow.org", "-n", jobs_ns) == "yes"
+        assert can("create", "statefulsets.apps", "-n", "default") == "no"  # only the watched namespace
+        assert can("get", "secrets", "-n", jobs_ns) == "no"
+        assert can("delete", "pods", "-n", jobs_ns) == "no"
+        assert can("update", "leases.coordination.k8s.io/rlhf-operator", "-n", release_ns) == "yes"
+        assert can("get", "namespaces/default") == "no"  # kopf may list namespace names, not read one
+
+        config = sa_kubeconfig(cluster, release_ns, sa, tmp_path / "operator.kubeconfig")
+        log = tmp_path / "operator.log"
+        # The chart's Deployment runs `rlhfctl operator --lease-namespace=<release ns>
+        # --namespace=<watched>`; the same here, as a local process with the chart SA's token.
+        with open(log, "ab") as fh:
+            p = subprocess.Popen(
+                [sys.executable, "-m", "rlhf_launcher.cli", "operator", "--namespace", jobs_ns,
+                 "--lease-namespace", release_ns, "--lease-duration", "4", "--resync-seconds", "2",
+                 "--metrics-port", "0"],
+                stdout=fh, stderr=subprocess.STDOUT, env={**cluster.env, "KUBECONFIG": str(config)})
+        try:
+            create(cluster, jobs_ns, job_doc("viachart"))
+            j = wait_job(cluster, jobs_ns, "viachart", "Running", timeout=120, log=log)
+            assert j["status"]["restarts"] == 0
+            assert "Forbidden" not in log.read_text() and "forbidden" not in log.read_text()
+        finally:
+            p.terminate()
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        out = cluster.helm("uninstall", release, "--namespace", release_ns)
+        assert out.returncode == 0, out.stderr
+        assert cluster.get("crd", "rlhfjobs.rlhf.dev")  # the CRD is kept on uninstall
+    finally:
+        cluster.kubectl("delete", "namespace", jobs_ns, release_ns, "--wait=false", check=False)

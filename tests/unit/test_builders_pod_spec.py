@@ -1,0 +1,141 @@
+"""`spec.pod`, `spec.output.claimName` and `resources`: what every pod gets on a real
+cluster (scheduling, volumes, CPU / memory), and jobs refused because a path they need is
+on no mounted volume (the message names the field)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from kubernetes.client import ApiClient
+from rlhf_contract.api import JobError, validate_job
+from rlhf_operator.builders import PodSettings, PodSettingsError, build_children
+
+UID = "0b7e6d2c-1111-4222-8333-944455556666"
+POD = {
+    "nodeSelector": {"nvidia.com/gpu.product": "H100"},
+    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}]}}},
+    "priorityClassName": "training",
+    "imagePullSecrets": ["regcred"],
+    "volumes": [{"name": "work", "persistentVolumeClaim": {"claimName": "rlhf-work"}}],
+    "volumeMounts": [{"name": "work", "mountPath": "/work"}],
+}
+
+
+def job_data(pod=POD, output=None, model="/work/models/qwen", data="/work/data/train.jsonl", **spec):
+    return {
+        "apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob",
+        "metadata": {"name": "demo", "namespace": "team-a", "uid": UID},
+        "spec": {"model": {"path": model}, "data": {"path": data}, "pod": copy.deepcopy(pod),
+                 "output": {"dir": "/work/runs/demo"} if output is None else output,
+                 "rollout": {"replicas": 2}, "trainer": {"numNodes": 2, "nprocPerNode": 4}, **spec},
+    }
+
+
+def pods_of(data):
+    children = {c["kind"]: c for c in build_children(validate_job(data), 0) if c["kind"] in ("StatefulSet", "PyTorchJob")}
+    sts, ptj = children["StatefulSet"], children["PyTorchJob"]
+    trainers = [r["template"]["spec"] for r in ptj["spec"]["pytorchReplicaSpecs"].values()]
+    return sts["spec"]["template"]["spec"], trainers, sts
+
+
+class TestScheduling:
+    def test_every_pod_gets_the_pod_block(self):
+        rollout, trainers, sts = pods_of(job_data())
+        assert len(trainers) == 2  # Master and Worker
+        for pod in [rollout, *trainers]:
+            assert pod["nodeSelector"] == POD["nodeSelector"]
+            assert pod["tolerations"] == POD["tolerations"]
+            assert pod["affinity"] == POD["affinity"]
+            assert pod["priorityClassName"] == "training"
+            assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+            assert POD["volumes"][0] in pod["volumes"]
+            assert {"name": "work", "mountPath": "/work"} in pod["containers"][0]["volumeMounts"]
+        api = ApiClient()  # the affinity and tolerations are real Kubernetes objects
+        assert api.sanitize_for_serialization(api._ApiClient__deserialize(copy.deepcopy(sts), "V1StatefulSet")) == sts
+
+    def test_an_empty_pod_block_adds_no_scheduling_keys(self):
+        rollout, trainers, _ = pods_of(job_data(pod={}, model="builtin://tiny-qwen2", data="builtin://last-digit",
+                                                output={"claimName": "runs"}))
+        for pod in [rollout, *trainers]:
+            assert not {"nodeSelector", "tolerations", "affinity", "priorityClassName", "imagePullSecrets"} & set(pod)
+
+
+class TestResources:
+    def test_cpu_and_memory_join_the_gpus_and_memory_gets_a_limit(self):
+        rollout, trainers, _ = pods_of(job_data(
+            trainer={"numNodes": 2, "nprocPerNode": 4, "resources": {"requests": {"cpu": 16, "memory": "200Gi"}}},
+            rollout={"replicas": 2, "tensorParallelSize": 2, "resources": {"requests": {"cpu": "4"},
+                                                                            "limits": {"memory": "32Gi"}}}))
+        assert trainers[0]["containers"][0]["resources"] == {
+            "requests": {"cpu": "16", "memory": "200Gi", "nvidia.com/gpu": "4"},
+            "limits": {"memory": "200Gi", "nvidia.com/gpu": "4"}}
+        assert rollout["containers"][0]["resources"] == {
+            "requests": {"cpu": "4", "nvidia.com/gpu": "2"}, "limits": {"memory": "32Gi", "nvidia.com/gpu": "2"}}
+
+    @pytest.mark.parametrize("resources, message", [
+        ({"requests": {"nvidia.com/gpu": 8}}, "nvidia.com/gpu is set from trainer.nprocPerNode"),
+        ({"requests": {"memory": "lots"}}, "'lots' is not a Kubernetes quantity"),
+        ({"limits": {"cpu": True}}, "must be a Kubernetes quantity"),
+    ])
+    def test_bad_resources_are_refused_with_the_field(self, resources, message):
+        with pytest.raises(JobError) as err:
+            validate_job(job_data(trainer={"resources": resources}))
+        assert message in str(err.value) and "spec.trainer.resources" in str(err.value)
+
+
+class TestVolumes:
+    def test_output_claim_is_mounted_at_the_output_dir_of_trainer_pods_only(self):
+        rollout, trainers, _ = pods_of(job_data(output={"dir": "/ckpt", "claimName": "runs"}))
+        for pod in trainers:
+            assert {"name": "output", "persistentVolumeClaim": {"claimName": "runs"}} in pod["volumes"]
+            assert {"name": "output", "mountPath": "/ckpt"} in pod["containers"][0]["volumeMounts"]
+            env = {e["name"]: e["value"] for e in pod["containers"][0]["env"]}
+            assert env["RLHF_OUTPUT_DIR"] == "/ckpt"
+        assert all(v["name"] != "output" for v in rollout["volumes"])
+
+    def test_default_output_dir_with_a_claim(self):
+        _, trainers, _ = pods_of(job_data(output={"claimName": "runs"}))
+        assert {"name": "output", "mountPath": "/output"} in trainers[0]["containers"][0]["volumeMounts"]
+
+    @pytest.mark.parametrize("change, field", [
+        ({"model": "/models/qwen"}, "spec.model.path: '/models/qwen' is on no mounted volume"),
+        ({"data": "data/train.jsonl"}, "spec.data.path: 'data/train.jsonl' is on no mounted volume"),
+        ({"output": {"dir": "/output"}}, "spec.output.dir: '/output' is on no mounted volume"),
+        ({"output": {}}, "spec.output.dir: '/output' is on no mounted volume"),  # the default
+        ({"pod": {**POD, "volumeMounts": [{"name": "work", "mountPath": "/work", "readOnly": True}]}},
+         "spec.output.dir: '/work/runs/demo' is on the read-only mount '/work'"),
+        ({"pod": {**POD, "volumeMounts": [{"name": "work", "mountPath": "/workspace"}]}},
+         "spec.model.path: '/work/models/qwen' is on no mounted volume"),  # a prefix is not a parent
+    ])
+    def test_paths_on_no_mounted_volume_are_refused(self, change, field):
+        with pytest.raises(PodSettingsError) as err:
+            PodSettings.from_job(validate_job(job_data(**change)))
+        assert field in str(err.value)
+
+    def test_builtin_paths_need_no_volume(self):
+        job = validate_job(job_data(pod={}, model="builtin://tiny-qwen2", data="builtin://last-digit",
+                                    output={"claimName": "runs"}))
+        assert PodSettings.from_job(job).output_claim == "runs"
+
+    def test_a_mount_must_name_a_volume(self):
+        with pytest.raises(JobError, match=r"spec.pod: volumeMounts\[0\]\.name: 'wrok' is not a volume in pod.volumes"):
+            validate_job(job_data(pod={**POD, "volumeMounts": [{"name": "wrok", "mountPath": "/work"}]}))
+
+    def test_the_output_volume_name_is_reserved_with_a_claim(self):
+        pod = {**POD, "volumes": [{"name": "output", "emptyDir": {}}, *POD["volumes"]]}
+        with pytest.raises(PodSettingsError, match="spec.pod.volumes: the name 'output' is taken"):
+            PodSettings.from_job(validate_job(job_data(pod=pod, output={"dir": "/work/o", "claimName": "runs"})))
+
+    def test_the_operators_own_volume_names_are_refused(self):
+        pod = {**POD, "volumes": [*POD["volumes"], {"name": "scratch", "emptyDir": {}}]}
+        with pytest.raises(PodSettingsError, match="spec.pod.volumes: the name.s. scratch are the operator's own"):
+            PodSettings.from_job(validate_job(job_data(pod=pod)))
+
+    def test_the_old_annotation_is_refused_with_where_its_keys_go(self):
+        data = job_data()
+        data["metadata"]["annotations"] = {"rlhf.dev/pod-settings": '{"nodeSelector": {}}'}
+        with pytest.raises(PodSettingsError, match=r"no longer read: move its keys to spec.pod"):
+            PodSettings.from_job(validate_job(data))
