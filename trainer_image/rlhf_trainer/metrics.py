@@ -43,6 +43,7 @@ STEP_GAUGES: dict[str, str] = {
     "response_length_mean": "Mean response length in tokens.",
     "truncated_fraction": "Fraction of responses cut at rollout.maxTokens.",
     "dropped_group_fraction": "Fraction of sampled groups dropped by dynamic sampling (all rewards equal).",
+    "dropped_prompts": "Prompts the data source skipped so far (longer than data.maxPromptLength, or empty).",
     "logprob_mismatch": "Mean |trainer log-prob - rollout engine log-prob| per response token.",
     # train step
     "loss": "Policy loss.",

@@ -62,9 +62,15 @@ class RunLoop:
                                     device=info.device)
         self.step = 0
         self.policy_version = 0
-        self.orchestrator = self.sender = self.metrics = None
+        self.orchestrator = self.sender = self.metrics = self.progress = None
+        self._last_row: dict[str, Any] = {}
+        self.num_params = sum(p.numel() for p in self.models.policy.parameters())
+        if info.world_size > 1:  # sharded: count the whole model once
+            self.num_params = sum(p.full_tensor().numel() if hasattr(p, "full_tensor") else p.numel()
+                                  for p in self.models.policy.parameters())
         if info.is_main:
             from .metrics import MetricsWriter
+            from .progress import ProgressReporter
             from .orchestrator.orchestrator import Orchestrator
             from .weight_sync import WeightSyncSender
 
@@ -72,6 +78,7 @@ class RunLoop:
             host, port = weight_sync_addr.rsplit(":", 1)
             self.sender = WeightSyncSender(endpoints, host, int(port))
             self.metrics = MetricsWriter(self.output_dir)
+            self.progress = ProgressReporter.from_config(config)  # no-op outside a cluster
 
     @property
     def parts(self) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]:
@@ -146,10 +153,24 @@ class RunLoop:
                 timings["weight_sync_seconds"] = 0.0
         if not self.info.is_main:
             return None
+        from .metrics import logprob_mismatch, peak_flops, peak_gpu_memory_bytes, train_mfu
+
         stats = vars(batch.stats).copy()
         num_tokens = stats.pop("num_tokens")
         lr = self.config.optim.learning_rate * self._lr_factor(self.config.algorithm.num_mini_batches - 1)
-        return {"step": self.step, **stats, **train, "learning_rate": lr, **timings,
+        extra = {}
+        if tensors.old_logprobs is not None:  # same weights, two engines: how far they disagree
+            extra["logprob_mismatch"] = logprob_mismatch(tensors.old_logprobs, tensors.rollout_logprobs, tensors.mask)
+        dev = self.info.device
+        if dev.type == "cuda":
+            import torch
+
+            passes = 3.0 + (tensors.old_logprobs is not None) + (tensors.ref_logprobs is not None)
+            extra["mfu"] = train_mfu(num_params=self.num_params, tokens=num_tokens,
+                                     train_seconds=timings["train_seconds"], world_size=self.info.world_size,
+                                     device_peak_flops=peak_flops(torch.cuda.get_device_name(dev)), passes=passes)
+            extra["peak_gpu_memory_bytes"] = peak_gpu_memory_bytes()
+        return {"step": self.step, **stats, **train, **extra, "learning_rate": lr, **timings,
                 "tokens_per_second": num_tokens / timings["step_seconds"], "policy_version": self.policy_version}
 
     def run(self) -> None:
@@ -158,17 +179,30 @@ class RunLoop:
             self.orchestrator.client.wait_ready(300)
             self.sender.init()
         self.sync_weights()  # servers start from exactly the trainer's weights (also after a resume)
-        while self.step < s.total_steps:
-            self.step += 1
-            row = self.run_step()
-            if row is not None:
-                self.metrics.write(row)
-                log.info("step %d/%d reward %.3f loss %.4f %.2fs", self.step, s.total_steps, row["reward_mean"],
-                         row["loss"], row["step_seconds"])
-            if s.save_every and self.step % s.save_every == 0:
+        try:
+            while self.step < s.total_steps:
+                self.step += 1
+                row = self.run_step()
+                if s.save_every and self.step % s.save_every == 0:
+                    self.save()
+                if row is not None:
+                    self.metrics.write(row)
+                    self._last_row = row
+                    self._report(row)
+                    log.info("step %d/%d reward %.3f loss %.4f %.2fs", self.step, s.total_steps, row["reward_mean"],
+                             row["loss"], row["step_seconds"])
+            if s.save_every:
                 self.save()
-        if s.save_every:
-            self.save()
-        save_final(self.output_dir, self.models.policy, self.tokenizer)
-        if self.info.is_main:
-            log.info("rollout requests per endpoint: %s", json.dumps(self.orchestrator.client.requests_sent))
+            save_final(self.output_dir, self.models.policy, self.tokenizer)
+            if self.info.is_main:
+                self._report(self._last_row)  # the final checkpoint
+                log.info("rollout requests per endpoint: %s", json.dumps(self.orchestrator.client.requests_sent))
+        finally:
+            if self.progress is not None:
+                self.progress.close()
+
+    def _report(self, row: dict[str, Any]) -> None:
+        """status.progress of the job (rank 0; rate-limited, never raises)."""
+        newest = latest_checkpoint(self.output_dir)
+        self.progress.report(self.step, reward_mean=row.get("reward_mean"), policy_version=self.policy_version,
+                             last_checkpoint=str(newest) if newest is not None else None)
