@@ -1,0 +1,77 @@
+"""A de-duplicating work queue of job keys, as client-go's workqueue: a key waits in the
+queue at most once however many events name it; a key is never processed by two workers
+at once; a key added while it is being processed is processed again afterwards. So the
+pod events of one busy job cost one reconcile per round, not one each, and cannot hold
+every worker while other jobs wait."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from typing import Callable, Hashable
+
+log = logging.getLogger(__name__)
+
+
+class WorkQueue:
+    def __init__(self, process: Callable[[Hashable, str], None], workers: int = 4, name: str = "reconcile"):
+        self._process = process
+        self._cond = threading.Condition()
+        self._order: deque[Hashable] = deque()
+        self._queued: dict[Hashable, str] = {}  # key -> the trigger that queued it first
+        self._active: set[Hashable] = set()
+        self._again: dict[Hashable, str] = {}  # added while active
+        self._stopped = False
+        self._threads = [threading.Thread(target=self._work, daemon=True, name=f"{name}-{i}")
+                         for i in range(workers)]
+
+    def start(self) -> "WorkQueue":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def add(self, key: Hashable, trigger: str) -> None:
+        with self._cond:
+            if key in self._active:
+                self._again.setdefault(key, trigger)
+            elif key not in self._queued:
+                self._queued[key] = trigger
+                self._order.append(key)
+                self._cond.notify()
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._queued)
+
+    def idle(self) -> bool:
+        with self._cond:
+            return not self._queued and not self._active and not self._again
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._order and not self._stopped:
+                    self._cond.wait()
+                if self._stopped:
+                    return
+                key = self._order.popleft()
+                trigger = self._queued.pop(key)
+                self._active.add(key)
+            try:
+                self._process(key, trigger)
+            except Exception:  # noqa: BLE001 - logged; the next event or resync retries
+                log.exception("processing %s failed", key)
+            finally:
+                with self._cond:
+                    self._active.discard(key)
+                    again = self._again.pop(key, None)
+                    if again is not None and key not in self._queued:
+                        self._queued[key] = again
+                        self._order.append(key)
+                        self._cond.notify()
