@@ -131,6 +131,8 @@ class FakeNodes:
             while f"{prefix}-{start}" in taken:
                 start += 1
         names = [f"{prefix}-{i}" for i in range(start, start + count)]
+        if not names:
+            return []
         capacity = {"cpu": cpu, "memory": memory, "pods": "110", "ephemeral-storage": "1Ti"}
         if gpus:
             capacity[GPU_RESOURCE] = str(gpus)
