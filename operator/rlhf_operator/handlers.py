@@ -40,6 +40,8 @@ class _State:
 
 
 STATE = _State()
+# A reconcile that several events asked for is counted under the most specific of them.
+TRIGGER_PRIORITY = {"resync": 0, "job": 1, "pytorchjob": 2, "pod": 3}
 
 
 def _enqueue(namespace: str, name: str, trigger: str) -> None:
@@ -112,7 +114,7 @@ def run(namespaces: list[str], *, metrics_port: int = 8080, lease_namespace: str
         node_lost_seconds = float(env) if env else NODE_LOST_AFTER.total_seconds()
     kube = Kube()
     STATE.reconciler = Reconciler(kube, node_lost_after=timedelta(seconds=node_lost_seconds))
-    STATE.queue = WorkQueue(STATE.reconciler, workers=workers)
+    STATE.queue = WorkQueue(STATE.reconciler, workers=workers, priority=TRIGGER_PRIORITY.__getitem__)
     STATE.resync_seconds = resync_seconds
     lease_ns = lease_namespace or os.environ.get("POD_NAMESPACE") or (namespaces[0] if namespaces else "default")
     lease = Lease(kube, lease_ns, duration=lease_duration)

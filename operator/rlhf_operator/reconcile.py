@@ -51,7 +51,7 @@ class JobCache:
     uid: str | None = None
     applied: dict[tuple[str, str], tuple[str, float]] = field(default_factory=dict)
     """(kind, name) -> (digest of the manifest last applied, when)."""
-    failed_pods: dict[str, dict[str, Any]] = field(default_factory=dict)
+    failed_pods: dict[str, dict[str, Any]] = field(default_factory=dict)  # written by the watch thread: iterate a copy
     """Failed pods seen in watch events, by uid: the training-operator and the StatefulSet
     controller delete failed pods within milliseconds, so a LIST may no longer show them."""
 
@@ -142,13 +142,14 @@ class Reconciler:
             return None
         cache = self.caches.get(key)
         if cache.uid != body["metadata"]["uid"]:  # a new job of the same name
-            seen = {u: p for u, p in cache.failed_pods.items()
+            seen = {u: p for u, p in list(cache.failed_pods.items())
                     if (p["metadata"].get("labels") or {}).get(LABEL_JOB_UID) == body["metadata"]["uid"]}
             cache.uid, cache.applied, cache.failed_pods = body["metadata"]["uid"], {}, seen
         observed = kube.observe(namespace, name)
         attempt = str((body.get("status") or {}).get("restarts") or 0)
-        for uid in [u for u, p in cache.failed_pods.items() if p["metadata"]["labels"].get(LABEL_ATTEMPT) != attempt]:
-            cache.failed_pods.pop(uid, None)  # evidence of an earlier attempt is no longer needed
+        for uid, p in list(cache.failed_pods.items()):
+            if p["metadata"]["labels"].get(LABEL_ATTEMPT) != attempt:
+                cache.failed_pods.pop(uid, None)  # evidence of an earlier attempt is no longer needed
         listed = {p["metadata"].get("uid") for p in observed.pods}
         observed.pods += [p for u, p in list(cache.failed_pods.items()) if u not in listed]
 

@@ -292,8 +292,8 @@ def _plan(body: dict[str, Any], job: RLHFJob | None, observed: Observed, now: da
         return finish("Succeeded", "TrainerSucceeded", "the trainer finished every step",
                       delete=[k for k in live if k == "StatefulSet"])
     attempt_pods = sorted((p for p in ours if _attempt_of(p) == restarts), key=lambda p: p["metadata"]["name"])
-    trainer_done = any(_labels(p).get(LABEL_ROLE) == ROLE_TRAINER and (p.get("status") or {}).get("phase") == "Succeeded"
-                       for p in attempt_pods)
+    trainer_done = any(_labels(p).get(LABEL_ROLE) == ROLE_TRAINER
+                       and (p.get("status") or {}).get("phase") == "Succeeded" for p in attempt_pods)
 
     # Failures of the current attempt (a server's, once the trainer is done, do not count).
     failure = None

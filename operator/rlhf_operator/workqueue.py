@@ -2,7 +2,8 @@
 queue at most once however many events name it; a key is never processed by two workers
 at once; a key added while it is being processed is processed again afterwards. So the
 pod events of one busy job cost one reconcile per round, not one each, and cannot hold
-every worker while other jobs wait."""
+every worker while other jobs wait. Events folded into one queued item are reported as
+the most telling of their triggers (`priority`), e.g. a pod event over a resync."""
 
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ log = logging.getLogger(__name__)
 
 
 class WorkQueue:
-    def __init__(self, process: Callable[[Hashable, str], None], workers: int = 4, name: str = "reconcile"):
+    def __init__(self, process: Callable[[Hashable, str], None], workers: int = 4, name: str = "reconcile",
+                 priority: Callable[[str], int] = lambda trigger: 0):
         self._process = process
+        self._priority = priority
         self._cond = threading.Condition()
         self._order: deque[Hashable] = deque()
-        self._queued: dict[Hashable, str] = {}  # key -> the trigger that queued it first
+        self._queued: dict[Hashable, str] = {}  # key -> its trigger of highest priority
         self._active: set[Hashable] = set()
         self._again: dict[Hashable, str] = {}  # added while active
         self._stopped = False
@@ -31,12 +34,18 @@ class WorkQueue:
             t.start()
         return self
 
+    def _merge(self, pending: dict[Hashable, str], key: Hashable, trigger: str) -> bool:
+        """Fold `trigger` into `pending[key]`; True when the key was not pending."""
+        old = pending.get(key)
+        if old is None or self._priority(trigger) > self._priority(old):
+            pending[key] = trigger
+        return old is None
+
     def add(self, key: Hashable, trigger: str) -> None:
         with self._cond:
             if key in self._active:
-                self._again.setdefault(key, trigger)
-            elif key not in self._queued:
-                self._queued[key] = trigger
+                self._merge(self._again, key, trigger)
+            elif self._merge(self._queued, key, trigger):
                 self._order.append(key)
                 self._cond.notify()
 

@@ -41,7 +41,7 @@ def test_nodes_stay_ready_for_five_minutes_with_no_node_not_ready_event(cluster:
     now = datetime.now(timezone.utc)
     for lease in cluster.get("leases", namespace="kube-node-lease")["items"]:
         if lease["metadata"]["name"] in names:
-            renewed = datetime.strptime(lease["spec"]["renewTime"][:19], "%Y-%m-%dT%H:%M:%S").replace(tzinfo=timezone.utc)
+            renewed = _time(lease["spec"]["renewTime"][:19] + "Z")
             assert (now - renewed).total_seconds() < NODE_LEASE_SECONDS, lease
     not_ready = [e for e in cluster.get("events", namespace="default")["items"]
                  if e["reason"] == "NodeNotReady" and e["involvedObject"].get("name") in names]

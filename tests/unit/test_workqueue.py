@@ -42,15 +42,17 @@ def wait_idle(q: WorkQueue, timeout: float = 5) -> None:
 
 def test_events_of_one_job_queued_together_cost_one_reconcile():
     rec = Recorder()
-    q = WorkQueue(rec, workers=2)
-    for i in range(50):
-        q.add("a", "pod" if i else "job")
+    q = WorkQueue(rec, workers=2, priority={"resync": 0, "job": 1, "pod": 2}.__getitem__)
+    q.add("a", "job")
+    for _ in range(50):
+        q.add("a", "pod")
+    q.add("a", "resync")
     q.add("b", "resync")
     assert len(q) == 2
     q.start()
     wait_idle(q)
     q.stop()
-    assert sorted(rec.calls) == [("a", "job"), ("b", "resync")]  # the first trigger is kept
+    assert sorted(rec.calls) == [("a", "pod"), ("b", "resync")]  # reported as the most specific trigger
 
 
 def test_a_key_added_while_it_runs_runs_again_afterwards_never_twice_at_once():
