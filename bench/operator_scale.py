@@ -117,6 +117,7 @@ def main() -> int:
     ap.add_argument("--failures", type=int, default=50, help="jobs whose trainer pod is failed (latency samples)")
     ap.add_argument("--dir", help="attach to the cluster running in this state directory (else start one)")
     ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--workers", type=int, default=None, help="operator reconcile workers (default: its own)")
     args = ap.parse_args()
 
     own = None
@@ -149,7 +150,7 @@ def run(cluster: Cluster, args) -> int:
     cluster.kubectl("create", "namespace", ns)
     log = Path(tempfile.mkdtemp(prefix="rlhf-bench-op-")) / "operator.log"
     port = free_port()
-    env = {**cluster.env, "PYTHONPATH": os.pathsep.join(
+    env = {**cluster.env, **({"RLHF_OPERATOR_WORKERS": str(args.workers)} if args.workers else {}), "PYTHONPATH": os.pathsep.join(
         [str(REPO / p) for p in ("contract", "operator", "launcher")] + [os.environ.get("PYTHONPATH", "")])}
     with open(log, "ab") as fh:
         op = subprocess.Popen([sys.executable, "-m", "rlhf_launcher.cli", "operator", "--namespace", ns,
@@ -193,8 +194,11 @@ def run(cluster: Cluster, args) -> int:
             lat = [watcher.restarting_at[n] - watcher.pod_failed_at[n] for n in sample]
         cpu_fail = cpu_seconds(op.pid) - cpu1
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-        reconciles = sum(float(line.split()[-1]) for line in metrics.splitlines()
-                         if line.startswith("rlhf_operator_reconciles_total{"))
+        def metric(prefix: str) -> float:
+            return sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(prefix))
+        reconciles = metric("rlhf_operator_reconciles_total{")
+        mean_reconcile = metric("rlhf_operator_reconcile_duration_seconds_sum") / max(
+            1.0, metric("rlhf_operator_reconcile_duration_seconds_count"))
         print(json.dumps({
             "jobs": args.jobs, "nodes": args.nodes, "cpus": os.cpu_count(),
             "load_average_1m": os.getloadavg()[0],
@@ -206,6 +210,7 @@ def run(cluster: Cluster, args) -> int:
                                   "p90": round(percentile(lat, 0.9), 3), "max": round(max(lat), 3)},
             "operator_cpu_s_during_failures": round(cpu_fail, 1),
             "reconciles_total": int(reconciles),
+            "reconcile_mean_s": round(mean_reconcile, 3),
         }, indent=2))
         return 0
     finally:

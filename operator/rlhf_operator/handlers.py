@@ -101,18 +101,20 @@ def _resync_loop(namespaces: list[str], stop: threading.Event) -> None:
 
 
 def run(namespaces: list[str], *, metrics_port: int = 8080, lease_namespace: str | None = None,
-        lease_duration: int = 15, resync_seconds: float = 15.0, verbose: bool = False, workers: int = 8,
+        lease_duration: int = 15, resync_seconds: float = 15.0, verbose: bool = False, workers: int | None = None,
         node_lost_seconds: float | None = None) -> int:
     """`rlhfctl operator`: wait for the leader lease, then run kopf until stopped.
     `node_lost_seconds` (default $RLHF_OPERATOR_NODE_LOST_SECONDS or 60): how long a node
-    may be not Ready before its pods count as failed and are force-deleted."""
+    may be not Ready before its pods count as failed and are force-deleted. `workers`
+    (default $RLHF_OPERATOR_WORKERS or 16): reconciles run at once, on different jobs."""
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kopf").setLevel(logging.INFO if verbose else logging.WARNING)
     if node_lost_seconds is None:
         env = os.environ.get("RLHF_OPERATOR_NODE_LOST_SECONDS")
         node_lost_seconds = float(env) if env else NODE_LOST_AFTER.total_seconds()
-    kube = Kube()
+    workers = workers or int(os.environ.get("RLHF_OPERATOR_WORKERS") or 16)
+    kube = Kube(connections=workers + 4)
     STATE.reconciler = Reconciler(kube, node_lost_after=timedelta(seconds=node_lost_seconds))
     STATE.queue = WorkQueue(STATE.reconciler, workers=workers, priority=TRIGGER_PRIORITY.__getitem__)
     STATE.resync_seconds = resync_seconds

@@ -59,13 +59,17 @@ def _failpoint_creates() -> int | None:
 class Kube:
     """Thin, synchronous access to the API objects the operator reads and writes."""
 
-    def __init__(self, api_client: client.ApiClient | None = None):
+    def __init__(self, api_client: client.ApiClient | None = None, connections: int = 32):
+        """`connections`: HTTP connections kept open to the API server (one per reconcile
+        worker; the client's default is 5 per CPU, and extra requests reconnect each time)."""
         if api_client is None:
             try:
                 config.load_incluster_config()
             except config.ConfigException:
                 config.load_kube_config()
-            api_client = client.ApiClient()
+            cfg = client.Configuration.get_default_copy()
+            cfg.connection_pool_maxsize = connections
+            api_client = client.ApiClient(cfg)
         self.api = api_client
         self._creates = 0
         self._exit_after = _failpoint_creates()
