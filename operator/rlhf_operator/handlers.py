@@ -44,9 +44,9 @@ STATE = _State()
 TRIGGER_PRIORITY = {"resync": 0, "job": 1, "pytorchjob": 2, "pod": 3}
 
 
-def _enqueue(namespace: str, name: str, trigger: str) -> None:
+def _enqueue(namespace: str, name: str, trigger: str, urgent: bool = False) -> None:
     assert STATE.queue is not None, "operator not started"
-    STATE.queue.add((namespace, name), trigger)
+    STATE.queue.add((namespace, name), trigger, urgent=urgent)
 
 
 @kopf.on.startup()
@@ -74,8 +74,8 @@ async def on_pod(event: dict[str, Any], body: kopf.Body, namespace: str, labels:
     key = (namespace, labels[LABEL_JOB])
     pod = json.loads(json.dumps(dict(body)))
     log.debug("pod %s %s: %s", event.get("type"), pod["metadata"]["name"], (pod.get("status") or {}).get("phase"))
-    STATE.reconciler.note_pod(key, pod)
-    _enqueue(*key, "pod")
+    failed = STATE.reconciler.note_pod(key, pod)
+    _enqueue(*key, "pod", urgent=failed)
 
 
 @kopf.on.event("kubeflow.org", "v1", "pytorchjobs", labels={LABEL_JOB: kopf.PRESENT})

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 FIELD_MANAGER = "rlhf-operator"
 TIMEOUT = (5, 30)  # connect, read seconds for every request
-NODE_CACHE_SECONDS = 2.0  # a node read for one job's reconcile serves the others this long
+NODE_CACHE_SECONDS = 10.0  # a node read serves every job on it this long (lost-node grace: 60 s)
 
 _PLURALS = {
     "ConfigMap": "configmaps", "Service": "services", "ServiceAccount": "serviceaccounts", "Pod": "pods",

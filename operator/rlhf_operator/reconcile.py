@@ -107,10 +107,12 @@ class Reconciler:
         self.caches = JobCaches()
         self.node_lost_after = node_lost_after
 
-    def note_pod(self, key: JobKey, pod: dict[str, Any]) -> None:
-        """Remember a pod from a watch event when it shows a failure."""
-        if status.pod_failure(pod):
-            self.caches.get(key).failed_pods[pod["metadata"]["uid"]] = pod
+    def note_pod(self, key: JobKey, pod: dict[str, Any]) -> bool:
+        """Remember a pod from a watch event when it shows a failure; True if it does."""
+        if status.pod_failure(pod) is None:
+            return False
+        self.caches.get(key).failed_pods[pod["metadata"]["uid"]] = pod
+        return True
 
     def forget(self, key: JobKey) -> None:
         self.caches.drop(key)

@@ -3,7 +3,8 @@ queue at most once however many events name it; a key is never processed by two 
 at once; a key added while it is being processed is processed again afterwards. So the
 pod events of one busy job cost one reconcile per round, not one each, and cannot hold
 every worker while other jobs wait. Events folded into one queued item are reported as
-the most telling of their triggers (`priority`), e.g. a pod event over a resync."""
+the most telling of their triggers (`priority`), e.g. a pod event over a resync. An
+urgent key (a pod failed: the restart decision waits on it) goes to the front."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ class WorkQueue:
         self._queued: dict[Hashable, str] = {}  # key -> its trigger of highest priority
         self._active: set[Hashable] = set()
         self._again: dict[Hashable, str] = {}  # added while active
+        self._urgent_again: set[Hashable] = set()
         self._stopped = False
         self._threads = [threading.Thread(target=self._work, daemon=True, name=f"{name}-{i}")
                          for i in range(workers)]
@@ -41,13 +43,18 @@ class WorkQueue:
             pending[key] = trigger
         return old is None
 
-    def add(self, key: Hashable, trigger: str) -> None:
+    def add(self, key: Hashable, trigger: str, urgent: bool = False) -> None:
         with self._cond:
             if key in self._active:
                 self._merge(self._again, key, trigger)
+                if urgent:
+                    self._urgent_again.add(key)
             elif self._merge(self._queued, key, trigger):
-                self._order.append(key)
+                self._order.appendleft(key) if urgent else self._order.append(key)
                 self._cond.notify()
+            elif urgent:
+                self._order.remove(key)
+                self._order.appendleft(key)
 
     def __len__(self) -> int:
         with self._cond:
@@ -80,7 +87,9 @@ class WorkQueue:
                 with self._cond:
                     self._active.discard(key)
                     again = self._again.pop(key, None)
+                    urgent = key in self._urgent_again
+                    self._urgent_again.discard(key)
                     if again is not None and key not in self._queued:
                         self._queued[key] = again
-                        self._order.append(key)
+                        self._order.appendleft(key) if urgent else self._order.append(key)
                         self._cond.notify()

@@ -90,3 +90,16 @@ def test_an_exception_does_not_kill_the_worker():
     wait_idle(q)
     q.stop()
     assert seen == ["bad", "good"]
+
+
+def test_an_urgent_key_jumps_the_queue():
+    order = []
+    q = WorkQueue(lambda key, trigger: order.append(key), workers=1)
+    for k in ("a", "b", "c"):
+        q.add(k, "resync")
+    q.add("failed", "pod", urgent=True)
+    q.add("b", "pod", urgent=True)  # already queued: moves to the front
+    q.start()
+    wait_idle(q)
+    q.stop()
+    assert order == ["b", "failed", "a", "c"]
