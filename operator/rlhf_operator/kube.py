@@ -31,11 +31,13 @@ log = logging.getLogger(__name__)
 
 FIELD_MANAGER = "rlhf-operator"
 TIMEOUT = (5, 30)  # connect, read seconds for every request
+NODE_CACHE_SECONDS = 10.0  # a node read serves every job on it this long (lost-node grace: 60 s)
 
 _PLURALS = {
     "ConfigMap": "configmaps", "Service": "services", "ServiceAccount": "serviceaccounts", "Pod": "pods",
     "Event": "events", "StatefulSet": "statefulsets", "NetworkPolicy": "networkpolicies", "Role": "roles",
     "RoleBinding": "rolebindings", "PyTorchJob": "pytorchjobs", "RLHFJob": PLURAL, "Lease": "leases",
+    "Node": "nodes",
 }
 _API_VERSIONS = {"StatefulSet": "apps/v1", "PyTorchJob": "kubeflow.org/v1", "RLHFJob": f"{API_GROUP}/{API_VERSION}",
                  "Lease": "coordination.k8s.io/v1"}
@@ -57,16 +59,22 @@ def _failpoint_creates() -> int | None:
 class Kube:
     """Thin, synchronous access to the API objects the operator reads and writes."""
 
-    def __init__(self, api_client: client.ApiClient | None = None):
+    def __init__(self, api_client: client.ApiClient | None = None, connections: int = 32):
+        """`connections`: HTTP connections kept open to the API server (one per reconcile
+        worker; the client's default is 5 per CPU, and extra requests reconnect each time)."""
         if api_client is None:
             try:
                 config.load_incluster_config()
             except config.ConfigException:
                 config.load_kube_config()
-            api_client = client.ApiClient()
+            cfg = client.Configuration.get_default_copy()
+            cfg.connection_pool_maxsize = connections
+            api_client = client.ApiClient(cfg)
         self.api = api_client
         self._creates = 0
         self._exit_after = _failpoint_creates()
+        self._nodes: dict[str, tuple[float, dict[str, Any] | None]] = {}
+        self._nodes_guard = threading.Lock()
 
     def _call(self, method: str, path: str, *, body: Any = None, query: list | None = None,
               content_type: str = "application/json") -> tuple[Any, int]:
@@ -115,7 +123,52 @@ class Kube:
         sts = self._get(_path("apps/v1", "StatefulSet", namespace, rollout_name(name)))
         ptj = self._get(_path("kubeflow.org/v1", "PyTorchJob", namespace, trainer_name(name)))
         pods = self._call("GET", _path("v1", "Pod", namespace), query=[("labelSelector", f"{LABEL_JOB}={name}")])[0]
-        return Observed(statefulset=sts, pytorchjob=ptj, pods=pods.get("items", []))
+        items = pods.get("items", [])
+        nodes = {n for p in items if (n := (p.get("spec") or {}).get("nodeName"))}
+        return Observed(statefulset=sts, pytorchjob=ptj, pods=items, nodes_not_ready=self.nodes_not_ready(nodes))
+
+    def node(self, name: str) -> dict[str, Any] | None:
+        """A node, read at most every NODE_CACHE_SECONDS (the jobs on it share the read)."""
+        now = time.monotonic()
+        with self._nodes_guard:
+            hit = self._nodes.get(name)
+            if hit and now - hit[0] < NODE_CACHE_SECONDS:
+                return hit[1]
+        node = self._get(f"/api/v1/nodes/{name}")
+        with self._nodes_guard:
+            self._nodes[name] = (now, node)
+            if len(self._nodes) > 4096:  # forget the stalest half
+                for old in sorted(self._nodes, key=lambda k: self._nodes[k][0])[:2048]:
+                    self._nodes.pop(old, None)
+        return node
+
+    def nodes_not_ready(self, names: set[str]) -> dict[str, datetime]:
+        """The nodes among `names` whose Ready condition is not True, with since when (a
+        node that no longer exists: since the epoch, i.e. lost)."""
+        out = {}
+        for name in sorted(names):
+            node = self.node(name)
+            if node is None:
+                out[name] = datetime.fromtimestamp(0, timezone.utc)
+                continue
+            ready = next((c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"),
+                         None)
+            if ready is None or ready.get("status") != "True":
+                since = (ready or {}).get("lastTransitionTime") or node["metadata"].get("creationTimestamp")
+                out[name] = datetime.strptime(since, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+        return out
+
+    def force_delete_pod(self, namespace: str, name: str) -> bool:
+        """Delete a pod with grace period 0: the API server removes it without waiting for
+        its kubelet (what the pod garbage collector does on an out-of-service node)."""
+        try:
+            self._call("DELETE", _path("v1", "Pod", namespace, name), body={"gracePeriodSeconds": 0})
+        except ApiException as err:
+            if err.status == 404:
+                return False
+            raise
+        log.info("force-deleted Pod %s/%s", namespace, name)
+        return True
 
     def apply(self, obj: dict[str, Any]) -> bool:
         """Server-side apply; True when the object was created."""

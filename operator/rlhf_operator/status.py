@@ -10,7 +10,15 @@ carry `rlhf.dev/attempt: N`. When a pod of the current attempt fails:
 - otherwise -> Failed, naming the pod and its exit code.
 The decision is written to the status before anything is deleted, so an operator killed
 at any point resumes the same restart. Succeeded and Failed are terminal: nothing is
-created again, whatever happens to the children.
+created again, whatever happens to the children. Succeeded dominates: once the trainer
+has finished (its PyTorchJob Succeeded, or a trainer pod of the attempt Succeeded), a
+rollout server dying is no reason to restart.
+
+Lost nodes: a pod on a node that has not been Ready for `node_lost_after` (the node's
+Ready condition is False or Unknown; its kubelet is gone) counts as failed, and any pod
+of the job still there once it is being deleted is force-deleted (`Plan.force_delete`),
+as the pod garbage collector does for out-of-service nodes. Without that a restart
+would wait for ever: an API server keeps a Terminating pod until its kubelet confirms.
 
 Phases: Pending (children or pods not yet scheduled), Initializing (pods placed, not all
 running and ready), Running, Restarting, Suspended, Succeeded, Failed. Conditions, each
@@ -40,6 +48,8 @@ PERMANENT_EXIT_CODES: dict[int, str] = {
 
 TERMINAL = ("Succeeded", "Failed")
 TERMINAL_GRACE = timedelta(seconds=60)
+# A pod on a node that has not been Ready for this long is lost (see the module docstring).
+NODE_LOST_AFTER = timedelta(seconds=60)
 # The training-operator deletes a failed trainer pod at once; its exit code reaches us
 # through the pod's watch events. A PyTorchJob marked Failed with no failed pod in sight
 # is therefore given this long for that evidence before it counts as a retryable failure.
@@ -54,6 +64,9 @@ class Observed:
     statefulset: dict[str, Any] | None = None
     pytorchjob: dict[str, Any] | None = None
     pods: list[dict[str, Any]] = field(default_factory=list)
+    nodes_not_ready: dict[str, datetime] = field(default_factory=dict)
+    """Nodes of the job's pods that are not Ready: name -> since when (the Ready
+    condition's lastTransitionTime)."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +118,8 @@ class Plan:
     """Kinds of workload to delete ("StatefulSet", "PyTorchJob")."""
     delete_job: bool = False
     """ttlSecondsAfterFinished has passed: delete the RLHFJob itself."""
+    force_delete: list[str] = field(default_factory=list)
+    """Pods to delete with grace period 0: being deleted, on a lost node."""
     events: list[Event] = field(default_factory=list)
 
 
@@ -175,6 +190,17 @@ def pod_failure(pod: dict[str, Any]) -> Failure | None:
     return None
 
 
+def lost_pod(pod: dict[str, Any], nodes_not_ready: dict[str, datetime], now: datetime,
+             after: timedelta = NODE_LOST_AFTER) -> Failure | None:
+    """The pod's node has not been Ready for `after`: the pod is lost with it."""
+    node = (pod.get("spec") or {}).get("nodeName")
+    since = nodes_not_ready.get(node) if node else None
+    if since is None or now < since + after:
+        return None
+    return Failure(pod["metadata"]["name"], _labels(pod).get(LABEL_ROLE, "?"), None, None, "NodeLost",
+                   f"node {node} not Ready since {_ts(since)}")
+
+
 def _ptj_condition(ptj: dict[str, Any] | None, type_: str) -> dict[str, Any] | None:
     for c in (ptj or {}).get("status", {}).get("conditions") or []:
         if c.get("type") == type_ and c.get("status") == "True":
@@ -191,12 +217,21 @@ def _ready(pod: dict[str, Any]) -> bool:
 
 
 def plan(body: dict[str, Any], job: RLHFJob | None, observed: Observed, now: datetime,
-         invalid: str | None = None) -> Plan:
+         invalid: str | None = None, node_lost_after: timedelta = NODE_LOST_AFTER) -> Plan:
     """Decide the job's status and the actions on its children.
 
     `body` is the RLHFJob as read from the API server (metadata and current status);
     `job` its validated model, or None with `invalid` saying why it does not validate.
     """
+    result = _plan(body, job, observed, now, invalid, node_lost_after)
+    result.force_delete = sorted(
+        p["metadata"]["name"] for p in observed.pods
+        if p["metadata"].get("deletionTimestamp") and lost_pod(p, observed.nodes_not_ready, now, node_lost_after))
+    return result
+
+
+def _plan(body: dict[str, Any], job: RLHFJob | None, observed: Observed, now: datetime, invalid: str | None,
+          node_lost_after: timedelta) -> Plan:
     meta = body.get("metadata", {})
     uid = meta.get("uid", "")
     old = copy.deepcopy(body.get("status") or {})
@@ -252,13 +287,22 @@ def plan(body: dict[str, Any], job: RLHFJob | None, observed: Observed, now: dat
         return finish("Suspended", "Suspended", "spec.suspend is true: pods deleted, checkpoints kept",
                       support=True, delete=list(live))
 
-    # Failures of the current attempt.
+    # Succeeded dominates: a finished trainer is never restarted, whatever the servers do.
+    if _ptj_condition(current.get("PyTorchJob"), "Succeeded"):
+        return finish("Succeeded", "TrainerSucceeded", "the trainer finished every step",
+                      delete=[k for k in live if k == "StatefulSet"])
+    attempt_pods = sorted((p for p in ours if _attempt_of(p) == restarts), key=lambda p: p["metadata"]["name"])
+    trainer_done = any(_labels(p).get(LABEL_ROLE) == ROLE_TRAINER
+                       and (p.get("status") or {}).get("phase") == "Succeeded" for p in attempt_pods)
+
+    # Failures of the current attempt (a server's, once the trainer is done, do not count).
     failure = None
-    for pod in sorted(ours, key=lambda p: p["metadata"]["name"]):
-        if _attempt_of(pod) == restarts:
-            failure = pod_failure(pod)
-            if failure:
-                break
+    for pod in attempt_pods:
+        failure = pod_failure(pod) or lost_pod(pod, observed.nodes_not_ready, now, node_lost_after)
+        if failure and trainer_done and failure.role == ROLE_ROLLOUT:
+            failure = None
+        if failure:
+            break
     ptj_failed = _ptj_condition(current.get("PyTorchJob"), "Failed")
     if ptj_failed and now < (parse_time(ptj_failed.get("lastTransitionTime")) or now) + EVIDENCE_GRACE:
         ptj_failed = None  # wait a moment for the failed pod's exit code
@@ -278,10 +322,6 @@ def plan(body: dict[str, Any], job: RLHFJob | None, observed: Observed, now: dat
         return finish("Restarting", "PodFailed",
                       f"{failure.describe()}; restart {restarts + 1} of {max_restarts}, resuming from the "
                       "newest checkpoint", support=True, delete=list(live), restart=True)
-
-    if _ptj_condition(current.get("PyTorchJob"), "Succeeded"):
-        return finish("Succeeded", "TrainerSucceeded", "the trainer finished every step",
-                      delete=[k for k in live if k == "StatefulSet"])
 
     deadline = job.spec.run_policy.active_deadline_seconds
     if deadline is not None:

@@ -26,6 +26,12 @@ _STATE: dict[str, Cluster] = {}
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "cluster: needs the real Kubernetes control plane (tests/cluster/harness.py)")
+    config.addinivalue_line(
+        "markers", "cluster_last: run after every other test (soak checks of the shared cluster)")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    items.sort(key=lambda item: item.get_closest_marker("cluster_last") is not None)  # stable
 
 
 def pytest_collection_finish(session):

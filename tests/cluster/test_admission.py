@@ -5,6 +5,7 @@ api/rules.py. Server-side dry runs, so nothing is stored."""
 from __future__ import annotations
 
 import copy
+import json
 import uuid
 from pathlib import Path
 
@@ -122,18 +123,27 @@ def test_invalid_spec_is_rejected_naming_the_field(cluster: Cluster, ns: str, wh
         assert text in proc.stderr, f"{what}: {text!r} not in {proc.stderr!r}"
 
 
-def test_layout_fields_are_immutable_after_creation(cluster: Cluster, ns: str):
+def test_spec_is_immutable_but_suspend_and_run_policy(cluster: Cluster, ns: str):
     doc = with_("metadata.name", f"imm-{uuid.uuid4().hex[:6]}")
     cluster.kubectl("create", "-n", ns, "-f", "-", input=yaml.safe_dump(doc))
     name = doc["metadata"]["name"]
+
+    def patch(spec: dict):
+        return cluster.kubectl("patch", "rlj", name, "-n", ns, "--type=merge", "-p", json.dumps({"spec": spec}),
+                               check=False)
     try:
-        res = cluster.kubectl("patch", "rlj", name, "-n", ns, "--type=merge", "-p",
-                              '{"spec": {"model": {"path": "/models/other"}}}', check=False)
-        assert res.returncode != 0
-        assert "spec.model.path cannot change once the job exists" in res.stderr
-        # fields outside the layout may change (e.g. suspend, totalSteps)
-        ok = cluster.kubectl("patch", "rlj", name, "-n", ns, "--type=merge", "-p",
-                             '{"spec": {"suspend": true, "schedule": {"totalSteps": 7}}}', check=False)
+        for field, spec in (("model", {"model": {"path": "/models/other"}}),
+                            ("schedule", {"schedule": {"totalSteps": 7}}),
+                            ("rollout", {"rollout": {"replicas": 3}}),
+                            ("trainer", {"trainer": {"numNodes": 2}})):
+            res = patch(spec)
+            assert res.returncode != 0, f"spec.{field} changed"
+            assert f"spec.{field} cannot change once the job exists" in res.stderr, res.stderr
+        # What the operator acts on at once may change.
+        ok = patch({"suspend": True, "runPolicy": {"maxRestarts": 9, "activeDeadlineSeconds": 600}})
         assert ok.returncode == 0, ok.stderr
+        got = cluster.get("rlj", name, namespace=ns)["spec"]
+        assert got["suspend"] is True and got["runPolicy"]["maxRestarts"] == 9
+        assert got["model"]["path"] == VALID["spec"]["model"]["path"]
     finally:
         cluster.kubectl("delete", "rlj", name, "-n", ns, "--wait=false", check=False)

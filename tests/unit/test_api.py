@@ -10,7 +10,7 @@ import yaml
 
 from rlhf_contract.api import JobError, RLHFJob, load_job, validate_job
 from rlhf_contract.api.crd import crd, crd_yaml
-from rlhf_contract.api.rules import IMMUTABLE_FIELDS, RULES
+from rlhf_contract.api.rules import IMMUTABLE_FIELDS, MUTABLE_FIELDS, RULES
 from rlhf_launcher.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -131,7 +131,10 @@ def test_crd_is_structural_and_carries_the_rules():
     spec = schema["properties"]["spec"]
     rules = [v["rule"] for v in spec["x-kubernetes-validations"]]
     assert rules[:len(RULES)] == [r.cel for r in RULES]
-    assert rules[len(RULES):] == [f"self.{f} == oldSelf.{f}" for f in IMMUTABLE_FIELDS]
+    transitions = spec["x-kubernetes-validations"][len(RULES):]
+    assert [t["fieldPath"] for t in transitions] == [f".{f}" for f in IMMUTABLE_FIELDS]
+    assert all("oldSelf" in t["rule"] and t["message"].startswith(f"spec.{f} cannot change")
+               for t, f in zip(transitions, IMMUTABLE_FIELDS))
     assert spec["properties"]["rollout"]["properties"]["samplesPerPrompt"] == {
         "default": 8, "description": "Responses sampled for each prompt (the group size).", "minimum": 1, "type": "integer"}
     assert spec["required"] == ["model", "data"]
@@ -140,3 +143,12 @@ def test_crd_is_structural_and_carries_the_rules():
     assert doc["spec"]["names"]["shortNames"] == ["rlj"]
     assert version["subresources"] == {"status": {}}
     assert yaml.safe_load(crd_yaml()) == doc
+
+
+def test_every_spec_field_is_either_mutable_or_immutable():
+    """A new spec field must be classified: can the operator apply a change of it live?"""
+    from rlhf_contract.api.models import RLHFJobSpec
+
+    names = {f.alias or n for n, f in RLHFJobSpec.model_fields.items()}
+    assert not set(MUTABLE_FIELDS) & set(IMMUTABLE_FIELDS)
+    assert set(MUTABLE_FIELDS) | set(IMMUTABLE_FIELDS) == names

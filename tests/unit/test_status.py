@@ -227,3 +227,48 @@ def test_pytorchjob_failure_waits_briefly_for_the_pods_exit_code():
     p = run(b, obs, now=NOW + timedelta(seconds=11))
     assert p.status["phase"] == "Restarting" and p.status["restarts"] == 1
     assert "backoff limit" in cond(p, "Restarting")["message"]
+
+
+def test_succeeded_dominates_a_rollout_server_failing_as_the_trainer_exits():
+    running = run(body({"phase": "Pending"}), running_children()).status
+    # The PyTorchJob Succeeded and a rollout server died at the same moment: Succeeded.
+    obs = running_children()
+    obs.pytorchjob = workload("PyTorchJob", 0, [("Succeeded", "done")])
+    obs.pods[0] = pod("demo-rollout-0", "rollout", phase="Failed", terminated=1)
+    p = run(body(running), obs)
+    assert p.status["phase"] == "Succeeded" and p.status["restarts"] == 0 and p.delete == ["StatefulSet"]
+    # The trainer pod finished but its PyTorchJob is not marked yet: no restart either.
+    obs = running_children(phase="Succeeded")
+    obs.pods[0] = pod("demo-rollout-0", "rollout", phase="Failed", terminated=1)
+    p = run(body(running), obs)
+    assert p.status["phase"] != "Restarting" and p.status["restarts"] == 0 and p.delete == []
+    # ...while before the trainer finished, the same server failure restarts the job.
+    obs.pods[2] = pod("demo-trainer-master-0", "trainer")
+    assert run(body(running), obs).status["phase"] == "Restarting"
+
+
+def test_pods_of_a_lost_node_fail_the_attempt_after_the_grace_period():
+    running = run(body({"phase": "Pending"}), running_children()).status
+    obs = running_children()
+    obs.nodes_not_ready = {"node-1": NOW - timedelta(seconds=30)}
+    grace = timedelta(seconds=60)
+    # Not Ready for 30 s: still running as far as the job is concerned.
+    assert plan(body(running), job_of(body(running)), obs, NOW, node_lost_after=grace).status["restarts"] == 0
+    p = plan(body(running), job_of(body(running)), obs, NOW + timedelta(seconds=31), node_lost_after=grace)
+    assert p.status["phase"] == "Restarting" and p.status["restarts"] == 1
+    assert "NodeLost" in cond(p, "Restarting")["message"] and "node node-1 not Ready" in cond(p, "Restarting")["message"]
+    assert p.force_delete == []  # nothing is being deleted yet
+
+
+def test_terminating_pods_of_a_lost_node_are_force_deleted_so_the_restart_completes():
+    status = {"phase": "Restarting", "restarts": 1,
+              "conditions": [{"type": "Restarting", "status": "True", "reason": "PodFailed", "message": "m"}]}
+    stuck = [pod("demo-rollout-0", "rollout", 0), pod("demo-trainer-master-0", "trainer", 0)]
+    for p in stuck:
+        p["metadata"]["deletionTimestamp"] = "2025-01-01T11:59:00Z"
+    stuck[1]["spec"]["nodeName"] = "node-2"  # on a healthy node: the kubelet will finish it
+    obs = Observed(pods=stuck, nodes_not_ready={"node-1": NOW - timedelta(minutes=2)})
+    p = run(body(status), obs)
+    assert p.force_delete == ["demo-rollout-0"] and not p.create_workloads
+    # Once they are gone, the next attempt is created.
+    assert run(body(status), Observed()).create_workloads

@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from .models import API_GROUP, API_VERSION, KIND, MAX_NAME_LENGTH, PLURAL, SHORT_NAME, RLHFJobSpec, RLHFJobStatus
-from .rules import IMMUTABLE_FIELDS, RULES
+from .rules import IMMUTABLE_FIELDS, MUTABLE_FIELDS, RULES, immutable_cel
 
 _DROP = {"title", "additionalProperties"}
 
@@ -70,8 +70,10 @@ def spec_schema() -> dict[str, Any]:
         {"rule": r.cel, "message": f"spec.{r.field_path}: {r.message}", "fieldPath": f".{r.field_path}"}
         for r in RULES
     ] + [
-        {"rule": f"self.{f} == oldSelf.{f}", "message": f"spec.{f} cannot change once the job exists; "
-         "create a new job (checkpoints can be copied over)", "fieldPath": f".{f}"}
+        {"rule": immutable_cel(f), "fieldPath": f".{f}",
+         "message": f"spec.{f} cannot change once the job exists (only "
+         f"{' and '.join('spec.' + m for m in MUTABLE_FIELDS)} can); create a new job "
+         "(checkpoints can be copied over)"}
         for f in IMMUTABLE_FIELDS
     ]
     return schema

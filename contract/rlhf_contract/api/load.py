@@ -62,14 +62,16 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
     return model
 
 
-def _problems(err: ValidationError) -> list[Problem]:
-    problems: list[Problem] = []
+def problems(err: ValidationError) -> list[Problem]:
+    """Every error of a failed validation as a `Problem` with its field path (rule
+    violations split into one problem each)."""
+    out: list[Problem] = []
     for e in err.errors():
         loc = tuple(e["loc"])
         cause = (e.get("ctx") or {}).get("error")
         if isinstance(cause, RuleViolations):
             prefix = _format_loc(loc)
-            problems += [Problem(f"{prefix}.{p}" if prefix else p, m) for p, m in cause.violations]
+            out += [Problem(f"{prefix}.{p}" if prefix else p, m) for p, m in cause.violations]
             continue
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
@@ -83,8 +85,8 @@ def _problems(err: ValidationError) -> list[Problem]:
             msg = "required field is missing"
         elif msg.startswith("Value error, "):
             msg = msg[len("Value error, "):]
-        problems.append(Problem(_format_loc(loc), msg))
-    return problems
+        out.append(Problem(_format_loc(loc), msg))
+    return out
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -124,7 +126,7 @@ def validate_job(data: Any, overrides: list[str] = (), source: str = "") -> RLHF
     try:
         return RLHFJob.model_validate(data)
     except ValidationError as err:
-        raise JobError(_problems(err), source) from None
+        raise JobError(problems(err), source) from None
 
 
 def load_job(path: str | Path, overrides: list[str] = ()) -> RLHFJob:

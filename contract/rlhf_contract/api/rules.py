@@ -102,11 +102,23 @@ RULES: tuple[Rule, ...] = (
 )
 
 
-IMMUTABLE_FIELDS: tuple[str, ...] = ("model.path", "trainer.numNodes", "trainer.nprocPerNode",
-                                     "rollout.tensorParallelSize")
-"""Spec fields (YAML paths under spec) that an update may not change: the job's pods,
-checkpoints and rollout servers are laid out by them. The CRD carries them as CEL
-transition rules (`oldSelf`)."""
+MUTABLE_FIELDS: tuple[str, ...] = ("suspend", "runPolicy")
+"""Spec fields an update may change: the operator acts on them at once (suspend scales
+everything to zero; runPolicy's budget, deadline and TTL are read on every reconcile)."""
+
+IMMUTABLE_FIELDS: tuple[str, ...] = ("model", "data", "reward", "environment", "algorithm", "rollout",
+                                     "trainer", "schedule", "output")
+"""Spec fields (YAML names under spec) that an update may not change. Each is read once,
+when the pods start (the config file, the trainer's world and endpoints, the servers'
+command line), so a change on a running job would be half-applied. The CRD carries one
+CEL transition rule (`oldSelf`) per field, naming it; every spec field is in exactly one
+of MUTABLE_FIELDS and IMMUTABLE_FIELDS (a unit test checks)."""
+
+
+def immutable_cel(field: str) -> str:
+    """The transition rule for one immutable spec field (absent stays absent)."""
+    return (f"has(self.{field}) == has(oldSelf.{field}) && "
+            f"(!has(self.{field}) || self.{field} == oldSelf.{field})")
 
 
 class RuleViolations(ValueError):

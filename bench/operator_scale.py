@@ -1,0 +1,227 @@
+"""The operator at scale on the test control plane (tests/cluster): N RLHFJobs on M fake
+8-GPU nodes (kwok), one `rlhfctl operator` process.
+
+Measures, with the clocks of this process:
+- create -> children: from the moment the N jobs are created until every job has all nine
+  children (config, service account, role, binding, two services, network policy,
+  StatefulSet, PyTorchJob), and until every job is Running (all pods Running and Ready);
+- event -> status: for K running jobs, a trainer pod is failed (kwok's chaos stage); the
+  latency from this process's pod watch seeing the failed pod to its RLHFJob watch seeing
+  the job Restarting (watch delivery on both ends, the operator's queue, reconcile and
+  status patch in between). p50 / p90 / max.
+Also prints the operator's reconciles and CPU seconds, which say what limits the figures.
+
+    python bench/operator_scale.py [--jobs 100 --nodes 200 --failures 50]
+    python bench/operator_scale.py --dir .cluster   # attach to a running `make cluster`
+
+Each job: 2 rollout servers x 1 GPU + 1 trainer pod x 2 GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+
+from cluster.harness import Cluster, ensure_binaries, free_port, wait_for  # noqa: E402
+
+CHILDREN = "configmap,serviceaccount,role,rolebinding,service,networkpolicy,statefulset,pytorchjob"
+CHILDREN_PER_JOB = 9
+
+
+def job_doc(name: str) -> dict:
+    return {"apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob", "metadata": {"name": name},
+            "spec": {"model": {"path": "/models/tiny"}, "data": {"path": "/data/train.jsonl"},
+                     "rollout": {"replicas": 2, "image": "example.invalid/vllm:1"},
+                     "trainer": {"numNodes": 1, "nprocPerNode": 2, "image": "example.invalid/trainer:1"},
+                     "schedule": {"promptsPerStep": 8}, "runPolicy": {"maxRestarts": 3}}}
+
+
+class Watcher:
+    """Two watches (pods with the job label, RLHFJobs) recording when things are first seen."""
+
+    def __init__(self, cluster: Cluster, ns: str):
+        from kubernetes import client, watch
+
+        self.api = cluster.api_client()
+        self.core, self.custom, self.watch = client.CoreV1Api(self.api), client.CustomObjectsApi(self.api), watch
+        self.ns = ns
+        self.lock = threading.Lock()
+        self.phase: dict[str, str] = {}
+        self.pod_failed_at: dict[str, float] = {}  # job -> first failed trainer pod seen
+        self.restarting_at: dict[str, float] = {}  # job -> first seen Restarting / restarts >= 1
+        self.stop = threading.Event()
+        for target in (self._jobs, self._pods):
+            threading.Thread(target=target, daemon=True).start()
+
+    def _stream(self, fn, **kw):
+        while not self.stop.is_set():
+            try:
+                for ev in self.watch.Watch().stream(fn, timeout_seconds=60, **kw):
+                    yield ev
+                    if self.stop.is_set():
+                        return
+            except Exception:  # noqa: BLE001 - re-watch
+                time.sleep(0.2)
+
+    def _jobs(self):
+        for ev in self._stream(self.custom.list_namespaced_custom_object, group="rlhf.dev", version="v1alpha1",
+                               namespace=self.ns, plural="rlhfjobs"):
+            obj, now = ev["object"], time.monotonic()
+            st = obj.get("status") or {}
+            name = obj["metadata"]["name"]
+            with self.lock:
+                self.phase[name] = st.get("phase", "")
+                if (st.get("phase") == "Restarting" or (st.get("restarts") or 0) >= 1) and name not in self.restarting_at:
+                    self.restarting_at[name] = now
+
+    def _pods(self):
+        for ev in self._stream(self.core.list_namespaced_pod, namespace=self.ns, label_selector="rlhf.dev/role=trainer"):
+            pod, now = ev["object"], time.monotonic()
+            job = pod.metadata.labels.get("rlhf.dev/job")
+            statuses = pod.status.container_statuses or []
+            failed = pod.status.phase == "Failed" or any(
+                cs.state and cs.state.terminated and cs.state.terminated.exit_code for cs in statuses)
+            with self.lock:
+                if failed and job not in self.pod_failed_at:
+                    self.pod_failed_at[job] = now
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, max(0, round(q * (len(values) - 1))))]
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--jobs", type=int, default=100)
+    ap.add_argument("--nodes", type=int, default=200)
+    ap.add_argument("--failures", type=int, default=50, help="jobs whose trainer pod is failed (latency samples)")
+    ap.add_argument("--dir", help="attach to the cluster running in this state directory (else start one)")
+    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--workers", type=int, default=None, help="operator reconcile workers (default: its own)")
+    args = ap.parse_args()
+
+    own = None
+    if args.dir:
+        cluster = Cluster.attach(args.dir)
+        if cluster is None:
+            sys.exit(f"no cluster running in {args.dir}")
+    else:
+        own = cluster = Cluster(Path(tempfile.mkdtemp(prefix="rlhf-bench-")), bin_dir=ensure_binaries())
+        t = time.monotonic()
+        cluster.start(nodes=0)
+        print(f"control plane up in {time.monotonic() - t:.1f} s")
+    try:
+        return run(cluster, args)
+    finally:
+        if own is not None:
+            own.stop()
+
+
+def run(cluster: Cluster, args) -> int:
+    have = sum(n["metadata"]["name"].startswith("bench-node-") for n in cluster.get("nodes")["items"])
+    if have < args.nodes:
+        t = time.monotonic()
+        cluster.create_nodes(args.nodes - have, prefix="bench-node", start=have)
+        cluster.wait_nodes_ready(timeout=300)
+        print(f"{args.nodes} fake 8-GPU nodes Ready in {time.monotonic() - t:.1f} s")
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds" / "rlhfjobs.yaml"))
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/rlhfjobs.rlhf.dev")
+    ns = f"bench-{os.getpid()}"
+    cluster.kubectl("create", "namespace", ns)
+    log = Path(tempfile.mkdtemp(prefix="rlhf-bench-op-")) / "operator.log"
+    port = free_port()
+    env = {**cluster.env, **({"RLHF_OPERATOR_WORKERS": str(args.workers)} if args.workers else {}), "PYTHONPATH": os.pathsep.join(
+        [str(REPO / p) for p in ("contract", "operator", "launcher")] + [os.environ.get("PYTHONPATH", "")])}
+    with open(log, "ab") as fh:
+        op = subprocess.Popen([sys.executable, "-m", "rlhf_launcher.cli", "operator", "--namespace", ns,
+                               "--lease-namespace", ns, "--metrics-port", str(port)],
+                              stdout=fh, stderr=subprocess.STDOUT, env=env)
+    watcher = Watcher(cluster, ns)
+    try:
+        wait_for(lambda: "leader:" in log.read_text(), 60, "the operator to lead")
+        cpu0 = cpu_seconds(op.pid)
+        names = [f"job-{i:04d}" for i in range(args.jobs)]
+        docs = yaml.safe_dump_all([job_doc(n) for n in names])
+        t0 = time.monotonic()
+        cluster.kubectl("create", "-n", ns, "-f", "-", input=docs, timeout=300)
+        created = time.monotonic() - t0
+
+        def all_children() -> bool:
+            out = cluster.kubectl("get", CHILDREN, "-n", ns, "-l", "rlhf.dev/job", "-o", "name", timeout=120).stdout
+            return len(out.split()) >= CHILDREN_PER_JOB * args.jobs
+        wait_for(all_children, args.timeout, "every job's children", interval=0.5)
+        t_children = time.monotonic() - t0
+
+        def all_running() -> bool:
+            with watcher.lock:
+                return sum(watcher.phase.get(n) == "Running" for n in names) == args.jobs
+        wait_for(all_running, args.timeout, "every job Running", interval=0.5)
+        t_running = time.monotonic() - t0
+        cpu_create = cpu_seconds(op.pid) - cpu0
+
+        # Event -> status: fail one trainer pod in each of K jobs, 0.1 s apart.
+        sample = names[: args.failures]
+        cpu1 = cpu_seconds(op.pid)
+        for n in sample:
+            cluster.fail_pod(ns, f"{n}-trainer-master-0", exit_code=137, reason="OOMKilled")
+            time.sleep(0.1)
+
+        def seen() -> bool:
+            with watcher.lock:
+                return all(n in watcher.restarting_at and n in watcher.pod_failed_at for n in sample)
+        wait_for(seen, args.timeout, "every failed job Restarting", interval=0.5)
+        with watcher.lock:
+            lat = [watcher.restarting_at[n] - watcher.pod_failed_at[n] for n in sample]
+        cpu_fail = cpu_seconds(op.pid) - cpu1
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        def metric(prefix: str) -> float:
+            return sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(prefix))
+        reconciles = metric("rlhf_operator_reconciles_total{")
+        mean_reconcile = metric("rlhf_operator_reconcile_duration_seconds_sum") / max(
+            1.0, metric("rlhf_operator_reconcile_duration_seconds_count"))
+        print(json.dumps({
+            "jobs": args.jobs, "nodes": args.nodes, "cpus": os.cpu_count(),
+            "load_average_1m": os.getloadavg()[0],
+            "create_call_s": round(created, 2),
+            "all_children_s": round(t_children, 2),
+            "all_running_s": round(t_running, 2),
+            "operator_cpu_s_until_running": round(cpu_create, 1),
+            "event_to_status_s": {"samples": len(lat), "p50": round(statistics.median(lat), 3),
+                                  "p90": round(percentile(lat, 0.9), 3), "max": round(max(lat), 3)},
+            "operator_cpu_s_during_failures": round(cpu_fail, 1),
+            "reconciles_total": int(reconciles),
+            "reconcile_mean_s": round(mean_reconcile, 3),
+        }, indent=2))
+        return 0
+    finally:
+        watcher.stop.set()
+        op.terminate()
+        try:
+            op.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            op.kill()
+        cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""The reconcile of one job: read the job and its children, plan (status.py), build
+(builders/), apply (kube.py), patch the status, post events.
+
+Level-based: every trigger (a watch event of the job, of one of its pods or of its
+PyTorchJob, and a resync of every job) queues the job's key, and one reconcile
+recomputes everything from what the API server holds. The queue (workqueue.py) never
+runs one job twice at once. The decision is written to the status before any child is
+deleted, and children have fixed names and are written with server-side apply, so
+killing the operator at any point and starting it again neither loses a restart nor
+duplicates a child.
+
+`JobCache` is the operator's only memory of a job, runtime-only and safe to lose:
+everything that must survive a restart is in the job's status.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from pydantic import ValidationError
+
+from rlhf_contract.api import problems
+from rlhf_contract.api.models import RLHFJob
+
+from . import metrics, status
+from .builders import (
+    LABEL_ATTEMPT, LABEL_JOB_UID, PodSettings, PodSettingsError, build_support, build_workloads, rollout_name,
+    trainer_name,
+)
+from .kube import Kube
+
+log = logging.getLogger("rlhf_operator")
+
+APPLY_CACHE_SECONDS = 60.0  # children are re-applied at least this often (repairs manual edits)
+JobKey = tuple[str, str]  # (namespace, name)
+
+
+@dataclass
+class JobCache:
+    """What the operator remembers of one job between reconciles. Losing it costs a few
+    redundant applies and, at worst, a failed pod's exit code that the pod's deletion
+    took away (the PyTorchJob's Failed condition still restarts the job)."""
+
+    uid: str | None = None
+    applied: dict[tuple[str, str], tuple[str, float]] = field(default_factory=dict)
+    """(kind, name) -> (digest of the manifest last applied, when)."""
+    failed_pods: dict[str, dict[str, Any]] = field(default_factory=dict)  # written by the watch thread: iterate a copy
+    """Failed pods seen in watch events, by uid: the training-operator and the StatefulSet
+    controller delete failed pods within milliseconds, so a LIST may no longer show them."""
+
+
+class JobCaches:
+    """One `JobCache` per job key, dropped when the job is gone."""
+
+    def __init__(self) -> None:
+        self._caches: dict[JobKey, JobCache] = {}
+        self._guard = threading.Lock()
+
+    def get(self, key: JobKey) -> JobCache:
+        with self._guard:
+            return self._caches.setdefault(key, JobCache())
+
+    def drop(self, key: JobKey) -> None:
+        with self._guard:
+            self._caches.pop(key, None)
+
+    def __len__(self) -> int:
+        with self._guard:
+            return len(self._caches)
+
+    def __contains__(self, key: JobKey) -> bool:
+        with self._guard:
+            return key in self._caches
+
+
+def job_model(body: dict[str, Any]) -> RLHFJob:
+    meta = body["metadata"]
+    return RLHFJob.model_validate({
+        "apiVersion": body["apiVersion"], "kind": body["kind"],
+        "metadata": {"name": meta["name"], "namespace": meta["namespace"], "uid": meta["uid"],
+                     "labels": meta.get("labels") or {}, "annotations": meta.get("annotations") or {}},
+        "spec": body.get("spec") or {},
+    })
+
+
+def _digest(obj: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def status_view(st: dict[str, Any]) -> dict[str, Any]:
+    """The part of the status the operator owns (the trainer owns progress, but totalSteps)."""
+    view = {k: v for k, v in st.items() if k != "progress"}
+    view["progress"] = {"totalSteps": (st.get("progress") or {}).get("totalSteps")}
+    return view
+
+
+class Reconciler:
+    def __init__(self, kube: Kube, node_lost_after: timedelta = status.NODE_LOST_AFTER):
+        self.kube = kube
+        self.caches = JobCaches()
+        self.node_lost_after = node_lost_after
+
+    def note_pod(self, key: JobKey, pod: dict[str, Any]) -> bool:
+        """Remember a pod from a watch event when it shows a failure; True if it does."""
+        if status.pod_failure(pod) is None:
+            return False
+        self.caches.get(key).failed_pods[pod["metadata"]["uid"]] = pod
+        return True
+
+    def forget(self, key: JobKey) -> None:
+        self.caches.drop(key)
+
+    def __call__(self, key: JobKey, trigger: str) -> str | None:
+        metrics.RECONCILES.labels(trigger=trigger).inc()
+        with metrics.DURATION.time():
+            try:
+                return self.reconcile(*key)
+            except Exception as err:
+                metrics.ERRORS.labels(error=type(err).__name__).inc()
+                raise
+
+    def _apply(self, cache: JobCache, obj: dict[str, Any], force: bool = False) -> None:
+        key = (obj["kind"], obj["metadata"]["name"])
+        digest, now = _digest(obj), time.monotonic()
+        cached = cache.applied.get(key)
+        if not force and cached and cached[0] == digest and now - cached[1] < APPLY_CACHE_SECONDS:
+            return
+        self.kube.apply(obj)
+        cache.applied[key] = (digest, now)
+
+    def reconcile(self, namespace: str, name: str) -> str | None:
+        """Bring one job's children and status in line with its spec; returns the phase."""
+        kube, key = self.kube, (namespace, name)
+        body = kube.get_job(namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            self.forget(key)
+            return None
+        cache = self.caches.get(key)
+        if cache.uid != body["metadata"]["uid"]:  # a new job of the same name
+            seen = {u: p for u, p in list(cache.failed_pods.items())
+                    if (p["metadata"].get("labels") or {}).get(LABEL_JOB_UID) == body["metadata"]["uid"]}
+            cache.uid, cache.applied, cache.failed_pods = body["metadata"]["uid"], {}, seen
+        observed = kube.observe(namespace, name)
+        attempt = str((body.get("status") or {}).get("restarts") or 0)
+        for uid, p in list(cache.failed_pods.items()):
+            if p["metadata"]["labels"].get(LABEL_ATTEMPT) != attempt:
+                cache.failed_pods.pop(uid, None)  # evidence of an earlier attempt is no longer needed
+        listed = {p["metadata"].get("uid") for p in observed.pods}
+        observed.pods += [p for u, p in list(cache.failed_pods.items()) if u not in listed]
+
+        job, invalid, settings = None, None, PodSettings()
+        try:
+            job = job_model(body)
+            settings = PodSettings.from_job(job)
+        except ValidationError as err:
+            job, invalid = None, "; ".join(str(p) for p in problems(err))
+        except PodSettingsError as err:
+            job, invalid = None, str(err)
+
+        plan = status.plan(body, job, observed, datetime.now(timezone.utc), invalid=invalid,
+                           node_lost_after=self.node_lost_after)
+        old = body.get("status") or {}
+        # 1. The decision first: a restart or a terminal phase is durable before anything is deleted.
+        if status_view(plan.status) != status_view(old):
+            kube.patch_status(namespace, name, status_view(plan.status))
+            if plan.status["restarts"] > int(old.get("restarts") or 0):
+                metrics.RESTARTS.inc()
+            for ev in plan.events:
+                kube.event(body, ev.type, ev.reason, ev.message)
+            log.info("%s/%s: %s (%s)", namespace, name, plan.status["phase"],
+                     (plan.events[0].message if plan.events else ""))
+        # 2. Stop what must stop; pods of lost nodes go at once.
+        for kind in plan.delete:
+            kube.delete(kind, namespace, rollout_name(name) if kind == "StatefulSet" else trainer_name(name))
+        for pod in plan.force_delete:
+            log.warning("%s/%s: force-deleting pod %s (its node is lost)", namespace, name, pod)
+            kube.force_delete_pod(namespace, pod)
+        # 3. Create or update what must run.
+        if job is not None and plan.apply_support:
+            for obj in build_support(job):
+                self._apply(cache, obj)
+        if job is not None and plan.create_workloads:
+            missing = {"StatefulSet": observed.statefulset is None, "PyTorchJob": observed.pytorchjob is None}
+            for obj in build_workloads(job, plan.status["restarts"], settings):
+                self._apply(cache, obj, force=missing[obj["kind"]])
+        if plan.delete_job:
+            log.info("%s/%s: ttlSecondsAfterFinished passed, deleting the job", namespace, name)
+            kube.delete_job(namespace, name)
+        return plan.status["phase"]

@@ -1,0 +1,216 @@
+"""Fake GPU nodes (kwok) and the chaos the tests inflict on them.
+
+kwok plays the kubelet of every node annotated `kwok.x-k8s.io/node=<group>`: one kwok
+process per group ("fake" is started with the cluster). It renews each node's Lease in
+`kube-node-lease` as a kubelet does (`--node-lease-duration-seconds`), so the node
+lifecycle controller keeps the nodes Ready for as long as the cluster runs; without it
+every node went NotReady 40 s after it started. Killing a group's kwok process
+(`lose_nodes`) is a lost node: no more Lease renewals, no pod status updates, and pods
+deleted there stay Terminating, as on a real cluster whose kubelet is gone.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from typing import Iterable
+
+import yaml
+
+from .procs import free_port, http_ok, terminate, wait_for
+
+KWOK_ANNOTATION = "kwok.x-k8s.io/node"
+DEFAULT_GROUP = "fake"
+KWOK_NODE_ANNOTATION = (KWOK_ANNOTATION, DEFAULT_GROUP)
+GPU_RESOURCE = "nvidia.com/gpu"
+NODE_LEASE_SECONDS = 40  # the kubelet's default nodeLeaseDurationSeconds; renewed every 10 s
+
+# Chaos and request labels/annotations understood by the kwok stages loaded here.
+# Pod failure: kwok's own chaos stage `pod-container-running-failed`.
+FAIL_LABEL = "pod-container-running-failed.stage.kwok.x-k8s.io"
+FAIL_ANNOTATION_PREFIX = "pod-container-running-failed.stage.kwok.x-k8s.io/"
+# Node NotReady: kwok's own chaos stage `node-not-ready`.
+NOT_READY_LABEL = "node-not-ready.stage.kwok.x-k8s.io"
+# Pod completion on request: a stage of ours (below); any Running pod with this label
+# ends as Succeeded with exit code 0 in every container.
+COMPLETE_LABEL = "stage.rlhf.dev/complete"
+
+# A stage of ours for "complete this pod": the pod's containers terminate with exit code 0.
+COMPLETE_STAGE = """\
+apiVersion: kwok.x-k8s.io/v1alpha1
+kind: Stage
+metadata:
+  name: rlhf-pod-complete-on-request
+spec:
+  resourceRef:
+    apiGroup: v1
+    kind: Pod
+  selector:
+    matchExpressions:
+    - key: '.metadata.labels["%(label)s"]'
+      operator: 'In'
+      values: ['true']
+    - key: '.metadata.deletionTimestamp'
+      operator: 'DoesNotExist'
+    - key: '.status.phase'
+      operator: 'In'
+      values: ['Running']
+  weight: 10000
+  next:
+    statusTemplate: |
+      {{ $now := Now }}
+      conditions:
+      - lastTransitionTime: {{ $now | Quote }}
+        status: "True"
+        type: Initialized
+      - lastTransitionTime: {{ $now | Quote }}
+        status: "False"
+        reason: PodCompleted
+        type: Ready
+      - lastTransitionTime: {{ $now | Quote }}
+        status: "False"
+        reason: PodCompleted
+        type: ContainersReady
+      containerStatuses:
+      {{ range .spec.containers }}
+      - image: {{ .image | Quote }}
+        name: {{ .name | Quote }}
+        ready: false
+        restartCount: 0
+        started: false
+        state:
+          terminated:
+            exitCode: 0
+            reason: Completed
+            startedAt: {{ $now | Quote }}
+            finishedAt: {{ $now | Quote }}
+      {{ end }}
+      phase: Succeeded
+""" % {"label": COMPLETE_LABEL}
+
+
+class FakeNodes:
+    """Mixin of `Cluster`: kwok processes, fake nodes, and chaos."""
+
+    def _kwok_stages(self) -> str:
+        docs = [p.read_text() for p in sorted((self.bin_dir / "manifests" / "kwok-stages").glob("*.yaml"))]
+        docs.append(COMPLETE_STAGE)
+        return "\n---\n".join(d.strip("\n").removeprefix("---\n") for d in docs) + "\n"
+
+    def start_kwok(self, group: str = DEFAULT_GROUP, timeout: float = 60) -> str:
+        """Start the kwok process that plays the kubelet of the nodes of `group`."""
+        name = "kwok" if group == DEFAULT_GROUP else f"kwok-{group}"
+        port_key = name.replace("-", "_")
+        if port_key not in self.ports:
+            self.ports[port_key] = free_port()
+        cfg = self.root / "kwok-stages.yaml"
+        if not cfg.exists():
+            cfg.write_text(self._kwok_stages())
+        # Each group its own pod CIDR so that two kwok processes hand out distinct pod IPs.
+        index = 0 if group == DEFAULT_GROUP else 1 + sum(n.startswith("kwok-") for n in self.pids)
+        self._spawn(name, [
+            self.bin("kwok"), f"--kubeconfig={self.kubeconfig}", f"--config={cfg}",
+            "--manage-all-nodes=false",
+            f"--manage-nodes-with-annotation-selector={KWOK_ANNOTATION}={group}",
+            f"--node-lease-duration-seconds={NODE_LEASE_SECONDS}",
+            f"--server-address=127.0.0.1:{self.ports[port_key]}",
+            f"--cidr=10.{244 + index}.0.1/16", "--node-ip=10.240.0.1",
+        ])
+        wait_for(lambda: self._check_alive(name) and http_ok(f"http://127.0.0.1:{self.ports[port_key]}/healthz"),
+                 timeout, f"{name} /healthz")
+        return name
+
+    def create_nodes(self, count: int, prefix: str = "kwok-node", gpus: int = 8, cpu: str = "64",
+                     memory: str = "512Gi", labels: dict[str, str] | None = None,
+                     start: int | None = None, group: str = DEFAULT_GROUP) -> list[str]:
+        """Create `count` fake nodes that kwok (the process of `group`) manages, each with
+        `nvidia.com/gpu: gpus`."""
+        if start is None:
+            taken = {n["metadata"]["name"] for n in self.get("nodes")["items"]}
+            start = 0
+            while f"{prefix}-{start}" in taken:
+                start += 1
+        names = [f"{prefix}-{i}" for i in range(start, start + count)]
+        if not names:
+            return []
+        capacity = {"cpu": cpu, "memory": memory, "pods": "110", "ephemeral-storage": "1Ti"}
+        if gpus:
+            capacity[GPU_RESOURCE] = str(gpus)
+        nodes = [{
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {
+                "name": n,
+                "annotations": {KWOK_ANNOTATION: group, "node.alpha.kubernetes.io/ttl": "0"},
+                "labels": {"type": "kwok", "kubernetes.io/hostname": n, "kubernetes.io/os": "linux",
+                           "kubernetes.io/arch": "amd64", "kubernetes.io/role": "agent",
+                           "nvidia.com/gpu.count": str(gpus), **(labels or {})},
+            },
+            "spec": {},
+            "status": {"capacity": capacity, "allocatable": dict(capacity),
+                       "nodeInfo": {"kubeletVersion": "fake", "kubeProxyVersion": "fake",
+                                    "architecture": "amd64", "operatingSystem": "linux"}},
+        } for n in names]
+        # `kubectl create` keeps status on create for nodes; apply would drop it.
+        self.kubectl("create", "-f", "-", input=yaml.safe_dump_all(nodes))
+        return names
+
+    def node_ready(self, name: str) -> bool:
+        node = self.get("node", name)
+        return any(c["type"] == "Ready" and c["status"] == "True"
+                   for c in node.get("status", {}).get("conditions", []))
+
+    def wait_nodes_ready(self, names: Iterable[str] | None = None, timeout: float = 60) -> None:
+        def ready() -> bool:
+            nodes = self.get("nodes")["items"]
+            want = set(names) if names is not None else {n["metadata"]["name"] for n in nodes}
+            ok = {n["metadata"]["name"] for n in nodes
+                  if any(c["type"] == "Ready" and c["status"] == "True"
+                         for c in n.get("status", {}).get("conditions", []))}
+            return want <= ok
+        wait_for(ready, timeout, "nodes Ready")
+
+    def lose_nodes(self, group: str) -> list[str]:
+        """Lose every node of `group`: stop its kwok process (its kubelet), then mark the
+        nodes' conditions Unknown as the node lifecycle controller does once their Leases
+        are older than --node-monitor-grace-period (here at once, not 50 s later)."""
+        name = f"kwok-{group}"
+        terminate([self.pids.pop(name)])
+        self.procs.pop(name, None)
+        self._write_state()
+        nodes = [n for n in self.get("nodes")["items"]
+                 if (n["metadata"].get("annotations") or {}).get(KWOK_ANNOTATION) == group]
+        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        for n in nodes:
+            conds = [{**c, "status": "Unknown", "reason": "NodeStatusUnknown",
+                      "message": "Kubelet stopped posting node status.", "lastTransitionTime": now}
+                     for c in n["status"].get("conditions", [])]
+            self.kubectl("patch", "node", n["metadata"]["name"], "--subresource=status", "--type=merge",
+                         "-p", json.dumps({"status": {"conditions": conds}}))
+        return [n["metadata"]["name"] for n in nodes]
+
+    def fail_pod(self, namespace: str, name: str, exit_code: int = 1, reason: str = "Error",
+                 message: str = "failed on request", container: str | None = None) -> None:
+        """Make a Running pod's container(s) terminate with `exit_code` (pod phase Failed)."""
+        p = FAIL_ANNOTATION_PREFIX
+        annotations = {f"{p}exit-code": str(exit_code), f"{p}reason": reason, f"{p}message": message,
+                       f"{p}delay": "0", f"{p}jitter-delay": "0"}
+        if container:
+            annotations[f"{p}container-name"] = container
+        patch = {"metadata": {"annotations": annotations, "labels": {FAIL_LABEL: "true"}}}
+        self.kubectl("patch", "pod", name, "-n", namespace, "--type=merge", "-p", json.dumps(patch))
+
+    def complete_pod(self, namespace: str, name: str) -> None:
+        """Make a Running pod succeed (every container exits 0)."""
+        patch = {"metadata": {"labels": {COMPLETE_LABEL: "true"}}}
+        self.kubectl("patch", "pod", name, "-n", namespace, "--type=merge", "-p", json.dumps(patch))
+
+    def set_node_ready(self, name: str, ready: bool, reason: str = "NodeFailedOnRequest") -> None:
+        """Flip a fake node NotReady (kwok's node-not-ready stage) or back to Ready."""
+        if ready:
+            patch = {"metadata": {"labels": {NOT_READY_LABEL: None}}}
+        else:
+            patch = {"metadata": {
+                "labels": {NOT_READY_LABEL: "true"},
+                "annotations": {f"{NOT_READY_LABEL}/reason": reason,
+                                f"{NOT_READY_LABEL}/delay": "0", f"{NOT_READY_LABEL}/jitter-delay": "0"}}}
+        self.kubectl("patch", "node", name, "--type=merge", "-p", json.dumps(patch))
