@@ -79,13 +79,14 @@ def test_rbac_is_least_privilege(render):
     docs = by_kind(render())
     rules = docs[("ClusterRole", "rel-rlhf-operator")]["rules"]
     verbs = {(g, r): set(rule["verbs"]) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]}
-    assert verbs[("", "pods")] == {"get", "list", "watch"}  # pods are never written
+    assert verbs[("", "pods")] == {"get", "list", "watch", "delete"}  # never written; deleted when their node is lost
     assert verbs[("rlhf.dev", "rlhfjobs/status")] == {"get", "patch"}
     assert ("", "secrets") not in verbs and all("*" not in v for v in verbs.values())
     assert not any(r in ("clusterroles", "clusterrolebindings") for _, r in verbs)
     discovery = docs[("ClusterRole", "rel-rlhf-operator-discovery")]["rules"]  # what kopf observes
-    assert all(r["verbs"] == ["list", "watch"] for r in discovery)
-    assert {r for rule in discovery for r in rule["resources"]} == {"namespaces", "customresourcedefinitions"}
+    assert {r: tuple(rule["verbs"]) for rule in discovery for r in rule["resources"]} == {
+        "namespaces": ("list", "watch"), "customresourcedefinitions": ("list", "watch"),
+        "nodes": ("get",)}  # is a pod's node still Ready (lost nodes)
     lease = docs[("Role", "rel-rlhf-operator-leader-election")]["rules"]
     assert {"resourceNames": ["rlhf-operator"], "verbs": ["get", "update"]}.items() <= lease[1].items()
 

@@ -150,3 +150,10 @@ def test_messages_without_chat_template_is_an_error(tokenizer):
                                          r"tokenizer with a chat template"):
         to_prompts([{"messages": [{"role": "user", "content": "x"}]}], tokenizer=plain,
                    source="f.jsonl", max_prompt_length=100)
+
+
+def test_prompts_that_tokenize_to_nothing_are_dropped_and_counted(tokenizer):
+    rows = [{"prompt": "", "answer": "1"}, {"prompt": "1234:", "answer": "4"}]
+    prompts, dropped = to_prompts(rows, tokenizer=tokenizer, source="f.jsonl", max_prompt_length=64)
+    assert [p.answer for p in prompts] == ["4"] and dropped == 1
+    assert all(p.token_ids for p in prompts)  # nothing empty reaches a rollout server

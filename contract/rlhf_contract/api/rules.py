@@ -107,7 +107,7 @@ MUTABLE_FIELDS: tuple[str, ...] = ("suspend", "runPolicy")
 everything to zero; runPolicy's budget, deadline and TTL are read on every reconcile)."""
 
 IMMUTABLE_FIELDS: tuple[str, ...] = ("model", "data", "reward", "environment", "algorithm", "rollout",
-                                     "trainer", "schedule", "output")
+                                     "trainer", "schedule", "output", "pod", "sandboxService")
 """Spec fields (YAML names under spec) that an update may not change. Each is read once,
 when the pods start (the config file, the trainer's world and endpoints, the servers'
 command line), so a change on a running job would be half-applied. The CRD carries one

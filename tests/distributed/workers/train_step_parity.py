@@ -58,24 +58,25 @@ def rows() -> list[Row]:
     return out
 
 
-def run(layout: tuple[int, int, int], variant: str, temperature: float) -> tuple[dict, dict[str, torch.Tensor]]:
+def run(layout: tuple[int, int, int], variant: str, temperature: float,
+        device: torch.device = torch.device("cpu")) -> tuple[dict, dict[str, torch.Tensor]]:
     dp, tp, cp = layout
     world = dp * tp * cp
     a = resolved(variant)
-    policy = build_tiny_qwen2(0)
-    ref = build_tiny_qwen2(0).eval().requires_grad_(False) if a.kl_coef else None
+    policy = build_tiny_qwen2(0).to(device)
+    ref = build_tiny_qwen2(0).to(device).eval().requires_grad_(False) if a.kl_coef else None
     lay = parallelize_models(policy, ref=ref, critic=None, world_size=world, tp=tp, cp=cp,
-                             activation_checkpointing=False, device_type="cpu")
+                             activation_checkpointing=False, device_type=device.type)
     for m in (policy, ref):
         if m is not None:
             attach_logprob_head(m, tensor_parallel=tp > 1)
     models = Models(policy, torch.optim.AdamW(policy.parameters(), lr=1e-2), ref)
     step = TrainStep(a, models, lay, max_tokens_per_micro_batch=24, max_grad_norm=0.3, temperature=temperature,
-                     device=torch.device("cpu"))
+                     device=device)
     batch = RolloutBatch(rows(), GROUP, RolloutStats(0, 0, 0, 0, 0, 0))
     tensors = step.prepare(batch)
     metrics = step(batch, tensors)
-    params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+    params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu().clone()
               for n, p in policy.named_parameters()}
     return metrics, params
 
@@ -83,18 +84,23 @@ def run(layout: tuple[int, int, int], variant: str, temperature: float) -> tuple
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, one GPU per rank)")
     parser.add_argument("cases", nargs="+", help="dp,tp,cp:variant[:temperature]")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     results = {}
     try:
         for case in args.cases:
             layout_s, variant, *rest = case.split(":")
             temperature = float(rest[0]) if rest else 1.0
             layout = tuple(int(x) for x in layout_s.split(","))
-            ref_metrics, ref_params = run((1, 1, 1), variant, temperature)
-            metrics, params = run(layout, variant, temperature)
+            ref_metrics, ref_params = run((1, 1, 1), variant, temperature)  # one process, fp32 on the CPU
+            metrics, params = run(layout, variant, temperature, device)
             worst, worst_name = 0.0, ""
             for name, ref in ref_params.items():
                 err = ((params[name] - ref).norm() / ref.norm().clamp(min=1e-30)).item()

@@ -146,7 +146,8 @@ def to_prompts(records: Iterable[dict], *, tokenizer: Any, source: str,
                prompt_key: str = "prompt", messages_key: str = "messages",
                answer_key: str = "answer", system_prompt: str | None = None,
                max_prompt_length: int) -> tuple[list[PromptRecord], int]:
-    """Rows -> (prompts, number of rows dropped for being longer than `max_prompt_length`).
+    """Rows -> (prompts, number of rows dropped for being longer than `max_prompt_length` or
+    for tokenizing to nothing: an empty prompt cannot be sent to a rollout server).
 
     `source` names the file in errors; a malformed row raises ValueError with its index.
     """
@@ -182,7 +183,7 @@ def to_prompts(records: Iterable[dict], *, tokenizer: Any, source: str,
                              f"{type(value).__name__}")
         answer = _answer(row, answer_key, where)
         token_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-        if len(token_ids) > max_prompt_length:
+        if not token_ids or len(token_ids) > max_prompt_length:
             num_dropped += 1
             continue
         extra_info = {k: v for k, v in row.items() if k not in (key, answer_key)}

@@ -71,8 +71,8 @@ class PromptSource:
                 answer_key=spec.answer_key, system_prompt=spec.system_prompt, max_prompt_length=spec.max_prompt_length)
             if not self._rows:
                 raise ValueError(f"data.path: {path} has no usable rows ({self.num_dropped} longer than "
-                                 "data.maxPromptLength)")
-            log.info("%s: %d prompts, %d dropped (longer than data.maxPromptLength=%d)", path, len(self._rows),
+                                 "data.maxPromptLength or tokenized to nothing: check the tokenizer)")
+            log.info("%s: %d prompts, %d dropped (empty, or longer than data.maxPromptLength=%d)", path, len(self._rows),
                      self.num_dropped, spec.max_prompt_length)
 
     def _example(self, index: int) -> PromptRecord:
