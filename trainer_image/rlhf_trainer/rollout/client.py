@@ -87,10 +87,12 @@ class RolloutClient:
 
     # ---- endpoint choice ----------------------------------------------------------
 
-    def _pick(self) -> str:
-        """The endpoint with the fewest outstanding requests; ties go round robin."""
-        least = min(self.outstanding.values())
-        tied = [e for e in self.endpoints if self.outstanding[e] == least]
+    def _pick(self, avoid: set[str] = frozenset()) -> str:
+        """The endpoint with the fewest outstanding requests, among those not in `avoid`
+        (the ones that already failed this request) if any is left; ties go round robin."""
+        candidates = [e for e in self.endpoints if e not in avoid] or self.endpoints
+        least = min(self.outstanding[e] for e in candidates)
+        tied = [e for e in candidates if self.outstanding[e] == least]
         return tied[next(self._turn) % len(tied)]
 
     # ---- generation -----------------------------------------------------------------
@@ -129,14 +131,16 @@ class RolloutClient:
 
     async def _post(self, http: httpx.AsyncClient, body: dict) -> dict:
         last_error = ""
+        failed: set[str] = set()  # a dead endpoint answers fastest: never let it win every retry
         for attempt in range(self.max_retries + 1):
-            endpoint = self._pick()
+            endpoint = self._pick(failed)
             self.outstanding[endpoint] += 1
             self.requests_sent[endpoint] += 1
             try:
                 response = await http.post(endpoint + "/v1/completions", json=body)
             except RETRY_ERRORS as exc:
                 last_error = f"{endpoint}: {exc!r}"
+                failed.add(endpoint)
             else:
                 if response.status_code == 200:
                     return response.json()
@@ -144,6 +148,8 @@ class RolloutClient:
                     raise RolloutError(f"{endpoint}/v1/completions answered HTTP "
                                        f"{response.status_code}: {response.text[:2000]}")
                 last_error = f"{endpoint}: HTTP {response.status_code}: {response.text[:500]}"
+                if response.status_code != 503:  # 503: paused for a weight update, retry anywhere
+                    failed.add(endpoint)
             finally:
                 self.outstanding[endpoint] -= 1
             if attempt < self.max_retries:
