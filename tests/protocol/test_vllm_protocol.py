@@ -24,6 +24,7 @@ from rlhf_contract.pod import rollout_process, serve_command
 from rlhf_inference.cpu_engine import weights as cpu_weights
 from rlhf_inference.cpu_engine.engine import PAUSE_MODES
 from rlhf_trainer.weight_sync import WeightSyncSender, bucket_ranges, pack_buckets
+from rlhf_trainer.weight_sync.buckets import BufferRing
 from rlhf_trainer.weight_sync.transport import NcclTransport
 
 FACTS = json.loads(Path(__file__).with_name("vllm_facts.json").read_text())
@@ -50,6 +51,10 @@ def test_bucket_layout_equals_vllms_producer_and_consumer(case):
     assert list(cpu_weights.packed_buckets(sizes, buffer)) == case["chunks"]  # CPU engine receiver
     tensors = [torch.full((n,), i % 251, dtype=torch.uint8) for i, n in enumerate(sizes)]
     assert [b.numel() for b in pack_buckets(tensors, buffer)] == case["chunk_bytes"]
+    # the sender's reused buffers give the same bytes, bucket by bucket
+    ring = BufferRing("cpu", count=3)
+    for got, idx in zip(pack_buckets(tensors, buffer, ring), case["chunks"], strict=True):
+        assert torch.equal(got, torch.cat([tensors[i] for i in idx]))
 
 
 # ---- payloads ------------------------------------------------------------------------

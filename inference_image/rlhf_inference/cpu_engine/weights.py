@@ -162,6 +162,7 @@ class WeightReceiver:
         self.group: GlooGroup | None = None
         self.info: InitInfo | None = None
         self.last_update: UpdateInfo | None = None
+        self._buffer: torch.Tensor | None = None  # reused receive buffer (no page faults per bucket)
 
     def init(self, info: InitInfo) -> None:
         if not 0 < info.rank_offset < info.world_size:
@@ -190,7 +191,10 @@ class WeightReceiver:
         if self.info.packed:
             sizes = [info.nbytes(i) for i in range(len(info.names))]
             for bucket in packed_buckets(sizes, self.info.packed_buffer_size_bytes):
-                buffer = torch.empty(sum(sizes[i] for i in bucket), dtype=torch.uint8)
+                nbytes = sum(sizes[i] for i in bucket)
+                if self._buffer is None or self._buffer.numel() < nbytes:
+                    self._buffer = torch.empty(nbytes, dtype=torch.uint8)
+                buffer = self._buffer[:nbytes]  # loaded (copied) before the next bucket arrives
                 self.group.broadcast(buffer, src=0)
                 parts = buffer.split([sizes[i] for i in bucket])
                 load([

@@ -46,17 +46,45 @@ def bucket_ranges(sizes: list[int], buffer_size_bytes: int) -> list[range]:
     return buckets
 
 
-def pack_buckets(byte_tensors: Iterable[torch.Tensor], buffer_size_bytes: int) -> Iterator[torch.Tensor]:
+class BufferRing:
+    """`count` reusable uint8 buffers on one device, handed out in turn and grown as
+    needed. Reusing them spares a fresh allocation (and, on the CPU, page faults on
+    every byte) per bucket. A buffer is handed out again `count` buckets later, so the
+    consumer must be done with a bucket by then (the sender keeps at most 3 alive)."""
+
+    def __init__(self, device: torch.device | str, count: int = 3):
+        self.device = torch.device(device)
+        self.buffers: list[torch.Tensor | None] = [None] * count
+        self.turn = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        i = self.turn
+        self.turn = (self.turn + 1) % len(self.buffers)
+        if self.buffers[i] is None or self.buffers[i].numel() < nbytes:
+            self.buffers[i] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self.buffers[i][:nbytes]
+
+
+def pack_buckets(byte_tensors: Iterable[torch.Tensor], buffer_size_bytes: int,
+                 ring: BufferRing | None = None) -> Iterator[torch.Tensor]:
     """Concatenate flat uint8 tensors into buckets, closing one once it exceeds the size.
 
-    A bucket of one tensor is that tensor itself (no copy)."""
+    A bucket of one tensor is that tensor itself (no copy); with `ring`, the others are
+    written into its reused buffers."""
+    def cat(parts: list[torch.Tensor], total: int) -> torch.Tensor:
+        if len(parts) == 1:
+            return parts[0]
+        if ring is None:
+            return torch.cat(parts)
+        return torch.cat(parts, out=ring.take(total))
+
     parts: list[torch.Tensor] = []
     total = 0
     for flat in byte_tensors:
         parts.append(flat)
         total += flat.numel()
         if total > buffer_size_bytes:
-            yield parts[0] if len(parts) == 1 else torch.cat(parts)
+            yield cat(parts, total)
             parts, total = [], 0
     if parts:
-        yield parts[0] if len(parts) == 1 else torch.cat(parts)
+        yield cat(parts, total)

@@ -58,7 +58,7 @@ from collections.abc import Callable, Iterable, Iterator
 import httpx
 import torch
 
-from .buckets import DEFAULT_BUCKET_BYTES, as_bytes, dtype_name, pack_buckets
+from .buckets import DEFAULT_BUCKET_BYTES, BufferRing, as_bytes, dtype_name, pack_buckets
 from .transport import BACKENDS, Transport, make_transport
 
 log = logging.getLogger(__name__)
@@ -107,6 +107,7 @@ class WeightSyncSender:
         self.rank_offsets: list[int] = []
         self.calls: list[str] = []  # "POST /path" of every call of the last init / round, in order
         self._sent_metadata: list[TensorMeta] | None = None
+        self._ring: BufferRing | None = None
         self._http = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=30.0))
         self._pool = cf.ThreadPoolExecutor(max_workers=max(2, len(self.endpoints)),
                                            thread_name_prefix="weight-sync-http")
@@ -245,8 +246,12 @@ class WeightSyncSender:
             group.synchronize()
 
         helper = _run_in_thread(send_buckets)
+        if self._ring is None or self._ring.device != group.device:
+            # 3 buffers: one being broadcast, one in the queue, one being filled
+            self._ring = BufferRing(group.device, count=3)
         try:
-            for bucket in pack_buckets(_checked_bytes(metadata, tensors, group.device), self.bucket_bytes):
+            for bucket in pack_buckets(_checked_bytes(metadata, tensors, group.device), self.bucket_bytes,
+                                       self._ring):
                 _put_watching(ready, bucket, [*watch, helper], deadline)
         except BaseException:
             with contextlib.suppress(queue.Full):
