@@ -225,3 +225,51 @@ def test_serve_command_for_every_dtype_is_accepted():
         spec = job.spec.model_copy(update={"model": job.spec.model.model_copy(update={"dtype": dtype})})
         command = serve_command(spec, model_path="/m", host="h", port=1, name="n")
         assert dict(_flags(command))["--dtype"] in FACTS["serve_options"]["--dtype"]
+
+
+def test_rank_offsets_and_world_size_across_tensor_parallel_servers():
+    """Two servers with 2 and 4 workers (tensorParallelSize): world = 1 + 2 + 4, the
+    second server's workers start at rank 3 (vLLM ranks a worker rank_offset + its rank)."""
+    import http.server
+    import threading
+
+    from rlhf_trainer.weight_sync import WeightSyncError
+
+    def serve(world_size: int) -> http.server.ThreadingHTTPServer:
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                replies = {"/get_world_size": {"world_size": world_size},
+                           "/server_info": {"vllm_config": {"weight_transfer_config": {"backend": "gloo"}}}}
+                body = json.dumps(replies.get(self.path.split("?")[0], {})).encode()
+                self.send_response(200)
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_POST(self):  # refuses to join: the init fails after the bodies are recorded
+                self.send_response(503)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        return httpd
+
+    servers = [serve(2), serve(4)]
+    urls = [f"http://127.0.0.1:{s.server_address[1]}" for s in servers]
+    sender = RecordingSender(urls, "127.0.0.1", free_port(), timeout_s=5)
+    try:
+        with pytest.raises(WeightSyncError, match="HTTP 503"):
+            sender.init()
+    finally:
+        sender.close()
+        for s in servers:
+            s.shutdown()
+    inits = [body["init_info"] for method, path, _, body in sender.recorded if path == "/init_weight_transfer_engine"]
+    assert sorted((i["rank_offset"], i["world_size"]) for i in inits) == [(1, 7), (3, 7)]
+    for info in inits:
+        check_init_info(info)
+    assert sender.group is None

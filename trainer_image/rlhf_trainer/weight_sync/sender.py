@@ -106,6 +106,7 @@ class WeightSyncSender:
         self.world_size: int | None = None
         self.rank_offsets: list[int] = []
         self.calls: list[str] = []  # "POST /path" of every call of the last init / round, in order
+        self.phase_seconds: dict[str, float] = {}  # seconds of each step of the last round
         self._sent_metadata: list[TensorMeta] | None = None
         self._ring: BufferRing | None = None
         self._http = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=30.0))
@@ -136,7 +137,10 @@ class WeightSyncSender:
 
     def _all(self, path: str, bodies: list[dict | None] | None = None, *, params: dict | None = None,
              deadline: float) -> list[dict]:
-        return _wait_all(self._call_all(path, bodies, params=params), deadline)
+        start = time.perf_counter()
+        replies = _wait_all(self._call_all(path, bodies, params=params), deadline)
+        self.phase_seconds[path] = time.perf_counter() - start
+        return replies
 
     # ---- group -------------------------------------------------------------------
 
@@ -189,7 +193,7 @@ class WeightSyncSender:
         if self.group is None:
             raise WeightSyncError("the weight-sync group is not formed: call init() first (a failed round "
                                   "ends the group)")
-        self.calls = []
+        self.calls, self.phase_seconds = [], {}
         metadata = [(name, [int(s) for s in shape], dtype) for name, shape, dtype in metadata]
         start = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s
@@ -206,9 +210,11 @@ class WeightSyncSender:
                 update_info = {"names": [name for name, _, _ in metadata],
                                "dtype_names": [dtype_name(dtype) for _, _, dtype in metadata],
                                "shapes": [shape for _, shape, _ in metadata]}
+            update_start = time.perf_counter()
             replies = self._call_all("/update_weights", [{"update_info": update_info}] * len(self.endpoints))
             broadcast = self._broadcast(self.group, metadata, tensors, stats, watch=replies, deadline=deadline)
             _wait_all([*replies, broadcast], deadline)
+            self.phase_seconds["/update_weights"] = time.perf_counter() - update_start
             self._sent_metadata = metadata
             version = None if weight_version is None else str(weight_version)
             self._all("/finish_weight_update", [{"weight_version": version}] * len(self.endpoints),
