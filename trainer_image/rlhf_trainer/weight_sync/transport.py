@@ -24,10 +24,13 @@ from __future__ import annotations
 
 import base64
 import datetime
+import logging
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 BACKENDS = ("nccl", "gloo")
 
@@ -91,9 +94,9 @@ class NcclTransport:
         if not torch.cuda.is_available():
             raise RuntimeError("the NCCL weight transfer needs a CUDA device on trainer rank 0")
         self.world_size = world_size
-        self.device = torch.device("cuda", torch.cuda.current_device() if device is None
-                                   else torch.device("cuda", device).index if isinstance(device, int)
-                                   else device.index)
+        if device is None:
+            device = torch.cuda.current_device()
+        self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         self.unique_id: bytes = torch.cuda.nccl.unique_id()
         self.comm = None
         self.stream: torch.cuda.Stream | None = None
@@ -102,6 +105,9 @@ class NcclTransport:
         return {"nccl_unique_id_b64": base64.b64encode(self.unique_id).decode("ascii")}
 
     def connect(self) -> None:
+        # Every rank should run the same NCCL release (the vLLM image brings its own): log ours.
+        log.info("joining the weight-transfer NCCL group as rank 0 of %d on %s (NCCL %s)",
+                 self.world_size, self.device, ".".join(map(str, torch.cuda.nccl.version())))
         with torch.cuda.device(self.device):
             self.comm = torch.cuda.nccl.init_rank(self.world_size, self.unique_id, 0)
             warmup = torch.zeros(1, dtype=torch.float32, device=self.device)
