@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 UV_VERSION := 0.13.8
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-unit crd clean sandbox-bin
+.PHONY: venv demo test test-unit crd clean sandbox-bin images
 venv: $(STAMP)
 
 # bubblewrap for the code reward's sandbox (rlhf_trainer/rewards/sandbox.py looks for it on
@@ -40,6 +40,20 @@ test: $(STAMP) sandbox-bin
 
 crd: $(STAMP)
 	$(BIN)/rlhfctl crd > crds/rlhfjobs.yaml
+
+# The three images (tags and the vLLM base: contract/rlhf_contract/images.py; a test keeps
+# these in step). Needs a container builder: docker, podman or nerdctl.
+IMAGE_REGISTRY ?= ghcr.io/rlhf-operator
+IMAGE_VERSION ?= 0.1.0
+VLLM_BASE_IMAGE ?= vllm/vllm-openai:v0.33.0
+CONTAINER_BUILDER ?= $(shell command -v docker || command -v podman || command -v nerdctl)
+
+images:
+	@test -n "$(CONTAINER_BUILDER)" || { echo "make images needs docker, podman or nerdctl (none found)"; exit 1; }
+	$(CONTAINER_BUILDER) build -f operator/Dockerfile -t $(IMAGE_REGISTRY)/operator:$(IMAGE_VERSION) .
+	$(CONTAINER_BUILDER) build -f trainer_image/Dockerfile -t $(IMAGE_REGISTRY)/trainer:$(IMAGE_VERSION) .
+	$(CONTAINER_BUILDER) build -f inference_image/Dockerfile --build-arg VLLM_BASE_IMAGE=$(VLLM_BASE_IMAGE) \
+		-t $(IMAGE_REGISTRY)/inference:$(IMAGE_VERSION) .
 
 clean:
 	rm -rf $(VENV) runs

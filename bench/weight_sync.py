@@ -4,9 +4,11 @@ Pushes every parameter of a ~50 MB Qwen2 (random weights, made in code) from thi
 (as trainer rank 0) to a CPU rollout server over the real HTTP + gloo protocol, in packed
 buckets, and compares with a raw gloo broadcast of ONE flat buffer of the same size to a
 bare receiver process: the most this transport can do here. Prints both rates and their
-ratio (1.0 = the protocol costs nothing on top of the transport).
+ratio (1.0 = the protocol costs nothing on top of the transport), and where the best
+round's time went (each HTTP step of the round; /update_weights includes packing, the
+broadcasts and the server's copy into its model).
 
-    .venv/bin/python bench/weight_sync.py [--rounds 3] [--bucket-mb 16]
+    .venv/bin/python bench/weight_sync.py [--rounds 5] [--bucket-mb 16]
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ def raw_broadcast_seconds(nbytes: int, rounds: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--bucket-mb", type=int, default=16)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -97,11 +99,12 @@ def main() -> None:
             sender = WeightSyncSender([url], "127.0.0.1", free_port(), bucket_bytes=args.bucket_mb << 20)
             sender.init()
             metadata = [(n, list(p.shape), p.dtype) for n, p in params]
-            sync = []
+            sync, phases = [], []
             for i in range(args.rounds):
                 start = time.perf_counter()
                 sender.send(metadata, (p.detach() for _, p in params), weight_version=str(i))
                 sync.append(time.perf_counter() - start)
+                phases.append(dict(sender.phase_seconds))
             sender.close()
         finally:
             engine.terminate()
@@ -111,6 +114,8 @@ def main() -> None:
     print(f"model: {len(params)} tensors, {mb:.1f} MB; bucket {args.bucket_mb} MiB; best of {args.rounds} rounds")
     print(f"weight sync (HTTP + packed gloo broadcast + load): {min(sync):.3f} s = {mb / min(sync):.0f} MB/s")
     print(f"raw gloo broadcast of one flat buffer:             {raw:.3f} s = {mb / raw:.0f} MB/s")
+    best = phases[sync.index(min(sync))]
+    print("best round: " + ", ".join(f"{path} {seconds * 1000:.1f} ms" for path, seconds in best.items()))
     print(f"ratio sync / raw transport: {raw / min(sync):.2f}")
 
 

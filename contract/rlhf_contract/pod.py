@@ -28,6 +28,7 @@ ENV_RESUME = "RLHF_RESUME"
 ENV_METRICS_PORT = "RLHF_METRICS_PORT"
 
 ROLLOUT_PORT = 8000
+ROLLOUT_STARTUP_PROBE_PERIOD_S = 10
 TRAINER_MASTER_PORT = 29500
 WEIGHT_SYNC_PORT = 29600
 TRAINER_METRICS_PORT = 9400
@@ -42,14 +43,20 @@ class Process:
 
 
 def serve_command(spec: RLHFJobSpec, *, model_path: str, host: str, port: int, name: str, python: str = "python") -> list[str]:
-    """The rollout server's command line: `vllm serve` with the NCCL weight-transfer engine
-    on GPUs, or the built-in CPU engine (`python -m rlhf_inference.cpu_engine`), which
-    speaks the same HTTP protocol."""
+    """The rollout server's command line: `vllm serve` (the pinned release, images.py) with
+    the NCCL weight-transfer engine on GPUs, or the built-in CPU engine
+    (`python -m rlhf_inference.cpu_engine`), which speaks the same HTTP protocol.
+
+    Both get `--generation-config vllm`: by default (`auto`) vLLM fills the sampling fields
+    a request omits from the model's generation_config.json (e.g. a repetition penalty),
+    which would make rollouts differ from what the trainer's log-probs assume.
+    tests/protocol/ checks every flag against the pinned release's argument parser."""
     r = spec.rollout
     if r.engine == "cpu":
         return [
             python, "-m", "rlhf_inference.cpu_engine", "--model", model_path, "--host", host,
             "--port", str(port), "--seed", str(spec.schedule.seed), "--served-model-name", name,
+            "--generation-config", "vllm",
         ]
     return [
         "vllm", "serve", model_path, "--host", host, "--port", str(port),
@@ -58,8 +65,16 @@ def serve_command(spec: RLHFJobSpec, *, model_path: str, host: str, port: int, n
         "--dtype", spec.model.dtype,
         "--seed", str(spec.schedule.seed),
         "--max-model-len", str(spec.data.max_prompt_length + r.max_tokens),
+        "--generation-config", "vllm",
         "--weight-transfer-config", json.dumps({"backend": "nccl"}),
     ]
+
+
+def startup_probe_failures(spec: RLHFJobSpec) -> int:
+    """failureThreshold of the rollout server's startup probe (period
+    ROLLOUT_STARTUP_PROBE_PERIOD_S): it allows `rollout.startupTimeoutSeconds`, the same
+    time the trainer waits for the servers."""
+    return -(-spec.rollout.startup_timeout_seconds // ROLLOUT_STARTUP_PROBE_PERIOD_S)
 
 
 def rollout_process(

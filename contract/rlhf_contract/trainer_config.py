@@ -100,6 +100,8 @@ class TrainerConfig(_Config):
     """Steps, prompts per step, checkpoint period, seed."""
     output: OutputConfig = Field(default_factory=OutputConfig)
     """Outputs."""
+    rollout_startup_timeout_seconds: int = Field(default=1800, ge=1)
+    """How long to wait for the rollout servers to start (`rollout.startupTimeoutSeconds`)."""
 
     @model_validator(mode="after")
     def _algorithm_resolved(self) -> "TrainerConfig":
@@ -124,6 +126,7 @@ class TrainerConfig(_Config):
                               max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, parallelism=t.parallelism),
             schedule=s.schedule,
             output=OutputConfig(dir=o.dir, keep_checkpoints=o.keep_checkpoints, save_rollouts=o.save_rollouts),
+            rollout_startup_timeout_seconds=r.startup_timeout_seconds,
         )
 
     def to_json(self) -> str:

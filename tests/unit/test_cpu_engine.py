@@ -183,7 +183,8 @@ def test_pause_holds_new_generation_until_resume(engine_url):
     try:
         assert httpx.get(engine_url + "/is_paused").json() == {"is_paused": True}
         assert httpx.get(engine_url + "/health").status_code == 200
-        assert httpx.post(engine_url + "/weight_checker", json={"action": "checksum"}).status_code == 409
+        # as vLLM: checksums while paused are fine (the weights are not changing)
+        assert httpx.post(engine_url + "/weight_checker", json={"action": "checksum"}).status_code == 200
         result = {}
         worker = threading.Thread(target=lambda: result.update(httpx.post(
             engine_url + "/v1/completions",
@@ -246,3 +247,99 @@ def test_pause_wait_lets_inflight_requests_finish(engine_url):
     httpx.post(engine_url + "/resume")
     worker.join(timeout=30)
     assert [c["finish_reason"] for c in result["choices"]] == ["length"] * 8
+
+
+def _completion(engine_url, **extra):
+    return httpx.post(engine_url + "/v1/completions",
+                      json={"prompt": [PROMPT], "max_tokens": 3, **extra}, timeout=30)
+
+
+@pytest.mark.parametrize("mode", ["wait", "abort"])
+def test_pause_wait_and_abort_reject_new_requests_with_503_until_resume(engine_url, mode):
+    assert httpx.post(engine_url + "/pause", params={"mode": mode}, timeout=30).status_code == 200
+    try:
+        reply = _completion(engine_url)
+        assert reply.status_code == 503
+        assert reply.json()["error"]["type"] == "ServiceUnavailableError"
+    finally:
+        httpx.post(engine_url + "/resume")
+    assert _completion(engine_url).status_code == 200
+
+
+def test_reset_prefix_cache_succeeds_when_idle_and_is_counted(engine_url):
+    before = httpx.get(engine_url + "/stats").json()["prefix_cache_resets"]
+    assert httpx.post(engine_url + "/reset_prefix_cache").json() == {"success": True}
+    assert httpx.get(engine_url + "/stats").json()["prefix_cache_resets"] == before + 1
+
+
+def test_version_and_server_info_report_the_pinned_protocol_and_gloo(engine_url):
+    from rlhf_contract.images import VLLM_VERSION
+
+    assert httpx.get(engine_url + "/version").json() == {"version": VLLM_VERSION}
+    info = httpx.get(engine_url + "/server_info", params={"config_format": "json"}).json()
+    assert info["vllm_config"]["weight_transfer_config"] == {"backend": "gloo"}
+
+
+def test_weight_update_state_machine_follows_vllms_worker(engine_url):
+    """vLLM's gpu_worker: update needs start, start refuses an active update, finish needs
+    one, shutdown refuses during one; a failed update ends the session."""
+    post = lambda path, body=None: httpx.post(engine_url + path, json=body, timeout=30)  # noqa: E731
+    info = {"update_info": {"names": [], "dtype_names": [], "shapes": []}}
+    reply = post("/update_weights", info)
+    assert reply.status_code == 500 and "start_weight_update must be called before" in reply.text
+    reply = post("/finish_weight_update", {})
+    assert reply.status_code == 500 and "without a matching start_weight_update" in reply.text
+    assert post("/start_weight_update").status_code == 200
+    reply = post("/start_weight_update")
+    assert reply.status_code == 500 and "already active" in reply.text
+    reply = post("/shutdown_weight_transfer_engine")
+    assert reply.status_code == 500 and "during a weight update" in reply.text
+    assert httpx.get(engine_url + "/is_paused").json() == {"is_paused": False}  # start does not pause
+    # no group yet: the update fails, and that ends the session
+    reply = post("/update_weights", info)
+    assert reply.status_code == 500 and "not initialized" in reply.text
+    assert httpx.get(engine_url + "/stats").json()["weight_update_active"] is False
+    assert post("/start_weight_update").status_code == 200
+    assert post("/finish_weight_update", {"weight_version": "7"}).status_code == 200
+    assert httpx.get(engine_url + "/weight_info").json() == {"weight_version": "7"}
+    assert post("/shutdown_weight_transfer_engine").status_code == 200
+
+
+@pytest.mark.parametrize("init_info, field", [
+    ({"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2,
+      "bucket_size": 5}, "init_info"),  # unknown key: vLLM's dataclass raises
+    ({"master_address": "127.0.0.1", "master_port": 1, "world_size": 2}, "init_info"),  # rank_offset missing
+    ({"master_address": "127.0.0.1", "rank_offset": 1, "world_size": 2}, "init_info.master_address"),
+    ({"nccl_unique_id_b64": "AAAA", "rank_offset": 1, "world_size": 2}, "init_info.nccl_unique_id_b64"),
+    ({"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 0, "world_size": 2}, "init_info.rank_offset"),
+])
+def test_bad_init_info_is_400_naming_the_field(engine_url, init_info, field):
+    reply = httpx.post(engine_url + "/init_weight_transfer_engine", json={"init_info": init_info}, timeout=30)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == field
+
+
+def test_update_info_with_packed_keys_is_rejected_as_vllm_does(engine_url):
+    """Since vLLM 0.28 the packed settings live in init_info: update_info refuses them."""
+    assert httpx.post(engine_url + "/start_weight_update").status_code == 200
+    reply = httpx.post(engine_url + "/update_weights", json={"update_info": {
+        "names": ["lm_head.weight"], "dtype_names": ["float32"], "shapes": [[16, 64]], "packed": True}}, timeout=30)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "update_info"
+    assert "packed" in reply.json()["error"]["message"]
+    assert httpx.get(engine_url + "/stats").json()["weight_update_active"] is False
+
+
+def test_generation_config_auto_fills_omitted_fields_and_vllm_does_not(tmp_path, tiny_model_dir, start_engines):
+    """vLLM's --generation-config: 'auto' takes omitted sampling fields from the model's
+    generation_config.json; 'vllm' (what our launcher passes) ignores the file."""
+    import json
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "generation_config.json").write_text(json.dumps({"repetition_penalty": 1.05, "temperature": 0.0}))
+    with start_engines(model, 1) as (auto,), start_engines(model, 1, "--generation-config", "vllm") as (neutral,):
+        reply = _completion(auto)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "repetition_penalty"
+        assert _completion(auto, repetition_penalty=1.0).status_code == 200  # sent explicitly: honoured
+        assert _completion(neutral).status_code == 200

@@ -92,3 +92,123 @@ def test_prompt_seeds_are_distinct_and_stable():
     assert len(set(seeds)) == 1000 and all(0 <= s < 2**63 for s in seeds)
     assert seeds == [prompt_seed(7, i) for i in range(1000)]
     assert prompt_seed(8, 0) != seeds[0]
+
+
+# ---- start-up check ---------------------------------------------------------------------
+
+class _FakeServer:
+    """A real HTTP server answering fixed JSON per path (404 elsewhere), healthy after
+    `healthy_after_s`: stands for a rollout image we do not build (an old vLLM, a vLLM
+    without dev mode or without a weight-transfer engine)."""
+
+    def __init__(self, replies: dict[str, dict], healthy_after_s: float = 0.0):
+        import http.server
+        import json
+        import threading
+        import time
+
+        start = time.monotonic()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                path = self.path.split("?")[0]
+                if path == "/health":
+                    self.send_response(200 if time.monotonic() - start >= healthy_after_s else 503)
+                    self.end_headers()
+                    return
+                if path not in replies:
+                    self.send_response(404)
+                    self.end_headers()
+                    return
+                body = json.dumps(replies[path]).encode()
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+
+
+def vllm_replies(version="0.33.0", transfer={"backend": "nccl"}, dev_mode=True, world_size=2):  # noqa: B006
+    replies = {"/version": {"version": version}}
+    if dev_mode:
+        replies["/server_info"] = {"vllm_config": {"weight_transfer_config": transfer}}
+        replies["/get_world_size"] = {"world_size": world_size}
+    return replies
+
+
+def test_startup_check_reports_every_servers_capabilities(engines):
+    from rlhf_contract.images import VLLM_VERSION
+    from rlhf_trainer.rollout import ServerInfo, check_rollout_servers
+
+    fake = _FakeServer(vllm_replies(world_size=4))
+    try:
+        infos = check_rollout_servers([*engines, fake.url], startup_timeout_s=30)
+    finally:
+        fake.close()
+    assert infos == [ServerInfo(engines[0], VLLM_VERSION, "gloo", 1), ServerInfo(engines[1], VLLM_VERSION, "gloo", 1),
+                     ServerInfo(fake.url, "0.33.0", "nccl", 4)]
+
+
+@pytest.mark.parametrize("replies, says", [
+    (vllm_replies(version="0.11.0"), "runs vLLM 0.11.0, which has no weight-transfer API"),
+    ({}, "runs vLLM (no /version)"),
+    (vllm_replies(dev_mode=False), "VLLM_SERVER_DEV_MODE=1"),
+    (vllm_replies(transfer=None), "no --weight-transfer-config"),
+])
+def test_startup_check_exits_2_naming_rollout_image(replies, says, capsys):
+    from rlhf_trainer.rollout import RolloutImageError, check_rollout_servers
+
+    fake = _FakeServer(replies)
+    try:
+        with pytest.raises(RolloutImageError) as info:
+            check_rollout_servers([fake.url], startup_timeout_s=30)
+    finally:
+        fake.close()
+    assert isinstance(info.value, SystemExit) and info.value.code == 2
+    assert str(info.value).startswith("rollout.image: ") and says in str(info.value)
+    assert says in capsys.readouterr().err  # the reason reaches the pod's log
+
+
+def test_startup_check_waits_as_long_as_allowed_and_no_longer():
+    import time
+
+    from rlhf_trainer.rollout import check_rollout_servers
+
+    slow = _FakeServer(vllm_replies(), healthy_after_s=2.0)
+    try:
+        start = time.monotonic()
+        assert check_rollout_servers([slow.url], startup_timeout_s=30)[0].world_size == 2
+        assert time.monotonic() - start >= 2.0
+        never = _FakeServer(vllm_replies(), healthy_after_s=1e9)
+        try:
+            start = time.monotonic()
+            with pytest.raises(RolloutError, match="not ready after 1.5 s"):
+                check_rollout_servers([never.url], startup_timeout_s=1.5)
+            assert time.monotonic() - start < 10
+        finally:
+            never.close()
+    finally:
+        slow.close()
+
+
+def test_client_sends_every_field_vllm_would_fill_from_generation_config(tmp_path, tiny_model_dir, start_engines):
+    """A model whose generation_config.json sets a repetition penalty, served with vLLM's
+    default --generation-config auto: the client's explicit neutral values win."""
+    import json
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "generation_config.json").write_text(json.dumps({"repetition_penalty": 1.1, "min_p": 0.05}))
+    with start_engines(model, 1) as (url,):
+        samples = RolloutClient([url]).generate_sync([PROMPTS[0]], n=2, max_tokens=4, temperature=1.0, seed=3)
+    assert [len(s.token_ids) > 0 for s in samples[0]] == [True, True]

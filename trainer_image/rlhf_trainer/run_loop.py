@@ -176,7 +176,11 @@ class RunLoop:
     def run(self) -> None:
         s = self.config.schedule
         if self.info.is_main:
-            self.orchestrator.client.wait_ready(300)
+            from .rollout.client import check_rollout_servers
+
+            # as long as the servers' startup probe allows; exit 2 naming rollout.image without weight transfer
+            check_rollout_servers(self.orchestrator.client.endpoints,
+                                  startup_timeout_s=self.config.rollout_startup_timeout_seconds)
             self.sender.init()
         self.sync_weights()  # servers start from exactly the trainer's weights (also after a resume)
         try:
@@ -200,6 +204,8 @@ class RunLoop:
         finally:
             if self.progress is not None:
                 self.progress.close()
+            if self.sender is not None:
+                self.sender.close()
 
     def _report(self, row: dict[str, Any]) -> None:
         """status.progress of the job (rank 0; rate-limited, never raises)."""

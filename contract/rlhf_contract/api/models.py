@@ -17,6 +17,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from ..images import INFERENCE_IMAGE, TRAINER_IMAGE
+
 API_GROUP = "rlhf.dev"
 API_VERSION = "v1alpha1"
 KIND = "RLHFJob"
@@ -300,8 +302,10 @@ class RolloutSpec(_Model):
 
     engine: Literal["vllm", "cpu"] = "vllm"
     """`vllm` on GPUs; `cpu` is the built-in Hugging Face engine (local mode always uses it)."""
-    image: str = "vllm/vllm-openai:v0.11.0"
-    """Container image of the rollout servers."""
+    image: str = INFERENCE_IMAGE
+    """Container image of the rollout servers: vLLM 0.33.0 (`vllm/vllm-openai:v0.33.0` plus
+    this project's inference package); any image must run a vLLM with the weight-transfer
+    API (0.32 or newer)."""
     replicas: int = Field(default=1, ge=1)
     """Number of rollout servers."""
     tensor_parallel_size: int = Field(default=1, ge=1)
@@ -318,6 +322,9 @@ class RolloutSpec(_Model):
     """Top-k sampling; -1 disables it."""
     resources: Resources = Field(default_factory=Resources)
     """CPU and memory of each rollout server container (GPUs: `tensorParallelSize`)."""
+    startup_timeout_seconds: int = Field(default=1800, ge=60)
+    """How long a rollout server may take to start (model load, CUDA graph capture): its
+    startup probe allows this long, and the trainer waits this long for it."""
 
 
 class ParallelismSpec(_Model):
@@ -335,7 +342,7 @@ class ParallelismSpec(_Model):
 class TrainerSpec(_Model):
     """The trainer processes (torchrun)."""
 
-    image: str = "ghcr.io/rlhf-operator/trainer:0.1.0"
+    image: str = TRAINER_IMAGE
     """Container image of the trainer."""
     num_nodes: int = Field(default=1, ge=1)
     """Trainer pods (torchrun nodes)."""

@@ -7,13 +7,16 @@ the same weight-transfer endpoints (gloo instead of NCCL). See server.py for end
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+from pathlib import Path
 
 import torch
 import uvicorn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .engine import Engine
+from .protocol import GENERATION_CONFIG_FIELDS
 from .server import build_app
 
 
@@ -33,8 +36,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--weight-transfer-timeout", type=float, default=600.0,
                    help="seconds to wait in the weight-transfer group before failing")
+    p.add_argument("--generation-config", default="auto",
+                   help="'auto': sampling fields a request omits come from the model's "
+                        "generation_config.json (as vLLM); 'vllm': neutral defaults")
     p.add_argument("--log-level", default="warning")
     return p.parse_args(argv)
+
+
+def generation_defaults(model_path: str, source: str) -> dict:
+    """vLLM's get_diff_sampling_param: the sampling fields set in generation_config.json
+    ("auto"), none ("vllm"), or those of another directory's file."""
+    if source == "vllm":
+        return {}
+    path = Path(model_path if source == "auto" else source) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    config = json.loads(path.read_text())
+    return {k: config[k] for k in GENERATION_CONFIG_FIELDS if config.get(k) is not None}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -48,7 +66,8 @@ def main(argv: list[str] | None = None) -> None:
     engine = Engine(model, tokenizer, max_num_seqs=args.max_num_seqs, seed=args.seed,
                     max_model_len=args.max_model_len)
     app = build_app(engine, model_name=args.served_model_name or args.model,
-                    model_path=args.model, weight_timeout_s=args.weight_transfer_timeout)
+                    model_path=args.model, weight_timeout_s=args.weight_transfer_timeout,
+                    generation_defaults=generation_defaults(args.model, args.generation_config))
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:

@@ -6,18 +6,23 @@ over them (`BatchGenerator`) and resolves each request's asyncio future when its
 sequence is done. The event loop thread never runs model code, so `/health` answers
 while a batch is generating or weights are being received.
 
-Pausing works at step granularity, as vLLM's pause modes:
+Pausing works at step granularity, as vLLM's pause modes (POST /pause?mode=...):
 - "keep": the running loop parks between two forward passes (KV cache kept) and the
-  queue is frozen; `resume` continues it. `start_weight_update` uses this mode, so a
-  weight update waits only for the current step.
-- "wait": stop taking new batches and wait until in-flight requests are done.
-- "abort": in-flight requests end at once with finish_reason "abort".
-Weights are changed only while paused and no step runs.
+  queue is frozen; new requests are still accepted and queued; `resume` continues.
+- "wait": new requests are rejected (HTTP 503, as vLLM) from the moment the pause starts;
+  in-flight requests run to completion, then the engine is paused.
+- "abort": new requests are rejected (503); in-flight requests end at once with
+  finish_reason "abort".
+Weights are changed only while no step runs: a weight update holds the worker between
+two steps (`hold`) whether or not generation is paused, as vLLM runs its weight RPCs
+between engine steps. Pausing is never implied by a weight update (vLLM's
+start_weight_update does not pause either).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import random
 import threading
@@ -66,6 +71,8 @@ class Engine:
         self._queue: deque[tuple[_Request, Sequence]] = deque()
         self._running: list[_Request] = []
         self._paused = False
+        self._pause_mode: str | None = None
+        self._holds = 0  # weight updates holding the worker between two steps
         self._abort = False
         self._in_step = False  # a forward pass / sampling step is running
         self._batch_running = False  # a generation loop is running (maybe parked)
@@ -99,7 +106,7 @@ class Engine:
     def _work(self) -> None:
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._stopped or (self._queue and not self._paused))
+                self._cv.wait_for(lambda: self._stopped or (self._queue and not self._parked))
                 if self._stopped:
                     return
                 batch: list[tuple[_Request, Sequence]] = []
@@ -126,20 +133,26 @@ class Engine:
         with self._cv:
             if self._abort:
                 raise GenerationAborted
-            if self._paused:
+            if self._parked:
                 self._in_step = False
                 self._cv.notify_all()
-                self._cv.wait_for(lambda: not self._paused or self._abort or self._stopped)
+                self._cv.wait_for(lambda: not self._parked or self._abort or self._stopped)
                 self._in_step = True
                 if self._abort:
                     raise GenerationAborted
 
     # ---- pause / resume (blocking: call from a thread) --------------------------
 
-    def pause(self, mode: str = "keep") -> None:
+    @property
+    def _parked(self) -> bool:
+        return self._paused or self._holds > 0
+
+    def pause(self, mode: str = "abort") -> None:
+        """vLLM's pause_generation(mode): see the module docstring."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
         with self._cv:
+            self._pause_mode = mode
             if mode == "wait" and not self._paused:
                 self._cv.wait_for(lambda: not self._queue and not self._batch_running)
             self._paused = True
@@ -160,11 +173,36 @@ class Engine:
     def resume(self) -> None:
         with self._cv:
             self._paused = False
+            self._pause_mode = None
             self._cv.notify_all()
 
     @property
     def is_paused(self) -> bool:
         return self._paused
+
+    @property
+    def rejects_new_requests(self) -> bool:
+        """vLLM rejects new requests (503) while paused in "abort" or "wait" mode."""
+        return self._pause_mode in ("abort", "wait")
+
+    @property
+    def is_idle(self) -> bool:
+        """No generation loop is running or queued (nothing holds KV blocks)."""
+        with self._cv:
+            return not self._queue and not self._batch_running
+
+    @contextlib.contextmanager
+    def hold(self):
+        """Keep the worker between two steps (weights may change) for the `with` body."""
+        with self._cv:
+            self._holds += 1
+            self._cv.wait_for(lambda: not self._in_step)
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._holds -= 1
+                self._cv.notify_all()
 
     def stop(self) -> None:
         with self._cv:
@@ -193,6 +231,7 @@ class Engine:
             "max_batch_size": g.max_batch_size,
             "num_queued_sequences": queued,
             "is_paused": self._paused,
+            "pause_mode": self._pause_mode,
             "weight_version": self.weight_version,
         }
 

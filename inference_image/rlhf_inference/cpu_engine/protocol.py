@@ -7,8 +7,15 @@ that ended a choice (null for EOS); legacy completions logprobs (`tokens`,
 `token_logprobs`, `top_logprobs`, `text_offset`) where `top_logprobs` holds the sampled
 token plus the top `logprobs` tokens; logprobs are clamped at -9999.0 as vLLM does.
 
-Not supported (rejected with 400 when set): `stream`, `echo`, `stop` strings,
-`best_of`/`use_beam_search`, penalties, `logit_bias`. Other unknown fields are ignored.
+Sampling fields a request omits take the model's `generation_config.json` values when
+the server runs with `--generation-config auto` (vLLM's default: temperature, top_p,
+top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty), and vLLM's
+neutral values with `--generation-config vllm` (what our launcher passes to both
+engines, so a model's file never changes how rollouts are sampled).
+
+Not supported (rejected with 400 when set, or when the generation config sets them):
+`stream`, `echo`, `stop` strings, `best_of`/`use_beam_search`, penalties, `min_p`,
+`logit_bias`. Other unknown fields are ignored.
 """
 
 from __future__ import annotations
@@ -33,7 +40,8 @@ class RequestError(ValueError):
 
 def error_body(message: str, param: str | None, status_code: int) -> dict:
     """OpenAI / vLLM error body: {"error": {"message", "type", "param", "code"}}."""
-    kind = {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError"}.get(
+    kind = {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError",
+            503: "ServiceUnavailableError"}.get(
         status_code, "InternalServerError")
     return {"error": {"message": message, "type": kind, "param": param, "code": status_code}}
 
@@ -63,6 +71,7 @@ class CompletionRequest(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    min_p: float | None = None
     logit_bias: dict[str, float] | None = None
 
 
@@ -75,6 +84,16 @@ def parse_request(body: Any) -> CompletionRequest:
         first = exc.errors()[0]
         param = str(first["loc"][0]) if first.get("loc") else None
         raise RequestError(f"{param}: {first['msg']}", param) from exc
+
+
+GENERATION_CONFIG_FIELDS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "temperature",
+                            "top_k", "top_p", "min_p")
+
+
+def apply_generation_defaults(req: CompletionRequest, defaults: dict) -> CompletionRequest:
+    """Fill the sampling fields the request left out from the model's generation config."""
+    unset = {k: v for k, v in defaults.items() if k in GENERATION_CONFIG_FIELDS and getattr(req, k) is None}
+    return req.model_copy(update=unset) if unset else req
 
 
 def validate(req: CompletionRequest, *, vocab_size: int) -> None:
@@ -95,6 +114,8 @@ def validate(req: CompletionRequest, *, vocab_size: int) -> None:
     if req.repetition_penalty not in (None, 1.0):
         raise RequestError("repetition_penalty is not supported by the CPU engine",
                            "repetition_penalty")
+    if req.min_p not in (None, 0.0):
+        raise RequestError("min_p is not supported by the CPU engine", "min_p")
     if req.logit_bias:
         raise RequestError("logit_bias is not supported by the CPU engine", "logit_bias")
     if req.n < 1:

@@ -1,12 +1,24 @@
-"""FastAPI app: vLLM's OpenAI completions endpoint plus its RLHF dev endpoints.
+"""FastAPI app: vLLM's OpenAI completions endpoint plus its RL / dev endpoints.
 
-Endpoints (same paths and bodies as vLLM with VLLM_SERVER_DEV_MODE=1):
-  GET  /health, /v1/models, /get_world_size, /is_paused, /weight_info
-  POST /v1/completions, /pause?mode=abort|wait|keep, /resume
-  POST /init_weight_transfer_engine {"init_info": {...}}
-  POST /start_weight_update, /update_weights {"update_info": {...}},
-       /finish_weight_update {"weight_version": ...}, /weight_checker {"action": ...}
+Endpoints (same paths, parameters and bodies as the pinned vLLM release with
+VLLM_SERVER_DEV_MODE=1; tests/protocol/ checks them against its source):
+  GET  /health, /version, /v1/models, /get_world_size, /is_paused, /weight_info,
+       /server_info?config_format=json (only `vllm_config.weight_transfer_config` and
+       `vllm_config.parallel_config` are filled in)
+  POST /v1/completions, /pause?mode=abort|wait|keep&clear_cache=..., /resume,
+       /reset_prefix_cache, /init_weight_transfer_engine {"init_info": {...}},
+       /shutdown_weight_transfer_engine, /start_weight_update,
+       /update_weights {"update_info": {...}}, /finish_weight_update {"weight_version"},
+       /update_weight_version {"new_version"}, /weight_checker {"action", "baseline"}
   GET  /stats   (CPU engine only: counters, e.g. forward passes, to check batching)
+
+The weight-update state machine is vLLM's worker's (`gpu_worker.py`): update_weights
+needs an active update (start_weight_update), start needs none active, finish needs one,
+shutdown refuses while one is active; a failed update_weights ends the active update.
+Those state errors answer HTTP 500 with vLLM's messages; malformed payloads answer 400
+naming the field. The CPU engine has no prefix cache: /reset_prefix_cache answers
+{"success": true} unless a generation loop is running (vLLM fails the reset while blocks
+are held), and counts resets in /stats.
 
 Every blocking call (generation is already on the engine's worker thread; joining the
 group, receiving broadcasts, pausing) runs in a thread so the event loop stays free.
@@ -18,25 +30,35 @@ import asyncio
 import json
 import logging
 import time
-from http import HTTPStatus
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
+
+from rlhf_contract.images import VLLM_VERSION
 
 from . import protocol
 from .engine import PAUSE_MODES, Engine
 from .protocol import RequestError, error_body
 from .weights import InitInfo, UpdateInfo, WeightReceiver, WeightUpdateError, copy_into
 
+WEIGHT_TRANSFER_BACKEND = "gloo"  # what /server_info reports as weight_transfer_config.backend
+
 log = logging.getLogger("rlhf_inference.cpu_engine")
 
 
+class WeightStateError(RuntimeError):
+    """A weight-transfer call out of order (vLLM raises RuntimeError: HTTP 500)."""
+
+
 def build_app(engine: Engine, *, model_name: str, model_path: str,
-              weight_timeout_s: float = 600.0) -> FastAPI:
+              weight_timeout_s: float = 600.0, version: str = VLLM_VERSION,
+              generation_defaults: dict | None = None) -> FastAPI:
     app = FastAPI(title="rlhf-operator CPU rollout engine")
     receiver = WeightReceiver(timeout_s=weight_timeout_s)
     weight_lock = asyncio.Lock()  # one weight-transfer call at a time
     created = int(time.time())
+    state = {"update_active": False, "prefix_cache_resets": 0}
+    calls: list[str] = []  # weight-protocol calls, in order (GET /stats shows them)
 
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, exc: RequestError):
@@ -46,6 +68,10 @@ def build_app(engine: Engine, *, model_name: str, model_path: str,
     @app.exception_handler(WeightUpdateError)
     async def _weight_error(_: Request, exc: WeightUpdateError):
         return JSONResponse(error_body(str(exc), exc.param, 400), status_code=400)
+
+    @app.exception_handler(WeightStateError)
+    async def _state_error(_: Request, exc: WeightStateError):
+        return JSONResponse(error_body(str(exc), None, 500), status_code=500)
 
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, exc: Exception):
@@ -71,6 +97,18 @@ def build_app(engine: Engine, *, model_name: str, model_path: str,
     async def health():
         return Response(status_code=200)
 
+    @app.get("/version")
+    async def version_():
+        return {"version": version}
+
+    @app.get("/server_info")
+    async def server_info(config_format: str = Query("text")):
+        config = {"weight_transfer_config": {"backend": WEIGHT_TRANSFER_BACKEND},
+                  "parallel_config": {"tensor_parallel_size": 1, "pipeline_parallel_size": 1,
+                                      "data_parallel_size": 1, "world_size": 1}}
+        return {"vllm_config": config if config_format == "json" else json.dumps(config),
+                "vllm_env": {}, "system_env": {"engine": "rlhf_inference.cpu_engine"}}
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{
@@ -80,10 +118,13 @@ def build_app(engine: Engine, *, model_name: str, model_path: str,
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = protocol.parse_request(await json_body(request))
+        req = protocol.apply_generation_defaults(protocol.parse_request(await json_body(request)),
+                                                 generation_defaults or {})
         if req.model is not None and req.model != model_name:
             raise RequestError(f"The model `{req.model}` does not exist.", "model", 404)
         protocol.validate(req, vocab_size=engine.vocab_size)
+        if engine.rejects_new_requests:
+            raise RequestError("The engine is paused for a weight update; retry after /resume", None, 503)
         prompts = protocol.prompts_as_ids(req, engine.tokenizer, engine.vocab_size,
                                           engine.max_model_len)
         params = protocol.sampling_params(req)
@@ -95,15 +136,19 @@ def build_app(engine: Engine, *, model_name: str, model_path: str,
     # ---- pause / resume ----------------------------------------------------------
 
     @app.post("/pause")
-    async def pause(mode: str = Query("abort")):
+    async def pause(mode: str = Query("abort"), clear_cache: bool = Query(True)):
+        calls.append(f"pause?mode={mode}")
         if mode not in PAUSE_MODES:
             return JSONResponse({"error": f"mode must be one of {'|'.join(PAUSE_MODES)}, "
                                           f"got {mode!r}"}, status_code=400)
         await asyncio.to_thread(engine.pause, mode)
+        if clear_cache and mode != "keep":
+            state["prefix_cache_resets"] += 1
         return {"status": "paused"}
 
     @app.post("/resume")
     async def resume():
+        calls.append("resume")
         engine.resume()
         return {"status": "resumed"}
 
@@ -111,7 +156,16 @@ def build_app(engine: Engine, *, model_name: str, model_path: str,
     async def is_paused():
         return {"is_paused": engine.is_paused}
 
-    # ---- weight transfer ---------------------------------------------------------
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(reset_running_requests: bool = Query(False),
+                                 reset_external: bool = Query(False)):
+        calls.append("reset_prefix_cache")
+        success = reset_running_requests or engine.is_idle
+        if success:
+            state["prefix_cache_resets"] += 1
+        return {"success": success}
+
+    # ---- weight transfer (vLLM's worker state machine) -----------------------------
 
     @app.get("/get_world_size")
     async def get_world_size(include_dp: bool = Query(True)):
@@ -119,6 +173,7 @@ def build_app(engine: Engine, *, model_name: str, model_path: str,
 
     @app.post("/init_weight_transfer_engine")
     async def init_weight_transfer_engine(request: Request):
+        calls.append("init_weight_transfer_engine")
         body = await json_body(request)
         if body.get("init_info") is None:
             raise RequestError("Missing 'init_info' in request body", "init_info")
@@ -127,33 +182,57 @@ def build_app(engine: Engine, *, model_name: str, model_path: str,
             await asyncio.to_thread(receiver.init, info)
         return {"message": "Weight transfer initialized"}
 
+    @app.post("/shutdown_weight_transfer_engine")
+    async def shutdown_weight_transfer_engine():
+        calls.append("shutdown_weight_transfer_engine")
+        if state["update_active"]:
+            raise WeightStateError("Cannot release a trainer connection during a weight update")
+        receiver.shutdown()
+        return {"message": "Weight transfer shut down"}
+
     @app.post("/start_weight_update")
     async def start_weight_update():
-        await asyncio.to_thread(engine.pause, "keep")
+        calls.append("start_weight_update")
+        if state["update_active"]:
+            raise WeightStateError("start_weight_update called while a weight update is already active. "
+                                   "Call finish_weight_update first.")
+        state["update_active"] = True
         return {"message": "Weight update started"}
 
     @app.post("/update_weights")
     async def update_weights(request: Request):
+        calls.append("update_weights")
         body = await json_body(request)
         if body.get("update_info") is None:
             raise RequestError("Missing 'update_info' in request body", "update_info")
-        info = UpdateInfo.parse(body["update_info"])
-        if not engine.is_paused:
-            # vLLM requires start_weight_update first; pausing here keeps the model safe.
-            await asyncio.to_thread(engine.pause, "keep")
-        targets = engine.named_weights()
-        async with weight_lock:
-            await asyncio.to_thread(receiver.receive, info, targets,
-                                    lambda pairs: copy_into(targets, pairs))
+        if not state["update_active"]:
+            raise WeightStateError("start_weight_update must be called before update_weights.")
+        try:
+            info = UpdateInfo.parse(body["update_info"])
+            targets = engine.named_weights()
+            def receive() -> None:
+                with engine.hold():
+                    receiver.receive(info, targets, lambda pairs: copy_into(targets, pairs))
+
+            async with weight_lock:
+                await asyncio.to_thread(receive)
+        except BaseException:
+            state["update_active"] = False  # as vLLM's worker: a failed update ends the session
+            raise
         return {"message": "Weights updated"}
 
     @app.post("/finish_weight_update")
     async def finish_weight_update(request: Request):
+        calls.append("finish_weight_update")
         body = await json_body(request, required=False)
         version = body.get("weight_version")
+        if version is not None and not isinstance(version, str):
+            raise RequestError(f"weight_version must be a string, got {version!r}", "weight_version")
+        if not state["update_active"]:
+            raise WeightStateError("finish_weight_update called without a matching start_weight_update.")
+        state["update_active"] = False
         if version is not None:
-            engine.weight_version = str(version)
-        engine.resume()
+            engine.weight_version = version
         return {"message": "Weight update finished"}
 
     @app.post("/update_weight_version")
@@ -175,10 +254,6 @@ def build_app(engine: Engine, *, model_name: str, model_path: str,
         if action not in ("checksum", "compare"):
             raise RequestError(f"action must be one of checksum|compare, got {action!r}",
                                "action")
-        if engine.is_paused:
-            return JSONResponse(
-                error_body("weight_checker requires an awake, unpaused engine", None, 409),
-                status_code=HTTPStatus.CONFLICT.value)
         checksums = await asyncio.to_thread(engine.checksums)
         if action == "checksum":
             return {"checksums": checksums}
@@ -191,6 +266,7 @@ def build_app(engine: Engine, *, model_name: str, model_path: str,
 
     @app.get("/stats")
     async def stats():
-        return engine.stats()
+        return {**engine.stats(), "weight_update_active": state["update_active"],
+                "prefix_cache_resets": state["prefix_cache_resets"], "weight_calls": list(calls)}
 
     return app

@@ -1,31 +1,39 @@
 """Receiving side of vLLM's weight-transfer protocol, over a gloo group on CPU.
 
-The trainer is rank 0 of a group that it creates beside its own torchrun world; this
-server (one worker) joins as rank `rank_offset`. Updates arrive as broadcasts from
-rank 0 in the layout of vLLM's `packed_tensor.py`:
+Mirrors the pinned vLLM release's NCCL engine (`vllm/distributed/weight_transfer/
+nccl_engine.py`, `nccl_common.py`, `packed_tensor.py`), checked by tests/protocol/:
 
+- `init_info` has exactly the fields of vLLM's `NCCLWeightTransferInitInfo` (keyword
+  only; an unknown key is an error, as vLLM's `parse_init_info`); the packed settings
+  (`packed`, `packed_buffer_size_bytes`, `packed_num_buffers`) are read HERE, at the
+  handshake, never from `update_info`.
+- `update_info` has exactly `names`, `dtype_names`, `shapes` (vLLM's
+  `NCCLWeightTransferUpdateInfo`); all three empty reuse the previous update's metadata.
 - packed: walk the metadata in order, adding each tensor's byte size to the current
-  bucket; a bucket closes as soon as its size EXCEEDS `packed_buffer_size_bytes` (so a
-  bucket may be larger than the buffer size), the rest forms the last bucket. Each
-  bucket is one uint8 broadcast holding the tensors' bytes back to back.
-- unpacked: one broadcast per tensor, with its own shape and dtype.
+  bucket; a bucket closes as soon as its size EXCEEDS `packed_buffer_size_bytes`, the
+  rest forms the last bucket; each bucket is one uint8 broadcast holding the tensors'
+  bytes back to back. Unpacked: one broadcast per tensor.
 
-Departures from vLLM: gloo instead of NCCL (CPU); the metadata is checked against the
-model BEFORE anything is received, and on a bad name or shape the broadcasts are still
-received and dropped, so the trainer is not left hanging and the group stays usable.
+Departures from vLLM: gloo instead of NCCL (CPU), so only the TCP rendezvous
+(`master_address` + `master_port`) is accepted, not `nccl_unique_id_b64`; one worker
+(world size 1 per server); the metadata is checked against the model BEFORE anything is
+received, and on a bad name or shape the broadcasts are still received and dropped, so
+the trainer is not left hanging in a collective.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1024 * 1024 * 1024  # 1 GiB, as vLLM
+DEFAULT_PACKED_NUM_BUFFERS = 2  # as vLLM (CUDA streams there; no effect on the layout)
 
 
 class WeightUpdateError(ValueError):
@@ -36,59 +44,82 @@ class WeightUpdateError(ValueError):
         self.param = param
 
 
-@dataclass(frozen=True)
+def _parse(cls, raw, what: str):
+    """`cls(**raw)` as vLLM's parse_init_info / parse_update_info: unknown or missing
+    keys are an error naming the request field."""
+    if not isinstance(raw, dict):
+        raise WeightUpdateError(f"{what} must be a JSON object, got {type(raw).__name__}", what)
+    try:
+        return cls(**raw)
+    except TypeError as exc:
+        allowed = ", ".join(f.name for f in dataclasses.fields(cls))
+        raise WeightUpdateError(f"Invalid {what}: {exc} (allowed keys: {allowed})", what) from exc
+
+
+@dataclass(kw_only=True)
 class InitInfo:
-    master_address: str
-    master_port: int
+    """vLLM's NCCLWeightTransferInitInfo, field for field."""
+
+    master_address: str | None = None
+    master_port: int | None = None
     rank_offset: int
     world_size: int
+    nccl_unique_id_b64: str | None = field(default=None, repr=False)
+    packed: bool = False
+    packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
+    packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
 
     @classmethod
-    def parse(cls, raw: dict) -> InitInfo:
-        try:
-            return cls(str(raw["master_address"]), int(raw["master_port"]),
-                       int(raw["rank_offset"]), int(raw["world_size"]))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise WeightUpdateError(
-                "init_info needs master_address (str), master_port, rank_offset and "
-                f"world_size (int): {exc!r}", "init_info") from exc
+    def parse(cls, raw) -> InitInfo:
+        info = _parse(cls, raw, "init_info")
+        if info.nccl_unique_id_b64:
+            raise WeightUpdateError("init_info.nccl_unique_id_b64: the CPU engine joins over gloo; pass "
+                                    "master_address and master_port instead", "init_info.nccl_unique_id_b64")
+        if info.master_address is None or info.master_port is None:
+            raise WeightUpdateError("init_info needs both master_address and master_port (got "
+                                    f"master_address={info.master_address!r}, master_port={info.master_port!r})",
+                                    "init_info.master_address")
+        for name in ("master_port", "rank_offset", "world_size", "packed_buffer_size_bytes", "packed_num_buffers"):
+            value = getattr(info, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise WeightUpdateError(f"init_info.{name} must be an integer, got {value!r}", f"init_info.{name}")
+        if info.packed_buffer_size_bytes <= 0:
+            raise WeightUpdateError("init_info.packed_buffer_size_bytes must be > 0",
+                                    "init_info.packed_buffer_size_bytes")
+        return info
 
 
-@dataclass(frozen=True)
+@dataclass
 class UpdateInfo:
-    names: list[str]
-    dtypes: list[torch.dtype]
-    shapes: list[list[int]]
-    packed: bool
-    packed_buffer_size_bytes: int
+    """vLLM's NCCLWeightTransferUpdateInfo, field for field (plus the parsed dtypes)."""
+
+    names: list[str] = field(default_factory=list)
+    dtype_names: list[str] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)
+
+    def __post_init__(self):
+        if len(self.dtype_names) != len(self.names):
+            raise WeightUpdateError(f"`dtype_names` should be of the same size as `names`: got "
+                                    f"{len(self.dtype_names)} and {len(self.names)}", "update_info.dtype_names")
+        if len(self.shapes) != len(self.names):
+            raise WeightUpdateError(f"`shapes` should be of the same size as `names`: got "
+                                    f"{len(self.shapes)} and {len(self.names)}", "update_info.shapes")
+        self.dtypes: list[torch.dtype] = []
+        for name, dtype_name in zip(self.names, self.dtype_names):
+            dtype = getattr(torch, str(dtype_name), None)
+            if not isinstance(dtype, torch.dtype):
+                raise WeightUpdateError(f"update_info.dtype_names: unknown dtype {dtype_name!r} for {name}",
+                                        "update_info.dtype_names")
+            self.dtypes.append(dtype)
+        try:
+            self.shapes = [[int(x) for x in shape] for shape in self.shapes]
+        except (TypeError, ValueError) as exc:
+            raise WeightUpdateError(f"update_info.shapes must be lists of integers: {exc}",
+                                    "update_info.shapes") from exc
 
     @classmethod
-    def parse(cls, raw: dict) -> UpdateInfo:
-        try:
-            names = [str(n) for n in raw["names"]]
-            dtype_names = [str(d) for d in raw["dtype_names"]]
-            shapes = [[int(x) for x in s] for s in raw["shapes"]]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise WeightUpdateError(
-                f"update_info needs names, dtype_names and shapes lists: {exc!r}", "update_info"
-            ) from exc
-        if not (len(names) == len(dtype_names) == len(shapes)):
-            raise WeightUpdateError(
-                f"update_info: names ({len(names)}), dtype_names ({len(dtype_names)}) and "
-                f"shapes ({len(shapes)}) must have the same length", "update_info")
-        dtypes = []
-        for name, dtype_name in zip(names, dtype_names):
-            dtype = getattr(torch, dtype_name, None)
-            if not isinstance(dtype, torch.dtype):
-                raise WeightUpdateError(
-                    f"update_info.dtype_names: unknown dtype {dtype_name!r} for {name}",
-                    "update_info.dtype_names")
-            dtypes.append(dtype)
-        size = int(raw.get("packed_buffer_size_bytes", DEFAULT_PACKED_BUFFER_SIZE_BYTES))
-        if size <= 0:
-            raise WeightUpdateError("update_info.packed_buffer_size_bytes must be > 0",
-                                    "update_info.packed_buffer_size_bytes")
-        return cls(names, dtypes, shapes, bool(raw.get("packed", False)), size)
+    def parse(cls, raw) -> UpdateInfo:
+        return _parse(cls, raw, "update_info")
 
     def nbytes(self, i: int) -> int:
         return math.prod(self.shapes[i]) * self.dtypes[i].itemsize
@@ -129,28 +160,41 @@ class WeightReceiver:
     def __init__(self, timeout_s: float = 600.0):
         self.timeout_s = timeout_s
         self.group: GlooGroup | None = None
+        self.info: InitInfo | None = None
+        self.last_update: UpdateInfo | None = None
+        self._buffer: torch.Tensor | None = None  # reused receive buffer (no page faults per bucket)
 
     def init(self, info: InitInfo) -> None:
         if not 0 < info.rank_offset < info.world_size:
             raise WeightUpdateError(
                 f"init_info.rank_offset ({info.rank_offset}) must be in [1, world_size "
                 f"({info.world_size})): rank 0 is the trainer", "init_info.rank_offset")
+        self.shutdown()
         self.group = GlooGroup(info, self.timeout_s)
+        self.info = info
+
+    def shutdown(self) -> None:
+        self.group = self.info = self.last_update = None
 
     def receive(self, info: UpdateInfo, targets: dict[str, torch.Tensor],
                 load: Callable[[list[tuple[str, torch.Tensor]]], None]) -> None:
         """Receive every tensor of `info`; call `load` per bucket (or per tensor)."""
-        if self.group is None:
-            raise WeightUpdateError(
-                "weight transfer not initialized: POST /init_weight_transfer_engine first",
-                "init_info")
+        if self.group is None or self.info is None:
+            raise RuntimeError("Weight transfer not initialized: POST /init_weight_transfer_engine first")
+        if info.names:
+            self.last_update = info
+        elif self.last_update is not None:
+            info = self.last_update
         problem = _check_against_model(info, targets)
         if problem is not None:
             load = lambda pairs: None  # noqa: E731  (drain the broadcasts, load nothing)
-        if info.packed:
+        if self.info.packed:
             sizes = [info.nbytes(i) for i in range(len(info.names))]
-            for bucket in packed_buckets(sizes, info.packed_buffer_size_bytes):
-                buffer = torch.empty(sum(sizes[i] for i in bucket), dtype=torch.uint8)
+            for bucket in packed_buckets(sizes, self.info.packed_buffer_size_bytes):
+                nbytes = sum(sizes[i] for i in bucket)
+                if self._buffer is None or self._buffer.numel() < nbytes:
+                    self._buffer = torch.empty(nbytes, dtype=torch.uint8)
+                buffer = self._buffer[:nbytes]  # loaded (copied) before the next bucket arrives
                 self.group.broadcast(buffer, src=0)
                 parts = buffer.split([sizes[i] for i in bucket])
                 load([

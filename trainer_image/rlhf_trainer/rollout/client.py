@@ -12,7 +12,13 @@ read timeouts are not (the server may still be working on the request);
 HTTP errors are not retried (except 502/503/504) and raise `RolloutError` with the
 endpoint and the server's body. With `seed` set, prompt i gets its own seed derived
 from (seed, i), so a run is reproducible whatever endpoint serves it (as long as the
-servers hold the same weights).
+servers hold the same weights). Every sampling field vLLM would otherwise fill from the
+model's generation_config.json is sent explicitly (neutral penalties, min_p 0).
+
+`check_rollout_servers` is the trainer's start-up check: it waits for every server as
+long as its startup probe allows, then asks each for its version and capabilities, and
+ends the process with exit code 2 (a permanent failure for the operator) and a message
+naming `rollout.image` when a server cannot take part in weight transfer.
 """
 
 from __future__ import annotations
@@ -20,12 +26,19 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+import logging
+import re
+import sys
 import time
 from dataclasses import dataclass
 
 import httpx
 
+log = logging.getLogger(__name__)
+
 RETRY_STATUS = (502, 503, 504)
+MIN_VLLM_VERSION = (0, 32)  # the first release with the weight-transfer API we speak
+EXIT_INCOMPATIBLE = 2  # permanent for the operator: a restart cannot fix the image
 # Errors where the request surely or probably did not run to completion on the server.
 # A read timeout is not retried: the server may still be generating it.
 RETRY_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout,
@@ -74,10 +87,12 @@ class RolloutClient:
 
     # ---- endpoint choice ----------------------------------------------------------
 
-    def _pick(self) -> str:
-        """The endpoint with the fewest outstanding requests; ties go round robin."""
-        least = min(self.outstanding.values())
-        tied = [e for e in self.endpoints if self.outstanding[e] == least]
+    def _pick(self, avoid: set[str] = frozenset()) -> str:
+        """The endpoint with the fewest outstanding requests, among those not in `avoid`
+        (the ones that already failed this request) if any is left; ties go round robin."""
+        candidates = [e for e in self.endpoints if e not in avoid] or self.endpoints
+        least = min(self.outstanding[e] for e in candidates)
+        tied = [e for e in candidates if self.outstanding[e] == least]
         return tied[next(self._turn) % len(tied)]
 
     # ---- generation -----------------------------------------------------------------
@@ -92,6 +107,8 @@ class RolloutClient:
         base = {
             "n": n, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
             "top_k": top_k, "logprobs": 0, "return_token_ids": True,
+            # vLLM fills omitted fields from the model's generation_config.json: never omit
+            "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
         }
         if stop_token_ids:
             base["stop_token_ids"] = list(stop_token_ids)
@@ -114,14 +131,16 @@ class RolloutClient:
 
     async def _post(self, http: httpx.AsyncClient, body: dict) -> dict:
         last_error = ""
+        failed: set[str] = set()  # a dead endpoint answers fastest: never let it win every retry
         for attempt in range(self.max_retries + 1):
-            endpoint = self._pick()
+            endpoint = self._pick(failed)
             self.outstanding[endpoint] += 1
             self.requests_sent[endpoint] += 1
             try:
                 response = await http.post(endpoint + "/v1/completions", json=body)
             except RETRY_ERRORS as exc:
                 last_error = f"{endpoint}: {exc!r}"
+                failed.add(endpoint)
             else:
                 if response.status_code == 200:
                     return response.json()
@@ -129,6 +148,8 @@ class RolloutClient:
                     raise RolloutError(f"{endpoint}/v1/completions answered HTTP "
                                        f"{response.status_code}: {response.text[:2000]}")
                 last_error = f"{endpoint}: HTTP {response.status_code}: {response.text[:500]}"
+                if response.status_code != 503:  # 503: paused for a weight update, retry anywhere
+                    failed.add(endpoint)
             finally:
                 self.outstanding[endpoint] -= 1
             if attempt < self.max_retries:
@@ -142,7 +163,7 @@ class RolloutClient:
 
     # ---- readiness ------------------------------------------------------------------
 
-    async def wait_ready_async(self, timeout_s: float = 300.0, interval_s: float = 0.5) -> None:
+    async def wait_ready_async(self, timeout_s: float = 1800.0, interval_s: float = 0.5) -> None:
         """Poll GET /health on every endpoint until all answer 200."""
         deadline = time.monotonic() + timeout_s
         waiting = set(self.endpoints)
@@ -161,9 +182,95 @@ class RolloutClient:
                                        + ", ".join(sorted(waiting)))
                 await asyncio.sleep(interval_s)
 
-    def wait_ready(self, timeout_s: float = 300.0) -> None:
+    def wait_ready(self, timeout_s: float = 1800.0) -> None:
         """Block until every endpoint's /health answers 200 (RolloutError on timeout)."""
         asyncio.run(self.wait_ready_async(timeout_s))
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What a rollout server says about itself at start."""
+
+    endpoint: str
+    version: str  # vLLM's version (the CPU engine reports the release whose protocol it speaks)
+    weight_transfer_backend: str  # "nccl" (vLLM) or "gloo" (CPU engine)
+    world_size: int  # workers that join the weight-transfer group
+
+
+class RolloutImageError(SystemExit):
+    """A rollout server cannot take part in weight transfer: exit code 2, `str()` says why."""
+
+    def __init__(self, message: str):
+        super().__init__(EXIT_INCOMPATIBLE)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def check_rollout_servers(endpoints: list[str], *, startup_timeout_s: float,
+                          request_timeout_s: float = 60.0) -> list[ServerInfo]:
+    """Wait up to `startup_timeout_s` for every server's /health, then check each one's
+    version (GET /version, at least 0.32) and weight-transfer engine (GET /server_info:
+    VLLM_SERVER_DEV_MODE=1 routes and `--weight-transfer-config`; GET /get_world_size).
+
+    Raises `RolloutImageError` (SystemExit with code 2, after logging the message) when
+    a server cannot do weight transfer, and `RolloutError` when one does not start in time.
+    """
+    RolloutClient(endpoints).wait_ready(startup_timeout_s)
+    infos = []
+    with httpx.Client(timeout=httpx.Timeout(request_timeout_s)) as http:
+        for endpoint in (e.rstrip("/") for e in endpoints):
+            try:
+                infos.append(_server_info(http, endpoint))
+            except RolloutImageError as exc:
+                log.error("%s", exc)
+                print(f"ERROR: {exc}", file=sys.stderr, flush=True)
+                raise
+    return infos
+
+
+def _server_info(http: httpx.Client, endpoint: str) -> ServerInfo:
+    def get(path: str, **params) -> httpx.Response:
+        try:
+            return http.get(endpoint + path, params=params)
+        except httpx.HTTPError as exc:
+            raise RolloutError(f"GET {endpoint}{path} failed: {exc!r}") from exc
+
+    image_hint = ("set rollout.image to an image with vLLM >= {}.{} and its weight-transfer API "
+                  "(the default image runs the pinned release)").format(*MIN_VLLM_VERSION)
+    reply = get("/version")
+    version = str(reply.json().get("version", "")) if reply.status_code == 200 else ""
+    parsed = _version_tuple(version)
+    if parsed is None or parsed < MIN_VLLM_VERSION:
+        raise RolloutImageError(
+            f"rollout.image: the server at {endpoint} runs vLLM {version or '(no /version)'}, which has no "
+            f"weight-transfer API; {image_hint}")
+    reply = get("/server_info", config_format="json")
+    if reply.status_code == 404:
+        raise RolloutImageError(
+            f"rollout.image: the server at {endpoint} (vLLM {version}) does not serve the weight-transfer "
+            "routes: it must run with VLLM_SERVER_DEV_MODE=1 (the operator sets it; an image whose "
+            f"entry point drops it cannot be used); {image_hint}")
+    if reply.status_code != 200:
+        raise RolloutError(f"GET {endpoint}/server_info answered HTTP {reply.status_code}: {reply.text[:500]}")
+    config = reply.json().get("vllm_config")
+    transfer = config.get("weight_transfer_config") if isinstance(config, dict) else None
+    if not transfer or not transfer.get("backend"):
+        raise RolloutImageError(
+            f"rollout.image: the server at {endpoint} (vLLM {version}) runs without a weight-transfer "
+            f"engine (no --weight-transfer-config); {image_hint}")
+    reply = get("/get_world_size")
+    if reply.status_code != 200:
+        raise RolloutImageError(
+            f"rollout.image: the server at {endpoint} (vLLM {version}) has no /get_world_size "
+            f"(HTTP {reply.status_code}); {image_hint}")
+    return ServerInfo(endpoint, version, str(transfer["backend"]), int(reply.json()["world_size"]))
+
+
+def _version_tuple(version: str) -> tuple[int, int] | None:
+    match = re.match(r"v?(\d+)\.(\d+)", version)
+    return (int(match.group(1)), int(match.group(2))) if match else None
 
 
 def _samples(reply: dict, prompt: list[int], n: int) -> list[Sample]:

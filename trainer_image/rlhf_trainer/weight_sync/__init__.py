@@ -1,15 +1,20 @@
 """Weight sync, sender side: trainer rank 0 pushes full HF-named weights to the rollout
-servers over vLLM's weight-transfer HTTP API plus a packed broadcast group."""
+servers over vLLM's weight-transfer HTTP API plus a packed broadcast group (NCCL for vLLM,
+gloo for the CPU engine; one sender, two transports)."""
 
-from .packing import dtype_name, pack_buckets
-from .sender import DEFAULT_BUCKET_BYTES, WeightSyncError, WeightSyncSender
-from .transport import GlooBroadcastGroup
+from .buckets import DEFAULT_BUCKET_BYTES, bucket_ranges, dtype_name, pack_buckets
+from .sender import WATCHDOG_EXIT_CODE, WeightSyncError, WeightSyncSender
+from .transport import GlooTransport, NcclTransport, make_transport
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
-    "GlooBroadcastGroup",
+    "WATCHDOG_EXIT_CODE",
+    "GlooTransport",
+    "NcclTransport",
     "WeightSyncError",
     "WeightSyncSender",
+    "bucket_ranges",
     "dtype_name",
+    "make_transport",
     "pack_buckets",
 ]

@@ -1,32 +1,56 @@
-"""Trainer rank 0's side of a weight sync, speaking vLLM's HTTP weight-transfer API.
+"""Trainer rank 0's side of a weight sync, speaking vLLM's weight-transfer HTTP API exactly
+as the pinned release (see `rlhf_contract.pod.VLLM_VERSION`) expects it.
 
-One round (`send`):
-  1. POST /start_weight_update to every server (they pause between two steps);
-  2. POST /update_weights {"update_info": {names, dtype_names, shapes, packed: true,
-     packed_buffer_size_bytes}} to every server at once (each call blocks until that
-     server has loaded everything) while this process broadcasts the packed buckets;
-  3. POST /finish_weight_update {"weight_version"} (servers resume).
-`init` forms the group once: world = 1 + the sum of every server's /get_world_size,
-server i gets rank_offset = 1 + the sizes before it. Every parameter is sent every
-round under its Hugging Face name.
+`init()` forms the group once:
+  1. GET /get_world_size on every server (TP x PP x DP workers); world = 1 + their sum,
+     server i gets `rank_offset` = 1 + the sizes before it (vLLM ranks its workers
+     rank_offset + dp_rank x TP x PP + worker rank);
+  2. the transport (transport.py) is chosen from the servers' own configuration
+     (GET /server_info: `vllm_config.weight_transfer_config.backend`, "nccl" for vLLM,
+     "gloo" for the CPU engine) unless given;
+  3. POST /init_weight_transfer_engine {"init_info": {rendezvous fields, rank_offset,
+     world_size, packed: true, packed_buffer_size_bytes, packed_num_buffers}} to every
+     server, concurrently with this process joining as rank 0. The packed settings live
+     in init_info (vLLM reads them there, never from update_info).
 
-The HTTP calls run on threads. The tensors are consumed and packed on the calling
-thread (a trainer's generator may run collectives such as `full_tensor()`), and the
-buckets are broadcast from a helper thread one bucket behind, so a server that answers
-an error ends the round at once instead of leaving rank 0 blocked in a collective. The
-group is kept when every bucket still went through (the CPU engine receives and drops
-the buckets of an update it rejects); otherwise `group` is None and `init` must run
-again (on a fresh port). After a failed round the servers stay paused (they may hold
-partly loaded weights); the next successful `send` resumes them.
-The transport is `transport.GlooBroadcastGroup` (CPU); NCCL is not done yet.
+One round, `send()`, in the order vLLM requires:
+  1. POST /pause?mode=wait (vLLM's start_weight_update does NOT pause: only /pause does;
+     "wait" lets requests in flight finish and rejects new ones with 503 until /resume);
+  2. POST /start_weight_update (an error if an update is already active);
+  3. POST /update_weights {"update_info": {names, dtype_names, shapes}} to every server
+     at once (each call returns once that server has loaded everything; empty lists
+     reuse the metadata of the previous round, as vLLM allows) while this process
+     broadcasts the packed buckets;
+  4. POST /finish_weight_update {"weight_version"};
+  5. POST /reset_prefix_cache: vLLM keeps its prefix cache across a weight update, so
+     later requests would reuse KV blocks computed with the old weights; must answer
+     {"success": true};
+  6. POST /resume.
+Every parameter is sent every round under its Hugging Face name.
+
+Failure: a server answering an error, a broadcast failing, or the round passing
+`timeout_s` ends the round at once with `WeightSyncError`: the group is then dead (an
+NCCL peer may be stuck in a collective), so the sender calls
+/shutdown_weight_transfer_engine on every server (best effort) and `group` becomes None;
+the trainer should exit so the job restarts as one unit. A watchdog ends the process
+(exit code `WATCHDOG_EXIT_CODE`, which the operator retries) if a round is still not over
+`watchdog_grace_s` after its timeout, e.g. because this thread is stuck in a collective.
+
+The HTTP calls run on threads. The tensors are consumed and packed on the calling thread
+(a trainer's generator may run collectives such as `full_tensor()`), and the buckets are
+broadcast from a helper thread one bucket behind, so a server that answers an error
+ends the round at once instead of leaving rank 0 blocked in a collective.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import logging
 import math
+import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -34,53 +58,69 @@ from collections.abc import Callable, Iterable, Iterator
 import httpx
 import torch
 
-from .packing import as_bytes, dtype_name, pack_buckets
-from .transport import BroadcastGroup, GlooBroadcastGroup
+from .buckets import DEFAULT_BUCKET_BYTES, BufferRing, as_bytes, dtype_name, pack_buckets
+from .transport import BACKENDS, Transport, make_transport
 
-DEFAULT_BUCKET_BYTES = 1 << 30  # vLLM's DEFAULT_PACKED_BUFFER_SIZE_BYTES
+log = logging.getLogger(__name__)
 
-GROUP_GRACE_S = 10.0  # after a failed round, how long to wait for the broadcasts to end
+DEFAULT_NUM_BUFFERS = 2  # vLLM's DEFAULT_PACKED_NUM_BUFFERS (streams on its side; no layout change)
+WATCHDOG_EXIT_CODE = 75  # EX_TEMPFAIL: not in the operator's permanent exit codes, so retried
+SHUTDOWN_TIMEOUT_S = 10.0
 
 TensorMeta = tuple[str, list[int], torch.dtype]
 
 
 class WeightSyncError(RuntimeError):
-    """A server refused or failed a weight-sync call, or the group could not form."""
+    """A server refused or failed a weight-sync call, the group could not form, or a
+    round passed its time limit."""
 
 
 class WeightSyncSender:
     """Pushes full weights from trainer rank 0 to rollout servers (vLLM or the CPU engine).
 
-    `endpoints` are base URLs (http://host:port); `listen_host:listen_port` is where
-    rank 0 hosts the group's TCPStore, and the address the servers are told to join.
-    `bucket_bytes` is the packed buffer size (both sides must agree; it is sent along).
+    `endpoints` are base URLs (http://host:port); `listen_host:listen_port` is where rank 0
+    hosts the gloo group's TCPStore (the NCCL transport needs no address). `bucket_bytes`
+    is the packed buffer size (sent to the servers in init_info). `backend` is "nccl" or
+    "gloo"; None asks the servers. `timeout_s` bounds `init()` and each round.
     """
 
     def __init__(self, endpoints: list[str], listen_host: str, listen_port: int, *,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 600.0,
-                 group_factory: Callable[[str, int, int, float], BroadcastGroup] = GlooBroadcastGroup):
+                 backend: str | None = None, watchdog_grace_s: float = 60.0,
+                 on_watchdog: Callable[[str], None] | None = None):
         if not endpoints:
             raise ValueError("weight sync needs at least one rollout endpoint")
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)} or None, got {backend!r}")
         self.endpoints = [e.rstrip("/") for e in endpoints]
         self.listen_host = listen_host
         self.listen_port = listen_port
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
-        self.group_factory = group_factory
-        self.group: BroadcastGroup | None = None
+        self.backend = backend
+        self.watchdog_grace_s = watchdog_grace_s
+        self.on_watchdog = on_watchdog or _exit_process
+        self.group: Transport | None = None
         self.world_size: int | None = None
+        self.rank_offsets: list[int] = []
+        self.calls: list[str] = []  # "POST /path" of every call of the last init / round, in order
+        self.phase_seconds: dict[str, float] = {}  # seconds of each step of the last round
+        self._sent_metadata: list[TensorMeta] | None = None
+        self._ring: BufferRing | None = None
         self._http = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=30.0))
         self._pool = cf.ThreadPoolExecutor(max_workers=max(2, len(self.endpoints)),
                                            thread_name_prefix="weight-sync-http")
 
     # ---- HTTP ------------------------------------------------------------------
 
-    def _call(self, method: str, endpoint: str, path: str, body: dict | None = None) -> dict:
+    def _call(self, method: str, endpoint: str, path: str, body: dict | None = None, *,
+              params: dict | None = None, timeout: float | None = None) -> dict:
         url = endpoint + path
         try:
-            response = self._http.request(method, url, json=body)
+            response = self._http.request(method, url, json=body, params=params,
+                                          timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT)
         except httpx.HTTPError as exc:
             raise WeightSyncError(f"{method} {url} failed: {exc!r}") from exc
         if response.status_code != 200:
@@ -88,28 +128,59 @@ class WeightSyncSender:
                 f"{method} {url} answered HTTP {response.status_code}: {response.text[:2000]}")
         return response.json() if response.content else {}
 
-    def _call_all(self, path: str, bodies: list[dict | None]) -> list[cf.Future]:
-        return [self._pool.submit(self._call, "POST", ep, path, body)
+    def _call_all(self, path: str, bodies: list[dict | None] | None = None, *,
+                  params: dict | None = None) -> list[cf.Future]:
+        self.calls.append(f"POST {path}")
+        bodies = bodies if bodies is not None else [None] * len(self.endpoints)
+        return [self._pool.submit(self._call, "POST", ep, path, body, params=params)
                 for ep, body in zip(self.endpoints, bodies)]
+
+    def _all(self, path: str, bodies: list[dict | None] | None = None, *, params: dict | None = None,
+             deadline: float) -> list[dict]:
+        start = time.perf_counter()
+        replies = _wait_all(self._call_all(path, bodies, params=params), deadline)
+        self.phase_seconds[path] = time.perf_counter() - start
+        return replies
 
     # ---- group -------------------------------------------------------------------
 
     def init(self) -> None:
         """Form the broadcast group with every server (blocks until all have joined)."""
-        sizes = [int(self._call("GET", ep, "/get_world_size")["world_size"])
-                 for ep in self.endpoints]
+        self.calls = []
+        deadline = time.monotonic() + self.timeout_s
+        sizes = [int(self._call("GET", ep, "/get_world_size")["world_size"]) for ep in self.endpoints]
+        if self.backend is None:
+            self.backend = self._servers_backend()
         self.world_size = 1 + sum(sizes)
-        offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
-        bodies = [{"init_info": {"master_address": self.listen_host,
-                                 "master_port": self.listen_port,
-                                 "rank_offset": offset, "world_size": self.world_size}}
-                  for offset in offsets]
+        self.rank_offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
+        group = make_transport(self.backend, self.world_size, listen_host=self.listen_host,
+                               listen_port=self.listen_port, timeout_s=self.timeout_s)
+        common = {**group.rendezvous(), "world_size": self.world_size, "packed": True,
+                  "packed_buffer_size_bytes": self.bucket_bytes, "packed_num_buffers": DEFAULT_NUM_BUFFERS}
+        bodies = [{"init_info": {**common, "rank_offset": offset}} for offset in self.rank_offsets]
         replies = self._call_all("/init_weight_transfer_engine", bodies)
-        created: list[BroadcastGroup] = []
-        group_job = _run_in_thread(lambda: created.append(self.group_factory(
-            self.listen_host, self.listen_port, self.world_size, self.timeout_s)))
-        _wait_all(replies + [group_job], self.timeout_s)
-        self.group = created[0]
+        try:
+            _wait_all([*replies, _run_in_thread(group.connect)], deadline)
+        except BaseException:
+            self._shutdown_servers()
+            raise
+        self.group = group
+        self._sent_metadata = None
+
+    def _servers_backend(self) -> str:
+        backends = set()
+        for ep in self.endpoints:
+            config = (self._call("GET", ep, "/server_info", params={"config_format": "json"})
+                      .get("vllm_config") or {})
+            transfer = config.get("weight_transfer_config") if isinstance(config, dict) else None
+            if not transfer:
+                raise WeightSyncError(f"{ep} runs without --weight-transfer-config: its weight-transfer "
+                                      "engine is off")
+            backends.add(transfer.get("backend"))
+        if len(backends) != 1 or not backends <= set(BACKENDS):
+            raise WeightSyncError(f"the rollout servers use weight-transfer backends {sorted(map(str, backends))}; "
+                                  f"the trainer needs one of {', '.join(BACKENDS)}, the same on every server")
+        return backends.pop()
 
     # ---- one round -----------------------------------------------------------------
 
@@ -120,56 +191,73 @@ class WeightSyncSender:
         Returns {"bytes", "buckets", "num_tensors", "seconds"}.
         """
         if self.group is None:
-            raise WeightSyncError("call init() before send()")
+            raise WeightSyncError("the weight-sync group is not formed: call init() first (a failed round "
+                                  "ends the group)")
+        self.calls, self.phase_seconds = [], {}
         metadata = [(name, [int(s) for s in shape], dtype) for name, shape, dtype in metadata]
         start = time.perf_counter()
-        _wait_all(self._call_all("/start_weight_update", [None] * len(self.endpoints)),
-                  self.timeout_s)
-        update_info = {
-            "names": [name for name, _, _ in metadata],
-            "dtype_names": [dtype_name(dtype) for _, _, dtype in metadata],
-            "shapes": [shape for _, shape, _ in metadata],
-            "packed": True,
-            "packed_buffer_size_bytes": self.bucket_bytes,
-        }
-        replies = self._call_all("/update_weights",
-                                 [{"update_info": update_info}] * len(self.endpoints))
+        deadline = time.monotonic() + self.timeout_s
+        watchdog = _Watchdog(self.timeout_s + self.watchdog_grace_s, self.on_watchdog,
+                             f"weight sync to {', '.join(self.endpoints)} did not finish within "
+                             f"{self.timeout_s + self.watchdog_grace_s:.0f} s")
         stats = {"bytes": 0, "buckets": 0, "num_tensors": len(metadata)}
-        broadcast: cf.Future | None = None
         try:
-            broadcast = self._broadcast(self.group, metadata, tensors, stats, watch=replies)
-            _wait_all([*replies, broadcast], self.timeout_s)
-        except BaseException:
-            # A server that rejects an update still receives (and drops) every bucket, so
-            # the group stays usable once all broadcasts are through; otherwise it is not.
-            if broadcast is None or not _succeeds(broadcast, GROUP_GRACE_S):
-                self.group = None
-            raise
-        _wait_all(self._call_all("/finish_weight_update",
-                                 [{"weight_version": weight_version}] * len(self.endpoints)),
-                  self.timeout_s)
+            self._all("/pause", params={"mode": "wait"}, deadline=deadline)
+            self._all("/start_weight_update", deadline=deadline)
+            if metadata == self._sent_metadata:
+                update_info = {"names": [], "dtype_names": [], "shapes": []}  # reuse the last round's
+            else:
+                update_info = {"names": [name for name, _, _ in metadata],
+                               "dtype_names": [dtype_name(dtype) for _, _, dtype in metadata],
+                               "shapes": [shape for _, shape, _ in metadata]}
+            update_start = time.perf_counter()
+            replies = self._call_all("/update_weights", [{"update_info": update_info}] * len(self.endpoints))
+            broadcast = self._broadcast(self.group, metadata, tensors, stats, watch=replies, deadline=deadline)
+            _wait_all([*replies, broadcast], deadline)
+            self.phase_seconds["/update_weights"] = time.perf_counter() - update_start
+            self._sent_metadata = metadata
+            version = None if weight_version is None else str(weight_version)
+            self._all("/finish_weight_update", [{"weight_version": version}] * len(self.endpoints),
+                      deadline=deadline)
+            for endpoint, reply in zip(self.endpoints, self._all("/reset_prefix_cache", deadline=deadline)):
+                if reply.get("success") is not True:
+                    raise WeightSyncError(f"{endpoint}/reset_prefix_cache answered {reply}: its prefix cache "
+                                          "still holds KV blocks computed with the old weights")
+            self._all("/resume", deadline=deadline)
+        except BaseException as exc:
+            self._abandon_group()
+            if isinstance(exc, WeightSyncError):
+                raise
+            raise WeightSyncError(f"weight sync failed: {exc!r}") from exc
+        finally:
+            watchdog.disarm()
         stats["seconds"] = time.perf_counter() - start
         return stats
 
-    def _broadcast(self, group: BroadcastGroup, metadata: list[TensorMeta],
-                   tensors: Iterable[torch.Tensor], stats: dict,
-                   watch: list[cf.Future]) -> cf.Future:
+    def _broadcast(self, group: Transport, metadata: list[TensorMeta], tensors: Iterable[torch.Tensor],
+                   stats: dict, watch: list[cf.Future], deadline: float) -> cf.Future:
         """Pack on this thread (the generator may run collectives of its own) and
         broadcast on a helper thread one bucket behind, so packing overlaps sending and
         a failed server reply is noticed while a broadcast is blocked. Returns the
-        helper's future (done once every bucket is sent)."""
+        helper's future (done once every bucket is sent and completed)."""
         ready: queue.Queue[torch.Tensor | None] = queue.Queue(maxsize=1)
+        if group.device.type == "cuda":
+            group.use_stream(torch.cuda.current_stream(group.device))  # the stream buckets are packed on
 
         def send_buckets() -> None:
             while (bucket := ready.get()) is not None:
-                group.broadcast(bucket, src=0)
+                group.broadcast(bucket)
                 stats["bytes"] += bucket.numel()
                 stats["buckets"] += 1
+            group.synchronize()
 
         helper = _run_in_thread(send_buckets)
-        deadline = time.monotonic() + self.timeout_s
+        if self._ring is None or self._ring.device != group.device:
+            # 3 buffers: one being broadcast, one in the queue, one being filled
+            self._ring = BufferRing(group.device, count=3)
         try:
-            for bucket in pack_buckets(_checked_bytes(metadata, tensors), self.bucket_bytes):
+            for bucket in pack_buckets(_checked_bytes(metadata, tensors, group.device), self.bucket_bytes,
+                                       self._ring):
                 _put_watching(ready, bucket, [*watch, helper], deadline)
         except BaseException:
             with contextlib.suppress(queue.Full):
@@ -177,6 +265,23 @@ class WeightSyncSender:
             raise
         _put_watching(ready, None, [helper], deadline)
         return helper
+
+    def _abandon_group(self) -> None:
+        """After a failed round: the group is unusable; release it on every server."""
+        if self.group is not None:
+            self.group.close()
+        self.group = None
+        self._sent_metadata = None
+        self._shutdown_servers()
+
+    def _shutdown_servers(self) -> None:
+        futures = [self._pool.submit(self._call, "POST", ep, "/shutdown_weight_transfer_engine",
+                                     timeout=SHUTDOWN_TIMEOUT_S) for ep in self.endpoints]
+        for endpoint, future in zip(self.endpoints, futures):
+            try:
+                future.result(timeout=SHUTDOWN_TIMEOUT_S + 5)
+            except Exception as exc:  # best effort: the server may be stuck in the failed update
+                log.warning("could not release the weight-transfer group on %s: %s", endpoint, exc)
 
     def close(self) -> None:
         if self.group is not None:
@@ -192,8 +297,9 @@ class WeightSyncSender:
         self.close()
 
 
-def _checked_bytes(metadata: list[TensorMeta], tensors: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
-    """Each tensor's bytes, after checking it matches its metadata entry."""
+def _checked_bytes(metadata: list[TensorMeta], tensors: Iterable[torch.Tensor],
+                   device: torch.device) -> Iterator[torch.Tensor]:
+    """Each tensor's bytes on `device`, after checking it matches its metadata entry."""
     iterator = iter(tensors)
     for name, shape, dtype in metadata:
         try:
@@ -205,20 +311,33 @@ def _checked_bytes(metadata: list[TensorMeta], tensors: Iterable[torch.Tensor]) 
             raise WeightSyncError(
                 f"tensor for {name!r} is {tuple(tensor.shape)} {tensor.dtype}, metadata says "
                 f"{tuple(shape)} {dtype}")
-        flat = as_bytes(tensor)
+        flat = as_bytes(tensor, device)
         assert flat.numel() == math.prod(shape) * dtype.itemsize
         yield flat
     if next(iterator, None) is not None:
         raise WeightSyncError("tensors yielded more tensors than metadata has entries")
 
 
-def _succeeds(future: cf.Future, timeout_s: float) -> bool:
-    """Whether `future` ends without error within `timeout_s`."""
-    try:
-        future.result(timeout=timeout_s)
-    except BaseException:
-        return False
-    return True
+class _Watchdog:
+    """Calls `on_expire(message)` from a daemon thread unless disarmed within `seconds`."""
+
+    def __init__(self, seconds: float, on_expire: Callable[[str], None], message: str):
+        self._disarmed = threading.Event()
+
+        def watch() -> None:
+            if not self._disarmed.wait(seconds):
+                on_expire(message)
+
+        threading.Thread(target=watch, daemon=True, name="weight-sync-watchdog").start()
+
+    def disarm(self) -> None:
+        self._disarmed.set()
+
+
+def _exit_process(message: str) -> None:
+    print(f"FATAL: {message}; exiting with code {WATCHDOG_EXIT_CODE} so the job restarts "
+          "(the weight-sync group cannot be recovered in this process)", file=sys.stderr, flush=True)
+    os._exit(WATCHDOG_EXIT_CODE)
 
 
 def _put_watching(q: queue.Queue, item, watch: list[cf.Future], deadline: float) -> None:
@@ -230,7 +349,7 @@ def _put_watching(q: queue.Queue, item, watch: list[cf.Future], deadline: float)
         if time.monotonic() > deadline:
             raise WeightSyncError("weight sync timed out while broadcasting")
         try:
-            q.put(item, timeout=0.1)
+            q.put(item, timeout=0.05)
             return
         except queue.Full:
             continue
@@ -252,12 +371,13 @@ def _run_in_thread(fn: Callable[[], None]) -> cf.Future:
     return future
 
 
-def _wait_all(futures: list[cf.Future], timeout_s: float) -> list:
-    """Wait for every future; raise the first error as soon as it happens."""
-    done, pending = cf.wait(futures, timeout=timeout_s, return_when=cf.FIRST_EXCEPTION)
+def _wait_all(futures: list[cf.Future], deadline: float) -> list:
+    """Wait for every future until `deadline` (monotonic); raise the first error at once."""
+    done, pending = cf.wait(futures, timeout=max(0.0, deadline - time.monotonic()),
+                            return_when=cf.FIRST_EXCEPTION)
     for future in done:
         if future.exception() is not None:
             raise future.exception()
     if pending:
-        raise WeightSyncError(f"weight sync timed out after {timeout_s} s")
+        raise WeightSyncError("weight sync timed out (the round's time limit passed)")
     return [f.result() for f in futures]

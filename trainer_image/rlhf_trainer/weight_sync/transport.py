@@ -1,44 +1,138 @@
-"""The transport of a weight sync: a broadcast group of {trainer rank 0} ∪ {servers}.
+"""The data plane of a weight sync: a broadcast group of {trainer rank 0} ∪ {all server
+workers}, with the trainer as rank 0. Two transports behind one interface; the sender
+(sender.py) does not know which one it drives.
 
-Only this module knows what the group is. Here it is gloo on CPU, made beside (or
-without) the torchrun default group from a TCPStore that rank 0 hosts:
-`TCPStore(host, port, world, is_master=True)` + `ProcessGroupGloo(store, 0, world)`.
-The CPU engine joins it the same way as rank `rank_offset`.
-
-Not done yet: NCCL. Against vLLM the group must be vLLM's `StatelessProcessGroup` +
-`PyNcclCommunicator` on the trainer's GPU (what vLLM's `NCCLWeightTransferEngine.
-trainer_init` builds); a `NcclBroadcastGroup` with the same `broadcast(tensor, src)`
-method is the only piece to add.
+- `NcclTransport` (vLLM, `--weight-transfer-config '{"backend":"nccl"}'`): the torch-only
+  side of vLLM's unique-id rendezvous. Rank 0 mints an `ncclUniqueId`
+  (`torch.cuda.nccl.unique_id()`), every server gets it as
+  `init_info.nccl_unique_id_b64` (standard base64 of the 128 bytes), and all ranks call
+  `ncclCommInitRank` at the same time (there is no store barrier: the sender makes the
+  `/init_weight_transfer_engine` calls while `connect()` blocks). Right after init every
+  vLLM worker issues a one-element float32 sum `all_reduce` (PyNcclCommunicator's
+  warm-up), so `connect()` issues the matching one before anything else. Broadcasts run
+  on the trainer's GPU, root = rank 0, on the caller's CUDA stream. No TCP rendezvous
+  address is involved: NCCL's bootstrap connects to the trainer pod's own IP, so the
+  weight-sync Service name is not used (vLLM, which pins another torch, stays out of
+  the trainer image). A torch communicator cannot be aborted: after a failed round the
+  process must end (the sender raises; its watchdog ends a hung process).
+- `GlooTransport` (the CPU engine): vLLM's TCP rendezvous fields (`master_address`,
+  `master_port`); rank 0 hosts a TCPStore there and forms a gloo group on the CPU
+  (`ProcessGroupGloo(store, rank, world)`); the CPU engine joins as `rank_offset`.
 """
 
 from __future__ import annotations
 
+import base64
 import datetime
+import logging
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
+log = logging.getLogger(__name__)
 
-class BroadcastGroup(Protocol):
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None: ...
+BACKENDS = ("nccl", "gloo")
+
+
+class Transport(Protocol):
+    backend: str
+    device: torch.device
+
+    def rendezvous(self) -> dict:
+        """The rendezvous fields of `init_info` that the servers need to join."""
+
+    def connect(self) -> None:
+        """Join as rank 0; blocks until every rank has joined."""
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        """Broadcast `tensor` (on `device`) from rank 0; may return before it is sent."""
+
+    def synchronize(self) -> None:
+        """Block until every broadcast issued so far has completed."""
 
     def close(self) -> None: ...
 
 
-class GlooBroadcastGroup:
-    """Rank 0 of a gloo group; blocks in the constructor until every rank has joined."""
+class GlooTransport:
+    """Rank 0 of a gloo group formed over a TCPStore that this process hosts."""
 
-    def __init__(self, listen_host: str, listen_port: int, world_size: int, timeout_s: float):
-        timeout = datetime.timedelta(seconds=timeout_s)
+    backend = "gloo"
+
+    def __init__(self, world_size: int, *, listen_host: str, listen_port: int, timeout_s: float):
         self.world_size = world_size
-        self.store = dist.TCPStore(listen_host, listen_port, world_size, is_master=True,
-                                   timeout=timeout)
-        self.pg = dist.ProcessGroupGloo(self.store, 0, world_size, timeout)
+        self.listen_host = listen_host
+        self.listen_port = listen_port
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.device = torch.device("cpu")
+        self.store = self.pg = None
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        self.pg.broadcast(tensor, src).wait()
+    def rendezvous(self) -> dict:
+        return {"master_address": self.listen_host, "master_port": self.listen_port}
+
+    def connect(self) -> None:
+        self.store = dist.TCPStore(self.listen_host, self.listen_port, self.world_size, is_master=True,
+                                   timeout=self.timeout)
+        self.pg = dist.ProcessGroupGloo(self.store, 0, self.world_size, self.timeout)
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        self.pg.broadcast(tensor, 0).wait()
+
+    def synchronize(self) -> None:
+        pass  # gloo broadcasts above are synchronous
 
     def close(self) -> None:
-        self.pg = None
-        self.store = None
+        self.pg = self.store = None
+
+
+class NcclTransport:
+    """Rank 0 of an NCCL communicator made from a unique id this process mints."""
+
+    backend = "nccl"
+
+    def __init__(self, world_size: int, *, device: torch.device | int | None = None):
+        if not torch.cuda.is_available():
+            raise RuntimeError("the NCCL weight transfer needs a CUDA device on trainer rank 0")
+        self.world_size = world_size
+        if device is None:
+            device = torch.cuda.current_device()
+        self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        self.unique_id: bytes = torch.cuda.nccl.unique_id()
+        self.comm = None
+        self.stream: torch.cuda.Stream | None = None
+
+    def rendezvous(self) -> dict:
+        return {"nccl_unique_id_b64": base64.b64encode(self.unique_id).decode("ascii")}
+
+    def connect(self) -> None:
+        # Every rank should run the same NCCL release (the vLLM image brings its own): log ours.
+        log.info("joining the weight-transfer NCCL group as rank 0 of %d on %s (NCCL %s)",
+                 self.world_size, self.device, ".".join(map(str, torch.cuda.nccl.version())))
+        with torch.cuda.device(self.device):
+            self.comm = torch.cuda.nccl.init_rank(self.world_size, self.unique_id, 0)
+            warmup = torch.zeros(1, dtype=torch.float32, device=self.device)
+            torch.cuda.nccl.all_reduce([warmup], comms=[self.comm])  # vLLM's warm-up handshake
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def use_stream(self, stream: torch.cuda.Stream) -> None:
+        """Issue the broadcasts on `stream` (the stream the buckets are packed on)."""
+        self.stream = stream
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        stream = self.stream or torch.cuda.current_stream(self.device)
+        torch.cuda.nccl.broadcast([tensor], root=0, streams=[stream], comms=[self.comm])
+
+    def synchronize(self) -> None:
+        (self.stream or torch.cuda.current_stream(self.device)).synchronize()
+
+    def close(self) -> None:
+        self.comm = None  # torch never destroys a communicator; the process exit does
+
+
+def make_transport(backend: str, world_size: int, *, listen_host: str, listen_port: int,
+                   timeout_s: float) -> Transport:
+    if backend == "nccl":
+        return NcclTransport(world_size)
+    if backend == "gloo":
+        return GlooTransport(world_size, listen_host=listen_host, listen_port=listen_port, timeout_s=timeout_s)
+    raise ValueError(f"weight-transfer backend must be one of {', '.join(BACKENDS)}, got {backend!r}")

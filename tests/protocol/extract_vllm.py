@@ -1,0 +1,199 @@
+"""Regenerate `vllm_facts.json`: what the pinned vLLM release says about the protocol we
+speak, taken from its own code (no vLLM code is committed, only these facts).
+
+vLLM pins another torch than ours, so it is not a test dependency: run this once per
+vLLM upgrade, in a throwaway virtual environment that sees this repository's torch plus
+vLLM's pure-Python dependencies (whatever `import` asks for), with the release's wheel
+unpacked beside it:
+
+    pip download vllm==0.33.0 --no-deps --only-binary :all: -d /tmp/w
+    unzip -q /tmp/w/vllm-0.33.0-*.whl 'vllm/*' -d /tmp/vllm-0.33.0
+    VLLM_TARGET_DEVICE=cpu PYTHONPATH=/tmp/vllm-0.33.0 python tests/protocol/extract_vllm.py /tmp/vllm-0.33.0
+
+What it records:
+- `routes`: every route of the RL router (`entrypoints/rl/online/api_router.py`) and the
+  dev / info routes we call (`/reset_prefix_cache`, `/server_info`, `/version`,
+  `/health`), read from the decorators and signatures: method, path, and each
+  parameter's name, place (query or JSON body) and whether it is required;
+- `pause_modes`: the values of `PauseMode`;
+- `init_info` / `update_info`: the fields of `NCCLWeightTransferInitInfo` and
+  `NCCLWeightTransferUpdateInfo` (required, or the default), from `dataclasses.fields`;
+- `packed_layout`: cases run through vLLM's own `pack_tensors` (the producer) AND its
+  `packed_nccl_broadcast_consumer` (run on the CPU with the CUDA stream calls stubbed):
+  for tensors of given byte sizes and a buffer size, the indices in each chunk;
+- `serve_options`: every option string of the real `vllm serve` argument parser
+  (`make_arg_parser`), with its choices where it has any.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import dataclasses
+import json
+import random
+import sys
+from pathlib import Path
+
+OUT = Path(__file__).with_name("vllm_facts.json")
+
+ROUTE_FILES = [
+    "vllm/entrypoints/rl/online/api_router.py",
+    "vllm/entrypoints/serve/dev/cache/api_router.py",
+    "vllm/entrypoints/serve/dev/server_info/api_router.py",
+    "vllm/entrypoints/serve/instrumentator/basic.py",
+    "vllm/entrypoints/serve/instrumentator/health.py",
+]
+SKIP_PARAMS = {"raw_request", "request"}
+
+
+def routes(root: Path) -> list[dict]:
+    found = []
+    for rel in ROUTE_FILES:
+        tree = ast.parse((root / rel).read_text())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, ast.AsyncFunctionDef | ast.FunctionDef):
+                continue
+            for dec in fn.decorator_list:
+                if not (isinstance(dec, ast.Call) and isinstance(dec.func, ast.Attribute)
+                        and dec.func.attr in ("get", "post") and dec.args
+                        and isinstance(dec.args[0], ast.Constant)):
+                    continue
+                found.append({"method": dec.func.attr.upper(), "path": dec.args[0].value,
+                              "file": rel, "params": _params(fn)})
+    return sorted(found, key=lambda r: (r["path"], r["method"]))
+
+
+def _params(fn: ast.AsyncFunctionDef | ast.FunctionDef) -> list[dict]:
+    args = fn.args.args
+    defaults = [None] * (len(args) - len(fn.args.defaults)) + list(fn.args.defaults)
+    params = []
+    for arg, default in zip(args, defaults):
+        if arg.arg in SKIP_PARAMS:
+            continue
+        source = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+        where = "body" if "Body(" in source else "query"
+        required = default is None
+        if isinstance(default, ast.Call) and ast.unparse(default.func) in ("Query", "Body"):
+            where = "body" if ast.unparse(default.func) == "Body" else "query"
+            required = not default.args and not any(k.arg == "default" for k in default.keywords)
+        params.append({"name": arg.arg, "in": where, "required": required, "annotation": source})
+    return params
+
+
+def dataclass_fields(cls) -> dict:
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = {"required": False, "default": f.default}
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = {"required": False, "default": f.default_factory()}
+        else:
+            out[f.name] = {"required": True}
+    return out
+
+
+class _StubStream:
+    def synchronize(self):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+
+class _StubEvent:
+    def record(self, stream=None):
+        pass
+
+
+class _RecordingGroup:
+    """Stands for the NCCL communicator: records each broadcast's size and, on the
+    receiving side, fills the buffer from the producer's chunks."""
+
+    def __init__(self, chunks=None):
+        self.sizes, self.chunks = [], list(chunks or [])
+
+    def broadcast(self, tensor, src=0, stream=None):
+        self.sizes.append(tensor.numel())
+        if self.chunks:
+            tensor.copy_(self.chunks.pop(0))
+        else:
+            self.chunks_sent = getattr(self, "chunks_sent", []) + [tensor.clone()]
+
+
+def packed_layout_cases() -> list[dict]:
+    import torch
+
+    import vllm.distributed.weight_transfer.packed_tensor as pt
+
+    # Run the CUDA-stream code on the CPU: only the stream bookkeeping is stubbed.
+    pt._get_streams = lambda device_idx, n: tuple(_StubStream() for _ in range(n))
+    torch.cuda.stream = lambda s: contextlib.nullcontext()
+    torch.accelerator.current_device_index = lambda: 0
+    torch.accelerator.current_stream = lambda: _StubStream()
+    torch.Event = _StubEvent
+    torch.Tensor.record_stream = lambda self, s: None
+
+    rng = random.Random(0)
+    cases = [([4, 4, 4, 4], 8), ([8, 8], 8), ([9], 8), ([1, 20, 1, 1], 8), ([3, 5, 7], 15), ([3, 5, 7], 14)]
+    for _ in range(30):
+        sizes = [rng.choice([1, 2, 4, 8, 64, 100, 4096, 5000]) for _ in range(rng.randint(1, 25))]
+        cases.append((sizes, rng.choice([1, 7, 64, 1000, 4096, 10**6])))
+    out = []
+    for sizes, buffer in cases:
+        tensors = [(f"t{i}", torch.arange(n, dtype=torch.uint8) + i) for i, n in enumerate(sizes)]
+        producer = _RecordingGroup()
+        pt.packed_nccl_broadcast_producer(iter(tensors), producer, 0, lambda item: item[1],
+                                          buffer_size_bytes=buffer, num_buffers=2)
+        received: list[list[str]] = []
+        consumer = _RecordingGroup(producer.chunks_sent)
+        meta = ((name, ([t.numel()], torch.uint8)) for name, t in tensors)
+        loaded = {}
+
+        def load(pairs, received=received, loaded=loaded):
+            received.append([name for name, _ in pairs])
+            loaded.update({name: t.clone() for name, t in pairs})
+
+        pt.packed_nccl_broadcast_consumer(meta, consumer, 0, load, buffer_size_bytes=buffer,
+                                          num_buffers=2, device="cpu")
+        assert producer.sizes == consumer.sizes, (sizes, buffer)
+        assert all(torch.equal(loaded[name], t) for name, t in tensors)
+        out.append({"sizes": sizes, "buffer_size_bytes": buffer, "chunk_bytes": producer.sizes,
+                    "chunks": [[int(name[1:]) for name in names] for names in received]})
+    return out
+
+
+def serve_options() -> dict:
+    from vllm.entrypoints.common.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+    return {opt: (sorted(map(str, action.choices)) if action.choices else None)
+            for opt, action in sorted(parser._option_string_actions.items())}
+
+
+def main() -> None:
+    root = Path(sys.argv[1])
+    sys.path.insert(0, str(root))
+    import vllm
+    from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
+    from vllm.v1.engine import PauseMode
+
+    facts = {
+        "vllm_version": vllm.__version__,
+        "regenerate": "see tests/protocol/extract_vllm.py",
+        "routes": routes(root),
+        "pause_modes": list(PauseMode.__args__),
+        "init_info": dataclass_fields(NCCLWeightTransferInitInfo),
+        "update_info": dataclass_fields(NCCLWeightTransferUpdateInfo),
+        "packed_layout": packed_layout_cases(),
+        "serve_options": serve_options(),
+    }
+    OUT.write_text(json.dumps(facts, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {OUT}: {len(facts['routes'])} routes, {len(facts['serve_options'])} serve options, "
+          f"{len(facts['packed_layout'])} layout cases")
+
+
+if __name__ == "__main__":
+    main()

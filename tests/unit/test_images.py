@@ -1,0 +1,74 @@
+"""The images exist as Dockerfiles, and the spec's defaults, the examples, the CRD, the
+Dockerfiles and `make images` name the same tags (contract/rlhf_contract/images.py)."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import yaml
+
+from rlhf_contract import images
+from rlhf_contract.api.models import RolloutSpec, TrainerSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def make_vars() -> dict[str, str]:
+    text = (ROOT / "Makefile").read_text()
+    return dict(re.findall(r"^(\w+) \?= (\S+)$", text, re.M))
+
+
+def dockerfile_args(path: str) -> dict[str, str]:
+    return dict(re.findall(r"^ARG (\w+)=(\S+)$", (ROOT / path).read_text(), re.M))
+
+
+def test_version_is_the_packages():
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert images.VERSION == pyproject["project"]["version"]
+
+
+def test_spec_defaults_are_our_images():
+    assert RolloutSpec().image == images.INFERENCE_IMAGE == f"{images.REGISTRY}/inference:{images.VERSION}"
+    assert TrainerSpec().image == images.TRAINER_IMAGE
+    crd = (ROOT / "crds/rlhfjobs.yaml").read_text()
+    assert f"default: {images.INFERENCE_IMAGE}" in crd and f"default: {images.TRAINER_IMAGE}" in crd
+    assert "v0.11.0" not in crd
+
+
+def test_examples_name_the_same_images():
+    for path in sorted((ROOT / "examples").glob("*.yaml")):
+        spec = yaml.safe_load(path.read_text())["spec"]
+        if "image" in spec.get("rollout", {}):
+            assert spec["rollout"]["image"] == images.INFERENCE_IMAGE, path
+        if "image" in spec.get("trainer", {}):
+            assert spec["trainer"]["image"] == images.TRAINER_IMAGE, path
+
+
+def test_make_images_builds_the_contract_tags_from_the_pinned_vllm():
+    v = make_vars()
+    assert v["IMAGE_REGISTRY"] == images.REGISTRY and v["IMAGE_VERSION"] == images.VERSION
+    assert v["VLLM_BASE_IMAGE"] == images.VLLM_BASE_IMAGE == f"vllm/vllm-openai:v{images.VLLM_VERSION}"
+    recipe = (ROOT / "Makefile").read_text().split("\nimages:")[1].split("\n\n")[0]
+    built = {(d, t.replace("$(IMAGE_REGISTRY)", v["IMAGE_REGISTRY"]).replace("$(IMAGE_VERSION)", v["IMAGE_VERSION"]))
+             for d, t in re.findall(r"-f (\S+/Dockerfile) .*?-t (\S+)", recipe.replace("\\\n", " "))}
+    assert built == {("operator/Dockerfile", images.OPERATOR_IMAGE),
+                     ("trainer_image/Dockerfile", images.TRAINER_IMAGE),
+                     ("inference_image/Dockerfile", images.INFERENCE_IMAGE)}
+
+
+def test_dockerfiles_are_pinned_and_layered():
+    inference = (ROOT / "inference_image/Dockerfile").read_text()
+    assert dockerfile_args("inference_image/Dockerfile") == {"VLLM_BASE_IMAGE": images.VLLM_BASE_IMAGE}
+    assert "FROM ${VLLM_BASE_IMAGE}" in inference and "pip install" not in inference  # vLLM keeps its torch
+    trainer_base = dockerfile_args("trainer_image/Dockerfile")["TORCH_BASE_IMAGE"]
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    torch_pin = next(d for d in pyproject["project"]["optional-dependencies"]["trainer"] if d.startswith("torch=="))
+    assert trainer_base.startswith(f"pytorch/pytorch:{torch_pin.removeprefix('torch==')}-cuda")
+    assert '".[trainer]"' in (ROOT / "trainer_image/Dockerfile").read_text()
+    operator = (ROOT / "operator/Dockerfile").read_text()
+    assert '".[operator]"' in operator and "find_spec('torch') is None" in operator
+    for path in ("operator/Dockerfile", "trainer_image/Dockerfile", "inference_image/Dockerfile"):
+        for base in dockerfile_args(path).values():
+            assert ":" in base and not base.endswith(":latest"), f"{path}: unpinned base {base}"
