@@ -42,6 +42,12 @@ class Process:
     env: dict[str, str] = field(default_factory=dict)
 
 
+LOGPROBS_MODE = "processed_logprobs"
+"""The rollout log-probs are those of the distribution the sampler drew from (after the
+temperature), as the trainer's log-probs are: truncated importance sampling and the
+`logprob_mismatch` metric then compare like with like at any temperature."""
+
+
 def serve_command(spec: RLHFJobSpec, *, model_path: str, host: str, port: int, name: str, python: str = "python") -> list[str]:
     """The rollout server's command line: `vllm serve` (the pinned release, images.py) with
     the NCCL weight-transfer engine on GPUs, or the built-in CPU engine
@@ -56,7 +62,7 @@ def serve_command(spec: RLHFJobSpec, *, model_path: str, host: str, port: int, n
         return [
             python, "-m", "rlhf_inference.cpu_engine", "--model", model_path, "--host", host,
             "--port", str(port), "--seed", str(spec.schedule.seed), "--served-model-name", name,
-            "--generation-config", "vllm",
+            "--generation-config", "vllm", "--logprobs-mode", LOGPROBS_MODE,
         ]
     return [
         "vllm", "serve", model_path, "--host", host, "--port", str(port),
@@ -67,6 +73,7 @@ def serve_command(spec: RLHFJobSpec, *, model_path: str, host: str, port: int, n
         "--max-model-len", str(spec.data.max_prompt_length + r.max_tokens),
         "--generation-config", "vllm",
         "--weight-transfer-config", json.dumps({"backend": "nccl"}),
+        "--logprobs-mode", LOGPROBS_MODE,
     ]
 
 

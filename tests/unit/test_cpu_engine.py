@@ -343,3 +343,29 @@ def test_generation_config_auto_fills_omitted_fields_and_vllm_does_not(tmp_path,
         assert reply.status_code == 400 and reply.json()["error"]["param"] == "repetition_penalty"
         assert _completion(auto, repetition_penalty=1.0).status_code == 200  # sent explicitly: honoured
         assert _completion(neutral).status_code == 200
+
+
+def test_processed_logprobs_are_those_of_the_sampled_distribution():
+    """`--logprobs-mode processed_logprobs` (what the pod contract passes): the log-probs
+    at the temperature, the trainer's; raw ones are before it."""
+    from rlhf_inference.cpu_engine.generator import BatchGenerator, SamplingParams, Sequence
+    from rlhf_trainer.models.builtin import build_tiny_qwen2
+
+    model = build_tiny_qwen2(3).eval()
+    prompt = [5, 6, 7]
+    got = {}
+    for mode in ("raw_logprobs", "processed_logprobs"):
+        gen = BatchGenerator(model, eos_token_ids=set(), pad_token_id=0, max_model_len=64, logprobs_mode=mode)
+        seq = Sequence(prompt_token_ids=list(prompt), params=SamplingParams(temperature=0.5, max_tokens=4),
+                       generator=torch.Generator().manual_seed(0))
+        gen.generate([seq])
+        got[mode] = (seq.token_ids, seq.logprobs)
+    assert got["raw_logprobs"][0] == got["processed_logprobs"][0]  # same draws
+    ids = torch.tensor([prompt + got["raw_logprobs"][0]])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1:-1].float()
+    tokens = torch.tensor(got["raw_logprobs"][0])
+    at_t = torch.log_softmax(logits / 0.5, -1).gather(-1, tokens[:, None])[:, 0]
+    raw = torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(got["processed_logprobs"][1]), at_t, atol=1e-4)
+    assert torch.allclose(torch.tensor(got["raw_logprobs"][1]), raw, atol=1e-4)

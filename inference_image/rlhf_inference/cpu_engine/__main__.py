@@ -39,6 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--generation-config", default="auto",
                    help="'auto': sampling fields a request omits come from the model's "
                         "generation_config.json (as vLLM); 'vllm': neutral defaults")
+    p.add_argument("--logprobs-mode", default="raw_logprobs", choices=["raw_logprobs", "processed_logprobs"],
+                   help="as vLLM: log-probs before or after temperature / top-k / top-p")
     p.add_argument("--log-level", default="warning")
     return p.parse_args(argv)
 
@@ -64,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     engine = Engine(model, tokenizer, max_num_seqs=args.max_num_seqs, seed=args.seed,
-                    max_model_len=args.max_model_len)
+                    max_model_len=args.max_model_len, logprobs_mode=args.logprobs_mode)
     app = build_app(engine, model_name=args.served_model_name or args.model,
                     model_path=args.model, weight_timeout_s=args.weight_transfer_timeout,
                     generation_defaults=generation_defaults(args.model, args.generation_config))

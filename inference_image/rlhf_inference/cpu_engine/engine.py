@@ -48,7 +48,7 @@ class Engine:
     """Owns the model; thread-safe entry points for the HTTP layer."""
 
     def __init__(self, model, tokenizer, *, max_num_seqs: int = 256, seed: int = 0,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, logprobs_mode: str = "raw_logprobs"):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_num_seqs = max_num_seqs
@@ -62,7 +62,7 @@ class Engine:
             pad = next(iter(self.eos_token_ids), 0)
         self.generator = BatchGenerator(
             self.model, eos_token_ids=self.eos_token_ids, pad_token_id=pad,
-            max_model_len=self.max_model_len,
+            max_model_len=self.max_model_len, logprobs_mode=logprobs_mode,
         )
         self._rng = random.Random(seed)  # seeds for requests that bring none
         self.weight_version: str | None = None

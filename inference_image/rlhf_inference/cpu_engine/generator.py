@@ -24,6 +24,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+"""vLLM's `--logprobs-mode` values that the engine implements (raw: before temperature /
+top-k / top-p; processed: after them, what the sampler drew from)."""
 SAMPLING_EPS = 1e-5  # vLLM's threshold below which temperature means greedy
 
 
@@ -68,7 +71,11 @@ class BatchGenerator:
     Not thread-safe: one loop at a time (the engine's worker thread owns it).
     """
 
-    def __init__(self, model, *, eos_token_ids: set[int], pad_token_id: int, max_model_len: int):
+    def __init__(self, model, *, eos_token_ids: set[int], pad_token_id: int, max_model_len: int,
+                 logprobs_mode: str = "raw_logprobs"):
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
+        self.logprobs_mode = logprobs_mode
         self.model = model
         self.eos_token_ids = frozenset(eos_token_ids)
         self.pad_token_id = pad_token_id
@@ -145,10 +152,11 @@ class BatchGenerator:
 
     def _sample_and_check(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Sample one token per row, record logprobs, apply stop conditions."""
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        processed = torch.stack([_processed_logits(logits[row], seq.params) for row, seq in enumerate(seqs)])
+        raw_logprobs = torch.log_softmax(logits if self.logprobs_mode == "raw_logprobs" else processed, dim=-1)
         tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
         for row, seq in enumerate(seqs):
-            tokens[row] = _sample_one(logits[row], seq.params, seq.generator)
+            tokens[row] = _draw(processed[row], seq.params, seq.generator)
         token_list = tokens.tolist()
         sampled_lps = raw_logprobs.gather(1, tokens[:, None])[:, 0].tolist()
         for row, (seq, token, lp) in enumerate(zip(seqs, token_list, sampled_lps)):
@@ -173,10 +181,11 @@ class BatchGenerator:
             seq.finish_reason = "length"
 
 
-def _sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """Temperature -> top-k -> top-p -> multinomial draw with the sequence's generator."""
+def _processed_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature -> top-k -> top-p (masked to -inf): what the draw samples from, and what
+    `processed_logprobs` are the log-softmax of. Greedy leaves the logits as they are."""
     if params.temperature < SAMPLING_EPS:
-        return int(logits.argmax())
+        return logits
     x = logits / params.temperature
     if 0 < params.top_k < x.numel():
         kth = torch.topk(x, params.top_k).values[-1]
@@ -188,8 +197,14 @@ def _sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         drop_sorted[-1] = False  # always keep the most likely token
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
-    probs = torch.softmax(x, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return x
+
+
+def _draw(x: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """Argmax when greedy, else a multinomial draw with the sequence's generator."""
+    if params.temperature < SAMPLING_EPS:
+        return int(x.argmax())
+    return int(torch.multinomial(torch.softmax(x, dim=-1), 1, generator=generator))
 
 
 def _top_logprobs(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
