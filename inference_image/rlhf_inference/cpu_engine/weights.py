@@ -26,6 +26,8 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
+import queue
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -162,7 +164,9 @@ class WeightReceiver:
         self.group: GlooGroup | None = None
         self.info: InitInfo | None = None
         self.last_update: UpdateInfo | None = None
-        self._buffer: torch.Tensor | None = None  # reused receive buffer (no page faults per bucket)
+        # reused receive buffers (no allocation and page faults per bucket): one being
+        # received, one queued for loading, one being loaded
+        self._buffers: list[torch.Tensor | None] = [None] * 3
 
     def init(self, info: InitInfo) -> None:
         if not 0 < info.rank_offset < info.world_size:
@@ -189,18 +193,7 @@ class WeightReceiver:
         if problem is not None:
             load = lambda pairs: None  # noqa: E731  (drain the broadcasts, load nothing)
         if self.info.packed:
-            sizes = [info.nbytes(i) for i in range(len(info.names))]
-            for bucket in packed_buckets(sizes, self.info.packed_buffer_size_bytes):
-                nbytes = sum(sizes[i] for i in bucket)
-                if self._buffer is None or self._buffer.numel() < nbytes:
-                    self._buffer = torch.empty(nbytes, dtype=torch.uint8)
-                buffer = self._buffer[:nbytes]  # loaded (copied) before the next bucket arrives
-                self.group.broadcast(buffer, src=0)
-                parts = buffer.split([sizes[i] for i in bucket])
-                load([
-                    (info.names[i], _as_tensor(part, info.dtypes[i], info.shapes[i]))
-                    for i, part in zip(bucket, parts)
-                ])
+            self._receive_packed(info, load)
         else:
             for name, dtype, shape in zip(info.names, info.dtypes, info.shapes):
                 tensor = torch.empty(shape, dtype=dtype)
@@ -208,6 +201,41 @@ class WeightReceiver:
                 load([(name, tensor)])
         if problem is not None:
             raise problem
+
+    def _receive_packed(self, info: UpdateInfo, load: Callable[[list[tuple[str, torch.Tensor]]], None]) -> None:
+        """Receive bucket k+1 while a loader thread copies bucket k into the model."""
+        sizes = [info.nbytes(i) for i in range(len(info.names))]
+        ready: queue.Queue = queue.Queue(maxsize=1)
+        errors: list[BaseException] = []
+
+        def loader() -> None:
+            while (item := ready.get()) is not None:
+                bucket, buffer = item
+                if errors:
+                    continue
+                try:
+                    parts = buffer.split([sizes[i] for i in bucket])
+                    load([(info.names[i], _as_tensor(part, info.dtypes[i], info.shapes[i]))
+                          for i, part in zip(bucket, parts)])
+                except BaseException as exc:  # raised on the receiving thread below
+                    errors.append(exc)
+
+        thread = threading.Thread(target=loader, name="weight-loader", daemon=True)
+        thread.start()
+        try:
+            for k, bucket in enumerate(packed_buckets(sizes, self.info.packed_buffer_size_bytes)):
+                nbytes = sum(sizes[i] for i in bucket)
+                slot = k % len(self._buffers)
+                if self._buffers[slot] is None or self._buffers[slot].numel() < nbytes:
+                    self._buffers[slot] = torch.empty(nbytes, dtype=torch.uint8)
+                buffer = self._buffers[slot][:nbytes]
+                self.group.broadcast(buffer, src=0)
+                ready.put((bucket, buffer))  # waits until the loader took the previous bucket
+        finally:
+            ready.put(None)
+            thread.join()
+        if errors:
+            raise errors[0]
 
 
 def _as_tensor(part: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:

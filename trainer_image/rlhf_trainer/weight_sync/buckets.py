@@ -74,9 +74,12 @@ def pack_buckets(byte_tensors: Iterable[torch.Tensor], buffer_size_bytes: int,
     def cat(parts: list[torch.Tensor], total: int) -> torch.Tensor:
         if len(parts) == 1:
             return parts[0]
-        if ring is None:
-            return torch.cat(parts)
-        return torch.cat(parts, out=ring.take(total))
+        out = ring.take(total) if ring is not None else torch.empty(total, dtype=torch.uint8, device=parts[0].device)
+        offset = 0
+        for part in parts:  # one copy_ per tensor: torch.cat on uint8 measured up to 50x slower here
+            out[offset:offset + part.numel()].copy_(part)
+            offset += part.numel()
+        return out
 
     parts: list[torch.Tensor] = []
     total = 0
