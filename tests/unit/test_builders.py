@@ -188,6 +188,9 @@ def test_rollout_statefulset_uses_the_contract_gpus_probes_and_restricted_securi
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
     assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 1800
+    longer = children_of(make_job(rollout={"replicas": 3, "tensorParallelSize": 2, "startupTimeoutSeconds": 3600}))
+    probe = longer[("StatefulSet", "demo-rollout")]["spec"]["template"]["spec"]["containers"][0]["startupProbe"]
+    assert probe["periodSeconds"] * probe["failureThreshold"] == 3600  # the trainer's wait, one setting
     assert_restricted(pod)
     assert pod["restartPolicy"] == "Always" and pod["automountServiceAccountToken"] is False
 

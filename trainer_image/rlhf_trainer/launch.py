@@ -3,20 +3,26 @@
     python -m rlhf_trainer.launch --nnodes=N --nproc-per-node=P [torchrun options]
 
 reads RLHF_TRAINER_CONFIG, runs `preflight.check` and exits with code 2 naming the field
-when the config cannot work; otherwise it execs `python -m torch.distributed.run <options>
--m rlhf_trainer`, so torchrun's exit code is the container's.
+when the config cannot work; otherwise it runs `python -m torch.distributed.run <options>
+-m rlhf_trainer` as its child (forwarding SIGTERM / SIGINT) and exits with torchrun's code,
+except that a worker which found a config error only it could see (e.g. a rollout server
+image without weight transfer) leaves a marker file, and the launcher then exits 2:
+torchrun itself turns every worker failure into 1.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from rlhf_contract.pod import ENV_TRAINER_CONFIG
 from rlhf_contract.trainer_config import TrainerConfig
 
-from .preflight import EXIT_CONFIG_ERROR, check, write_termination_message
+from .preflight import ENV_CONFIG_ERROR_FILE, EXIT_CONFIG_ERROR, check, write_termination_message
 
 
 def _option(args: list[str], name: str, default: int) -> int:
@@ -43,8 +49,14 @@ def main(argv: list[str] | None = None) -> int:
         write_termination_message(message)
         return EXIT_CONFIG_ERROR
     command = [sys.executable, "-m", "torch.distributed.run", *args, "-m", "rlhf_trainer"]
-    os.execv(sys.executable, command)
-    return 0  # not reached
+    marker = Path(tempfile.mkdtemp(prefix="rlhf-launch-")) / "config-error"
+    child = subprocess.Popen(command, env={**os.environ, ENV_CONFIG_ERROR_FILE: str(marker)})
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
+    code = child.wait()
+    if code != 0 and marker.exists():
+        return EXIT_CONFIG_ERROR
+    return code
 
 
 if __name__ == "__main__":

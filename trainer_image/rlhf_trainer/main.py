@@ -15,7 +15,7 @@ from rlhf_contract.pod import ENV_OUTPUT_DIR, ENV_RESUME, ENV_ROLLOUT_ENDPOINTS,
 from rlhf_contract.trainer_config import TrainerConfig
 
 from .distributed import init_distributed
-from .preflight import write_termination_message
+from .preflight import EXIT_CONFIG_ERROR, mark_config_error, write_termination_message
 
 
 def main() -> None:
@@ -35,6 +35,8 @@ def main() -> None:
             loop.resume_if_possible()
         loop.run()
     except BaseException as err:
+        if isinstance(err, SystemExit) and err.code == EXIT_CONFIG_ERROR:
+            mark_config_error()  # the launcher exits 2: fail the job at once, no restart
         if not isinstance(err, KeyboardInterrupt):
             write_termination_message(f"rank {info.rank}: {type(err).__name__}: {err}".splitlines()[0])
         raise

@@ -18,6 +18,18 @@ from rlhf_contract.trainer_config import TrainerConfig
 
 EXIT_CONFIG_ERROR = 2
 TERMINATION_LOG = "/dev/termination-log"
+ENV_CONFIG_ERROR_FILE = "RLHF_CONFIG_ERROR_FILE"
+"""Set by the launcher: a worker that exits 2 (a config error only it could see) creates
+this file, so the launcher exits 2 although torchrun exits 1."""
+
+
+def mark_config_error() -> None:
+    path = os.environ.get(ENV_CONFIG_ERROR_FILE)
+    if path:
+        try:
+            Path(path).write_text("2")
+        except OSError:
+            pass
 
 
 def _model_config(path: str) -> tuple[dict | None, str | None]:

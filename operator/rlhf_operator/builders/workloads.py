@@ -59,7 +59,9 @@ def build_rollout_statefulset(job: RLHFJob, attempt: int, settings: PodSettings)
         "securityContext": container_security_context(),
         "volumeMounts": volume_mounts(settings),
         # Loading a large model takes minutes: up to 30 min before liveness applies.
-        "startupProbe": _probe(period=10, failures=180),
+        # as long as rollout.startupTimeoutSeconds (the trainer waits the same time)
+        "startupProbe": _probe(period=contract.ROLLOUT_STARTUP_PROBE_PERIOD_S,
+                               failures=contract.startup_probe_failures(job.spec)),
         "readinessProbe": _probe(period=10, failures=3),
         "livenessProbe": _probe(period=30, failures=4, timeout=10),
         "terminationMessagePolicy": "FallbackToLogsOnError",
