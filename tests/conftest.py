@@ -12,12 +12,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from rlhf_launcher.local import free_port  # noqa: E402  (one definition)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Callable
+from rlhf_launcher.local import free_port  # noqa: E402  (one definition)
 
 HERE = Path(__file__).resolve().parent
 BUILD_SCRIPT = HERE / "build.sh"
@@ -46,10 +47,6 @@ def binaries_built() -> bool:
     return (Path(out.stdout.strip()) / ".complete").exists()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.25):

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from rlhf_launcher.local import free_port  # noqa: E402  (one definition)
 
 WORKER = Path(__file__).parent / "workers" / "parallel_parity.py"
 TOL = 1e-5  # float32, relative (loss) and relative L2 per parameter gradient (worst one)
@@ -26,10 +27,6 @@ LAYOUTS = {  # world size -> "dp_shard,tp,cp[,ac]"
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(world: int, tmp_path: Path) -> dict:

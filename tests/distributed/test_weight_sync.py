@@ -18,14 +18,11 @@ from transformers import AutoModelForCausalLM
 from rlhf_inference.cpu_engine.weights import packed_buckets
 from rlhf_trainer.weight_sync import WeightSyncError, WeightSyncSender, bucket_ranges, pack_buckets
 from rlhf_trainer.weight_sync.sender import _checked_bytes
+from rlhf_launcher.local import free_port  # noqa: E402  (one definition)
 
 PROMPTS = [[6, 10, 4, 7, 15], [3, 15], [12, 11, 10, 9, 8, 7, 6, 5, 15], [5, 13, 8, 15]]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sha256(t: torch.Tensor) -> str:

@@ -291,11 +291,28 @@ def test_explained_variance():
     assert explained_variance(torch.full_like(r, 2.5), r, mask).item() == pytest.approx(0.0)
 
 
+def _loop_reduction(loss: list[list[float]], mask: list[list[float]], agg: str) -> float:
+    """DESIGN.md's definitions, with plain Python loops."""
+    rows = [(sum(l * m for l, m in zip(lr, mr)), sum(mr)) for lr, mr in zip(loss, mask)]
+    width = len(mask[0])
+    if agg == "token-mean":
+        return sum(s for s, _ in rows) / sum(n for _, n in rows)
+    if agg == "seq-mean-token-mean":
+        return sum(s / n for s, n in rows) / len(rows)
+    if agg == "seq-mean-token-sum":
+        return sum(s for s, _ in rows) / len(rows)
+    return sum(s / width for s, _ in rows) / len(rows)
+
+
 @pytest.mark.parametrize("agg", AGGREGATIONS)
-def test_agg_weights_reproduce_agg_loss(agg):
+def test_agg_weights_match_the_loop_definitions(agg):
+    """The trainer weights each packed token by agg_weights (train/step.py): the weighted
+    sum must be the aggregation as DESIGN.md defines it."""
     from rlhf_trainer.algorithms.losses import agg_weights
 
     gen = torch.Generator().manual_seed(5)
     mask = random_mask(6, 7, gen)
+    mask[:, 0] = 1  # every row has a token (seq-mean-token-mean divides by it)
     loss = torch.rand(6, 7, generator=gen, dtype=torch.float64)
-    assert (loss * agg_weights(mask, agg).double()).sum().item() == pytest.approx(agg_loss(loss, mask, agg).item(), rel=1e-6)
+    want = _loop_reduction(loss.tolist(), mask.tolist(), agg)
+    assert (loss * agg_weights(mask, agg).double()).sum().item() == pytest.approx(want, rel=1e-6)
