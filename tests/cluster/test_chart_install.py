@@ -51,7 +51,9 @@ def test_helm_install_then_the_operator_with_the_chart_permissions_runs_a_job(cl
         assert can("create", "pytorchjobs.kubeflow.org", "-n", jobs_ns) == "yes"
         assert can("create", "statefulsets.apps", "-n", "default") == "no"  # only the watched namespace
         assert can("get", "secrets", "-n", jobs_ns) == "no"
-        assert can("delete", "pods", "-n", jobs_ns) == "no"
+        assert can("delete", "pods", "-n", jobs_ns) == "yes"  # force-delete the pods of a lost node
+        assert can("create", "pods", "-n", jobs_ns) == "no"
+        assert can("get", "nodes/n1") == "yes" and can("patch", "nodes/n1") == "no"
         assert can("update", "leases.coordination.k8s.io/rlhf-operator", "-n", release_ns) == "yes"
         assert can("get", "namespaces/default") == "no"  # kopf may list namespace names, not read one
 
