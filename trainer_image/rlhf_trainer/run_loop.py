@@ -28,6 +28,7 @@ from rlhf_contract.trainer_config import TrainerConfig
 
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_final
 from .distributed import DistInfo, broadcast_object
+from .metrics import MetricsWriter, logprob_mismatch, peak_flops, peak_gpu_memory_bytes, train_mfu
 from .models.loading import build_models
 from .train.lr_schedule import lr_factor
 from .train.step import TrainStep
@@ -64,12 +65,8 @@ class RunLoop:
         self.policy_version = 0
         self.orchestrator = self.sender = self.metrics = self.progress = None
         self._last_row: dict[str, Any] = {}
-        self.num_params = sum(p.numel() for p in self.models.policy.parameters())
-        if info.world_size > 1:  # sharded: count the whole model once
-            self.num_params = sum(p.full_tensor().numel() if hasattr(p, "full_tensor") else p.numel()
-                                  for p in self.models.policy.parameters())
+        self.num_params = sum(p.numel() for p in self.models.policy.parameters())  # a DTensor's numel is global
         if info.is_main:
-            from .metrics import MetricsWriter
             from .progress import ProgressReporter
             from .orchestrator.orchestrator import Orchestrator
             from .weight_sync import WeightSyncSender
@@ -153,8 +150,6 @@ class RunLoop:
                 timings["weight_sync_seconds"] = 0.0
         if not self.info.is_main:
             return None
-        from .metrics import logprob_mismatch, peak_flops, peak_gpu_memory_bytes, train_mfu
-
         stats = vars(batch.stats).copy()
         num_tokens = stats.pop("num_tokens")
         lr = self.config.optim.learning_rate * self._lr_factor(self.config.algorithm.num_mini_batches - 1)
@@ -163,8 +158,6 @@ class RunLoop:
             extra["logprob_mismatch"] = logprob_mismatch(tensors.old_logprobs, tensors.rollout_logprobs, tensors.mask)
         dev = self.info.device
         if dev.type == "cuda":
-            import torch
-
             passes = 3.0 + (tensors.old_logprobs is not None) + (tensors.ref_logprobs is not None)
             extra["mfu"] = train_mfu(num_params=self.num_params, tokens=num_tokens,
                                      train_seconds=timings["train_seconds"], world_size=self.info.world_size,

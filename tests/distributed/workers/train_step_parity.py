@@ -106,7 +106,8 @@ def main() -> None:
                 err = ((params[name] - ref).norm() / ref.norm().clamp(min=1e-30)).item()
                 if err > worst:
                     worst, worst_name = err, name
-            moved = max(((params[n] - build_tiny_qwen2(0).state_dict()[n]).norm().item() for n in params))
+            initial = build_tiny_qwen2(0).state_dict()
+            moved = max((params[n] - initial[n]).norm().item() for n in params)
             results[case] = {"metrics": metrics, "ref_metrics": ref_metrics, "param_rel_err": worst,
                              "worst": worst_name, "moved": moved}
     finally:
