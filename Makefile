@@ -23,7 +23,7 @@ $(BWRAP):
 	  apt-get download -q bubblewrap=$(BWRAP_DEB_VERSION) 2>/dev/null \
 	    || { apt-get update -q >/dev/null && apt-get download -q bubblewrap=$(BWRAP_DEB_VERSION); } \
 	    || { echo "cannot fetch bubblewrap $(BWRAP_DEB_VERSION) with apt-get download; install bwrap on PATH or set RLHF_BWRAP" >&2; exit 1; }; \
-	  rm -rf $(BWRAP_DIR); dpkg -x bubblewrap_*.deb $(BWRAP_DIR); rm -rf $$tmp
+	  rm -rf $(BWRAP_DIR); mkdir -p $(BWRAP_DIR); dpkg -x bubblewrap_*.deb $(BWRAP_DIR); rm -rf $$tmp
 	$(BWRAP) --version
 
 $(STAMP): pyproject.toml
