@@ -60,3 +60,13 @@ def test_second_mini_batch_is_off_policy(results):
     # with two mini-batches the second one sees a moved policy: the ratio leaves 1 somewhere
     assert results["2,1,1:token-mean-2mb"]["ref_metrics"]["approx_kl"] > 0
     assert results["2,1,1:grpo"]["ref_metrics"]["approx_kl"] == 0  # one mini-batch: on-policy
+
+
+@pytest.mark.parametrize("case", CASES[2] + CASES[4])
+def test_tensor_parallel_head_never_gathers_logits(results, case):
+    # under TP the policy's log-probs and entropy came from the vocabulary-parallel head
+    # (every forward: prepare's no-grad pass and each micro-batch), and equal one process above
+    tp = int(case.split(":")[0].split(",")[1])
+    calls = results[case]["metrics"]["vocab_parallel_head_calls"]
+    assert (calls > 0) if tp > 1 else (calls == 0)
+    assert results[case]["ref_metrics"]["vocab_parallel_head_calls"] == 0

@@ -78,6 +78,7 @@ def run(layout: tuple[int, int, int], variant: str, temperature: float,
     metrics = step(batch, tensors)
     params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu().clone()
               for n, p in policy.named_parameters()}
+    metrics["vocab_parallel_head_calls"] = getattr(policy.get_output_embeddings(), "_rlhf_vocab_parallel_calls", 0)
     return metrics, params
 
 

@@ -11,12 +11,13 @@ The attention modules of transformers 5 reshape with `view(*shape, -1, head_dim)
 (`num_heads`, `num_key_value_heads`, present in some families) are divided anyway.
 
 The embedding is row-parallel over the vocabulary (output all-reduced) and the LM head
-column-parallel with logits gathered to every rank (`Replicate`), so callers see
-ordinary full logits.
+column-parallel (each rank holds a slice of the vocabulary's rows). A plain call of the
+head gathers the logits to every rank (`Replicate`), so other callers see ordinary full
+logits; the trainer's log-prob head (train/micro_batches.py) instead works on the local
+rows and reduces three numbers per token (vocabulary-parallel log-probs and entropy).
 
 Simplifications: no sequence parallelism (norms and residuals are replicated, not
-sharded over the sequence), no loss parallelism (full logits are gathered; costly for
-large vocabularies), no async TP. TP must divide both the query and the key/value head
+sharded over the sequence), no async TP. TP must divide both the query and the key/value head
 counts.
 """
 
