@@ -152,6 +152,9 @@ class Layout:
     reduce_group: dist.ProcessGroup | None = None
     """dp_shard x cp: where gradients and step metrics are summed (None: one process)."""
     reduce_size: int = 1
+    owns_rows: bool = True
+    """First of its tensor / context parallel peers (which see the same sequences): the
+    rank that contributes their per-token results when tables are assembled."""
 
     @property
     def cp_size(self) -> int:
@@ -186,4 +189,5 @@ def parallelize_models(policy: torch.nn.Module, *, ref: torch.nn.Module | None, 
     fsdp = dp * cp > 1
     return Layout(world_size=world_size, dp_size=dp, dp_rank=meshes.dp_shard.get_local_rank(),
                   cp_mesh=meshes.cp if cp > 1 else None,
-                  reduce_group=meshes.dp_shard_cp.get_group() if fsdp else None, reduce_size=dp * cp)
+                  reduce_group=meshes.dp_shard_cp.get_group() if fsdp else None, reduce_size=dp * cp,
+                  owns_rows=meshes.tp.get_local_rank() == 0 and meshes.cp.get_local_rank() == 0)

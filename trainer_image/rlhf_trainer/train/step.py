@@ -102,7 +102,7 @@ class TrainStep:
         if m.critic is not None:
             m.critic.eval()
         tables = gather_passes(batch.rows, self._plan(batch.rows, list(range(len(batch.rows)))), passes, cp,
-                               self.layout.world_size)
+                               self.layout.world_size, contributes=self.layout.owns_rows, device=dev)
         return build_step_tensors(batch.rows, tables, self.a, batch.group_size)
 
     # ---- updates ----------------------------------------------------------------------

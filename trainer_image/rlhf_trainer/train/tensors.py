@@ -2,9 +2,10 @@
 no-gradient passes (old / reference log-probs, the critic's values), the token rewards
 with an optional KL penalty, and the advantages.
 
-Every rank forwards its own micro-batches; the per-sequence results are all-gathered so
-that every rank computes the same advantages on the whole batch (group statistics and
-batch whitening are exact whatever the number of processes).
+Every rank forwards its own micro-batches; the per-token results are assembled into
+whole-batch tables with one all-reduce on the device, so that every rank computes the
+same advantages on the whole batch (group statistics and batch whitening are exact
+whatever the number of processes).
 """
 
 from __future__ import annotations
@@ -47,23 +48,38 @@ def needs_old_logprobs(a: AlgorithmSpec) -> bool:
 
 
 def gather_passes(rows: list[Row], micro_batches: list[MicroBatch], passes: dict[str, Callable[[MicroBatch], torch.Tensor]],
-                  cp_mesh, world_size: int) -> dict[str, torch.Tensor]:
+                  cp_mesh, world_size: int, *, contributes: bool = True,
+                  device: torch.device = torch.device("cpu")) -> dict[str, torch.Tensor]:
     """Run each no-grad pass over this rank's micro-batches and return, for every pass, the
-    whole batch's [B, T] table (every rank gets the same tables)."""
+    whole batch's [B, T] table on the CPU (every rank gets the same tables).
+
+    Each rank writes its own rows into zero tables on the device; one all-reduce SUM of
+    the stacked tables over the world then assembles the batch (exact: each entry is one
+    rank's value plus zeros). Tensor / context parallel peers hold identical rows, so
+    only one of them (`contributes`) writes them.
+    """
     width = max(max((len(r.response_ids) for r in rows), default=1), 1)
-    local: dict[str, dict[int, torch.Tensor]] = {k: {} for k in passes}
+    if not passes:
+        return {}
+    tables = torch.zeros(len(passes), len(rows), width, dtype=torch.float32, device=device)
     with torch.no_grad():
         for mb in micro_batches:
-            for name, fn in passes.items():
-                for i, values in zip(mb.rows, mb.gather(whole_row(fn(mb), cp_mesh))):
-                    local[name][i] = values
-    if world_size > 1 and passes:
-        parts: list = [None] * world_size
-        dist.all_gather_object(parts, local)
-        for part in parts:  # tensor / context parallel peers hold identical copies
-            for name in passes:
-                local[name].update(part[name])
-    return {name: pad_rows([local[name][i].tolist() for i in range(len(rows))], width) for name in passes}
+            # (row, column) of each predicted response token and its packed position
+            row_idx, col_idx, pos_idx = [], [], []
+            for k, i in enumerate(mb.rows):
+                pos = mb.positions(k)
+                row_idx += [i] * len(pos)
+                col_idx += range(len(pos))
+                pos_idx += pos
+            index = [torch.tensor(x, dtype=torch.long, device=device) for x in (row_idx, col_idx, pos_idx)]
+            for j, fn in enumerate(passes.values()):
+                values = whole_row(fn(mb), cp_mesh)[0]
+                if contributes:
+                    tables[j, index[0], index[1]] = values[index[2]].float()
+    if world_size > 1:
+        dist.all_reduce(tables)
+    tables = tables.cpu()
+    return {name: tables[j] for j, name in enumerate(passes)}
 
 
 def build_step_tensors(rows: list[Row], tables: dict[str, torch.Tensor], a: AlgorithmSpec,
