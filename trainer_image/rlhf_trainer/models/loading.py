@@ -3,13 +3,25 @@ trainer's processes (parallel/parallelize.py), and give the policy and the refer
 chunked log-prob head (train/micro_batches.py).
 
 The policy loads in fp32 (master weights; on CUDA FSDP2 computes in bf16); the
-reference model never trains, so it has no optimizer state. Simplification: every rank
-reads the whole checkpoint before sharding (no meta-device loading yet).
+reference model never trains, so it has no optimizer state.
+
+Sharded loading: whenever the models are laid out (several processes, or FSDP on one
+GPU) the policy and the reference are built on the meta device (no memory, no random
+init), parallelized there, given empty storage for their own shards only, and filled
+from the checkpoint: rank 0 reads the safetensors files (in their stored dtype) and
+streams them tensor by tensor; every rank keeps its shard (`set_model_state_dict` with
+`broadcast_from_rank0`). So no GPU ever holds a whole model, and only rank 0's host reads
+the files. One process on the CPU loads plainly. Simplification: the critic (PPO only)
+still loads whole on every rank before sharding.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
+import torch.distributed as dist
 
 from rlhf_contract.trainer_config import TrainerConfig
 
@@ -25,10 +37,76 @@ def load_causal_lm(path: str, device: torch.device) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
 
 
+def empty_causal_lm(path: str) -> torch.nn.Module:
+    """The model of `path`'s config with fp32 parameters on the meta device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face directory (one `model.safetensors` or the shards
+    named by `model.safetensors.index.json`), in its stored dtype."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"model.path: no model.safetensors or model.safetensors.index.json in {path}")
+    out: dict[str, torch.Tensor] = {}
+    for name in files:
+        out.update(load_file(str(path / name)))
+    return out
+
+
+def _rebuild_buffers(model: torch.nn.Module, device: torch.device) -> None:
+    """Non-persistent buffers (rotary frequencies) are not in checkpoints: compute them
+    again for the modules that own them (after `to_empty` they hold garbage)."""
+    for name, module in model.named_modules():
+        if not getattr(module, "_non_persistent_buffers_set", None):
+            continue
+        if not type(module).__name__.endswith("RotaryEmbedding"):
+            raise ValueError(f"model.path: cannot rebuild the non-persistent buffers of {name} "
+                             f"({type(module).__name__}) after sharded loading")
+        with torch.device(device):
+            fresh = type(module)(config=module.config)
+        for key in module._non_persistent_buffers_set:
+            module._buffers[key] = fresh._buffers[key]
+
+
+def fill_from_checkpoint(model: torch.nn.Module, path: str, device: torch.device) -> None:
+    """Collective: give a parallelized meta-device model storage for its shards and load
+    `path`'s weights into them (rank 0 reads and broadcasts; each rank keeps its shard)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    model.to_empty(device=device)
+    _rebuild_buffers(model, device)
+    full: dict[str, torch.Tensor] = {}
+    if dist.get_rank() == 0:
+        full = read_safetensors(path)
+        expected = set(model.state_dict())
+        for key in expected - set(full):  # tied output embedding: stored once
+            if key == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False):
+                full[key] = full["model.embed_tokens.weight"]
+        missing = sorted(expected - set(full))
+        if missing:
+            raise ValueError(f"model.path: {path} lacks {len(missing)} weights the model needs, e.g. {missing[:3]}")
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+                                                               strict=False))
+
+
 def build_models(config: TrainerConfig, info: DistInfo) -> tuple[Models, Layout]:
     a, o = config.algorithm, config.optim
-    policy = load_causal_lm(config.model_path, info.device)
-    ref = load_causal_lm(config.model_path, info.device).eval().requires_grad_(False) if a.kl_coef else None
+    sharded = info.world_size > 1 or info.device.type == "cuda"
+    new = empty_causal_lm if sharded else (lambda path: load_causal_lm(path, info.device))
+    policy = new(config.model_path)
+    ref = new(config.model_path).eval().requires_grad_(False) if a.kl_coef else None
     critic = None
     if a.critic:
         from .critic import ValueModel
@@ -40,6 +118,8 @@ def build_models(config: TrainerConfig, info: DistInfo) -> tuple[Models, Layout]
                                 device_type=info.device.type)
     for model in (policy, ref):
         if model is not None:
+            if sharded:
+                fill_from_checkpoint(model, config.model_path, info.device)
             attach_logprob_head(model, tensor_parallel=p.tensor_parallel > 1)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=o.learning_rate, weight_decay=o.weight_decay)
     critic_optimizer = None
