@@ -1,7 +1,8 @@
 """Sharded loading (models/loading.py) gives every rank exactly the checkpoint's weights,
 holding only its shard: FSDP, TP and CP over 2 gloo processes against a plain
 single-process `from_pretrained`, for an untied fp32 model, a tied one and one stored in
-bf16 across several safetensors shards."""
+bf16 across several safetensors shards; and the final export (`save_final`), streamed
+into safetensors shards from the sharded model, reads back as the same weights."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def results(tmp_path_factory) -> dict:
     save_models(root)
     assert len(list((root / "untied-bf16-sharded").glob("*.safetensors"))) > 1  # really sharded
     out = root.parent / "sharded_loading.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "EXPORT_ROOT": str(root.parent / "exports")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
            str(WORKER), "--models-dir", str(root), "--out", str(out), *LAYOUTS]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -57,5 +58,8 @@ def test_sharded_loading_equals_plain_loading(results, model, layout):
     assert r["dtype"] == "torch.float32"  # master weights in fp32 whatever the stored dtype
     assert r["logits_max_abs_err"] < 1e-5
     assert r["tied"] == model.startswith("tied")
+    export = r["export"]  # final/ written by save_final, read by from_pretrained
+    assert export["max_abs_err"] == 0.0 and export["tied"] == model.startswith("tied")
+    assert export["files"] > 1  # streamed into several safetensors shards (with an index)
     if layout != "1,1,2":  # FSDP and TP shard every matrix (CP alone replicates)
         assert r["largest_local_fraction"] <= 0.5

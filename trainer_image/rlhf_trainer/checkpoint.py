@@ -23,7 +23,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     get_state_dict,
     set_state_dict,
 )
@@ -95,22 +94,69 @@ def load_checkpoint(path: Path, parts: Parts) -> dict[str, Any]:
     return json.loads((path / "trainer_state.json").read_text())
 
 
-def save_final(output_dir: str | Path, model: torch.nn.Module, tokenizer: Any) -> Path | None:
-    """Collective: gather full weights to rank 0 and write a Hugging Face directory."""
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() != 0:
-        dist.barrier()
-        return None
-    from transformers import AutoModelForCausalLM
+MAX_SHARD_BYTES = 5 * 1024**3
+"""Largest safetensors file of the final export (Hugging Face's default shard size)."""
 
+
+def save_final(output_dir: str | Path, model: torch.nn.Module, tokenizer: Any,
+               max_shard_bytes: int = MAX_SHARD_BYTES) -> Path | None:
+    """Collective: write the model as a Hugging Face directory (fp32 master weights).
+
+    Streams tensor by tensor: every rank takes part in gathering each full tensor, rank 0
+    keeps at most one safetensors shard (`max_shard_bytes`) in host memory and writes it,
+    then `model.safetensors.index.json` when there are several. A tied output embedding is
+    stored once, as Hugging Face does."""
+    from safetensors.torch import save_file
+
+    rank0 = dist.get_rank() == 0 if dist.is_initialized() else True
     final = Path(output_dir) / "final"
     tmp = Path(output_dir) / "final.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    plain = AutoModelForCausalLM.from_config(model.config)
-    plain.load_state_dict(full)
-    plain.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    dist.barrier()
-    return final
+    if rank0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size, files, total = 0, [], 0
+
+    def flush() -> None:
+        nonlocal size
+        if shards[-1]:
+            name = f"part-{len(files):05d}.safetensors"
+            save_file(shards[-1], str(tmp / name), metadata={"format": "pt"})
+            files.append((name, list(shards[-1])))
+        shards[-1], size = {}, 0
+
+    for name, tensor in model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue
+        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor  # collective for DTensors
+        if not rank0:
+            continue
+        full = full.detach().to("cpu", copy=True).contiguous()
+        nbytes = full.numel() * full.element_size()
+        if size and size + nbytes > max_shard_bytes:
+            flush()
+        shards[-1][name] = full
+        size += nbytes
+        total += nbytes
+    if rank0:
+        flush()
+        if len(files) == 1:
+            (tmp / files[0][0]).rename(tmp / "model.safetensors")
+        else:
+            renamed = {}
+            for i, (name, keys) in enumerate(files):
+                new_name = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+                (tmp / name).rename(tmp / new_name)
+                renamed.update({k: new_name for k in keys})
+            index = {"metadata": {"total_size": total}, "weight_map": renamed}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        model.config.save_pretrained(tmp)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+    if dist.is_initialized():
+        dist.barrier()
+    return final if rank0 else None

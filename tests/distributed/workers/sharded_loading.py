@@ -48,7 +48,20 @@ def compare(path: Path, layout: tuple[int, int, int]) -> dict:
         else:
             got = model(**cp_inputs(pack([ids[0].tolist()]), None), use_cache=False).logits
             got = got.full_tensor() if hasattr(got, "full_tensor") else got
-    return {"param_max_abs_err": worst, "largest_local_fraction": local_fraction, "buffers_equal": buffers_equal,
+    # the final export, streamed in shards of at most 40 kB: Hugging Face reads back the same weights
+    from rlhf_trainer.checkpoint import save_final
+    from rlhf_trainer.models.builtin import build_tokenizer
+
+    export_dir = Path(os.environ["EXPORT_ROOT"]) / f"{path.name}-{'-'.join(map(str, layout))}"
+    final = save_final(export_dir, model, build_tokenizer(), max_shard_bytes=40_000)
+    export = {}
+    if final is not None:
+        again = load_causal_lm(str(final), cpu)
+        export = {"files": len(list(final.glob("*.safetensors"))),
+                  "max_abs_err": max((a - b).abs().max().item() for a, b in
+                                     zip(again.state_dict().values(), plain.state_dict().values())),
+                  "tied": again.get_output_embeddings().weight is again.get_input_embeddings().weight}
+    return {"export": export, "param_max_abs_err": worst, "largest_local_fraction": local_fraction, "buffers_equal": buffers_equal,
             "logits_max_abs_err": (got - want).abs().max().item(), "dtype": str(next(model.parameters()).dtype),
             "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight}
 
