@@ -61,5 +61,7 @@ def test_sharded_loading_equals_plain_loading(results, model, layout):
     export = r["export"]  # final/ written by save_final, read by from_pretrained
     assert export["max_abs_err"] == 0.0 and export["tied"] == model.startswith("tied")
     assert export["files"] > 1  # streamed into several safetensors shards (with an index)
+    # written in the dtype the source checkpoint declared (the trainer holds fp32 master weights)
+    assert export["stored_dtypes"] == ["torch.bfloat16" if "bf16" in model else "torch.float32"]
     if layout != "1,1,2":  # FSDP and TP shard every matrix (CP alone replicates)
         assert r["largest_local_fraction"] <= 0.5

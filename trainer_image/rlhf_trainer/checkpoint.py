@@ -12,6 +12,7 @@ directory and renamed, so `final/` is never half-written).
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import shutil
@@ -100,7 +101,8 @@ MAX_SHARD_BYTES = 5 * 1024**3
 
 def save_final(output_dir: str | Path, model: torch.nn.Module, tokenizer: Any,
                max_shard_bytes: int = MAX_SHARD_BYTES) -> Path | None:
-    """Collective: write the model as a Hugging Face directory (fp32 master weights).
+    """Collective: write the model as a Hugging Face directory, in the dtype its source
+    checkpoint declared (`model._rlhf_export_dtype`, set when it was loaded; else fp32).
 
     Streams tensor by tensor: every rank takes part in gathering each full tensor, rank 0
     keeps at most one safetensors shard (`max_shard_bytes`) in host memory and writes it,
@@ -115,6 +117,7 @@ def save_final(output_dir: str | Path, model: torch.nn.Module, tokenizer: Any,
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    dtype = getattr(model, "_rlhf_export_dtype", None) or torch.float32
     shards: list[dict[str, torch.Tensor]] = [{}]
     size, files, total = 0, [], 0
 
@@ -132,7 +135,7 @@ def save_final(output_dir: str | Path, model: torch.nn.Module, tokenizer: Any,
         full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor  # collective for DTensors
         if not rank0:
             continue
-        full = full.detach().to("cpu", copy=True).contiguous()
+        full = full.detach().to("cpu", dtype, copy=True).contiguous()
         nbytes = full.numel() * full.element_size()
         if size and size + nbytes > max_shard_bytes:
             flush()
@@ -151,7 +154,9 @@ def save_final(output_dir: str | Path, model: torch.nn.Module, tokenizer: Any,
                 renamed.update({k: new_name for k in keys})
             index = {"metadata": {"total_size": total}, "weight_map": renamed}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        model.config.save_pretrained(tmp)
+        config = copy.deepcopy(model.config)
+        config.dtype = dtype
+        config.save_pretrained(tmp)
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

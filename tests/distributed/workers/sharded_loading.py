@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
 from rlhf_trainer.data.balanced_packing import pack
 from rlhf_trainer.models.loading import empty_causal_lm, fill_from_checkpoint, load_causal_lm
@@ -60,7 +61,9 @@ def compare(path: Path, layout: tuple[int, int, int]) -> dict:
         export = {"files": len(list(final.glob("*.safetensors"))),
                   "max_abs_err": max((a - b).abs().max().item() for a, b in
                                      zip(again.state_dict().values(), plain.state_dict().values())),
-                  "tied": again.get_output_embeddings().weight is again.get_input_embeddings().weight}
+                  "tied": again.get_output_embeddings().weight is again.get_input_embeddings().weight,
+                  "stored_dtypes": sorted({str(t.dtype) for f in final.glob("*.safetensors")
+                                           for t in load_file(str(f)).values()})}
     return {"export": export, "param_max_abs_err": worst, "largest_local_fraction": local_fraction, "buffers_equal": buffers_equal,
             "logits_max_abs_err": (got - want).abs().max().item(), "dtype": str(next(model.parameters()).dtype),
             "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight}

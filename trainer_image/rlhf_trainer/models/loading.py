@@ -3,7 +3,9 @@ trainer's processes (parallel/parallelize.py), and give the policy and the refer
 chunked log-prob head (train/micro_batches.py).
 
 The policy loads in fp32 (master weights; on CUDA FSDP2 computes in bf16); the
-reference model never trains, so it has no optimizer state.
+reference model never trains, so it has no optimizer state and, on GPUs, is stored in
+bf16. The final export is written in the dtype the model's config declares
+(`_rlhf_export_dtype`, checkpoint.save_final).
 
 Sharded loading: whenever the models are laid out (several processes, or FSDP on one
 GPU) the policy and the reference are built on the meta device (no memory, no random
@@ -31,19 +33,32 @@ from ..train.micro_batches import attach_logprob_head
 from ..train.step import Models
 
 
-def load_causal_lm(path: str, device: torch.device) -> torch.nn.Module:
+def stored_dtype(path: str) -> torch.dtype:
+    """The dtype `path`'s config declares (what the final export is written in)."""
+    from transformers import AutoConfig
+
+    dtype = getattr(AutoConfig.from_pretrained(path), "dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
+def load_causal_lm(path: str, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    model._rlhf_export_dtype = stored_dtype(path)
+    return model
 
 
-def empty_causal_lm(path: str) -> torch.nn.Module:
-    """The model of `path`'s config with fp32 parameters on the meta device."""
+def empty_causal_lm(path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The model of `path`'s config with parameters of `dtype` on the meta device."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path)
+    export = stored_dtype(path)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model._rlhf_export_dtype = export
+    return model
 
 
 def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
@@ -104,9 +119,11 @@ def fill_from_checkpoint(model: torch.nn.Module, path: str, device: torch.device
 def build_models(config: TrainerConfig, info: DistInfo) -> tuple[Models, Layout]:
     a, o = config.algorithm, config.optim
     sharded = info.world_size > 1 or info.device.type == "cuda"
-    new = empty_causal_lm if sharded else (lambda path: load_causal_lm(path, info.device))
-    policy = new(config.model_path)
-    ref = new(config.model_path).eval().requires_grad_(False) if a.kl_coef else None
+    new = empty_causal_lm if sharded else (lambda path, dtype: load_causal_lm(path, info.device, dtype))
+    policy = new(config.model_path, torch.float32)
+    # the reference never trains: on GPUs it is stored in bf16 (what it computes in), no optimizer state
+    ref_dtype = torch.bfloat16 if info.device.type == "cuda" else torch.float32
+    ref = new(config.model_path, ref_dtype).eval().requires_grad_(False) if a.kl_coef else None
     critic = None
     if a.critic:
         from .critic import ValueModel
