@@ -16,7 +16,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
-from .api.models import AlgorithmSpec, DataSpec, EnvironmentSpec, ParallelismSpec, RewardSpec, RLHFJob, ScheduleSpec
+from .api.models import (AlgorithmSpec, DataSpec, EnvironmentSpec, Method, ParallelismSpec, PreferenceSpec, RewardSpec,
+                         RLHFJob, ScheduleSpec)
 
 
 class _Config(BaseModel):
@@ -80,6 +81,10 @@ class TrainerConfig(_Config):
 
     job_name: str = Field(min_length=1)
     """The RLHFJob's name (metrics labels, progress reports)."""
+    method: Method = "rl"
+    """`rl` (rollouts), or offline from the data alone: `sft`, `rm`, `dpo`."""
+    preference: PreferenceSpec = Field(default_factory=PreferenceSpec)
+    """`dpo` / `rm`: the preference loss."""
     namespace: str | None = None
     """The RLHFJob's namespace on a cluster; null in local mode."""
     model_path: str = Field(min_length=1)
@@ -117,6 +122,7 @@ class TrainerConfig(_Config):
         r, t, o = s.rollout, s.trainer, s.output
         return cls(
             job_name=job.metadata.name, namespace=job.metadata.namespace, model_path=s.model.path,
+            method=s.method, preference=s.preference,
             data=s.data, reward=s.reward, environment=s.environment, algorithm=s.algorithm,
             sampling=SamplingConfig(samples_per_prompt=r.samples_per_prompt, max_tokens=r.max_tokens,
                                     temperature=r.temperature, top_p=r.top_p, top_k=r.top_k),

@@ -151,6 +151,14 @@ def _read_metrics(path: Path) -> list[dict]:
 
 def summarize(rows: list[dict]) -> str:
     """Mean reward of the first and last 10 steps (what the demo promises)."""
+    if rows and "reward_mean" not in rows[0]:  # sft, rm, dpo
+        losses = [r["loss"] for r in rows]
+        text = f"loss: first 10 steps {mean(losses[:10]):.4f}, last 10 steps {mean(losses[-10:]):.4f}"
+        evals = [r for r in rows if r.get("eval_accuracy") is not None or r.get("eval_loss") is not None]
+        if evals:
+            key = "eval_accuracy" if evals[-1].get("eval_accuracy") is not None else "eval_loss"
+            text += f"; held-out {key[5:]}: start {evals[0][key]:.3f}, end {evals[-1][key]:.3f}"
+        return text
     rewards = [r["reward_mean"] for r in rows]
     if not rewards:
         return "no steps completed"
@@ -184,7 +192,7 @@ def run_local(job: RLHFJob, *, output: str | None = None, resume: bool = False, 
     config_path = out / "trainer.json"
     config_path.write_text(trainer_config.to_json())
 
-    ports = [free_port() for _ in range(spec.rollout.replicas)]
+    ports = [free_port() for _ in range(0 if spec.offline else spec.rollout.replicas)]  # sft, rm, dpo: no servers
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     children: list[_Child] = []
     metrics_path = out / "metrics.jsonl"
@@ -195,7 +203,7 @@ def run_local(job: RLHFJob, *, output: str | None = None, resume: bool = False, 
             for i, port in enumerate(ports):
                 proc = rollout_process(resolved, model_path=model_path, host="127.0.0.1", port=port, python=sys.executable)
                 children.append(_Child(f"rollout-{i}", proc, out / "logs" / f"rollout-{i}.log"))
-            console.print(f"[bold]{job.metadata.name}[/]: {spec.rollout.replicas} rollout server(s), {spec.trainer.nproc_per_node} trainer process(es); output in {out}")
+            console.print(f"[bold]{job.metadata.name}[/] ({spec.method}): {len(ports)} rollout server(s), {spec.trainer.nproc_per_node} trainer process(es); output in {out}")
             _wait_healthy(children, urls)
             trainer = trainer_process(
                 resolved, config_path=str(config_path), rollout_endpoints=urls,
@@ -215,7 +223,8 @@ def run_local(job: RLHFJob, *, output: str | None = None, resume: bool = False, 
                     rows = _read_metrics(metrics_path)
                     if rows:
                         last = rows[-1]
-                        progress.update(task, completed=last["step"], info=f"reward {last['reward_mean']:.3f}  {last['tokens_per_second']:.0f} tok/s")
+                        shown = f"reward {last['reward_mean']:.3f}" if "reward_mean" in last else f"loss {last['loss']:.4f}"
+                        progress.update(task, completed=last["step"], info=f"{shown}  {last['tokens_per_second']:.0f} tok/s")
                     for child in children:
                         code = child.poll()
                         if code is not None and (child is not trainer_child or code != 0):

@@ -23,14 +23,20 @@ def main() -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     config = TrainerConfig.from_json(Path(os.environ[ENV_TRAINER_CONFIG]).read_text())
     endpoints = [e for e in os.environ.get(ENV_ROLLOUT_ENDPOINTS, "").split(",") if e]
-    if not endpoints:
+    if not endpoints and config.method == "rl":
         raise SystemExit(f"{ENV_ROLLOUT_ENDPOINTS} is empty: the trainer needs at least one rollout server")
     info = init_distributed()
+    output_dir = os.environ.get(ENV_OUTPUT_DIR) or config.output.dir or "/output"
     try:
-        from .run_loop import RunLoop
+        if config.method == "rl":
+            from .run_loop import RunLoop
 
-        loop = RunLoop(config, info, endpoints=endpoints, weight_sync_addr=os.environ[ENV_WEIGHT_SYNC_ADDR],
-                       output_dir=os.environ.get(ENV_OUTPUT_DIR) or config.output.dir or "/output")
+            loop = RunLoop(config, info, endpoints=endpoints, weight_sync_addr=os.environ[ENV_WEIGHT_SYNC_ADDR],
+                           output_dir=output_dir)
+        else:  # sft, rm, dpo: from the data alone, no rollout servers
+            from .offline.loop import OfflineLoop
+
+            loop = OfflineLoop(config, info, output_dir=output_dir)
         if os.environ.get(ENV_RESUME, "1") == "1":
             loop.resume_if_possible()
         loop.run()

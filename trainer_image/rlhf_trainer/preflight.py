@@ -71,6 +71,19 @@ def check(config: TrainerConfig, world_size: int) -> list[str]:
     data = config.data.path
     if not data.startswith("builtin://") and not Path(data).exists():
         problems.append(f"spec.data.path: {data} does not exist in the trainer (mount the volume that holds it)")
+    if config.method != "rl":
+        if data.startswith("builtin://"):
+            from .offline.data import BUILTIN_OFFLINE
+
+            kind = "pair" if config.method in ("rm", "dpo") else "sft"
+            choices = [f"builtin://{n}" for n, (k, _) in BUILTIN_OFFLINE.items() if k == kind]
+            if data not in choices:
+                problems.append(f"spec.data.path: {data} is not a built-in {config.method} task; choose one of "
+                                + ", ".join(choices))
+        if world_size % p.tensor_parallel:
+            problems.append(f"spec.trainer.parallelism.tensorParallel: {p.tensor_parallel} does not divide the "
+                            f"{world_size} trainer processes")
+        return problems  # the rest is about rollouts and rewards
     longest = config.data.max_prompt_length + s.max_tokens
     if o.max_tokens_per_micro_batch < longest:
         problems.append(f"spec.trainer.maxTokensPerMicroBatch: {o.max_tokens_per_micro_batch} cannot hold the longest "

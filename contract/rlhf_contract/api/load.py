@@ -13,7 +13,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic.alias_generators import to_camel
 
 from .models import RLHFJob
-from .rules import RuleViolations
+from .rules import RL_ONLY_FIELDS, RuleViolations
 
 
 @dataclass(frozen=True)
@@ -123,6 +123,12 @@ def validate_job(data: Any, overrides: list[str] = (), source: str = "") -> RLHF
     if not isinstance(data, dict):
         raise JobError([Problem("", "the job file must hold one YAML mapping (an RLHFJob)")], source)
     data = apply_overrides(data, list(overrides))
+    spec = data.get("spec")
+    if isinstance(spec, dict) and spec.get("method", "rl") not in ("rl", None):
+        given = [f for f in RL_ONLY_FIELDS if spec.get(f) is not None]
+        if given:
+            raise JobError([Problem(f"spec.{f}", f"only method rl reads it; remove it from this "
+                                    f"method {spec['method']} job (it trains from data alone)") for f in given], source)
     try:
         return RLHFJob.model_validate(data)
     except ValidationError as err:

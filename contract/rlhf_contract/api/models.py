@@ -166,6 +166,15 @@ class DataSpec(_Model):
     """Prompts longer than this many tokens are dropped (the count is logged)."""
     shuffle: bool = True
     """Shuffle the prompts each epoch (seeded by `schedule.seed`)."""
+    response_key: str = "response"
+    """`method: sft`: column of the response text (with `promptKey`; or `messagesKey` turns)."""
+    chosen_key: str = "chosen"
+    """`method: rm` / `dpo`: column of the preferred response (text or an assistant message)."""
+    rejected_key: str = "rejected"
+    """`method: rm` / `dpo`: column of the dispreferred response."""
+    eval_fraction: float = Field(default=0.0, ge=0, lt=1)
+    """`method: sft` / `rm` / `dpo`: fraction of the examples held out and scored every
+    `schedule.evalEvery` steps and at the end (`eval_*` metrics)."""
 
 
 class CodeSandboxSpec(_Model):
@@ -384,6 +393,9 @@ class ScheduleSpec(_Model):
     """Save a checkpoint every this many steps; 0 saves only the final model."""
     seed: int = 0
     """Seed for data order, sampling and the built-in model's weights."""
+    eval_every: int = Field(default=0, ge=0)
+    """`method: sft` / `rm` / `dpo`: score the held-out examples every this many steps (0: only
+    at the start and the end)."""
 
 
 class OutputSpec(_Model):
@@ -414,9 +426,27 @@ class RunPolicy(_Model):
     """Delete the job this many seconds after it finished."""
 
 
+class PreferenceSpec(_Model):
+    """`method: dpo` (and `rm`'s margin): how preference pairs are turned into a loss."""
+
+    beta: float = Field(default=0.1, gt=0)
+    """DPO: scale of the implicit reward beta x (log pi - log pi_ref)."""
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    """DPO: `sigmoid` (the DPO paper) or `ipo` (squared distance to 1 / (2 beta))."""
+    label_smoothing: float = Field(default=0.0, ge=0, lt=0.5)
+    """DPO and RM (sigmoid): assumed probability that a pair's label is flipped (conservative DPO)."""
+
+
+Method = Literal["rl", "sft", "rm", "dpo"]
+
+
 class RLHFJobSpec(_Model):
     """What to train and how."""
 
+    method: Method = "rl"
+    """`rl`: rollouts scored by `reward` (the default); offline, from `data` alone with no
+    rollout servers: `sft` (supervised fine-tuning), `rm` (a reward model, Bradley-Terry),
+    `dpo` (direct preference optimization against the frozen starting model)."""
     model: ModelSpec
     """The policy model."""
     data: DataSpec
@@ -443,6 +473,13 @@ class RLHFJobSpec(_Model):
     """Scheduling and volumes of every pod of the job (ignored in local mode)."""
     suspend: bool = False
     """Scale everything to zero, keeping checkpoints; set back to false to resume."""
+    preference: PreferenceSpec = PreferenceSpec()
+    """`method: dpo` / `rm`: the preference loss."""
+
+    @property
+    def offline(self) -> bool:
+        """SFT, RM and DPO train from the dataset alone: no rollout servers."""
+        return self.method != "rl"
 
     @property
     def trainer_world_size(self) -> int:

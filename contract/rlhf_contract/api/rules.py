@@ -86,10 +86,10 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         field_path="trainer.maxTokensPerMicroBatch",
-        cel="self.trainer.maxTokensPerMicroBatch >= self.data.maxPromptLength + self.rollout.maxTokens",
+        cel="self.method != 'rl' || self.trainer.maxTokensPerMicroBatch >= self.data.maxPromptLength + self.rollout.maxTokens",
         message="must hold the longest possible sequence, data.maxPromptLength + rollout.maxTokens "
         "(a micro-batch packs whole sequences); raise it or lower those two",
-        check=lambda s: s.trainer.max_tokens_per_micro_batch >= s.data.max_prompt_length + s.rollout.max_tokens,
+        check=lambda s: s.offline or s.trainer.max_tokens_per_micro_batch >= s.data.max_prompt_length + s.rollout.max_tokens,
         detail=lambda s: f"{s.trainer.max_tokens_per_micro_batch} < {s.data.max_prompt_length} + {s.rollout.max_tokens}",
     ),
     Rule(
@@ -99,15 +99,36 @@ RULES: tuple[Rule, ...] = (
         check=lambda s: s.samples_per_step % s.algorithm.num_mini_batches == 0,
         detail=lambda s: f"{s.algorithm.num_mini_batches} does not divide {s.samples_per_step} samples",
     ),
+    Rule(
+        field_path="trainer.parallelism.contextParallel",
+        cel=f"self.method == 'rl' || {_CP} == 1",
+        message="must be 1 for method sft, rm and dpo (context parallelism is for RL's long rollouts); "
+        "use data parallelism (trainer.nprocPerNode) instead",
+        check=lambda s: not s.offline or s.trainer.parallelism.context_parallel == 1,
+        detail=lambda s: f"got {s.trainer.parallelism.context_parallel} with method {s.method}",
+    ),
+    Rule(
+        field_path="trainer.parallelism.tensorParallel",
+        cel=f"self.method != 'rm' || {_TP} == 1",
+        message="must be 1 for method rm (the reward model's score head is not tensor parallel yet); "
+        "use data parallelism (trainer.nprocPerNode) instead",
+        check=lambda s: s.method != "rm" or s.trainer.parallelism.tensor_parallel == 1,
+        detail=lambda s: f"got {s.trainer.parallelism.tensor_parallel}",
+    ),
 )
+
+RL_ONLY_FIELDS: tuple[str, ...] = ("reward", "environment", "algorithm", "rollout", "sandboxService")
+"""Spec fields that only `method: rl` reads: a job file of another method that sets one is
+refused naming it (`load.validate_job`; on a cluster the API server's defaults fill them in,
+so the operator only ignores them)."""
 
 
 MUTABLE_FIELDS: tuple[str, ...] = ("suspend", "runPolicy")
 """Spec fields an update may change: the operator acts on them at once (suspend scales
 everything to zero; runPolicy's budget, deadline and TTL are read on every reconcile)."""
 
-IMMUTABLE_FIELDS: tuple[str, ...] = ("model", "data", "reward", "environment", "algorithm", "rollout",
-                                     "trainer", "schedule", "output", "pod", "sandboxService")
+IMMUTABLE_FIELDS: tuple[str, ...] = ("method", "model", "data", "reward", "environment", "algorithm", "rollout",
+                                     "trainer", "schedule", "output", "pod", "sandboxService", "preference")
 """Spec fields (YAML names under spec) that an update may not change. Each is read once,
 when the pods start (the config file, the trainer's world and endpoints, the servers'
 command line), so a change on a running job would be half-applied. The CRD carries one
