@@ -345,20 +345,25 @@ def _plan(body: dict[str, Any], job: RLHFJob | None, observed: Observed, now: da
                       f"waiting for {len(leftovers)} pod(s) of an earlier run to be deleted", support=True,
                       delete=stale)
 
-    expected = {ROLE_ROLLOUT: job.spec.rollout.replicas, ROLE_TRAINER: job.spec.trainer.num_nodes}
+    if job.spec.offline:  # sft, rm, dpo run the trainer alone
+        expected, required = {ROLE_TRAINER: job.spec.trainer.num_nodes}, ["PyTorchJob"]
+    else:
+        expected = {ROLE_ROLLOUT: job.spec.rollout.replicas, ROLE_TRAINER: job.spec.trainer.num_nodes}
+        required = ["StatefulSet", "PyTorchJob"]
     pods = [p for p in ours if _attempt_of(p) == restarts and not p["metadata"].get("deletionTimestamp")]
     by_role = {r: [p for p in pods if _labels(p).get(LABEL_ROLE) == r] for r in expected}
     counts = ", ".join(f"{sum((p.get('status') or {}).get('phase') == 'Running' for p in by_role[r])}/{n} {r}"
                        for r, n in expected.items())
-    if len(current) < len(workloads) or any(len(by_role[r]) < n for r, n in expected.items()):
+    if any(k not in current for k in required) or any(len(by_role[r]) < n for r, n in expected.items()):
         return finish("Pending", "CreatingPods", f"waiting for pods: {counts} running", support=True, create=True)
     if not all(p.get("spec", {}).get("nodeName") for p in pods):
         return finish("Pending", "Unschedulable" if _unschedulable(pods) else "Scheduling",
                       f"waiting for pods to be scheduled: {counts} running", support=True, create=True)
     running = all((p.get("status") or {}).get("phase") == "Running" for p in pods)
-    ready = all(_ready(p) for p in by_role[ROLE_ROLLOUT])
+    ready = all(_ready(p) for p in by_role.get(ROLE_ROLLOUT, []))
     if running and ready:
-        return finish("Running", "AllPodsRunning", f"{counts} running; rollout servers ready", support=True,
+        return finish("Running", "AllPodsRunning",
+                      f"{counts} running" + ("" if job.spec.offline else "; rollout servers ready"), support=True,
                       create=True)
     return finish("Initializing", "PodsStarting", f"{counts} running", support=True, create=True)
 

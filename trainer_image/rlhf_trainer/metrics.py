@@ -60,6 +60,17 @@ STEP_GAUGES: dict[str, str] = {
     "critic_grad_norm": "Critic gradient norm before clipping (PPO with a critic only).",
     "explained_variance": "Explained variance of the returns by the critic's values (PPO only).",
     "learning_rate": "Policy learning rate at the step.",
+    # offline methods (sft, rm, dpo); eval_* are the same on the held-out examples
+    "accuracy": "RM and DPO: fraction of pairs whose chosen response scores above the rejected one.",
+    "reward_margin": "RM and DPO: mean chosen minus rejected reward (RM score; DPO beta x log-ratio).",
+    "chosen_reward": "RM and DPO: mean reward of the chosen responses.",
+    "rejected_reward": "RM and DPO: mean reward of the rejected responses.",
+    "chosen_logratio": "DPO: mean log pi(chosen) - log pi_ref(chosen).",
+    "rejected_logratio": "DPO: mean log pi(rejected) - log pi_ref(rejected).",
+    "eval_loss": "Offline methods: loss on the held-out examples (SFT: token-mean NLL).",
+    "eval_accuracy": "RM and DPO: accuracy on the held-out pairs.",
+    "eval_reward_margin": "RM and DPO: reward margin on the held-out pairs.",
+    "num_examples": "Offline methods: examples (SFT sequences or preference pairs) in the step.",
     # time and throughput
     "step_seconds": "Wall time of the RL step.",
     "rollout_seconds": "Wall time of the rollout phase (generation and rewards).",

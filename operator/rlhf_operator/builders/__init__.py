@@ -24,12 +24,13 @@ WORKLOAD_KINDS = ("StatefulSet", "PyTorchJob")
 
 
 def build_support(job: RLHFJob) -> list[dict[str, Any]]:
-    """Children that live as long as the job (not restarted): config, identity, network."""
+    """Children that live as long as the job (not restarted): config, identity, network;
+    for `method: rl` also the rollout and weight-sync services (and the code sandbox)."""
+    common = [build_config_map(job), build_service_account(job), build_role(job), build_role_binding(job)]
+    if job.spec.offline:  # sft, rm, dpo: the trainer alone
+        return [*common, build_network_policy(job)]
     return [
-        build_config_map(job),
-        build_service_account(job),
-        build_role(job),
-        build_role_binding(job),
+        *common,
         build_rollout_service(job),
         build_weight_sync_service(job),
         build_network_policy(job),
@@ -39,7 +40,10 @@ def build_support(job: RLHFJob) -> list[dict[str, Any]]:
 
 def build_workloads(job: RLHFJob, attempt: int, settings: PodSettings) -> list[dict[str, Any]]:
     """The pods' owners for one attempt: rollout StatefulSet first (servers load the model
-    while the trainer starts), then the trainer PyTorchJob."""
+    while the trainer starts), then the trainer PyTorchJob; offline methods (sft, rm, dpo)
+    only the PyTorchJob."""
+    if job.spec.offline:
+        return [build_trainer_pytorchjob(job, attempt, settings)]
     return [build_rollout_statefulset(job, attempt, settings), build_trainer_pytorchjob(job, attempt, settings)]
 
 

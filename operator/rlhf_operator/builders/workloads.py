@@ -31,7 +31,10 @@ HEALTH_PATH = "/health"
 
 
 def rollout_endpoints(job: RLHFJob) -> list[str]:
-    """Base URLs of the rollout servers: the StatefulSet pods' stable DNS names."""
+    """Base URLs of the rollout servers: the StatefulSet pods' stable DNS names (none for
+    the offline methods)."""
+    if job.spec.offline:
+        return []
     name, ns = rollout_name(job.metadata.name), namespace_of(job)
     return [f"http://{name}-{i}.{name}.{ns}.svc:{contract.ROLLOUT_PORT}" for i in range(job.spec.rollout.replicas)]
 

@@ -57,7 +57,8 @@ class ScoreModel(torch.nn.Module):
         super().__init__()
         from transformers import AutoModelForSequenceClassification
 
-        classifier = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
+        classifier, info = AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=1, dtype=torch.float32, output_loading_info=True)
         if not hasattr(classifier, "score"):
             raise ValueError(f"model.path: {type(classifier).__name__} has no `score` head; method rm supports "
                              "decoder families with one (Qwen2, Llama, Mistral, ...)")
@@ -66,7 +67,8 @@ class ScoreModel(torch.nn.Module):
             self.config.pad_token_id = pad_token_id
         self.config.architectures = [type(classifier).__name__]
         self.model, self.score = classifier.model, classifier.score
-        torch.nn.init.zeros_(self.score.weight)  # scores start at 0 (and equal on every rank)
+        if any(k.startswith("score.") for k in info["missing_keys"]):  # a new head (not a reward model's)
+            torch.nn.init.zeros_(self.score.weight)  # scores start at 0, equal on every rank
         self._rlhf_export_dtype = stored_dtype(path)
 
     def set_attn_implementation(self, name: str) -> None:
