@@ -304,3 +304,18 @@ def test_the_cluster_example_builds_with_its_pod_block():
            ["containers"][0]["env"]}
     assert env["RLHF_OUTPUT_DIR"] == "/work/runs/qwen-math-grpo"
     roundtrip(sts, "V1StatefulSet")
+
+
+@pytest.mark.parametrize("method", ["sft", "rm", "dpo"])
+def test_offline_methods_get_the_trainer_alone(method):
+    data = make_job(method=method)
+    data["spec"].pop("rollout")
+    children = children_of(data)
+    kinds = sorted({kind for kind, _ in children})
+    assert "StatefulSet" not in kinds and "Service" not in kinds, kinds  # no rollout servers, no services
+    ptj = next(c for (kind, _), c in children.items() if kind == "PyTorchJob")
+    env = {e["name"]: e.get("value") for spec in ptj["spec"]["pytorchReplicaSpecs"].values()
+           for c in spec["template"]["spec"]["containers"] for e in c.get("env", [])}
+    assert env[contract.ENV_ROLLOUT_ENDPOINTS] == ""
+    config = json.loads(children[("ConfigMap", "demo-config")]["data"]["trainer.json"])
+    assert config["method"] == method

@@ -272,3 +272,27 @@ def test_terminating_pods_of_a_lost_node_are_force_deleted_so_the_restart_comple
     assert p.force_delete == ["demo-rollout-0"] and not p.create_workloads
     # Once they are gone, the next attempt is created.
     assert run(body(status), Observed()).create_workloads
+
+
+def offline_body(method="sft", **kw):
+    b = body(**kw)
+    b["spec"].pop("rollout")
+    b["spec"]["method"] = method
+    return b
+
+
+def test_offline_job_runs_with_its_trainer_alone():
+    # sft / rm / dpo: the PyTorchJob and its pods are the whole job; no StatefulSet is awaited
+    p = run(offline_body(), Observed(pytorchjob=workload("PyTorchJob", 0),
+                                     pods=[pod("demo-trainer-master-0", "trainer", 0)]))
+    assert p.status["phase"] == "Running", p.status
+    assert cond(p, "Running")["message"] == "1/1 trainer running"
+    # the same observation for an RL job is still waiting for its rollout servers
+    assert run(body(), Observed(pytorchjob=workload("PyTorchJob", 0),
+                                pods=[pod("demo-trainer-master-0", "trainer", 0)])).status["phase"] == "Pending"
+
+
+def test_offline_job_succeeds_with_its_trainer():
+    done = Observed(pytorchjob=workload("PyTorchJob", 0, [("Succeeded", "done")]),
+                    pods=[pod("demo-trainer-master-0", "trainer", 0, phase="Succeeded")])
+    assert run(offline_body("dpo", status={"phase": "Running"}), done).status["phase"] == "Succeeded"

@@ -1,0 +1,136 @@
+"""Offline methods: the losses against their definitions computed one pair at a time,
+the data layouts (multi-turn SFT masks, preference columns), and admission."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlhf_contract.api import validate_job
+from rlhf_contract.api.load import JobError
+from rlhf_trainer.models.builtin import build_tokenizer
+from rlhf_trainer.offline.data import OfflineData, Tokenize
+from rlhf_trainer.offline.losses import bradley_terry_loss, dpo_loss, sft_loss_sum
+from rlhf_contract.api.models import DataSpec
+
+
+def sigmoid(x: float) -> float:
+    return 1 / (1 + math.exp(-x))
+
+
+def test_dpo_and_ipo_match_their_definitions_pair_by_pair():
+    gen = torch.Generator().manual_seed(0)
+    pc, pr, rc, rr = (-torch.rand(6, generator=gen, dtype=torch.float64) * 10 for _ in range(4))
+    for loss_type, eps in (("sigmoid", 0.0), ("sigmoid", 0.2), ("ipo", 0.0)):
+        loss, chosen, rejected = dpo_loss(pc, pr, rc, rr, beta=0.3, loss_type=loss_type, label_smoothing=eps)
+        for i in range(6):
+            h = (pc[i].item() - rc[i].item()) - (pr[i].item() - rr[i].item())
+            if loss_type == "sigmoid":
+                want = -(1 - eps) * math.log(sigmoid(0.3 * h)) - eps * math.log(sigmoid(-0.3 * h))
+            else:
+                want = (h - 1 / 0.6) ** 2
+            assert loss[i].item() == pytest.approx(want, rel=1e-9)
+            assert chosen[i].item() == pytest.approx(0.3 * (pc[i] - rc[i]).item())
+            assert rejected[i].item() == pytest.approx(0.3 * (pr[i] - rr[i]).item())
+
+
+def test_bradley_terry_and_sft_match_their_definitions():
+    c, r = torch.tensor([2.0, -1.0, 0.5], dtype=torch.float64), torch.tensor([1.0, 1.0, 0.5], dtype=torch.float64)
+    got = bradley_terry_loss(c, r, 0.1)
+    for i in range(3):
+        d = c[i].item() - r[i].item()
+        assert got[i].item() == pytest.approx(-0.9 * math.log(sigmoid(d)) - 0.1 * math.log(sigmoid(-d)))
+    logp, mask = torch.tensor([-1.0, -2.0, -3.0]), torch.tensor([1.0, 0.0, 1.0])
+    assert sft_loss_sum(logp, mask).item() == pytest.approx(4.0)
+
+
+CHAT = ("{% for m in messages %}<{{ m['role'][0] }}>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<a>{% endif %}")
+
+
+class CharTokenizer:
+    """Characters as tokens, with a chat template (the built-in tokenizer has none)."""
+
+    eos_token_id = 0
+    chat_template = CHAT
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(ch) for ch in text]}
+
+    def apply_chat_template(self, turns, add_generation_prompt=False, tokenize=False):
+        from jinja2 import Template
+
+        return Template(CHAT).render(messages=turns, add_generation_prompt=add_generation_prompt)
+
+
+def test_multi_turn_sft_trains_on_assistant_turns_only():
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+             {"role": "user", "content": "ok?"}, {"role": "assistant", "content": "no"}]
+    ex = Tokenize("sft", DataSpec(path="x"), CharTokenizer())({"messages": turns})
+    (seq,) = ex.sequences
+    text = "".join(chr(t) for t in seq.prompt_ids + seq.response_ids)
+    assert text == "<u>hi<a>yo<u>ok?<a>no"
+    trained = "".join(chr(t) for t, m in zip(seq.response_ids, seq.loss_mask) if m)
+    assert trained == "yono"  # the assistant's words, not the user's nor the template's
+    assert "".join(chr(t) for t in seq.prompt_ids) == "<u>hi<a>"
+
+
+def test_preference_rows_accept_text_messages_and_message_lists():
+    tok = CharTokenizer()
+    t = Tokenize("dpo", DataSpec(path="x"), tok)
+    a = t({"prompt": "p:", "chosen": "good", "rejected": "bad"})
+    b = t({"messages": [{"role": "user", "content": "p"}],
+           "chosen": {"role": "assistant", "content": "good"},
+           "rejected": [{"role": "user", "content": "p"}, {"role": "assistant", "content": "bad"}]})
+    for ex in (a, b):
+        chosen, rejected = ex.sequences
+        assert chosen.prompt_ids == rejected.prompt_ids
+        assert chosen.response_ids == [ord(c) for c in "good"] + [0]  # ends with EOS
+        assert rejected.response_ids == [ord(c) for c in "bad"] + [0]
+    with pytest.raises(ValueError, match=r"data\.rejectedKey: a row has no column 'rejected'"):
+        t({"prompt": "p", "chosen": "x"})
+
+
+def test_builtin_task_must_fit_the_method_and_held_out_examples_are_disjoint():
+    tok = build_tokenizer()
+    with pytest.raises(ValueError, match=r"data\.path: 'builtin://last-digit' is not a built-in dpo task; "
+                                         r"choose one of builtin://prefer-even"):
+        OfflineData("dpo", DataSpec(path="builtin://last-digit"), tok, seed=0, batch_size=4, budget=64)
+    data = OfflineData("rm", DataSpec(path="builtin://prefer-even"), tok, seed=0, batch_size=4, budget=64)
+    train = {tuple(s.prompt_ids + s.response_ids) for step in range(1, 20) for ex in data.batch(step)
+             for s in ex.sequences}
+    held = {tuple(s.prompt_ids + s.response_ids) for ex in data.eval for s in ex.sequences}
+    assert len(data.eval) == 200 and data.batch(3) == data.batch(3)  # a pure function of the step
+    assert len(train & held) < 0.1 * len(held)  # short toy strings may repeat; the indices never do
+
+
+def test_dataset_file_split_into_train_and_held_out(tmp_path):
+    rows = [{"prompt": f"{i}:", "response": str(i % 10)} for i in range(50)]
+    (tmp_path / "d.jsonl").write_text("\n".join(__import__("json").dumps(r) for r in rows))
+    data = OfflineData("sft", DataSpec(path=str(tmp_path / "d.jsonl"), eval_fraction=0.2), build_tokenizer(),
+                       seed=0, batch_size=8, budget=64)
+    assert len(data.eval) == 10 and len(data.train) == 40
+    assert not {id(e) for e in data.eval} & {id(e) for e in data.train}
+
+
+def offline_job(**spec):
+    return {"apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob", "metadata": {"name": "x"},
+            "spec": {"method": "sft", "model": {"path": "/m"}, "data": {"path": "/d"}, **spec}}
+
+
+@pytest.mark.parametrize("field", ["rollout", "reward", "algorithm", "environment"])
+def test_rl_only_fields_are_refused_for_offline_methods(field):
+    with pytest.raises(JobError, match=rf"spec\.{field}: only method rl reads it; remove it"):
+        validate_job(offline_job(**{field: {"file": "env.py"} if field == "environment" else {}}))
+
+
+def test_offline_methods_refuse_context_parallel_and_rm_refuses_tensor_parallel():
+    with pytest.raises(JobError, match=r"spec\.trainer\.parallelism\.contextParallel: must be 1 for method sft"):
+        validate_job(offline_job(trainer={"nprocPerNode": 2, "parallelism": {"contextParallel": 2}}))
+    with pytest.raises(JobError, match=r"spec\.trainer\.parallelism\.tensorParallel: must be 1 for method rm"):
+        validate_job(offline_job(method="rm", trainer={"nprocPerNode": 2, "parallelism": {"tensorParallel": 2}}))
+    job = validate_job(offline_job(method="dpo", trainer={"nprocPerNode": 2, "parallelism": {"tensorParallel": 2},
+                                                          "maxTokensPerMicroBatch": 64}))
+    assert job.spec.offline  # TP is fine for dpo; the RL budget rule (prompt + maxTokens) does not apply
