@@ -110,6 +110,9 @@ INVALID = [
      ["spec.trainer.parallelism", "must divide the trainer world size"]),
     ("mini batches do not divide", with_("spec.algorithm", {"numMiniBatches": 3}),
      ["spec.algorithm.numMiniBatches", "must divide"]),
+    ("sft with context parallel",
+     with_("spec.method", "sft", with_("spec.trainer", {"nprocPerNode": 2, "parallelism": {"contextParallel": 2}})),
+     ["spec.trainer.parallelism.contextParallel", "must be 1 for method sft"]),
 ]
 
 

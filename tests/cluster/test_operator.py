@@ -372,3 +372,21 @@ def test_built_children_of_the_cluster_example_pass_server_validation(cluster: C
     for child in build_children(job, attempt=0):
         proc = cluster.kubectl("create", "--dry-run=server", "-f", "-", input=yaml.safe_dump(child), check=False)
         assert proc.returncode == 0, f"{child['kind']}: {proc.stderr}"
+
+
+def test_sft_job_gets_a_trainer_and_no_rollout_servers(cluster: Cluster, setup):
+    ns, log = setup["ns"], setup["log"]
+    doc = job_doc("sft", method="sft")
+    for field in ("rollout", "algorithm"):  # only RL reads them
+        doc["spec"].pop(field)
+    create(cluster, ns, doc)
+    j = wait_job(cluster, ns, "sft", "Running", 0, log=log)
+    assert condition(j, "Running")["message"] == "1/1 trainer running"
+    names = cluster.kubectl("get", "configmap,service,statefulset,pytorchjob", "-n", ns, "-l", "rlhf.dev/job=sft",
+                            "-o", "name").stdout.split()
+    assert sorted(names) == ["configmap/sft-config", "pytorchjob.kubeflow.org/sft-trainer"]
+    (trainer,) = running_pods(cluster, ns, "sft", 0, count=1)
+    env = {e["name"]: e.get("value") for e in trainer["spec"]["containers"][0]["env"]}
+    assert not env.get("RLHF_ROLLOUT_ENDPOINTS")  # no servers to reach
+    config = json.loads(cluster.get("configmap", "sft-config", namespace=ns)["data"]["trainer.json"])
+    assert config["method"] == "sft"

@@ -433,7 +433,7 @@ class PreferenceSpec(_Model):
     """DPO: scale of the implicit reward beta x (log pi - log pi_ref)."""
     loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
     """DPO: `sigmoid` (the DPO paper) or `ipo` (squared distance to 1 / (2 beta))."""
-    label_smoothing: float = Field(default=0.0, ge=0, lt=0.5)
+    label_smoothing: float = Field(default=0.0, ge=0, le=0.5)
     """DPO and RM (sigmoid): assumed probability that a pair's label is flipped (conservative DPO)."""
 
 
