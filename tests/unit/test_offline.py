@@ -134,3 +134,20 @@ def test_offline_methods_refuse_context_parallel_and_rm_refuses_tensor_parallel(
     job = validate_job(offline_job(method="dpo", trainer={"nprocPerNode": 2, "parallelism": {"tensorParallel": 2},
                                                           "maxTokensPerMicroBatch": 64}))
     assert job.spec.offline  # TP is fine for dpo; the RL budget rule (prompt + maxTokens) does not apply
+
+
+EXAMPLES = sorted((__import__("pathlib").Path(__file__).resolve().parents[2] / "examples").rglob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", [p for p in EXAMPLES if "pipeline" in p.parts or p.stem in
+                                  ("local-sft", "local-rm", "local-dpo")], ids=lambda p: p.stem)
+def test_offline_examples_validate_and_build_a_trainer_alone(path):
+    from rlhf_contract.api.load import load_job
+    from rlhf_operator.builders import build_children
+
+    job = load_job(path)
+    assert job.spec.offline
+    if "pipeline" in path.parts:  # cluster jobs: the operator creates the trainer alone
+        job.metadata.namespace, job.metadata.uid = "ns", "uid"
+        kinds = {c["kind"] for c in build_children(job, 0)}
+        assert "PyTorchJob" in kinds and "StatefulSet" not in kinds
