@@ -110,6 +110,8 @@ INVALID = [
      ["spec.trainer.parallelism", "must divide the trainer world size"]),
     ("mini batches do not divide", with_("spec.algorithm", {"numMiniBatches": 3}),
      ["spec.algorithm.numMiniBatches", "must divide"]),
+    ("model reward without a model", with_("spec.reward", {"type": "model"}),
+     ["spec.reward.model", "is required when reward.type is model"]),
     ("sft with context parallel",
      with_("spec.method", "sft", with_("spec.trainer", {"nprocPerNode": 2, "parallelism": {"contextParallel": 2}})),
      ["spec.trainer.parallelism.contextParallel", "must be 1 for method sft"]),

@@ -87,3 +87,39 @@ def test_fsdp_on_two_processes_equals_one(tmp_path, method):
         for key in ("loss", "grad_norm", "accuracy", "reward_margin", "eval_loss"):
             if a.get(key) is not None:
                 assert b[key] == pytest.approx(a[key], rel=2e-4, abs=1e-6), (method, a["step"], key)
+
+
+def even_fraction(out: Path, steps: range) -> float:
+    """Fraction of sampled responses made only of even digits (what the toy reward model prefers)."""
+    rows = [json.loads(line) for s in steps for line in (out / "rollouts" / f"step-{s}.jsonl").read_text().splitlines()]
+    texts = [r["response"].replace("<eos>", "") for r in rows]
+    return sum(bool(t) and all(c in "02468" for c in t) for t in texts) / len(texts)
+
+
+def rlhf(out: Path, rm_final: Path, *overrides: str) -> list[dict]:
+    cmd = [sys.executable, "-m", "rlhf_launcher.cli", "run", str(ROOT / "examples" / "local-rlhf.yaml"),
+           "--output", str(out), "--set", f"reward.model.path={rm_final}", "--set", "output.saveRollouts=true"]
+    for item in overrides:
+        cmd += ["--set", item]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=400)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_rl_against_the_learned_reward_model(runs, tmp_path):
+    # the reward model that local-rm.yaml trained, then GRPO against it (reward.type: model)
+    rows = rlhf(tmp_path / "rlhf", runs["rm"][0] / "final")
+    first, last = even_fraction(tmp_path / "rlhf", range(1, 11)), even_fraction(tmp_path / "rlhf", range(51, 61))
+    assert last >= 3 * first and last > 0.3, (first, last)  # the preferred behaviour, learned from the RM alone
+    scores = [r["rm_score_mean"] for r in rows]
+    assert mean(scores[-10:]) > mean(scores[:10]) + 0.3
+    assert all(r["reward_mean"] == pytest.approx(r["rm_score_mean"], abs=1e-5) for r in rows)  # type model, weight 1
+
+
+def test_reward_model_scores_equal_on_two_processes(runs, tmp_path):
+    common = ["schedule.totalSteps=2", "schedule.saveEvery=0"]
+    one = rlhf(tmp_path / "one", runs["rm"][0] / "final", *common, "trainer.nprocPerNode=1")
+    two = rlhf(tmp_path / "two", runs["rm"][0] / "final", *common, "trainer.nprocPerNode=2")
+    for a, b in zip(one, two):
+        for key in ("rm_score_mean", "rm_score_std", "loss", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=2e-4, abs=1e-6), key

@@ -151,3 +151,31 @@ def test_offline_examples_validate_and_build_a_trainer_alone(path):
         job.metadata.namespace, job.metadata.uid = "ns", "uid"
         kinds = {c["kind"] for c in build_children(job, 0)}
         assert "PyTorchJob" in kinds and "StatefulSet" not in kinds
+
+
+def rl_job(**reward):
+    return {"apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob", "metadata": {"name": "x"},
+            "spec": {"model": {"path": "/m"}, "data": {"path": "/d"}, "reward": reward}}
+
+
+def test_model_reward_needs_a_model_and_refuses_dynamic_sampling():
+    with pytest.raises(JobError, match=r"spec\.reward\.model: is required when reward\.type is model"):
+        validate_job(rl_job(type="model"))
+    doc = rl_job(type="math", model={"path": "/rm", "weight": 0.5})
+    doc["spec"]["algorithm"] = {"preset": "dapo"}
+    with pytest.raises(JobError, match=r"spec\.algorithm\.dynamicSampling: cannot be true with reward\.model"):
+        validate_job(doc)
+    doc["spec"]["algorithm"]["dynamicSampling"] = False
+    assert validate_job(doc).spec.reward.model.weight == 0.5  # combined with math, weighted
+
+
+def test_model_reward_adds_weighted_scores_and_updates_the_step_reward():
+    from rlhf_trainer.orchestrator.types import RolloutBatch, RolloutStats, Row
+    from rlhf_trainer.train.reward_model import add_model_rewards
+
+    rows = [Row([1], [2], [0.0], reward, reward, False) for reward in (1.0, 0.0)]
+    batch = RolloutBatch(rows, 2, RolloutStats(0.5, 0.5, 1, 0, 0, 4))
+    metrics = add_model_rewards(batch, torch.tensor([2.0, -1.0]), 0.5)
+    assert [r.reward for r in rows] == [2.0, -0.5] and [r.score for r in rows] == [1.0, 0.0]
+    assert batch.stats.reward_mean == pytest.approx(0.75)
+    assert metrics == {"rm_score_mean": 0.5, "rm_score_std": 1.5}

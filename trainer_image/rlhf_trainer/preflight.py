@@ -100,6 +100,18 @@ def check(config: TrainerConfig, world_size: int) -> list[str]:
         if heads and (heads % p.tensor_parallel or kv % p.tensor_parallel):
             problems.append(f"spec.trainer.parallelism.tensorParallel: {p.tensor_parallel} must divide the model's "
                             f"attention heads ({heads}) and key/value heads ({kv})")
+    if config.reward.model is not None:
+        rm, error = _model_config(config.reward.model.path)
+        if error:
+            problems.append(error.replace("spec.model.path", "spec.reward.model.path"))
+        elif rm is not None and not any(str(a).endswith("ForSequenceClassification") for a in rm.get("architectures") or []):
+            problems.append(f"spec.reward.model.path: {config.reward.model.path} is not a sequence classifier "
+                            f"(architectures {rm.get('architectures')}); train one with method: rm")
+        elif rm is not None and len(rm.get("id2label") or {0: ""}) != 1:
+            problems.append(f"spec.reward.model.path: {config.reward.model.path} is a classifier with "
+                            f"{len(rm['id2label'])} labels; a reward model has 1 (what method: rm exports)")
+        if p.tensor_parallel > 1:
+            problems.append("spec.trainer.parallelism.tensorParallel: > 1 is not supported with reward.model; use 1")
     if config.reward.type == "python":
         problems += filter(None, [_readable_python(config.reward.file, "spec.reward.file")])
     if config.environment is not None:

@@ -55,12 +55,13 @@ class RunLoop:
         self.output_dir = Path(output_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
         torch.manual_seed(config.schedule.seed)
-        self.models, self.layout = build_models(config, info)
+        self.models, self.layout = build_models(config, info, self.tokenizer.pad_token_id)
         o = config.optim
         self.train_step = TrainStep(config.algorithm, self.models, self.layout,
                                     max_tokens_per_micro_batch=o.max_tokens_per_micro_batch,
                                     max_grad_norm=o.max_grad_norm, temperature=config.sampling.temperature,
-                                    device=info.device)
+                                    device=info.device,
+                                    reward_model_weight=config.reward.model.weight if config.reward.model else 1.0)
         self.step = 0
         self.policy_version = 0
         self.orchestrator = self.sender = self.metrics = self.progress = None
@@ -163,6 +164,7 @@ class RunLoop:
                                      train_seconds=timings["train_seconds"], world_size=self.info.world_size,
                                      device_peak_flops=peak_flops(torch.cuda.get_device_name(dev)), passes=passes)
             extra["peak_gpu_memory_bytes"] = peak_gpu_memory_bytes()
+        extra.update(self.train_step.reward_model_metrics)
         return {"step": self.step, **stats, **train, **extra, "learning_rate": lr, **timings,
                 "tokens_per_second": num_tokens / timings["step_seconds"], "policy_version": self.policy_version}
 

@@ -211,15 +211,30 @@ class SandboxServiceSpec(_Model):
     per-run isolation needs; the profile must allow unshare/clone with CLONE_NEWUSER."""
 
 
+class RewardModelSpec(_Model):
+    """A learned reward model, scored in the trainer processes (laid out like the reference
+    model: FSDP over the trainer's ranks, packed, no gradients)."""
+
+    path: str = Field(min_length=1)
+    """Directory of a Hugging Face sequence classifier with one label (what `method: rm`
+    exports to `<output>/final`); the score of a sequence is at its last token."""
+    weight: float = 1.0
+    """The step reward is the verifiable reward (0 for `type: model`) + weight x score."""
+
+
 class RewardSpec(_Model):
     """How a response is scored. A reward function returns `reward` (used for advantages)
     and `score` (logged); the built-in ones return the same number for both."""
 
-    type: Literal["exact_match", "prefix_match", "math", "code", "python", "http"] = "exact_match"
+    type: Literal["exact_match", "prefix_match", "math", "code", "python", "http", "model"] = "exact_match"
     """`exact_match` / `prefix_match`: the stripped response equals / starts with the answer;
     `math`: the final boxed or <answer> answer is equivalent to the answer (math-verify);
     `code`: the last fenced Python block passes the row's `test_cases` in a sandbox;
-    `python`: `function` from the user file `file`; `http`: POST to `url`."""
+    `python`: `function` from the user file `file`; `http`: POST to `url`; `model`: the
+    reward model `model` alone."""
+    model: RewardModelSpec | None = None
+    """A reward model whose weighted score is added to the reward (required by `type: model`;
+    with another type the two are combined)."""
     file: str | None = None
     """`python`: path of the file defining the reward function."""
     function: str = "reward_fn"

@@ -15,6 +15,7 @@ from .presets import cel_resolved
 ESTIMATOR = cel_resolved("advantage_estimator", "advantageEstimator")
 CRITIC = cel_resolved("critic", "critic")
 OVERLONG = cel_resolved("overlong_buffer", "overlongBuffer")
+DYNAMIC = cel_resolved("dynamic_sampling", "dynamicSampling")
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
 _TP = "(has(self.trainer.parallelism) && has(self.trainer.parallelism.tensorParallel) ? self.trainer.parallelism.tensorParallel : 1)"
 _CP = "(has(self.trainer.parallelism) && has(self.trainer.parallelism.contextParallel) ? self.trainer.parallelism.contextParallel : 1)"
@@ -60,6 +61,19 @@ RULES: tuple[Rule, ...] = (
         cel="self.reward.type != 'python' || has(self.reward.file)",
         message="is required when reward.type is python (the file defining the reward function)",
         check=lambda s: s.reward.type != "python" or bool(s.reward.file),
+    ),
+    Rule(
+        field_path="reward.model",
+        cel="self.reward.type != 'model' || has(self.reward.model)",
+        message="is required when reward.type is model (the reward model's directory, reward.model.path)",
+        check=lambda s: s.reward.type != "model" or s.reward.model is not None,
+    ),
+    Rule(
+        field_path="algorithm.dynamicSampling",
+        cel=f"!has(self.reward.model) || !{DYNAMIC}",
+        message="cannot be true with reward.model: groups are filtered before the trainers score them "
+        "with the reward model; use a preset without dynamic sampling or set dynamicSampling: false",
+        check=lambda s: s.reward.model is None or not s.algorithm.dynamic_sampling,
     ),
     Rule(
         field_path="reward.url",

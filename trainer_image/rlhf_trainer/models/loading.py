@@ -116,7 +116,7 @@ def fill_from_checkpoint(model: torch.nn.Module, path: str, device: torch.device
                                                                strict=False))
 
 
-def build_models(config: TrainerConfig, info: DistInfo) -> tuple[Models, Layout]:
+def build_models(config: TrainerConfig, info: DistInfo, pad_token_id: int | None = None) -> tuple[Models, Layout]:
     a, o = config.algorithm, config.optim
     sharded = info.world_size > 1 or info.device.type == "cuda"
     new = empty_causal_lm if sharded else (lambda path, dtype: load_causal_lm(path, info.device, dtype))
@@ -129,10 +129,15 @@ def build_models(config: TrainerConfig, info: DistInfo) -> tuple[Models, Layout]
         from .critic import ValueModel
 
         critic = ValueModel(config.model_path).to(info.device)
+    scorer = None
+    if config.reward.model is not None:
+        from ..train.reward_model import load_reward_model
+
+        scorer = load_reward_model(config.reward.model.path, info.device, pad_token_id)
     p = o.parallelism
     layout = parallelize_models(policy, ref=ref, critic=critic, world_size=info.world_size, tp=p.tensor_parallel,
                                 cp=p.context_parallel, activation_checkpointing=p.activation_checkpointing,
-                                device_type=info.device.type)
+                                device_type=info.device.type, scorer=scorer)
     for model in (policy, ref):
         if model is not None:
             if sharded:
@@ -143,4 +148,4 @@ def build_models(config: TrainerConfig, info: DistInfo) -> tuple[Models, Layout]
     if critic is not None:
         critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=a.critic_learning_rate or o.learning_rate,
                                              weight_decay=o.weight_decay)
-    return Models(policy, optimizer, ref, critic, critic_optimizer), layout
+    return Models(policy, optimizer, ref, critic, critic_optimizer, scorer), layout

@@ -53,7 +53,7 @@ class ScoreModel(torch.nn.Module):
     Parameter names (`model.*`, `score.weight`) are those of Hugging Face's
     `*ForSequenceClassification`, whose config it carries, so the export loads as one."""
 
-    def __init__(self, path: str, pad_token_id: int | None):
+    def __init__(self, path: str, pad_token_id: int | None, *, require_head: bool = False):
         super().__init__()
         from transformers import AutoModelForSequenceClassification
 
@@ -68,6 +68,9 @@ class ScoreModel(torch.nn.Module):
         self.config.architectures = [type(classifier).__name__]
         self.model, self.score = classifier.model, classifier.score
         if any(k.startswith("score.") for k in info["missing_keys"]):  # a new head (not a reward model's)
+            if require_head:
+                raise ValueError(f"reward.model.path: {path} has no trained score head: not a reward model "
+                                 "(train one with method: rm)")
             torch.nn.init.zeros_(self.score.weight)  # scores start at 0, equal on every rank
         self._rlhf_export_dtype = stored_dtype(path)
 

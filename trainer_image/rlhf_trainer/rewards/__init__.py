@@ -133,4 +133,6 @@ def build_scorer(spec: "RewardSpec", *, sandbox_url: str | None = None) -> Score
         from .custom import RemoteReward
 
         return Scorer(batch_fn=RemoteReward(spec.url, timeout_s=spec.timeout_seconds).score_batch)
+    if t == "model":  # scored by the reward model in the trainer processes (train/reward_model.py)
+        return Scorer(lambda r, a, e: _same(0.0))
     raise ValueError(f"reward.type: unknown reward {t!r}")

@@ -30,6 +30,7 @@ from ..parallel.grad_norm import clip_grad_norm
 from ..parallel.parallelize import Layout
 from .metrics import MetricAccumulator
 from .micro_batches import MicroBatch, critic_forward, local, plan, policy_forward
+from .reward_model import add_model_rewards, score_rows
 from .tensors import StepTensors, build_step_tensors, gather_passes, needs_old_logprobs
 
 METRICS = ["loss", "clip_fraction", "approx_kl", "entropy", "kl", "value_loss", "padding", "grad_norm",
@@ -45,6 +46,8 @@ class Models:
     ref: torch.nn.Module | None = None
     critic: torch.nn.Module | None = None
     critic_optimizer: torch.optim.Optimizer | None = None
+    scorer: torch.nn.Module | None = None
+    """The reward model (`reward.model`), frozen."""
 
 
 @dataclass
@@ -78,8 +81,10 @@ def compose_loss(a: AlgorithmSpec, *, logp: torch.Tensor, entropy: torch.Tensor,
 
 class TrainStep:
     def __init__(self, algorithm: AlgorithmSpec, models: Models, layout: Layout, *, max_tokens_per_micro_batch: int,
-                 max_grad_norm: float, temperature: float, device: torch.device):
+                 max_grad_norm: float, temperature: float, device: torch.device, reward_model_weight: float = 1.0):
         self.a, self.m, self.layout = algorithm, models, layout
+        self.reward_model_weight = reward_model_weight
+        self.reward_model_metrics: dict[str, float] = {}
         self.budget, self.max_grad_norm, self.temperature, self.device = (
             max_tokens_per_micro_batch, max_grad_norm, temperature, device)
 
@@ -101,8 +106,13 @@ class TrainStep:
         m.policy.eval()
         if m.critic is not None:
             m.critic.eval()
-        tables = gather_passes(batch.rows, self._plan(batch.rows, list(range(len(batch.rows)))), passes, cp,
-                               self.layout.world_size, contributes=self.layout.owns_rows, device=dev)
+        micro = self._plan(batch.rows, list(range(len(batch.rows))))
+        if m.scorer is not None:  # the learned reward joins the rewards before advantages
+            scores = score_rows(m.scorer, batch, micro, cp, self.layout.world_size,
+                                contributes=self.layout.owns_rows, device=dev)
+            self.reward_model_metrics = add_model_rewards(batch, scores, self.reward_model_weight)
+        tables = gather_passes(batch.rows, micro, passes, cp, self.layout.world_size,
+                               contributes=self.layout.owns_rows, device=dev)
         return build_step_tensors(batch.rows, tables, self.a, batch.group_size)
 
     # ---- updates ----------------------------------------------------------------------
