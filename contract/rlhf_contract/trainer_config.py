@@ -16,7 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
-from .api.models import (AlgorithmSpec, DataSpec, EnvironmentSpec, Method, ParallelismSpec, PreferenceSpec, RewardSpec,
+from .api.models import (AlgorithmSpec, DataSpec, EnvironmentSpec, EvaluationSpec, Method, ParallelismSpec, PreferenceSpec, RewardSpec,
                          RLHFJob, ScheduleSpec)
 
 
@@ -85,6 +85,8 @@ class TrainerConfig(_Config):
     """`rl` (rollouts), or offline from the data alone: `sft`, `rm`, `dpo`."""
     preference: PreferenceSpec = Field(default_factory=PreferenceSpec)
     """`dpo` / `rm`: the preference loss."""
+    evaluation: EvaluationSpec | None = None
+    """`rl`: held-out prompt sets and when to score them."""
     namespace: str | None = None
     """The RLHFJob's namespace on a cluster; null in local mode."""
     model_path: str = Field(min_length=1)
@@ -122,7 +124,7 @@ class TrainerConfig(_Config):
         r, t, o = s.rollout, s.trainer, s.output
         return cls(
             job_name=job.metadata.name, namespace=job.metadata.namespace, model_path=s.model.path,
-            method=s.method, preference=s.preference,
+            method=s.method, preference=s.preference, evaluation=s.evaluation,
             data=s.data, reward=s.reward, environment=s.environment, algorithm=s.algorithm,
             sampling=SamplingConfig(samples_per_prompt=r.samples_per_prompt, max_tokens=r.max_tokens,
                                     temperature=r.temperature, top_p=r.top_p, top_k=r.top_k),

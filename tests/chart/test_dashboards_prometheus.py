@@ -34,7 +34,10 @@ TRAINER = textwrap.dedent("""
                  "kl": 0.02, "grad_norm": 0.8, "critic_grad_norm": 0.3, "skipped_steps": 0, "advantage_mean": 0.0,
                  "advantage_std": 1.0, "padding_fraction": 0.1, "learning_rate": 1e-3, "step_seconds": 0.5,
                  "rollout_seconds": 0.3, "train_seconds": 0.15, "weight_sync_seconds": 0.05,
-                 "tokens_per_second": 900.0, "mfu": None, "peak_gpu_memory_bytes": None})
+                 "tokens_per_second": 900.0, "mfu": None, "peak_gpu_memory_bytes": None,
+                 # spec.evaluation, and an offline (rm / dpo) job's pair metrics
+                 "eval/held-out/greedy_score": 0.2, "eval/held-out/pass@4": 0.5,
+                 "accuracy": 0.7, "reward_margin": 0.4, "eval_accuracy": 0.65, "eval_reward_margin": 0.3})
         time.sleep(0.5)
 """)
 OPERATOR = textwrap.dedent("""

@@ -242,3 +242,21 @@ def test_stopped_and_resumed_run_repeats_the_uninterrupted_one(tmp_path):
         assert x["reward_mean"] == y["reward_mean"] and x["response_length_mean"] == y["response_length_mean"]
         for key in ("loss", "grad_norm", "kl", "entropy"):
             assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-8), key
+
+
+def test_eval_datasets_are_scored_and_rise_with_training(tmp_path):
+    """spec.evaluation on the demo: held-out prompts scored before the first step, every 40
+    steps and after the last, greedy and with k = 4 samples; the scores rise."""
+    out = tmp_path / "eval"
+    evaluation = ('evaluation={"datasets": [{"name": "digits", "path": "builtin://last-digit", "maxPrompts": 32}],'
+                  ' "everySteps": 40, "samplesPerPrompt": 4}')
+    res = rlhfctl("run", str(EXAMPLE), "--output", str(out),
+                  *sets("rollout.replicas=1", "schedule.totalSteps=120", "schedule.saveEvery=0", evaluation))
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = metrics(out)
+    scored = [r for r in rows if "eval/digits/mean_score" in r]
+    assert [r["step"] for r in scored] == [1, 40, 80, 120]  # step 1's row holds the scores from before it
+    first, last = scored[0], scored[-1]
+    assert last["eval/digits/mean_score"] >= first["eval/digits/mean_score"] + 0.2
+    assert last["eval/digits/pass@4"] >= last["eval/digits/mean_score"]  # pass@k bounds the mean from above
+    assert last["eval/digits/greedy_score"] > first["eval/digits/greedy_score"]

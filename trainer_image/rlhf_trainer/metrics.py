@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 
 PREFIX = "rlhf_"
 LAST_STEP_TIMESTAMP = "rlhf_last_step_timestamp_seconds"
+EVAL_GAUGE = "rlhf_eval"
+"""Labelled by dataset and metric: the `eval/<dataset>/<metric>` keys of a row."""
 
 STEP_GAUGES: dict[str, str] = {
     "step": "Last completed RL step.",
@@ -86,7 +88,7 @@ STEP_GAUGES: dict[str, str] = {
 
 def gauge_names() -> set[str]:
     """Every Prometheus name a trainer exports (what rules and dashboards may query)."""
-    return {PREFIX + key for key in STEP_GAUGES} | {LAST_STEP_TIMESTAMP}
+    return {PREFIX + key for key in STEP_GAUGES} | {LAST_STEP_TIMESTAMP, EVAL_GAUGE}
 
 
 class MetricsWriter:
@@ -112,6 +114,8 @@ class MetricsWriter:
                 self._gauges[key].set(math.nan)
             self._last_step = Gauge(LAST_STEP_TIMESTAMP, "Unix time at which the last RL step was recorded.",
                                     registry=self.registry)
+            self._eval = Gauge(EVAL_GAUGE, "Held-out score of spec.evaluation's datasets (metric: greedy_score, "
+                               "mean_score, pass_at_k).", ["dataset", "metric"], registry=self.registry)
             self._last_step.set(math.nan)
             start_http_server(port, registry=self.registry)
 
@@ -128,6 +132,10 @@ class MetricsWriter:
         if self.registry is None:
             return
         for key, value in row.items():
+            if key.startswith("eval/") and isinstance(value, (int, float)):  # eval/<dataset>/<metric>
+                _, dataset, metric = key.split("/", 2)
+                self._eval.labels(dataset, "pass_at_k" if metric.startswith("pass@") else metric).set(float(value))
+                continue
             gauge = self._gauges.get(key)
             if gauge is None:
                 if isinstance(value, (int, float)) and key not in self._unexported:

@@ -73,6 +73,12 @@ class RunLoop:
             from .weight_sync import WeightSyncSender
 
             self.orchestrator = Orchestrator.build(config, self.tokenizer, endpoints, self.output_dir)
+            self.evaluator = None
+            if config.evaluation is not None:
+                from .evaluation import Evaluator
+
+                self.evaluator = Evaluator(config, self.tokenizer, self.orchestrator.client,
+                                           self.orchestrator.sampler.scorer)
             host, port = weight_sync_addr.rsplit(":", 1)
             self.sender = WeightSyncSender(endpoints, host, int(port))
             self.metrics = MetricsWriter(self.output_dir)
@@ -178,10 +184,17 @@ class RunLoop:
                                   startup_timeout_s=self.config.rollout_startup_timeout_seconds)
             self.sender.init()
         self.sync_weights()  # servers start from exactly the trainer's weights (also after a resume)
+        evaluator = getattr(self, "evaluator", None)
+        before = evaluator.run(0) if evaluator is not None and self.step == 0 else {}
         try:
             while self.step < s.total_steps:
                 self.step += 1
                 row = self.run_step()
+                if row is not None and evaluator is not None:
+                    if self.step == 1:  # scored before the first step (replaced when step 1 is scored too)
+                        row.update(before)
+                    if evaluator.due(self.step):
+                        row.update(evaluator.run(self.step))
                 if s.save_every and self.step % s.save_every == 0:
                     self.save()
                 if row is not None:

@@ -441,6 +441,40 @@ class RunPolicy(_Model):
     """Delete the job this many seconds after it finished."""
 
 
+class EvalDatasetSpec(_Model):
+    """One held-out prompt set, read with `spec.data`'s keys."""
+
+    name: str = Field(min_length=1, max_length=40, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    """Name in the metrics (`eval/<name>/...`, Prometheus label `dataset`)."""
+    path: str = Field(min_length=1)
+    """A file or directory as `data.path` (or a built-in task: 64 prompts unseen in training)."""
+    split: str = "train"
+    """Split of a dataset with several."""
+    max_prompts: int | None = Field(default=None, ge=1)
+    """Score only the first this-many prompts (null: all)."""
+
+
+class EvaluationSpec(_Model):
+    """`method: rl`: held-out prompts scored with the job's reward through the rollout servers."""
+
+    datasets: list[EvalDatasetSpec] = Field(min_length=1)
+    """The held-out sets (names unique)."""
+    every_steps: int = Field(default=0, ge=0)
+    """Score them every this many steps (0: only before the first step and after the last)."""
+    samples_per_prompt: int = Field(default=1, ge=1)
+    """k sampled responses per prompt at the job's temperature: mean score and pass@k
+    (a prompt passes when one of its k responses scores at least 1)."""
+    greedy: bool = True
+    """Also score one greedy (temperature 0) response per prompt."""
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> "EvaluationSpec":
+        names = [d.name for d in self.datasets]
+        if len(set(names)) != len(names):
+            raise ValueError(f"evaluation.datasets: names must be unique, got {names}")
+        return self
+
+
 class PreferenceSpec(_Model):
     """`method: dpo` (and `rm`'s margin): how preference pairs are turned into a loss."""
 
@@ -490,6 +524,8 @@ class RLHFJobSpec(_Model):
     """Scale everything to zero, keeping checkpoints; set back to false to resume."""
     preference: PreferenceSpec = PreferenceSpec()
     """`method: dpo` / `rm`: the preference loss."""
+    evaluation: EvaluationSpec | None = None
+    """`method: rl`: held-out prompt sets scored before training, every `everySteps` and at the end."""
 
     @property
     def offline(self) -> bool:

@@ -131,7 +131,7 @@ RULES: tuple[Rule, ...] = (
     ),
 )
 
-RL_ONLY_FIELDS: tuple[str, ...] = ("reward", "environment", "algorithm", "rollout", "sandboxService")
+RL_ONLY_FIELDS: tuple[str, ...] = ("reward", "environment", "algorithm", "rollout", "sandboxService", "evaluation")
 """Spec fields that only `method: rl` reads: a job file of another method that sets one is
 refused naming it (`load.validate_job`; on a cluster the API server's defaults fill them in,
 so the operator only ignores them)."""
@@ -142,7 +142,8 @@ MUTABLE_FIELDS: tuple[str, ...] = ("suspend", "runPolicy")
 everything to zero; runPolicy's budget, deadline and TTL are read on every reconcile)."""
 
 IMMUTABLE_FIELDS: tuple[str, ...] = ("method", "model", "data", "reward", "environment", "algorithm", "rollout",
-                                     "trainer", "schedule", "output", "pod", "sandboxService", "preference")
+                                     "trainer", "schedule", "output", "pod", "sandboxService", "preference",
+                                     "evaluation")
 """Spec fields (YAML names under spec) that an update may not change. Each is read once,
 when the pods start (the config file, the trainer's world and endpoints, the servers'
 command line), so a change on a running job would be half-applied. The CRD carries one
