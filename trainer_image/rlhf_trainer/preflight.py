@@ -114,8 +114,14 @@ def check(config: TrainerConfig, world_size: int) -> list[str]:
             problems.append("spec.trainer.parallelism.tensorParallel: > 1 is not supported with reward.model; use 1")
     if config.reward.type == "python":
         problems += filter(None, [_readable_python(config.reward.file, "spec.reward.file")])
-    if config.environment is not None:
+    if config.environment is not None and config.environment.file is not None:
         problems += filter(None, [_readable_python(config.environment.file, "spec.environment.file")])
+    if config.environment is not None and config.environment.gem is not None:
+        import importlib.util
+
+        if importlib.util.find_spec("gem") is None:
+            problems.append("spec.environment.gem: the gem-llm package is not installed in the trainer image "
+                            "(pip install 'rlhf-operator[gem]')")
     return problems
 
 

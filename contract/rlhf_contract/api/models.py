@@ -258,9 +258,13 @@ class RewardSpec(_Model):
 class EnvironmentSpec(_Model):
     """A multi-turn environment (RL2's contract); when set, rewards come from it."""
 
-    file: str = Field(min_length=1)
+    file: str | None = Field(default=None, min_length=1)
     """Python file defining `async def step(state, action, extra_info)` returning
     {next_state, reward, score, done, extra_info}."""
+    gem: str | None = Field(default=None, min_length=1)
+    """Instead of `file`: a GEM environment id (the `gem-llm` package, e.g.
+    `game:GuessTheNumber-v0-easy`); its reset observations are the prompts
+    (`data.path: builtin://gem`) and its step feedback the environment's turns."""
     max_turns: int = Field(default=4, ge=1)
     """Model turns per trajectory; `rollout.maxTokens` bounds the whole trajectory."""
 

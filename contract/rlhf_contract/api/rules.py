@@ -76,6 +76,20 @@ RULES: tuple[Rule, ...] = (
         check=lambda s: s.reward.model is None or not s.algorithm.dynamic_sampling,
     ),
     Rule(
+        field_path="environment",
+        cel="!has(self.environment) || (has(self.environment.file) != has(self.environment.gem))",
+        message="needs exactly one of environment.file (a Python step function) and environment.gem "
+        "(a GEM environment id)",
+        check=lambda s: s.environment is None or ((s.environment.file is None) != (s.environment.gem is None)),
+    ),
+    Rule(
+        field_path="data.path",
+        cel="(self.data.path == 'builtin://gem') == (has(self.environment) && has(self.environment.gem))",
+        message="is builtin://gem exactly when environment.gem is set (a GEM environment's reset "
+        "observations are the prompts)",
+        check=lambda s: (s.data.path == "builtin://gem") == (s.environment is not None and s.environment.gem is not None),
+    ),
+    Rule(
         field_path="reward.url",
         cel="self.reward.type != 'http' || has(self.reward.url)",
         message="is required when reward.type is http (the reward service endpoint)",

@@ -3,6 +3,7 @@
 Built-in tasks (no download, endless, example i is a pure function of (seed, i)):
   builtin://last-digit   "3714:" -> "4"      (repeat the last digit)
   builtin://sum-mod-10   "7+5=" -> "2"       ((a + b) mod 10)
+  builtin://gem          the reset observations of `environment.gem` (rollout/gem_env.py)
 Datasets (files or directories, see datasets.py) are read once, filtered by
 `data.maxPromptLength`, and shuffled each epoch with the job seed.
 
@@ -49,7 +50,7 @@ def _sum_mod_10(rng: random.Random) -> tuple[str, str]:
 class PromptSource:
     """Yields batches of tokenized prompts; resumable through `state_dict`."""
 
-    def __init__(self, spec: "DataSpec", tokenizer: Any, *, seed: int):
+    def __init__(self, spec: "DataSpec", tokenizer: Any, *, seed: int, gem_id: str | None = None):
         self.tokenizer = tokenizer
         self.seed = seed
         self.spec = spec
@@ -58,7 +59,11 @@ class PromptSource:
         self._task = None
         self._rows: list[PromptRecord] = []
         path = spec.path
-        if path.startswith("builtin://"):
+        self._gem_id = gem_id
+        if path == "builtin://gem":
+            if gem_id is None:
+                raise ValueError("data.path: builtin://gem needs environment.gem (the GEM environment id)")
+        elif path.startswith("builtin://"):
             name = path[len("builtin://"):]
             if name not in BUILTIN_TASKS:
                 raise ValueError(f"data.path: unknown built-in task {path!r}; choose one of "
@@ -76,6 +81,13 @@ class PromptSource:
                      self.num_dropped, spec.max_prompt_length)
 
     def _example(self, index: int) -> PromptRecord:
+        if self._gem_id is not None:  # a GEM environment's first observation (rollout/gem_env.py)
+            from ..rollout.gem_env import episode_seed, initial_prompt
+
+            seed = episode_seed(self.seed, index)
+            text = initial_prompt(self._gem_id, seed)
+            return PromptRecord(text, self.tokenizer(text, add_special_tokens=False)["input_ids"], "",
+                                {"gem_id": self._gem_id, "gem_seed": seed})
         if self._task is not None:
             text, answer = self._task(random.Random(f"{self.seed}:{index}"))
             return PromptRecord(text, self.tokenizer(text, add_special_tokens=False)["input_ids"], answer, {})

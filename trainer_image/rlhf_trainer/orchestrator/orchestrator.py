@@ -29,12 +29,17 @@ class Orchestrator:
         from ..rewards import build_scorer
         from ..rollout import RolloutClient
 
-        env_step = None
-        if config.environment is not None:
+        env_step, gem_id = None, None
+        if config.environment is not None and config.environment.gem is not None:
+            from ..rollout import gem_env
+
+            env_step, gem_id = gem_env.step, config.environment.gem
+            gem_env.make(gem_id)  # fails now, naming environment.gem, if it cannot be made
+        elif config.environment is not None:
             from ..rollout.multi_turn import load_environment
 
             env_step = load_environment(config.environment.file)
-        data = PromptSource(config.data, tokenizer, seed=config.schedule.seed)
+        data = PromptSource(config.data, tokenizer, seed=config.schedule.seed, gem_id=gem_id)
         client = client or RolloutClient(endpoints)
         return cls(config, data=data, sampler=Sampler(config, client, build_scorer(config.reward), tokenizer, env_step),
                    output_dir=output_dir)
