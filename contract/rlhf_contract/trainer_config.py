@@ -38,6 +38,8 @@ class SamplingConfig(_Config):
     """Nucleus sampling mass."""
     top_k: int = Field(default=-1, ge=-1)
     """Top-k; -1 disables it."""
+    max_staleness: int = Field(default=0, ge=0)
+    """Policy versions a sample may lag behind the trainer (0: synchronous)."""
 
 
 class OptimConfig(_Config):
@@ -127,7 +129,8 @@ class TrainerConfig(_Config):
             method=s.method, preference=s.preference, evaluation=s.evaluation,
             data=s.data, reward=s.reward, environment=s.environment, algorithm=s.algorithm,
             sampling=SamplingConfig(samples_per_prompt=r.samples_per_prompt, max_tokens=r.max_tokens,
-                                    temperature=r.temperature, top_p=r.top_p, top_k=r.top_k),
+                                    temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                    max_staleness=r.max_staleness),
             optim=OptimConfig(learning_rate=t.learning_rate, weight_decay=t.weight_decay,
                               max_grad_norm=t.max_grad_norm, lr_scheduler=t.lr_scheduler, warmup_steps=t.warmup_steps,
                               min_learning_rate_ratio=t.min_learning_rate_ratio,

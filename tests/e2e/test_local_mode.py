@@ -275,3 +275,37 @@ def test_a_gem_environment_runs_in_local_mode(tmp_path):
     samples = [json.loads(line) for line in (out / "rollouts" / "step-1.jsonl").read_text().splitlines()]
     assert len(samples) == 2 * 4 and {s["reward"] for s in samples} == {-0.1}  # GEM's reward for a bad guess
     assert all(len(s["loss_mask"]) == len(s["response_ids"]) for s in samples)
+
+
+TIMING = {"step_seconds", "rollout_seconds", "train_seconds", "weight_sync_seconds", "tokens_per_second"}
+
+
+def test_max_staleness_zero_is_the_synchronous_run(tmp_path):
+    common = ["rollout.replicas=1", "schedule.totalSteps=3", "schedule.saveEvery=0"]
+    rows = {}
+    for name, extra in {"default": [], "k0": ["rollout.maxStaleness=0"]}.items():
+        res = rlhfctl("run", str(EXAMPLE), "--output", str(tmp_path / name), *sets(*common, *extra))
+        assert res.returncode == 0, res.stderr[-3000:]
+        rows[name] = [{k: v for k, v in r.items() if k not in TIMING} for r in metrics(tmp_path / name)]
+    assert rows["default"] == rows["k0"]
+    assert "staleness_mean" not in rows["k0"][0]
+
+
+def test_max_staleness_one_overlaps_and_resumes_with_the_same_prompts(tmp_path):
+    """k = 1: samples lag at most one version; a run stopped at a checkpoint and resumed
+    regenerates the prefetched steps from the checkpoint's data position (same prompts)."""
+    common = ["rollout.replicas=1", "rollout.maxStaleness=1", "output.saveRollouts=true", "schedule.saveEvery=3"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert rlhfctl("run", str(EXAMPLE), "--output", str(full), *sets(*common, "schedule.totalSteps=6")).returncode == 0
+    assert rlhfctl("run", str(EXAMPLE), "--output", str(part), *sets(*common, "schedule.totalSteps=3")).returncode == 0
+    res = rlhfctl("run", str(EXAMPLE), "--output", str(part), "--resume", *sets(*common, "schedule.totalSteps=6"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = metrics(full)
+    assert {r["staleness_max"] for r in rows} <= {0, 1} and max(r["staleness_max"] for r in rows) == 1
+    assert rows[0]["staleness_max"] == 0  # the first batch comes from the starting weights
+
+    def prompts(out, step):
+        return [json.loads(line)["prompt"] for line in (out / "rollouts" / f"step-{step}.jsonl").read_text().splitlines()]
+
+    for step in (4, 5, 6):  # generated ahead before the stop, regenerated after the resume
+        assert prompts(part, step) == prompts(full, step)

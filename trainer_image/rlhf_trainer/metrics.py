@@ -47,6 +47,8 @@ STEP_GAUGES: dict[str, str] = {
     "dropped_group_fraction": "Fraction of sampled groups dropped by dynamic sampling (all rewards equal).",
     "dropped_prompts": "Prompts the data source skipped so far (longer than data.maxPromptLength, or empty).",
     "logprob_mismatch": "Mean |trainer log-prob - rollout engine log-prob| per response token.",
+    "staleness_mean": "Policy versions the step's samples lag behind the trainer (rollout.maxStaleness >= 1).",
+    "staleness_max": "Largest lag of a sample of the step, in policy versions.",
     "rm_score_mean": "Mean reward-model score of the step's samples (reward.model; weighted into the reward).",
     "rm_score_std": "Standard deviation of the reward-model scores of the step's samples.",
     # train step

@@ -1,6 +1,8 @@
 """The run loop, on every trainer process: build, resume, then for each step
 
-  1. rollout   rank 0's orchestrator collects a `RolloutBatch`; it is broadcast to all ranks
+  1. rollout   rank 0's orchestrator collects a `RolloutBatch` (or, with
+               `rollout.maxStaleness` >= 1, takes the one generated ahead while the previous
+               steps trained: orchestrator/prefetch.py); it is broadcast to all ranks
   2. train     `TrainStep.prepare` (old / reference log-probs, values, advantages) and the
                optimizer steps (train/step.py)
   3. sync      every rank gathers full tensors, rank 0 streams them to the rollout servers
@@ -35,6 +37,9 @@ from .train.step import TrainStep
 
 log = logging.getLogger("rlhf_trainer")
 
+DEFAULT_STALE_TIS_CAP = 2.0
+"""`algorithm.tisCap` used with `rollout.maxStaleness` >= 1 when none is set."""
+
 
 @contextmanager
 def span(timings: dict[str, float], name: str):
@@ -57,13 +62,20 @@ class RunLoop:
         torch.manual_seed(config.schedule.seed)
         self.models, self.layout = build_models(config, info, self.tokenizer.pad_token_id)
         o = config.optim
-        self.train_step = TrainStep(config.algorithm, self.models, self.layout,
+        algorithm = config.algorithm
+        self.max_staleness = config.sampling.max_staleness
+        if self.max_staleness and algorithm.tis_cap is None:  # stale samples: correct toward the trainer's policy
+            algorithm = algorithm.model_copy(update={"tis_cap": DEFAULT_STALE_TIS_CAP})
+        self.train_step = TrainStep(algorithm, self.models, self.layout,
                                     max_tokens_per_micro_batch=o.max_tokens_per_micro_batch,
                                     max_grad_norm=o.max_grad_norm, temperature=config.sampling.temperature,
                                     device=info.device,
                                     reward_model_weight=config.reward.model.weight if config.reward.model else 1.0)
         self.step = 0
         self.policy_version = 0
+        self.served_version = 0  # what the rollout servers hold (advanced after each completed sync)
+        self.prefetcher = None
+        self._data_position: dict | None = None  # after the last batch taken (maxStaleness >= 1)
         self.orchestrator = self.sender = self.metrics = self.progress = None
         self._last_row: dict[str, Any] = {}
         self.num_params = sum(p.numel() for p in self.models.policy.parameters())  # a DTensor's numel is global
@@ -100,8 +112,11 @@ class RunLoop:
     # ---- state ------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        return {"policy_version": self.policy_version,
-                "orchestrator": self.orchestrator.state_dict() if self.orchestrator is not None else None}
+        orchestrator = None
+        if self.orchestrator is not None:  # batches generated ahead are regenerated after a resume
+            orchestrator = ({"data": self._data_position} if self._data_position is not None
+                            else self.orchestrator.state_dict())
+        return {"policy_version": self.policy_version, "orchestrator": orchestrator}
 
     def resume_if_possible(self) -> None:
         path = latest_checkpoint(self.output_dir)
@@ -139,11 +154,23 @@ class RunLoop:
         dist.barrier()
         return time.perf_counter() - start
 
+    def _next_batch(self):
+        """Rank 0: this step's rollouts, generated now (synchronous) or ahead (maxStaleness)."""
+        if self.prefetcher is None:
+            return self.orchestrator.collect(self.step)
+        batch = self.prefetcher.take(self.step)
+        batch.extra["staleness"] = self.served_version - batch.extra["policy_version"]
+        if batch.extra["staleness"] > self.max_staleness:  # the producer's gate makes this impossible
+            raise RuntimeError(f"step {self.step}: a batch {batch.extra['staleness']} versions old exceeds "
+                               f"rollout.maxStaleness={self.max_staleness}")
+        self._data_position = batch.extra["data_position"]
+        return batch
+
     def run_step(self) -> dict[str, Any] | None:
         timings: dict[str, float] = {}
         with span(timings, "step_seconds"):
-            with span(timings, "rollout_seconds"):
-                batch = self.orchestrator.collect(self.step) if self.info.is_main else None
+            with span(timings, "rollout_seconds"):  # with maxStaleness >= 1: waiting for a prefetched batch
+                batch = self._next_batch() if self.info.is_main else None
                 batch = broadcast_object(batch)
             with span(timings, "train_seconds"):
                 tensors = self.train_step.prepare(batch)
@@ -151,6 +178,7 @@ class RunLoop:
             if train["skipped_steps"] < self.config.algorithm.num_mini_batches:
                 self.policy_version += 1
                 timings["weight_sync_seconds"] = self.sync_weights()
+                self.served_version = self.policy_version
             else:
                 log.warning("step %d: every optimizer step had a non-finite gradient norm; weights unchanged, "
                             "no weight sync", self.step)
@@ -171,6 +199,8 @@ class RunLoop:
                                      device_peak_flops=peak_flops(torch.cuda.get_device_name(dev)), passes=passes)
             extra["peak_gpu_memory_bytes"] = peak_gpu_memory_bytes()
         extra.update(self.train_step.reward_model_metrics)
+        if "staleness" in batch.extra:
+            extra["staleness_mean"] = extra["staleness_max"] = batch.extra["staleness"]
         return {"step": self.step, **stats, **train, **extra, "learning_rate": lr, **timings,
                 "tokens_per_second": num_tokens / timings["step_seconds"], "policy_version": self.policy_version}
 
@@ -184,6 +214,12 @@ class RunLoop:
                                   startup_timeout_s=self.config.rollout_startup_timeout_seconds)
             self.sender.init()
         self.sync_weights()  # servers start from exactly the trainer's weights (also after a resume)
+        self.served_version = self.policy_version
+        if self.max_staleness and self.info.is_main:
+            from .orchestrator.prefetch import Prefetcher
+
+            self.prefetcher = Prefetcher(self.orchestrator, max_staleness=self.max_staleness, first_step=self.step + 1,
+                                         served_version=lambda: self.served_version)
         evaluator = getattr(self, "evaluator", None)
         before = evaluator.run(0) if evaluator is not None and self.step == 0 else {}
         try:
@@ -210,6 +246,8 @@ class RunLoop:
                 self._report(self._last_row)  # the final checkpoint
                 log.info("rollout requests per endpoint: %s", json.dumps(self.orchestrator.client.requests_sent))
         finally:
+            if self.prefetcher is not None:
+                self.prefetcher.close()
             if self.progress is not None:
                 self.progress.close()
             if self.sender is not None:

@@ -353,6 +353,11 @@ class RolloutSpec(_Model):
     startup_timeout_seconds: int = Field(default=1800, ge=60)
     """How long a rollout server may take to start (model load, CUDA graph capture): its
     startup probe allows this long, and the trainer waits this long for it."""
+    max_staleness: int = Field(default=0, ge=0)
+    """Policy versions a sample may lag behind the trainer. 0: synchronous (generate, then
+    train). k >= 1: the rollouts of the next k steps are generated while the trainer trains
+    (weights are pushed between requests), stale samples are corrected by truncated
+    importance sampling (`algorithm.tisCap`, 2.0 when unset)."""
 
 
 class ParallelismSpec(_Model):

@@ -1,0 +1,70 @@
+"""Bounded off-policy rollouts (`rollout.maxStaleness` = k >= 1): rank 0 generates the
+batches of the next steps on a background thread while the trainer trains.
+
+The producer generates step j's batch only once the trainer has taken step j - k's, and
+tags it with the policy version the servers held when it started (`served_version`,
+advanced only after a weight sync completed). The trainer takes step j's batch when the
+servers hold version j - 1, so a batch lags at most k versions: the tag is a lower bound
+(a weight sync during generation lets in-flight requests finish on the old weights,
+"wait" pause; requests after it see the new ones), so the staleness logged is never
+under-stated.
+
+Resume: the checkpoint holds the data position after the last batch the trainer TOOK;
+batches generated ahead are dropped with the process and regenerated after a resume
+(same prompts and sampling seeds, the checkpoint's weights).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+from .types import RolloutBatch
+
+
+class Prefetcher:
+    def __init__(self, orchestrator: Any, *, max_staleness: int, first_step: int, served_version: Callable[[], int]):
+        self.orchestrator, self.k, self.served_version = orchestrator, max_staleness, served_version
+        self._cond = threading.Condition()
+        self._ready: dict[int, RolloutBatch | BaseException] = {}
+        self._taken = first_step - 1  # the last step whose batch the trainer took
+        self._stop = False
+        self._thread = threading.Thread(target=self._produce, args=(first_step,), name="rollout-prefetch", daemon=True)
+        self._thread.start()
+
+    def _produce(self, step: int) -> None:
+        data = self.orchestrator.data
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._stop or step - self._taken <= self.k)
+                if self._stop:
+                    return
+            version = self.served_version()
+            try:
+                batch = self.orchestrator.collect(step)
+            except BaseException as err:  # surfaces in the trainer's take()
+                with self._cond:
+                    self._ready[step] = err
+                    self._cond.notify_all()
+                return
+            batch.extra.update(policy_version=version, data_position=data.state_dict())
+            with self._cond:
+                self._ready[step] = batch
+                self._cond.notify_all()
+            step += 1
+
+    def take(self, step: int) -> RolloutBatch:
+        """Step `step`'s batch (blocks until generated); lets the producer go on."""
+        with self._cond:
+            self._cond.wait_for(lambda: step in self._ready)
+            item = self._ready.pop(step)
+            self._taken = step
+            self._cond.notify_all()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
