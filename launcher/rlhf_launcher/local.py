@@ -11,6 +11,7 @@ Simplification: local mode runs one trainer node; `trainer.numNodes` > 1 is refu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -167,6 +168,19 @@ def summarize(rows: list[dict]) -> str:
     return f"reward_mean: first 10 steps {first:.3f}, last 10 steps {last:.3f}{ratio}"
 
 
+def _overlap_threads(spec) -> dict[str, int] | None:
+    """With rollout.maxStaleness >= 1 generation and training run at the same time on this
+    machine: split its cores between the rollout servers and the trainer processes, so that
+    neither side's thread pools spin against the other's (None: synchronous, each phase has
+    the machine to itself)."""
+    if spec.offline or not spec.rollout.max_staleness:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    half = max(1, cores // 2)
+    return {"rollout": max(1, half // spec.rollout.replicas),
+            "trainer": max(1, (cores - half) // spec.trainer.nproc_per_node)}
+
+
 def run_local(job: RLHFJob, *, output: str | None = None, resume: bool = False, overwrite: bool = False) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -200,8 +214,11 @@ def run_local(job: RLHFJob, *, output: str | None = None, resume: bool = False, 
     with ExitStack() as stack:
         stack.callback(lambda: [c.stop() for c in reversed(children)])
         try:
+            threads = _overlap_threads(spec)
             for i, port in enumerate(ports):
                 proc = rollout_process(resolved, model_path=model_path, host="127.0.0.1", port=port, python=sys.executable)
+                if threads:
+                    proc = dataclasses.replace(proc, command=[*proc.command, "--num-threads", str(threads["rollout"])])
                 children.append(_Child(f"rollout-{i}", proc, out / "logs" / f"rollout-{i}.log"))
             console.print(f"[bold]{job.metadata.name}[/] ({spec.method}): {len(ports)} rollout server(s), {spec.trainer.nproc_per_node} trainer process(es); output in {out}")
             _wait_healthy(children, urls)
@@ -210,6 +227,8 @@ def run_local(job: RLHFJob, *, output: str | None = None, resume: bool = False, 
                 weight_sync_addr=f"127.0.0.1:{free_port()}", output_dir=str(out),
                 master_addr="127.0.0.1", master_port=free_port(), resume=resume, python=sys.executable,
             )
+            if threads:
+                trainer = dataclasses.replace(trainer, env={**trainer.env, "OMP_NUM_THREADS": str(threads["trainer"])})
             trainer_child = _Child("trainer", trainer, out / "logs" / "trainer.log")
             children.append(trainer_child)
 
