@@ -30,7 +30,6 @@ from rlhf_contract.outputs import complete_checkpoints
 from rlhf_contract.trainer_config import TrainerConfig
 from rlhf_contract.pod import Process, rollout_process, trainer_process
 
-HEALTH_TIMEOUT_S = 300.0
 _ERROR_LINE = re.compile(r"^(\[rank\d+\]: )?[A-Za-z_.]*(Error|Exception|Exit): ")
 
 
@@ -119,25 +118,6 @@ def _resolve_model(job: RLHFJob, output: Path) -> str:
     return path
 
 
-def _wait_healthy(children: list[_Child], urls: list[str]) -> None:
-    import httpx
-
-    deadline = time.monotonic() + HEALTH_TIMEOUT_S
-    pending = dict(zip(urls, children))
-    while pending:
-        for url, child in list(pending.items()):
-            if child.poll() is not None:
-                raise LocalRunError(f"{child.name} exited with code {child.poll()} while starting:\n{child.log_tail()}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    del pending[url]
-            except httpx.HTTPError:
-                pass
-        if time.monotonic() > deadline:
-            raise LocalRunError(f"rollout servers not healthy after {HEALTH_TIMEOUT_S:.0f}s: {', '.join(pending)}")
-        time.sleep(0.3)
-
-
 def _read_metrics(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -221,7 +201,8 @@ def run_local(job: RLHFJob, *, output: str | None = None, resume: bool = False, 
                     proc = dataclasses.replace(proc, command=[*proc.command, "--num-threads", str(threads["rollout"])])
                 children.append(_Child(f"rollout-{i}", proc, out / "logs" / f"rollout-{i}.log"))
             console.print(f"[bold]{job.metadata.name}[/] ({spec.method}): {len(ports)} rollout server(s), {spec.trainer.nproc_per_node} trainer process(es); output in {out}")
-            _wait_healthy(children, urls)
+            # the trainer starts now, while the servers load: it builds its models and then waits
+            # for them (check_rollout_servers); a server that dies is caught by the loop below
             trainer = trainer_process(
                 resolved, config_path=str(config_path), rollout_endpoints=urls,
                 weight_sync_addr=f"127.0.0.1:{free_port()}", output_dir=str(out),
