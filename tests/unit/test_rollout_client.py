@@ -212,3 +212,30 @@ def test_client_sends_every_field_vllm_would_fill_from_generation_config(tmp_pat
     with start_engines(model, 1) as (url,):
         samples = RolloutClient([url]).generate_sync([PROMPTS[0]], n=2, max_tokens=4, temperature=1.0, seed=3)
     assert [len(s.token_ids) > 0 for s in samples[0]] == [True, True]
+
+
+def test_a_paused_server_is_waited_out_and_one_pool_serves_the_run(engines):
+    """With rollouts running ahead (rollout.maxStaleness), a weight sync pauses the servers
+    ("wait": new requests get 503) while a request is being sent: the request waits for the
+    resume without using up its retry budget, on the run's one connection pool."""
+    import threading
+    import time
+
+    import httpx
+
+    from rlhf_trainer.rollout import RolloutClient
+
+    client = RolloutClient(engines, max_retries=0, backoff_s=0.05)
+    try:
+        client.generate_sync([[4, 5]], n=1, max_tokens=2, temperature=1.0, seed=1)
+        pool = client._http
+        for url in engines:
+            assert httpx.post(f"{url}/pause", params={"mode": "wait"}).status_code == 200
+        threading.Timer(1.0, lambda: [httpx.post(f"{url}/resume") for url in engines]).start()
+        start = time.monotonic()
+        [[sample]] = client.generate_sync([[4, 5]], n=1, max_tokens=2, temperature=1.0, seed=2)
+        assert time.monotonic() - start >= 0.9 and len(sample.token_ids) >= 1  # waited for the resume
+        assert client._http is pool  # the same keep-alive pool across calls
+        assert sum(client.requests_sent.values()) >= 4  # 503s were retried, beyond max_retries=0
+    finally:
+        client.close()

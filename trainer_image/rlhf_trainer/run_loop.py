@@ -248,6 +248,8 @@ class RunLoop:
         finally:
             if self.prefetcher is not None:
                 self.prefetcher.close()
+            if self.orchestrator is not None:
+                self.orchestrator.client.close()
             if self.progress is not None:
                 self.progress.close()
             if self.sender is not None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+import threading
 import logging
 import re
 import sys
@@ -37,6 +38,9 @@ import httpx
 log = logging.getLogger(__name__)
 
 RETRY_STATUS = (502, 503, 504)
+PAUSED_POLL_S = 0.2
+"""How often a request answered 503 (a server paused for a weight update) is sent again;
+such retries last until the client timeout and do not count against `max_retries`."""
 MIN_VLLM_VERSION = (0, 32)  # the first release with the weight-transfer API we speak
 EXIT_INCOMPATIBLE = 2  # permanent for the operator: a restart cannot fix the image
 # Errors where the request surely or probably did not run to completion on the server.
@@ -84,6 +88,37 @@ class RolloutClient:
         self.outstanding = dict.fromkeys(self.endpoints, 0)
         self.requests_sent = dict.fromkeys(self.endpoints, 0)
         self._turn = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the run's event loop (a thread), see run()
+        self._http: httpx.AsyncClient | None = None  # one connection pool for the run, on that loop
+        self._loop_lock = threading.Lock()
+
+    # ---- the run's event loop and connection pool -----------------------------------
+
+    def run(self, coro):
+        """Run `coro` on the client's own event loop (a daemon thread started on first use)
+        and return its result: every call of the run shares one `httpx.AsyncClient`, so
+        connections to the servers are kept alive across steps. Callable from any thread."""
+        with self._loop_lock:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                threading.Thread(target=self._loop.run_forever, name="rollout-client", daemon=True).start()
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def close(self) -> None:
+        """Close the connection pool and stop the loop (the client can be used again after)."""
+        with self._loop_lock:
+            loop, self._loop = self._loop, None
+        if loop is None:
+            return
+        if self._http is not None:
+            asyncio.run_coroutine_threadsafe(self._http.aclose(), loop).result()
+            self._http = None
+        loop.call_soon_threadsafe(loop.stop)
+
+    def _new_http(self) -> httpx.AsyncClient:
+        timeout = httpx.Timeout(self.timeout_s, connect=min(30.0, self.timeout_s))
+        limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
+        return httpx.AsyncClient(timeout=timeout, limits=limits)
 
     # ---- endpoint choice ----------------------------------------------------------
 
@@ -115,10 +150,8 @@ class RolloutClient:
         if self.model is not None:
             base["model"] = self.model
         limit = asyncio.Semaphore(self.max_concurrency)
-        timeout = httpx.Timeout(self.timeout_s, connect=min(30.0, self.timeout_s))
-        limits = httpx.Limits(max_connections=self.max_concurrency,
-                              max_keepalive_connections=self.max_concurrency)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+
+        async def all_prompts(http: httpx.AsyncClient) -> list[list[Sample]]:
             async def one(i: int, prompt: list[int]) -> list[Sample]:
                 body = {**base, "prompt": list(prompt)}
                 if seed is not None:
@@ -129,10 +162,19 @@ class RolloutClient:
 
             return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
 
+        if self._loop is not None and asyncio.get_running_loop() is self._loop:  # the run's pool
+            if self._http is None:
+                self._http = self._new_http()
+            return await all_prompts(self._http)
+        async with self._new_http() as http:  # called on another loop: a pool for this call
+            return await all_prompts(http)
+
     async def _post(self, http: httpx.AsyncClient, body: dict) -> dict:
         last_error = ""
         failed: set[str] = set()  # a dead endpoint answers fastest: never let it win every retry
-        for attempt in range(self.max_retries + 1):
+        attempt = 0
+        paused_until = time.monotonic() + self.timeout_s
+        while attempt <= self.max_retries:
             endpoint = self._pick(failed)
             self.outstanding[endpoint] += 1
             self.requests_sent[endpoint] += 1
@@ -148,18 +190,25 @@ class RolloutClient:
                     raise RolloutError(f"{endpoint}/v1/completions answered HTTP "
                                        f"{response.status_code}: {response.text[:2000]}")
                 last_error = f"{endpoint}: HTTP {response.status_code}: {response.text[:500]}"
-                if response.status_code != 503:  # 503: paused for a weight update, retry anywhere
-                    failed.add(endpoint)
+                if response.status_code == 503 and time.monotonic() < paused_until:
+                    # paused for a weight update (another thread's sync while rollouts run
+                    # ahead): wait for the resume without using up the retry budget
+                    self.outstanding[endpoint] -= 1
+                    await asyncio.sleep(min(self.backoff_s, PAUSED_POLL_S))
+                    self.outstanding[endpoint] += 1
+                    continue
+                failed.add(endpoint)
             finally:
                 self.outstanding[endpoint] -= 1
             if attempt < self.max_retries:
                 await asyncio.sleep(self.backoff_s * 2**attempt)
+            attempt += 1
         raise RolloutError(f"rollout request failed after {self.max_retries + 1} attempts; "
                            f"last error: {last_error}")
 
     def generate_sync(self, prompts: list[list[int]], **kwargs) -> list[list[Sample]]:
-        """`generate` for callers without an event loop (runs it with asyncio.run)."""
-        return asyncio.run(self.generate(prompts, **kwargs))
+        """`generate` for callers without an event loop (on the run's loop: `run`)."""
+        return self.run(self.generate(prompts, **kwargs))
 
     # ---- readiness ------------------------------------------------------------------
 

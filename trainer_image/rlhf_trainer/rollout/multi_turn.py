@@ -121,4 +121,4 @@ def collect(client: RolloutClient, step: StepFn, tokenizer: Any, prompts: list[A
         flat = await asyncio.gather(*jobs)
         return [list(flat[i * n:(i + 1) * n]) for i in range(len(prompts))]
 
-    return asyncio.run(main())
+    return client.run(main()) if hasattr(client, "run") else asyncio.run(main())  # the run's connection pool
