@@ -4,6 +4,8 @@ by the reward (plus DAPO's overlong penalty), or run through a multi-turn enviro
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -27,6 +29,29 @@ class Sampler:
         resumed run repeats the uninterrupted one."""
         return (self.config.schedule.seed * 1_000_003 + step) * 64 + round_
 
+    def _generate_and_score(self, prompts: list[Any], seed: int) -> tuple[list[list[Any]], list[list[Any]]]:
+        """Each prompt's group is scored as soon as it is generated (on one scoring thread,
+        in completion order) while the others are still generating; the same samples and
+        scores as generating everything, then scoring everything."""
+        s = self.config.sampling
+
+        def score(prompt: Any, samples: list[Any]) -> list[Any]:
+            items = [(self.tokenizer.decode(x.token_ids, skip_special_tokens=True), prompt.answer, prompt.extra_info)
+                     for x in samples]
+            return self.scorer.score_batch(items)
+
+        async def one(i: int, prompt: Any, pool: Any) -> tuple[list[Any], list[Any]]:
+            [samples] = await self.client.generate([prompt.token_ids], n=s.samples_per_prompt,
+                                                   max_tokens=s.max_tokens, seed=seed, first_index=i, **self.sampling)
+            return samples, await asyncio.get_running_loop().run_in_executor(pool, score, prompt, samples)
+
+        async def main() -> list[tuple[list[Any], list[Any]]]:
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward") as pool:
+                return await asyncio.gather(*(one(i, p, pool) for i, p in enumerate(prompts)))
+
+        done = self.client.run(main()) if hasattr(self.client, "run") else asyncio.run(main())
+        return [g for g, _ in done], [r for _, r in done]
+
     def sample_groups(self, prompts: list[Any], *, step: int, round_: int) -> list[list[Row]]:
         s = self.config.sampling
         seed = self.seed(step, round_)
@@ -38,11 +63,8 @@ class Sampler:
                                    sampling=self.sampling, seed=seed)
             return [[Row(t.prompt_ids, t.response_ids, t.logprobs, t.reward, t.score, t.truncated, t.loss_mask)
                      for t in group] for group in trajectories]
-        groups = self.client.generate_sync([p.token_ids for p in prompts], n=s.samples_per_prompt,
-                                           max_tokens=s.max_tokens, seed=seed, **self.sampling)
-        items = [(self.tokenizer.decode(x.token_ids, skip_special_tokens=True), p.answer, p.extra_info)
-                 for p, samples in zip(prompts, groups) for x in samples]
-        results = iter(self.scorer.score_batch(items))
+        groups, scored = self._generate_and_score(prompts, seed)
+        results = iter(r for group in scored for r in group)
         buffer = self.config.algorithm.overlong_buffer
         out = []
         for samples in groups:

@@ -135,8 +135,10 @@ class RolloutClient:
     async def generate(self, prompts: list[list[int]], *, n: int, max_tokens: int,
                        temperature: float, top_p: float = 1.0, top_k: int = -1,
                        stop_token_ids: list[int] | None = None,
-                       seed: int | None = None) -> list[list[Sample]]:
-        """n samples for each prompt (token ids); one inner list per prompt, in order."""
+                       seed: int | None = None, first_index: int = 0) -> list[list[Sample]]:
+        """n samples for each prompt (token ids); one inner list per prompt, in order.
+        Prompt i's seed is `prompt_seed(seed, first_index + i)` (a call for one prompt of a
+        larger batch samples exactly as the whole batch would)."""
         if n < 1 or max_tokens < 1:
             raise ValueError(f"n ({n}) and max_tokens ({max_tokens}) must be >= 1")
         base = {
@@ -155,7 +157,7 @@ class RolloutClient:
             async def one(i: int, prompt: list[int]) -> list[Sample]:
                 body = {**base, "prompt": list(prompt)}
                 if seed is not None:
-                    body["seed"] = prompt_seed(seed, i)
+                    body["seed"] = prompt_seed(seed, first_index + i)
                 async with limit:
                     reply = await self._post(http, body)
                 return _samples(reply, prompt, n)
