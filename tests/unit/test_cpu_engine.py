@@ -369,3 +369,39 @@ def test_processed_logprobs_are_those_of_the_sampled_distribution():
     raw = torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0]
     assert torch.allclose(torch.tensor(got["processed_logprobs"][1]), at_t, atol=1e-4)
     assert torch.allclose(torch.tensor(got["raw_logprobs"][1]), raw, atol=1e-4)
+
+
+def test_a_request_arriving_mid_generation_joins_the_running_batch(engine_url, hf_model):
+    """Continuous batching: a short request sent while a long one is decoding joins its
+    loop (no new batch), answers before the long one ends, and gets what it would alone."""
+    long_prompt, short_prompt = [6, 10, 4, 7, 15], [3, 9, 9, 14, 8, 8, 2, 15]  # different lengths: padding
+    body = {"temperature": 0, "ignore_eos": True, "return_token_ids": True, "logprobs": 0}
+    finished: dict[str, float] = {}
+    before = httpx.get(engine_url + "/stats").json()
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as http:
+            async def send(name, prompt, max_tokens, after_steps):
+                while after_steps:  # send once the long request's loop is decoding
+                    stats = (await http.get(engine_url + "/stats")).json()
+                    if stats["num_forward_steps"] >= before["num_forward_steps"] + after_steps:
+                        break
+                    await asyncio.sleep(0.001)
+                reply = await http.post(engine_url + "/v1/completions",
+                                        json={**body, "prompt": prompt, "max_tokens": max_tokens})
+                finished[name] = time.monotonic()
+                return reply.json()["choices"][0]
+            return await asyncio.gather(send("long", long_prompt, 110, 0), send("short", short_prompt, 6, 3))
+
+    long_choice, short_choice = asyncio.run(run())
+    after = httpx.get(engine_url + "/stats").json()
+    assert len(long_choice["token_ids"]) == 110
+    assert finished["short"] < finished["long"]  # it did not wait for the long loop to end
+    assert after["num_batches"] - before["num_batches"] == 1  # it joined the running loop
+    with torch.no_grad():
+        ref = hf_model.generate(torch.tensor([short_prompt]), max_new_tokens=6, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)
+    assert short_choice["token_ids"] == ref[0, len(short_prompt):].tolist()  # as if generated alone
+    want = hf_logprobs(hf_model, short_prompt, short_choice["token_ids"])
+    got = short_choice["logprobs"]["token_logprobs"]
+    assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4

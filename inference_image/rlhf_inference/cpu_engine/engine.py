@@ -64,6 +64,7 @@ class Engine:
             self.model, eos_token_ids=self.eos_token_ids, pad_token_id=pad,
             max_model_len=self.max_model_len, logprobs_mode=logprobs_mode,
         )
+        self.generator.max_num_seqs = max_num_seqs
         self._rng = random.Random(seed)  # seeds for requests that bring none
         self.weight_version: str | None = None
         self.num_requests = 0
@@ -109,24 +110,44 @@ class Engine:
                 self._cv.wait_for(lambda: self._stopped or (self._queue and not self._parked))
                 if self._stopped:
                     return
-                batch: list[tuple[_Request, Sequence]] = []
-                while self._queue and len(batch) < self.max_num_seqs:
-                    batch.append(self._queue.popleft())
+                batch = self._take(self.max_num_seqs)
                 self._in_step = self._batch_running = True
-            seqs = [s for _, s in batch]
+            owner = {id(s): r for r, s in batch}
+
+            def admit(free: int) -> list[Sequence]:
+                """Sequences queued since the loop started join it (continuous batching)."""
+                with self._cv:
+                    if self._parked or self._abort:
+                        return []
+                    joined = self._take(free)
+                owner.update((id(s), r) for r, s in joined)
+                return [s for _, s in joined]
+
+            def on_finished(seq: Sequence) -> None:
+                request = owner[id(seq)]
+                request.remaining -= 1
+                if request.remaining == 0:
+                    _resolve(request, None)
+
             error: BaseException | None = None
             try:
-                self.generator.generate(seqs, self._between_steps)
+                self.generator.generate([s for _, s in batch], self._between_steps, admit, on_finished)
             except BaseException as exc:  # resolve futures rather than kill the worker
                 error = exc
             finally:
                 with self._cv:
                     self._in_step = self._batch_running = False
                     self._cv.notify_all()
-            for request, _ in batch:
-                request.remaining -= 1
-                if error is not None or request.remaining == 0:
-                    _resolve(request, error)
+            for request in {id(r): r for r in owner.values()}.values():
+                if error is not None or request.remaining <= 0:
+                    _resolve(request, error if request.remaining > 0 else None)
+
+    def _take(self, limit: int) -> list[tuple[_Request, Sequence]]:
+        """Up to `limit` queued sequences (call with the lock held)."""
+        taken = []
+        while self._queue and len(taken) < limit:
+            taken.append(self._queue.popleft())
+        return taken
 
     def _between_steps(self) -> None:
         """Runs in the worker between forward passes: park while paused, honour aborts."""

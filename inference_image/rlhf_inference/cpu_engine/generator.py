@@ -11,9 +11,16 @@ the sequence's own `torch.Generator`. Temperature below 1e-5 is greedy. The logp
 returned are vLLM's default `raw_logprobs`: log_softmax of the raw logits, before any
 temperature / top-k / top-p processing.
 
-Simplifications (compared with vLLM): static batching (requests that arrive while a
-loop runs wait for the next loop, no continuous batching), no prefix caching, no stop
-strings, no penalties, no `min_tokens`.
+Continuous batching, as vLLM: between two decode steps `admit(free_rows)` may hand over
+sequences that arrived meanwhile; they are prefilled on their own, their KV cache is
+left-padded (or the running one is) to a common length and joined to the running batch,
+and they decode with it from the next step (each row keeps its own positions and mask,
+so a joined sequence gets what it would have got alone). `on_finished(seq)` is called
+as soon as a sequence is done, so a short request answers without waiting for the
+batch's longest one.
+
+Simplifications (compared with vLLM): no paged KV cache (joining copies the cache), no
+chunked prefill, no prefix caching, no stop strings, no penalties, no `min_tokens`.
 """
 
 from __future__ import annotations
@@ -86,39 +93,40 @@ class BatchGenerator:
         self.max_batch_size = 0
 
     @torch.inference_mode()
-    def generate(self, seqs: list[Sequence], between_steps: Callable[[], None] = lambda: None) -> None:
-        """Generate until every sequence in `seqs` is finished.
+    def generate(self, seqs: list[Sequence], between_steps: Callable[[], None] = lambda: None,
+                 admit: Callable[[int], list[Sequence]] | None = None,
+                 on_finished: Callable[[Sequence], None] = lambda seq: None) -> None:
+        """Generate until every sequence in `seqs` (and every admitted one) is finished.
 
         `between_steps` runs after each forward pass and sampling (the engine parks the
-        loop there while paused); it may raise `GenerationAborted`.
+        loop there while paused); it may raise `GenerationAborted`. `admit(n)` (if given)
+        then returns at most n new sequences to join the batch.
         """
         if not seqs:
             return
         self.num_batches += 1
-        self.max_batch_size = max(self.max_batch_size, len(seqs))
         device = next(self.model.parameters()).device
-        width = max(len(s.prompt_token_ids) for s in seqs)
-        input_ids = torch.full((len(seqs), width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for row, seq in enumerate(seqs):
-            ids = seq.prompt_token_ids
-            input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
-            attention_mask[row, width - len(ids):] = 1
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        input_ids, attention_mask, position_ids = (
-            t.to(device) for t in (input_ids, attention_mask, position_ids)
-        )
-        cache = DynamicCache(config=self.model.config)
+        seqs = list(seqs)
+        reported: set[int] = set()
+
+        def report(rows: list[Sequence]) -> None:
+            for seq in rows:
+                if seq.finished and id(seq) not in reported:
+                    reported.add(id(seq))
+                    on_finished(seq)
+
+        cache, attention_mask, last_position, logits = self._prefill(seqs, device)
         active = list(range(len(seqs)))  # batch row -> index into seqs
-        last_position = position_ids[:, -1]
-        logits = self._forward(input_ids, attention_mask, position_ids, cache)
+        self.max_batch_size = max(self.max_batch_size, len(active))
         try:
             while True:
                 next_tokens = self._sample_and_check(logits, [seqs[i] for i in active])
+                report([seqs[i] for i in active])
                 keep = [row for row, i in enumerate(active) if not seqs[i].finished]
-                if not keep:
+                if not keep:  # sequences queued now start the worker's next loop
                     return
                 between_steps()
+                new = admit(self.max_num_seqs - len(keep)) if admit is not None else []
                 if len(keep) < len(active):
                     rows = torch.tensor(keep, dtype=torch.long, device=device)
                     cache.batch_select_indices(rows)
@@ -126,6 +134,9 @@ class BatchGenerator:
                     next_tokens = next_tokens[rows]
                     last_position = last_position[rows]
                     active = [active[row] for row in keep]
+                if new:
+                    (cache, attention_mask, last_position, next_tokens, active, seqs) = self._join(
+                        new, seqs, active, cache, attention_mask, last_position, next_tokens, device, report)
                 attention_mask = torch.cat(
                     [attention_mask, attention_mask.new_ones((len(active), 1))], dim=1
                 )
@@ -137,6 +148,54 @@ class BatchGenerator:
             for i in active:
                 if not seqs[i].finished:
                     seqs[i].finish_reason = "abort"
+            report([seqs[i] for i in active])
+
+    max_num_seqs = 256
+    """Rows a running batch may hold (the engine sets its own)."""
+
+    def _prefill(self, seqs: list[Sequence], device: torch.device):
+        """Left-padded prompts of `seqs` through the model: (cache, mask, last positions,
+        logits of each row's last prompt token)."""
+        width = max(len(s.prompt_token_ids) for s in seqs)
+        input_ids = torch.full((len(seqs), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for row, seq in enumerate(seqs):
+            ids = seq.prompt_token_ids
+            input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[row, width - len(ids):] = 1
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        input_ids, attention_mask, position_ids = (t.to(device) for t in (input_ids, attention_mask, position_ids))
+        cache = DynamicCache(config=self.model.config)
+        logits = self._forward(input_ids, attention_mask, position_ids, cache)
+        return cache, attention_mask, position_ids[:, -1], logits
+
+    def _join(self, new: list[Sequence], seqs: list[Sequence], active: list[int], cache, attention_mask,
+              last_position, next_tokens, device, report):
+        """Prefill `new`, sample their first tokens, and join the unfinished ones to the
+        running batch (KV caches and masks left-padded to one length)."""
+        new_cache, new_mask, new_last, new_logits = self._prefill(new, device)
+        new_tokens = self._sample_and_check(new_logits, new)
+        report(new)
+        keep = [row for row, seq in enumerate(new) if not seq.finished]
+        base = len(seqs)
+        seqs = seqs + new
+        if not keep:
+            return cache, attention_mask, last_position, next_tokens, active, seqs
+        if len(keep) < len(new):
+            rows = torch.tensor(keep, dtype=torch.long, device=device)
+            new_cache.batch_select_indices(rows)
+            new_mask, new_last, new_tokens = new_mask[rows], new_last[rows], new_tokens[rows]
+        if not active:
+            return new_cache, new_mask, new_last, new_tokens, [base + r for r in keep], seqs
+        length = max(attention_mask.shape[1], new_mask.shape[1])
+        for old_layer, new_layer in zip(cache.layers, new_cache.layers):
+            old_layer.keys, old_layer.values = (
+                torch.cat([_left_pad(a, length, dim=2), _left_pad(b, length, dim=2)], dim=0)
+                for a, b in ((old_layer.keys, new_layer.keys), (old_layer.values, new_layer.values)))
+        attention_mask = torch.cat([_left_pad(attention_mask, length, dim=1), _left_pad(new_mask, length, dim=1)])
+        self.max_batch_size = max(self.max_batch_size, len(active) + len(keep))
+        return (cache, attention_mask, torch.cat([last_position, new_last]), torch.cat([next_tokens, new_tokens]),
+                active + [base + r for r in keep], seqs)
 
     def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
         out = self.model(
@@ -214,3 +273,13 @@ def _top_logprobs(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
     k = logprobs.numel() if k < 0 else min(k, logprobs.numel())
     values, ids = torch.topk(logprobs, k)
     return list(zip(ids.tolist(), values.tolist()))
+
+
+def _left_pad(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
+    """Zeros prepended along `dim` up to `length` (masked positions of the KV cache)."""
+    missing = length - x.shape[dim]
+    if missing <= 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = missing
+    return torch.cat([x.new_zeros(shape), x], dim=dim)
