@@ -1,9 +1,10 @@
 """The engine: a model, a queue of sequences and one background worker thread.
 
 Requests are expanded into sequences (prompts x n) and queued. The worker thread takes
-everything queued (up to `max_num_seqs` sequences), runs ONE batched generation loop
-over them (`BatchGenerator`) and resolves each request's asyncio future when its last
-sequence is done. The event loop thread never runs model code, so `/health` answers
+everything queued (up to `max_num_seqs` sequences) and runs a batched generation loop
+over them (`BatchGenerator`); sequences queued while it runs join it between two decode
+steps (continuous batching), and each request's asyncio future is resolved as soon as
+its last sequence is done. The event loop thread never runs model code, so `/health` answers
 while a batch is generating or weights are being received.
 
 Pausing works at step granularity, as vLLM's pause modes (POST /pause?mode=...):
