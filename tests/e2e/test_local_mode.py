@@ -162,12 +162,13 @@ def test_local_mode_refuses_several_nodes(tmp_path):
     assert "spec.trainer.numNodes" in res.stderr
 
 
-def test_multi_turn_environment_keeps_one_sequence_and_masks_its_tokens(tmp_path):
+@pytest.mark.parametrize("k", [0, 1], ids=["sync", "max-staleness-1"])
+def test_multi_turn_environment_keeps_one_sequence_and_masks_its_tokens(tmp_path, k):
     from transformers import AutoTokenizer
 
     out = tmp_path / "run"
     res = rlhfctl("run", str(ROOT / "examples" / "local-multiturn.yaml"), "--output", str(out),
-                  *sets("schedule.totalSteps=2", "schedule.saveEvery=0"))
+                  *sets("schedule.totalSteps=2", "schedule.saveEvery=0", f"rollout.maxStaleness={k}"))
     assert res.returncode == 0, res.stderr[-3000:]
     tok = AutoTokenizer.from_pretrained(out / "builtin-model")
     rows = [json.loads(line) for step in (1, 2) for line in (out / "rollouts" / f"step-{step}.jsonl").read_text().splitlines()]
