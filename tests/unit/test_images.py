@@ -66,7 +66,11 @@ def test_dockerfiles_are_pinned_and_layered():
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     torch_pin = next(d for d in pyproject["project"]["optional-dependencies"]["trainer"] if d.startswith("torch=="))
     assert trainer_base.startswith(f"pytorch/pytorch:{torch_pin.removeprefix('torch==')}-cuda")
-    assert '".[trainer]"' in (ROOT / "trainer_image/Dockerfile").read_text()
+    extras = re.search(r'pip install [^\n]*"\.\[([a-z,]+)\]"', (ROOT / "trainer_image/Dockerfile").read_text())
+    assert extras, "trainer image must pip install the project with its extras"
+    installed = set(extras.group(1).split(","))
+    assert "trainer" in installed and "operator" not in installed
+    assert installed <= set(pyproject["project"]["optional-dependencies"]), installed
     operator = (ROOT / "operator/Dockerfile").read_text()
     assert '".[operator]"' in operator and "find_spec('torch') is None" in operator
     for path in ("operator/Dockerfile", "trainer_image/Dockerfile", "inference_image/Dockerfile"):
