@@ -41,7 +41,7 @@ class _State:
 
 STATE = _State()
 # A reconcile that several events asked for is counted under the most specific of them.
-TRIGGER_PRIORITY = {"resync": 0, "job": 1, "pytorchjob": 2, "pod": 3}
+TRIGGER_PRIORITY = {"resync": 0, "job": 1, "pytorchjob": 2, "jobset": 2, "pod": 3}
 
 
 def _enqueue(namespace: str, name: str, trigger: str, urgent: bool = False) -> None:
@@ -59,6 +59,7 @@ def _configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # Server-side filtering: only the job's own children reach us.
     settings.watching.label_selectors["v1", "pods"] = LABEL_JOB
     settings.watching.label_selectors["kubeflow.org", "pytorchjobs"] = LABEL_JOB
+    settings.watching.label_selectors["jobset.x-k8s.io", "jobsets"] = LABEL_JOB
 
 
 @kopf.on.event(API_GROUP, API_VERSION, PLURAL)
@@ -81,6 +82,13 @@ async def on_pod(event: dict[str, Any], body: kopf.Body, namespace: str, labels:
 @kopf.on.event("kubeflow.org", "v1", "pytorchjobs", labels={LABEL_JOB: kopf.PRESENT})
 async def on_pytorchjob(namespace: str, labels: dict[str, str], **_: Any) -> None:
     _enqueue(namespace, labels[LABEL_JOB], "pytorchjob")
+
+
+# Backend JobSet. On a cluster without the JobSet CRD kopf finds no such resource and
+# watches nothing here (jobs with that backend then stay Pending: the API refuses the JobSet).
+@kopf.on.event("jobset.x-k8s.io", "v1alpha2", "jobsets", labels={LABEL_JOB: kopf.PRESENT})
+async def on_jobset(namespace: str, labels: dict[str, str], **_: Any) -> None:
+    _enqueue(namespace, labels[LABEL_JOB], "jobset")
 
 
 def _resync_loop(namespaces: list[str], stop: threading.Event) -> None:

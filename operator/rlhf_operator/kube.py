@@ -24,7 +24,7 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
 from rlhf_contract.api.models import API_GROUP, API_VERSION, PLURAL
-from .builders.meta import LABEL_JOB, rollout_name, trainer_name
+from .builders.meta import LABEL_JOB, jobset_name, rollout_name, trainer_name
 from .status import Observed
 
 log = logging.getLogger(__name__)
@@ -36,10 +36,10 @@ NODE_CACHE_SECONDS = 10.0  # a node read serves every job on it this long (lost-
 _PLURALS = {
     "ConfigMap": "configmaps", "Service": "services", "ServiceAccount": "serviceaccounts", "Pod": "pods",
     "Event": "events", "StatefulSet": "statefulsets", "NetworkPolicy": "networkpolicies", "Role": "roles",
-    "RoleBinding": "rolebindings", "PyTorchJob": "pytorchjobs", "RLHFJob": PLURAL, "Lease": "leases",
+    "RoleBinding": "rolebindings", "PyTorchJob": "pytorchjobs", "JobSet": "jobsets", "RLHFJob": PLURAL, "Lease": "leases",
     "Node": "nodes",
 }
-_API_VERSIONS = {"StatefulSet": "apps/v1", "PyTorchJob": "kubeflow.org/v1", "RLHFJob": f"{API_GROUP}/{API_VERSION}",
+_API_VERSIONS = {"StatefulSet": "apps/v1", "PyTorchJob": "kubeflow.org/v1", "JobSet": "jobset.x-k8s.io/v1alpha2", "RLHFJob": f"{API_GROUP}/{API_VERSION}",
                  "Lease": "coordination.k8s.io/v1"}
 
 
@@ -119,13 +119,17 @@ class Kube:
         self.delete("RLHFJob", namespace, name)
 
     # ---- children
-    def observe(self, namespace: str, name: str) -> Observed:
-        sts = self._get(_path("apps/v1", "StatefulSet", namespace, rollout_name(name)))
-        ptj = self._get(_path("kubeflow.org/v1", "PyTorchJob", namespace, trainer_name(name)))
+    def observe(self, namespace: str, name: str, backend: str = "PyTorchJob") -> Observed:
+        sts = ptj = js = None
+        if backend == "JobSet":
+            js = self._get(_path(_API_VERSIONS["JobSet"], "JobSet", namespace, jobset_name(name)))
+        else:
+            sts = self._get(_path("apps/v1", "StatefulSet", namespace, rollout_name(name)))
+            ptj = self._get(_path("kubeflow.org/v1", "PyTorchJob", namespace, trainer_name(name)))
         pods = self._call("GET", _path("v1", "Pod", namespace), query=[("labelSelector", f"{LABEL_JOB}={name}")])[0]
         items = pods.get("items", [])
         nodes = {n for p in items if (n := (p.get("spec") or {}).get("nodeName"))}
-        return Observed(statefulset=sts, pytorchjob=ptj, pods=items, nodes_not_ready=self.nodes_not_ready(nodes))
+        return Observed(statefulset=sts, pytorchjob=ptj, jobset=js, pods=items, nodes_not_ready=self.nodes_not_ready(nodes))
 
     def node(self, name: str) -> dict[str, Any] | None:
         """A node, read at most every NODE_CACHE_SECONDS (the jobs on it share the read)."""

@@ -31,9 +31,10 @@ from rlhf_contract.api.models import RLHFJob
 
 from . import metrics, status
 from .builders import (
-    LABEL_ATTEMPT, LABEL_JOB_UID, PodSettings, PodSettingsError, build_support, build_workloads, rollout_name,
+    LABEL_JOB_UID, PodSettings, PodSettingsError, build_support, build_workloads, rollout_name,
     trainer_name,
 )
+from .builders.meta import attempt_of, jobset_name
 from .kube import Kube
 
 log = logging.getLogger("rlhf_operator")
@@ -147,10 +148,11 @@ class Reconciler:
             seen = {u: p for u, p in list(cache.failed_pods.items())
                     if (p["metadata"].get("labels") or {}).get(LABEL_JOB_UID) == body["metadata"]["uid"]}
             cache.uid, cache.applied, cache.failed_pods = body["metadata"]["uid"], {}, seen
-        observed = kube.observe(namespace, name)
-        attempt = str((body.get("status") or {}).get("restarts") or 0)
+        backend = (body.get("spec") or {}).get("backend") or "PyTorchJob"
+        observed = kube.observe(namespace, name, backend)
+        attempt = int((body.get("status") or {}).get("restarts") or 0)
         for uid, p in list(cache.failed_pods.items()):
-            if p["metadata"]["labels"].get(LABEL_ATTEMPT) != attempt:
+            if (attempt_of(p) or 0) < attempt:
                 cache.failed_pods.pop(uid, None)  # evidence of an earlier attempt is no longer needed
         listed = {p["metadata"].get("uid") for p in observed.pods}
         observed.pods += [p for u, p in list(cache.failed_pods.items()) if u not in listed]
@@ -178,7 +180,8 @@ class Reconciler:
                      (plan.events[0].message if plan.events else ""))
         # 2. Stop what must stop; pods of lost nodes go at once.
         for kind in plan.delete:
-            kube.delete(kind, namespace, rollout_name(name) if kind == "StatefulSet" else trainer_name(name))
+            kube.delete(kind, namespace, {"StatefulSet": rollout_name(name), "JobSet": jobset_name(name)}.get(
+                kind, trainer_name(name)))
         for pod in plan.force_delete:
             log.warning("%s/%s: force-deleting pod %s (its node is lost)", namespace, name, pod)
             kube.force_delete_pod(namespace, pod)
@@ -187,7 +190,8 @@ class Reconciler:
             for obj in build_support(job):
                 self._apply(cache, obj)
         if job is not None and plan.create_workloads:
-            missing = {"StatefulSet": observed.statefulset is None, "PyTorchJob": observed.pytorchjob is None}
+            missing = {"StatefulSet": observed.statefulset is None, "PyTorchJob": observed.pytorchjob is None,
+                       "JobSet": observed.jobset is None}
             for obj in build_workloads(job, plan.status["restarts"], settings):
                 self._apply(cache, obj, force=missing[obj["kind"]])
         if plan.delete_job:

@@ -37,7 +37,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from rlhf_contract.api.models import RLHFJob
-from .builders.meta import LABEL_ATTEMPT, LABEL_JOB_UID, LABEL_ROLE, ROLE_ROLLOUT, ROLE_TRAINER
+from .builders.meta import LABEL_JOB_UID, LABEL_ROLE, ROLE_ROLLOUT, ROLE_TRAINER, attempt_of
 
 # Exit codes of our entry points that no restart can fix (the one list of them).
 PERMANENT_EXIT_CODES: dict[int, str] = {
@@ -63,6 +63,8 @@ class Observed:
 
     statefulset: dict[str, Any] | None = None
     pytorchjob: dict[str, Any] | None = None
+    jobset: dict[str, Any] | None = None
+    """Backend JobSet: the job's JobSet (then statefulset and pytorchjob are None)."""
     pods: list[dict[str, Any]] = field(default_factory=list)
     nodes_not_ready: dict[str, datetime] = field(default_factory=dict)
     """Nodes of the job's pods that are not Ready: name -> since when (the Ready
@@ -144,11 +146,7 @@ def _owned_by(obj: dict[str, Any], uid: str) -> bool:
     return any(r.get("uid") == uid and r.get("controller") for r in obj.get("metadata", {}).get("ownerReferences") or [])
 
 
-def _attempt_of(obj: dict[str, Any]) -> int | None:
-    try:
-        return int(_labels(obj).get(LABEL_ATTEMPT, ""))
-    except ValueError:
-        return None
+_attempt_of = attempt_of
 
 
 def _conditions(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -243,20 +241,22 @@ def _plan(body: dict[str, Any], job: RLHFJob | None, observed: Observed, now: da
         progress["totalSteps"] = job.spec.schedule.total_steps
 
     ours = [p for p in observed.pods if _labels(p).get(LABEL_JOB_UID) == uid]
-    workloads = {"StatefulSet": observed.statefulset, "PyTorchJob": observed.pytorchjob}
-    current = {k: w for k, w in workloads.items() if w is not None and _owned_by(w, uid) and _attempt_of(w) == restarts
-               and not w["metadata"].get("deletionTimestamp")}
+    workloads = {"StatefulSet": observed.statefulset, "PyTorchJob": observed.pytorchjob, "JobSet": observed.jobset}
+    # A JobSet lives through every attempt (it restarts its own jobs).
+    current = {k: w for k, w in workloads.items() if w is not None and _owned_by(w, uid)
+               and (k == "JobSet" or _attempt_of(w) == restarts) and not w["metadata"].get("deletionTimestamp")}
     stale = [k for k, w in workloads.items() if w is not None and k not in current
              and not w["metadata"].get("deletionTimestamp")]
 
     def finish(phase: str, reason: str, message: str, *, create: bool = False, support: bool = False,
-               delete: list[str] | None = None, delete_job: bool = False, restart: bool = False) -> Plan:
+               delete: list[str] | None = None, delete_job: bool = False, restart: bool = False,
+               restarts_now: int | None = None) -> Plan:
         set_conditions(conds, phase, reason, message, now)
         status = {
             "phase": phase,
             "conditions": [conds[t] for t in CONDITION_TYPES if t in conds],
             "observedGeneration": meta.get("generation"),
-            "restarts": restarts + (1 if restart else 0),
+            "restarts": restarts_now if restarts_now is not None else restarts + (1 if restart else 0),
             "progress": progress,
         }
         events = []
@@ -273,7 +273,8 @@ def _plan(body: dict[str, Any], job: RLHFJob | None, observed: Observed, now: da
     if prev_phase in TERMINAL:
         cond = conds.get(prev_phase, {})
         finished = parse_time(cond.get("lastTransitionTime")) or now
-        ptj_done = _ptj_condition(observed.pytorchjob, "Succeeded") or _ptj_condition(observed.pytorchjob, "Failed")
+        ptj_done = (_ptj_condition(observed.pytorchjob, "Succeeded") or _ptj_condition(observed.pytorchjob, "Failed")
+                    or _ptj_condition(observed.jobset, "Completed") or _ptj_condition(observed.jobset, "Failed"))
         delete = [k for k in live if k == "StatefulSet" or (not ptj_done and now >= finished + TERMINAL_GRACE)]
         ttl = job.spec.run_policy.ttl_seconds_after_finished if job else None
         expired = ttl is not None and now >= finished + timedelta(seconds=ttl)
@@ -282,6 +283,9 @@ def _plan(body: dict[str, Any], job: RLHFJob | None, observed: Observed, now: da
 
     if job is None:
         return finish("Failed", "InvalidSpec", invalid or "the job does not validate", delete=list(live))
+
+    if job.spec.backend == "JobSet":
+        return _plan_jobset(job, meta, observed, ours, current, restarts, conds, now, finish)
 
     if job.spec.suspend:
         return finish("Suspended", "Suspended", "spec.suspend is true: pods deleted, checkpoints kept",
@@ -323,15 +327,10 @@ def _plan(body: dict[str, Any], job: RLHFJob | None, observed: Observed, now: da
                       f"{failure.describe()}; restart {restarts + 1} of {max_restarts}, resuming from the "
                       "newest checkpoint", support=True, delete=list(live), restart=True)
 
-    deadline = job.spec.run_policy.active_deadline_seconds
-    if deadline is not None:
-        resumed = conds.get("Suspended")
-        start = parse_time(meta.get("creationTimestamp")) or now
-        if resumed and resumed.get("status") == "False":
-            start = max(start, parse_time(resumed.get("lastTransitionTime")) or start)
-        if now >= start + timedelta(seconds=deadline):
-            return finish("Failed", "DeadlineExceeded",
-                          f"ran longer than runPolicy.activeDeadlineSeconds ({deadline} s)", delete=list(live))
+    if _deadline_passed(job, meta, conds, now):
+        return finish("Failed", "DeadlineExceeded",
+                      f"ran longer than runPolicy.activeDeadlineSeconds ({job.spec.run_policy.active_deadline_seconds} s)",
+                      delete=list(live))
 
     # Workloads of an earlier attempt (or of an earlier job of the same name) still exist,
     # or their pods do: delete, and create the new attempt only once no pod is left.
@@ -345,16 +344,33 @@ def _plan(body: dict[str, Any], job: RLHFJob | None, observed: Observed, now: da
                       f"waiting for {len(leftovers)} pod(s) of an earlier run to be deleted", support=True,
                       delete=stale)
 
+    required = ["PyTorchJob"] if job.spec.offline else ["StatefulSet", "PyTorchJob"]
+    return _pods_phase(job, ours, restarts, all(k in current for k in required), finish)
+
+
+def _deadline_passed(job: RLHFJob, meta: dict[str, Any], conds: dict[str, dict[str, Any]], now: datetime) -> bool:
+    deadline = job.spec.run_policy.active_deadline_seconds
+    if deadline is None:
+        return False
+    resumed = conds.get("Suspended")
+    start = parse_time(meta.get("creationTimestamp")) or now
+    if resumed and resumed.get("status") == "False":
+        start = max(start, parse_time(resumed.get("lastTransitionTime")) or start)
+    return now >= start + timedelta(seconds=deadline)
+
+
+def _pods_phase(job: RLHFJob, ours: list[dict[str, Any]], attempt: int, workloads_exist: bool, finish) -> Plan:
+    """Pending, Initializing or Running, from the pods of `attempt` (both backends)."""
+    restarts = attempt
     if job.spec.offline:  # sft, rm, dpo run the trainer alone
-        expected, required = {ROLE_TRAINER: job.spec.trainer.num_nodes}, ["PyTorchJob"]
+        expected = {ROLE_TRAINER: job.spec.trainer.num_nodes}
     else:
         expected = {ROLE_ROLLOUT: job.spec.rollout.replicas, ROLE_TRAINER: job.spec.trainer.num_nodes}
-        required = ["StatefulSet", "PyTorchJob"]
     pods = [p for p in ours if _attempt_of(p) == restarts and not p["metadata"].get("deletionTimestamp")]
     by_role = {r: [p for p in pods if _labels(p).get(LABEL_ROLE) == r] for r in expected}
     counts = ", ".join(f"{sum((p.get('status') or {}).get('phase') == 'Running' for p in by_role[r])}/{n} {r}"
                        for r, n in expected.items())
-    if any(k not in current for k in required) or any(len(by_role[r]) < n for r, n in expected.items()):
+    if not workloads_exist or any(len(by_role[r]) < n for r, n in expected.items()):
         return finish("Pending", "CreatingPods", f"waiting for pods: {counts} running", support=True, create=True)
     if not all(p.get("spec", {}).get("nodeName") for p in pods):
         return finish("Pending", "Unschedulable" if _unschedulable(pods) else "Scheduling",
@@ -366,6 +382,59 @@ def _plan(body: dict[str, Any], job: RLHFJob | None, observed: Observed, now: da
                       f"{counts} running" + ("" if job.spec.offline else "; rollout servers ready"), support=True,
                       create=True)
     return finish("Initializing", "PodsStarting", f"{counts} running", support=True, create=True)
+
+
+def _plan_jobset(job: RLHFJob, meta: dict[str, Any], observed: Observed, ours: list[dict[str, Any]],
+                 current: dict[str, dict[str, Any]], restarts: int, conds: dict[str, dict[str, Any]], now: datetime,
+                 finish) -> Plan:
+    """Backend JobSet: JobSet restarts its jobs (failure policy) and ends in Completed or
+    Failed; the job's phase, restarts and messages are read from it and its pods."""
+    js = current.get("JobSet")
+    if job.spec.suspend:  # JobSet's own suspend: its jobs' pods go, the JobSet and its restart count stay
+        return finish("Suspended", "Suspended", "spec.suspend is true: pods deleted, checkpoints kept",
+                      support=True, create=True)
+    if _deadline_passed(job, meta, conds, now):
+        return finish("Failed", "DeadlineExceeded",
+                      f"ran longer than runPolicy.activeDeadlineSeconds ({job.spec.run_policy.active_deadline_seconds} s)",
+                      delete=["JobSet"] if js else [])
+    if js is None:
+        other = observed.jobset
+        if other is not None:  # of an earlier job of the same name, or being deleted
+            return finish("Pending", "WaitingForOldPods", "waiting for the JobSet of an earlier run to be deleted",
+                          support=True, delete=[] if other["metadata"].get("deletionTimestamp") else ["JobSet"])
+        return finish("Pending", "CreatingPods", "creating the JobSet", support=True, create=True)
+
+    st = js.get("status") or {}
+    js_restarts = int(st.get("restarts") or 0)
+    max_restarts = js["spec"].get("failurePolicy", {}).get("maxRestarts", 0)
+
+    def failure_of(attempts: range) -> Failure | None:
+        for pod in sorted((p for p in ours if _attempt_of(p) in attempts), key=lambda p: p["metadata"]["name"]):
+            if failure := pod_failure(pod):
+                return failure
+        return None
+
+    if _ptj_condition(js, "Completed"):
+        return finish("Succeeded", "TrainerSucceeded", "the trainer finished every step", restarts_now=js_restarts)
+    if failed := _ptj_condition(js, "Failed"):
+        failure = failure_of(range(js_restarts, js_restarts + 1))
+        what = failure.describe() if failure else (failed.get("message") or "the JobSet failed")
+        if failed.get("reason") == "FailJobSetFailurePolicyAction" or (failure and failure.permanent):
+            return finish("Failed", "PermanentError", what, restarts_now=js_restarts)
+        if failed.get("reason") == "ReachedMaxRestarts":
+            return finish("Failed", "RestartLimitExceeded",
+                          f"{what}; no restarts left (runPolicy.maxRestarts={max_restarts})", restarts_now=js_restarts)
+        return finish("Failed", failed.get("reason") or "JobSetFailed", what, restarts_now=js_restarts)
+    if js_restarts > restarts:
+        failure = failure_of(range(restarts, js_restarts))
+        what = failure.describe() if failure else "a pod failed"
+        return finish("Restarting", "PodFailed",
+                      f"{what}; restart {js_restarts} of {max_restarts} by the JobSet's failure policy, resuming "
+                      "from the newest checkpoint", support=True, create=True, restarts_now=js_restarts)
+    if js["spec"].get("suspend"):
+        return finish("Pending", "JobSetSuspended",
+                      "the JobSet is suspended (waiting for admission, e.g. by Kueue)", support=True, create=True)
+    return _pods_phase(job, ours, restarts, True, finish)
 
 
 def _unschedulable(pods: list[dict[str, Any]]) -> bool:

@@ -17,7 +17,9 @@
 #   k8s/               kube-apiserver, kube-controller-manager, kube-scheduler, kubectl
 #                      (k8s.io/kubernetes v1.34.4, staging modules replaced by v0.34.4),
 #                      etcd (go.etcd.io/etcd/server/v3, the v3.6 that kubernetes pins), helm v3
-#   kwok/              kwok v0.8 (built against k8s.io/* v0.36; v0.7 does not compile with v0.34)
+#   kwok/              kwok v0.8 (built against k8s.io/* v0.36; v0.7 does not compile with v0.34) and the
+#                      JobSet controller v0.12 (sigs.k8s.io/jobset, also k8s.io/* v0.36: one module,
+#                      so client-go and friends compile once)
 #   training-operator/ Kubeflow training-operator v1.9 (needs k8s.io/* v0.31 and
 #                      controller-runtime v0.19)
 # The three cannot share one module: each pins k8s.io/* versions the others do not compile with.
@@ -28,7 +30,7 @@ TOOLS="$HERE/tools"
 CACHE_ROOT="${RLHF_CLUSTER_BIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/rlhf-operator/cluster-bin}"
 
 KUBE_VERSION=v1.34.4
-BINARIES=(etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kwok helm training-operator)
+BINARIES=(etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kwok helm training-operator jobset)
 
 hash_inputs() {
     (cd "$HERE" && cat build.sh tools/*/go.mod tools/*/go.sum) | sha256sum | cut -c1-16
@@ -89,6 +91,7 @@ mkdir -p "$out"
 # suffix: go.etcd.io/etcd/server/v3 -> "server".
 mv "$TMP/k8s/server" "$out/etcd"
 mv "$TMP/kwok/kwok" "$out/kwok"
+mv "$TMP/kwok/jobset" "$out/jobset"
 for b in kube-apiserver kube-controller-manager kube-scheduler kubectl helm; do
     mv "$TMP/k8s/$b" "$out/$b"
 done
@@ -108,6 +111,11 @@ for f in node/fast/node-initialize.yaml node/heartbeat-with-lease/node-heartbeat
          pod/fast/pod-delete.yaml pod/chaos/pod-container-running-failed.yaml; do
     cp "$kwok_dir/kustomize/stage/$f" "$out/manifests/kwok-stages/"
 done
+# JobSet's CRD and its webhook configurations (the harness points them at 127.0.0.1).
+js_dir="$(cd "$TOOLS/kwok" && go list -m -f '{{.Dir}}' sigs.k8s.io/jobset)"
+mkdir -p "$out/manifests/jobset"
+cp "$js_dir/config/components/crd/bases/jobset.x-k8s.io_jobsets.yaml" "$js_dir/config/components/webhook/manifests.yaml" \
+   "$out/manifests/jobset/"
 chmod -R u+w "$out/manifests"
 
 for b in "${BINARIES[@]}"; do

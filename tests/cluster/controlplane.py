@@ -23,6 +23,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import yaml
+
 from . import pki
 from .client import KubeClient
 from .kwok import FakeNodes
@@ -31,7 +33,7 @@ from .procs import ClusterError, ensure_binaries, free_port, http_ok, pid_alive,
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_DIR = Path(os.environ.get("RLHF_CLUSTER_DIR", REPO / ".cluster"))
 KUBE_ORDER = ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok",
-              "training-operator"]
+              "training-operator", "jobset"]
 
 
 def _stop_order(names) -> list[str]:
@@ -127,7 +129,7 @@ class Cluster(KubeClient, FakeNodes):
         self.pki.mkdir()
         self.owned = True
         for name in ("etcd", "etcd_peer", "apiserver", "kcm", "scheduler", "kwok", "to_webhook",
-                     "to_metrics", "to_health"):
+                     "to_metrics", "to_health", "js_webhook", "js_health"):
             self.ports[name] = free_port()
         try:
             pki.cluster_pki(self.pki)
@@ -138,6 +140,7 @@ class Cluster(KubeClient, FakeNodes):
             self.start_kwok(timeout=timeout)
             self.create_nodes(nodes, gpus=gpus_per_node)
             self._start_training_operator(timeout)
+            self._start_jobset(timeout)
             self.wait_nodes_ready(timeout=timeout)
         except BaseException as exc:
             tails = self.all_log_tails()
@@ -289,6 +292,45 @@ class Cluster(KubeClient, FakeNodes):
         wait_for(lambda: self._check_alive("training-operator")
                  and http_ok(f"http://127.0.0.1:{self.ports['to_health']}/readyz"),
                  timeout, "training-operator /readyz")
+
+    def _start_jobset(self, timeout: float) -> None:
+        """The JobSet controller (kubernetes-sigs/jobset) with its CRD and its admission
+        webhooks (defaulting and validation of JobSets; the pod webhooks only for pods of a
+        JobSet), served on 127.0.0.1 with the same CA-signed certificate as the
+        training-operator's. Its own cert rotation is off (it would need an in-cluster
+        Service)."""
+        assert self.bin_dir is not None
+        certs = pki.webhook_pki()
+        manifests = self.bin_dir / "manifests" / "jobset"
+        self.kubectl("apply", "--server-side", "-f", str(manifests / "jobset.x-k8s.io_jobsets.yaml"))
+        port = self.ports["js_webhook"]
+        only_jobset_pods = {"matchExpressions": [{"key": "jobset.sigs.k8s.io/jobset-name", "operator": "Exists"}]}
+        for doc in yaml.safe_load_all((manifests / "manifests.yaml").read_text()):
+            if not doc:
+                continue
+            doc["metadata"] = {"name": f"jobset-{doc['kind'].removesuffix('WebhookConfiguration').lower()}"}
+            for hook in doc["webhooks"]:
+                path = hook["clientConfig"]["service"]["path"]
+                hook["clientConfig"] = {"url": f"https://127.0.0.1:{port}{path}", "caBundle": pki.b64(certs / "ca.crt")}
+                hook["timeoutSeconds"] = 10
+                if any("pods" in r["resources"] for r in hook["rules"]):
+                    hook["objectSelector"] = only_jobset_pods
+            self.apply(doc)
+        config = self.root / "jobset-config.yaml"
+        config.write_text(yaml.safe_dump({
+            "apiVersion": "config.jobset.x-k8s.io/v1alpha1", "kind": "Configuration",
+            "leaderElection": {"leaderElect": False},
+            "internalCertManagement": {"enable": False},
+            "webhook": {"port": port, "host": "127.0.0.1", "certDir": str(certs)},
+            "metrics": {"bindAddress": "0"},
+            "health": {"healthProbeBindAddress": f"127.0.0.1:{self.ports['js_health']}"},
+        }))
+        self.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/jobsets.jobset.x-k8s.io")
+        self._spawn("jobset", [self.bin("jobset"), f"--config={config}", "--zap-log-level=info"],
+                    env={**os.environ, "KUBECONFIG": str(self.kubeconfig)})
+        wait_for(lambda: self._check_alive("jobset")
+                 and http_ok(f"http://127.0.0.1:{self.ports['js_health']}/readyz"),
+                 timeout, "jobset controller /readyz")
 
     # ---- stop
     @staticmethod

@@ -34,6 +34,7 @@ NOT_READY_LABEL = "node-not-ready.stage.kwok.x-k8s.io"
 # Pod completion on request: a stage of ours (below); any Running pod with this label
 # ends as Succeeded with exit code 0 in every container.
 COMPLETE_LABEL = "stage.rlhf.dev/complete"
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 
 # A stage of ours for "complete this pod": the pod's containers terminate with exit code 0.
 COMPLETE_STAGE = """\
@@ -93,7 +94,15 @@ class FakeNodes:
     """Mixin of `Cluster`: kwok processes, fake nodes, and chaos."""
 
     def _kwok_stages(self) -> str:
-        docs = [p.read_text() for p in sorted((self.bin_dir / "manifests" / "kwok-stages").glob("*.yaml"))]
+        docs = []
+        for path in sorted((self.bin_dir / "manifests" / "kwok-stages").glob("*.yaml")):
+            stage = yaml.safe_load(path.read_text())
+            if stage["metadata"]["name"] == "pod-complete":
+                # kwok completes every Job's pod at once; a JobSet's trainer and servers run
+                # until a test ends them (complete_pod, fail_pod), as real ones do.
+                stage["spec"]["selector"]["matchExpressions"].append(
+                    {"key": f'.metadata.labels["{JOBSET_NAME_LABEL}"]', "operator": "DoesNotExist"})
+            docs.append(yaml.safe_dump(stage, sort_keys=False))
         docs.append(COMPLETE_STAGE)
         return "\n---\n".join(d.strip("\n").removeprefix("---\n") for d in docs) + "\n"
 

@@ -132,6 +132,8 @@ def test_crd_is_structural_and_carries_the_rules():
     rules = [v["rule"] for v in spec["x-kubernetes-validations"]]
     assert rules[:len(RULES)] == [r.cel for r in RULES]
     transitions = spec["x-kubernetes-validations"][len(RULES):]
+    *transitions, jobset_budget = transitions
+    assert jobset_budget["fieldPath"] == ".runPolicy" and "oldSelf" in jobset_budget["rule"]
     assert [t["fieldPath"] for t in transitions] == [f".{f}" for f in IMMUTABLE_FIELDS]
     assert all("oldSelf" in t["rule"] and t["message"].startswith(f"spec.{f} cannot change")
                for t, f in zip(transitions, IMMUTABLE_FIELDS))

@@ -13,7 +13,9 @@ from typing import Any
 
 import yaml
 
-from .models import API_GROUP, API_VERSION, KIND, MAX_NAME_LENGTH, PLURAL, SHORT_NAME, RLHFJobSpec, RLHFJobStatus
+from .models import (
+    API_GROUP, API_VERSION, KIND, MAX_NAME_LENGTH, PLURAL, SHORT_NAME, RLHFJobSpec, RLHFJobStatus, RunPolicy,
+)
 from .rules import IMMUTABLE_FIELDS, MUTABLE_FIELDS, RULES, immutable_cel
 
 _DROP = {"title", "additionalProperties"}
@@ -75,8 +77,22 @@ def spec_schema() -> dict[str, Any]:
          f"{' and '.join('spec.' + m for m in MUTABLE_FIELDS)} can); create a new job "
          "(checkpoints can be copied over)"}
         for f in IMMUTABLE_FIELDS
-    ]
+    ] + [{"rule": JOBSET_BUDGET_CEL, "fieldPath": ".runPolicy",
+          "message": "spec.runPolicy.maxRestarts cannot change on a job with spec.backend JobSet (the "
+                     "JobSet's failure policy holds the budget); suspend, deadline and TTL can"}]
     return schema
+
+
+def _max_restarts(obj: str) -> str:
+    default = RunPolicy().max_restarts
+    return (f"(has({obj}.runPolicy) && has({obj}.runPolicy.maxRestarts) ? "
+            f"{obj}.runPolicy.maxRestarts : {default})")
+
+
+JOBSET_BUDGET_CEL = (f"!has(self.backend) || self.backend != 'JobSet' || "
+                     f"{_max_restarts('self')} == {_max_restarts('oldSelf')}")
+"""With the JobSet backend the restart budget lives in the JobSet's failure policy, which
+JobSet's admission webhook keeps immutable: the RLHFJob's is too."""
 
 
 def crd() -> dict[str, Any]:

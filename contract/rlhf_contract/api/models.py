@@ -527,6 +527,12 @@ class RLHFJobSpec(_Model):
     """Outputs."""
     run_policy: RunPolicy = RunPolicy()
     """Restarts and lifetime."""
+    backend: Literal["PyTorchJob", "JobSet"] = "PyTorchJob"
+    """How the operator runs the pods on a cluster. `PyTorchJob`: the trainer as a Kubeflow
+    PyTorchJob and the rollout servers as a StatefulSet, restarted together by the operator.
+    `JobSet`: one JobSet (jobset.x-k8s.io/v1alpha2) holding both as replicated jobs; its
+    failure policy is the restart domain (`runPolicy.maxRestarts` restarts) and Kueue admits
+    it as one workload. Ignored in local mode."""
     pod: PodTemplateSpec = Field(default_factory=PodTemplateSpec)
     """Scheduling and volumes of every pod of the job (ignored in local mode)."""
     suspend: bool = False

@@ -18,9 +18,10 @@ from .meta import (
 from .pods import POD_SETTINGS_ANNOTATION, PodSettings, PodSettingsError
 from .sandbox import build_sandbox, wants_sandbox
 from .services import build_network_policy, build_rollout_service, build_weight_sync_service
+from .jobset import build_jobset
 from .workloads import build_rollout_statefulset, build_trainer_pytorchjob, rollout_endpoints, weight_sync_addr
 
-WORKLOAD_KINDS = ("StatefulSet", "PyTorchJob")
+WORKLOAD_KINDS = ("StatefulSet", "PyTorchJob", "JobSet")
 
 
 def build_support(job: RLHFJob) -> list[dict[str, Any]]:
@@ -31,7 +32,8 @@ def build_support(job: RLHFJob) -> list[dict[str, Any]]:
         return [*common, build_network_policy(job)]
     return [
         *common,
-        build_rollout_service(job),
+        # backend JobSet: JobSet makes the pods' headless Service itself
+        *([build_rollout_service(job)] if job.spec.backend == "PyTorchJob" else []),
         build_weight_sync_service(job),
         build_network_policy(job),
         *build_sandbox(job),  # reward.type code: the sandbox service, out of the trainer's pod
@@ -41,7 +43,10 @@ def build_support(job: RLHFJob) -> list[dict[str, Any]]:
 def build_workloads(job: RLHFJob, attempt: int, settings: PodSettings) -> list[dict[str, Any]]:
     """The pods' owners for one attempt: rollout StatefulSet first (servers load the model
     while the trainer starts), then the trainer PyTorchJob; offline methods (sft, rm, dpo)
-    only the PyTorchJob."""
+    only the PyTorchJob. Backend JobSet: the one JobSet, whatever the attempt (JobSet
+    restarts its own jobs)."""
+    if job.spec.backend == "JobSet":
+        return [build_jobset(job, settings)]
     if job.spec.offline:
         return [build_trainer_pytorchjob(job, attempt, settings)]
     return [build_rollout_statefulset(job, attempt, settings), build_trainer_pytorchjob(job, attempt, settings)]
@@ -55,6 +60,6 @@ def build_children(job: RLHFJob, attempt: int, settings: PodSettings | None = No
 __all__ = [
     "LABEL_ATTEMPT", "LABEL_JOB", "LABEL_JOB_UID", "LABEL_ROLE", "POD_SETTINGS_ANNOTATION", "ROLE_ROLLOUT",
     "ROLE_TRAINER", "WORKLOAD_KINDS", "PodSettings", "PodSettingsError", "build_children", "build_support",
-    "build_sandbox", "build_workloads", "config_map_name", "trainer_config", "network_policy_name", "rollout_endpoints",
+    "build_jobset", "build_sandbox", "build_workloads", "config_map_name", "trainer_config", "network_policy_name", "rollout_endpoints",
     "rollout_name", "trainer_name", "weight_sync_addr", "weight_sync_name", "wants_sandbox",
 ]

@@ -25,6 +25,14 @@ KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 ROLE_ROLLOUT = "rollout"
 ROLE_TRAINER = "trainer"
 
+# The JobSet backend: names of the replicated jobs, and JobSet's own labels on its pods.
+RJOB_TRAINER = ROLE_TRAINER
+RJOB_ROLLOUT = ROLE_ROLLOUT
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
+JOBSET_RJOB_LABEL = "jobset.sigs.k8s.io/replicatedjob-name"
+JOBSET_RESTART_LABEL = "jobset.sigs.k8s.io/restart-attempt"
+COMPLETION_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
+
 
 def config_map_name(job: str) -> str:
     return f"{job}-config"
@@ -38,6 +46,11 @@ def rollout_name(job: str) -> str:
 def trainer_name(job: str) -> str:
     """The PyTorchJob, the trainer's ServiceAccount, Role and RoleBinding."""
     return f"{job}-trainer"
+
+
+def jobset_name(job: str) -> str:
+    """The JobSet (backend JobSet) and the headless Service JobSet makes for its pods."""
+    return job
 
 
 def weight_sync_name(job: str) -> str:
@@ -81,6 +94,16 @@ def job_labels(job: RLHFJob) -> dict[str, str]:
 
 def pod_labels(job: RLHFJob, role: str, attempt: int) -> dict[str, str]:
     return {**job_labels(job), LABEL_ROLE: role, LABEL_ATTEMPT: str(attempt), LABEL_JOB_UID: uid_of(job)}
+
+
+def attempt_of(obj: dict[str, Any]) -> int | None:
+    """The restart attempt a pod (or workload) belongs to: JobSet's restart-attempt label
+    on the pods of a JobSet, ours (`rlhf.dev/attempt`) otherwise."""
+    labels = obj.get("metadata", {}).get("labels") or {}
+    try:
+        return int(labels.get(JOBSET_RESTART_LABEL, labels.get(LABEL_ATTEMPT, "")))
+    except ValueError:
+        return None
 
 
 def metadata(job: RLHFJob, name: str, labels: dict[str, str] | None = None) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from typing import Any
 from rlhf_contract import pod as contract
 from rlhf_contract.api.models import RLHFJob
 from .meta import (
-    LABEL_JOB, LABEL_ROLE, ROLE_ROLLOUT, metadata, network_policy_name, rollout_name, trainer_name,
+    COMPLETION_INDEX_LABEL, JOBSET_NAME_LABEL, JOBSET_RJOB_LABEL, RJOB_TRAINER, jobset_name, LABEL_JOB, LABEL_ROLE, ROLE_ROLLOUT, metadata, network_policy_name, rollout_name, trainer_name,
     weight_sync_name,
 )
 
@@ -35,7 +35,7 @@ def build_rollout_service(job: RLHFJob) -> dict[str, Any]:
 
 
 def build_weight_sync_service(job: RLHFJob) -> dict[str, Any]:
-    """Selects trainer rank 0 (the PyTorchJob's master pod), where the weight-sync
+    """Selects trainer rank 0 (the PyTorchJob's master pod, or the JobSet's trainer pod 0), where the weight-sync
     rendezvous (TCPStore) listens; headless, so NCCL peers see the pod address."""
     return {
         "apiVersion": "v1",
@@ -44,14 +44,21 @@ def build_weight_sync_service(job: RLHFJob) -> dict[str, Any]:
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
-            "selector": {
-                "training.kubeflow.org/job-name": trainer_name(job.metadata.name),
-                "training.kubeflow.org/replica-type": "master",
-                "training.kubeflow.org/replica-index": "0",
-            },
+            "selector": _trainer_rank0(job),
             "ports": [{"name": "weight-sync", "port": contract.WEIGHT_SYNC_PORT,
                        "targetPort": contract.WEIGHT_SYNC_PORT, "protocol": "TCP"}],
         },
+    }
+
+
+def _trainer_rank0(job: RLHFJob) -> dict[str, str]:
+    if job.spec.backend == "JobSet":  # pod 0 of the trainer's (only) Job
+        return {JOBSET_NAME_LABEL: jobset_name(job.metadata.name), JOBSET_RJOB_LABEL: RJOB_TRAINER,
+                COMPLETION_INDEX_LABEL: "0"}
+    return {
+        "training.kubeflow.org/job-name": trainer_name(job.metadata.name),
+        "training.kubeflow.org/replica-type": "master",
+        "training.kubeflow.org/replica-index": "0",
     }
 
 

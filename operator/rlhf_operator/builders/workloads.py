@@ -19,8 +19,8 @@ from typing import Any
 from rlhf_contract import pod as contract
 from rlhf_contract.api.models import RLHFJob
 from .meta import (
-    LABEL_ATTEMPT, LABEL_JOB, LABEL_ROLE, ROLE_ROLLOUT, ROLE_TRAINER, job_labels, metadata, namespace_of, pod_labels, rollout_name, trainer_name,
-    weight_sync_name,
+    LABEL_ATTEMPT, LABEL_JOB, LABEL_ROLE, RJOB_ROLLOUT, ROLE_ROLLOUT, ROLE_TRAINER, job_labels, jobset_name, metadata,
+    namespace_of, pod_labels, rollout_name, trainer_name, weight_sync_name,
 )
 from .pods import (
     CONFIG_PATH, PodSettings, container_resources, container_security_context, env_list, output_dir, pod_spec,
@@ -35,7 +35,12 @@ def rollout_endpoints(job: RLHFJob) -> list[str]:
     the offline methods)."""
     if job.spec.offline:
         return []
-    name, ns = rollout_name(job.metadata.name), namespace_of(job)
+    ns = namespace_of(job)
+    if job.spec.backend == "JobSet":  # Job i of replicated job `rollout`, its pod 0, in the JobSet's subdomain
+        js = jobset_name(job.metadata.name)
+        return [f"http://{js}-{RJOB_ROLLOUT}-{i}-0.{js}.{ns}.svc:{contract.ROLLOUT_PORT}"
+                for i in range(job.spec.rollout.replicas)]
+    name = rollout_name(job.metadata.name)
     return [f"http://{name}-{i}.{name}.{ns}.svc:{contract.ROLLOUT_PORT}" for i in range(job.spec.rollout.replicas)]
 
 
@@ -48,7 +53,8 @@ def _probe(period: int, failures: int, timeout: int = 5) -> dict[str, Any]:
             "failureThreshold": failures, "timeoutSeconds": timeout}
 
 
-def build_rollout_statefulset(job: RLHFJob, attempt: int, settings: PodSettings) -> dict[str, Any]:
+def rollout_container(job: RLHFJob, settings: PodSettings) -> dict[str, Any]:
+    """The rollout server's container (both backends)."""
     r = job.spec.rollout
     proc = contract.rollout_process(job, model_path=job.spec.model.path, host="0.0.0.0",
                                     port=contract.ROLLOUT_PORT)
@@ -69,6 +75,12 @@ def build_rollout_statefulset(job: RLHFJob, attempt: int, settings: PodSettings)
         "livenessProbe": _probe(period=30, failures=4, timeout=10),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
+    return container
+
+
+def build_rollout_statefulset(job: RLHFJob, attempt: int, settings: PodSettings) -> dict[str, Any]:
+    r = job.spec.rollout
+    container = rollout_container(job, settings)
     name = rollout_name(job.metadata.name)
     labels = pod_labels(job, ROLE_ROLLOUT, attempt)
     selector = {LABEL_JOB: labels[LABEL_JOB], LABEL_ROLE: ROLE_ROLLOUT}  # immutable: only stable labels
@@ -90,18 +102,20 @@ def build_rollout_statefulset(job: RLHFJob, attempt: int, settings: PodSettings)
     }
 
 
-def build_trainer_pytorchjob(job: RLHFJob, attempt: int, settings: PodSettings) -> dict[str, Any]:
+def trainer_container(job: RLHFJob, settings: PodSettings, *, rollout_endpoints: list[str], weight_sync_addr: str,
+                      name: str = "pytorch", extra_env: list[dict[str, Any]] = ()) -> dict[str, Any]:
+    """The trainer node's container (both backends)."""
     t = job.spec.trainer
     proc = contract.trainer_process(
-        job, config_path=CONFIG_PATH, rollout_endpoints=rollout_endpoints(job),
-        weight_sync_addr=weight_sync_addr(job), output_dir=output_dir(job), master_addr=None, resume=True,
+        job, config_path=CONFIG_PATH, rollout_endpoints=rollout_endpoints,
+        weight_sync_addr=weight_sync_addr, output_dir=output_dir(job), master_addr=None, resume=True,
         metrics_port=contract.TRAINER_METRICS_PORT,
     )
     container = {
-        "name": "pytorch",  # the training-operator injects PET_* / MASTER_* into this container
+        "name": name,
         "image": t.image,
         "command": proc.command,
-        "env": env_list(proc.env),
+        "env": env_list(proc.env) + list(extra_env),
         "ports": [
             {"name": "pytorchjob-port", "containerPort": contract.TRAINER_MASTER_PORT, "protocol": "TCP"},
             {"name": "weight-sync", "containerPort": contract.WEIGHT_SYNC_PORT, "protocol": "TCP"},
@@ -113,6 +127,14 @@ def build_trainer_pytorchjob(job: RLHFJob, attempt: int, settings: PodSettings) 
         "volumeMounts": volume_mounts(settings, trainer=True),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
+    return container
+
+
+def build_trainer_pytorchjob(job: RLHFJob, attempt: int, settings: PodSettings) -> dict[str, Any]:
+    t = job.spec.trainer
+    # container `pytorch`: the training-operator injects PET_* / MASTER_* into it
+    container = trainer_container(job, settings, rollout_endpoints=rollout_endpoints(job),
+                                  weight_sync_addr=weight_sync_addr(job))
     template = {
         "metadata": {"labels": pod_labels(job, ROLE_TRAINER, attempt)},
         "spec": pod_spec(job, settings, [container], restart_policy="Never",

@@ -1,0 +1,112 @@
+"""`spec.backend: JobSet`: the trainer and the rollout servers as ONE JobSet
+(jobset.x-k8s.io/v1alpha2, kubernetes-sigs/jobset v0.12).
+
+Replicated jobs:
+- `trainer`: one Indexed Job of `numNodes` pods (parallelism = completions); node rank is
+  the pod's completion index, the rendezvous host is pod 0's stable name
+  `<job>-trainer-0-0.<job>.<ns>.svc` in the headless Service JobSet makes for its pods
+  (`network.subdomain` = the JobSet's name). torchrun reads PET_NNODES / PET_NODE_RANK /
+  PET_MASTER_ADDR / PET_MASTER_PORT, as it does under the training-operator.
+- `rollout` (method rl only): `replicas` Jobs of one pod each: server i is
+  `<job>-rollout-i-0.<job>.<ns>.svc`.
+
+The restart domain is JobSet's failure policy: every Job has backoffLimit 0, so any pod
+failing fails its Job and JobSet recreates ALL Jobs (restart attempt + 1) until
+`failurePolicy.maxRestarts` (= `runPolicy.maxRestarts`) is spent; then the JobSet is
+Failed. The permanent exit codes (status.PERMANENT_EXIT_CODES) go through each Job's
+podFailurePolicy (action FailJob, reason `PodFailurePolicy`) to the JobSet rule that fails
+it at once. Success: the trainer Job completing (successPolicy All on `trainer`); JobSet
+then deletes the still-running servers. Kueue: the queue label sits on the JobSet, which
+Kueue admits as one workload (trainer and rollout GPUs together).
+
+What the operator still does for this backend: the support children (config, RBAC,
+services, network policy), suspend (JobSet's own `spec.suspend`), the deadline and the TTL,
+and the job's status read from the JobSet and its pods (status.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlhf_contract import pod as contract
+from rlhf_contract.api.models import RLHFJob
+from .meta import (
+    COMPLETION_INDEX_LABEL, RJOB_ROLLOUT, RJOB_TRAINER, ROLE_ROLLOUT, ROLE_TRAINER, job_labels, jobset_name,
+    metadata, namespace_of, pod_labels, trainer_name,
+)
+from .pods import PodSettings, pod_spec
+from .workloads import rollout_container, rollout_endpoints, trainer_container, weight_sync_addr
+
+JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
+# Exit codes no restart can fix (status.PERMANENT_EXIT_CODES; a unit test keeps them equal).
+PERMANENT_EXIT_CODES = (2, 126, 127)
+PERMANENT_RULE = "permanentExitCode"
+
+
+def trainer_master_addr(job: RLHFJob) -> str:
+    js = jobset_name(job.metadata.name)
+    return f"{js}-{RJOB_TRAINER}-0-0.{js}.{namespace_of(job)}.svc"
+
+
+def _job_spec(template: dict[str, Any], pods: int, *, indexed: bool) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "parallelism": pods,
+        "completions": pods,
+        "backoffLimit": 0,  # a failed pod fails the Job, and JobSet restarts everything
+        "podFailurePolicy": {"rules": [{
+            "action": "FailJob",
+            "onExitCodes": {"operator": "In", "values": list(PERMANENT_EXIT_CODES)},
+        }]},
+        "template": template,
+    }
+    if indexed:
+        spec["completionMode"] = "Indexed"
+    return spec
+
+
+def build_jobset(job: RLHFJob, settings: PodSettings) -> dict[str, Any]:
+    t, name = job.spec.trainer, jobset_name(job.metadata.name)
+    node_env = [
+        {"name": "PET_NNODES", "value": str(t.num_nodes)},
+        {"name": "PET_NODE_RANK",
+         "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{COMPLETION_INDEX_LABEL}']"}}},
+        {"name": "PET_MASTER_ADDR", "value": trainer_master_addr(job)},
+        {"name": "PET_MASTER_PORT", "value": str(contract.TRAINER_MASTER_PORT)},
+    ]
+    trainer = trainer_container(job, settings, rollout_endpoints=rollout_endpoints(job),
+                                weight_sync_addr=weight_sync_addr(job), name="trainer", extra_env=node_env)
+    trainer_template = {
+        "metadata": {"labels": pod_labels(job, ROLE_TRAINER, 0)},
+        "spec": pod_spec(job, settings, [trainer], restart_policy="Never",
+                         service_account=trainer_name(job.metadata.name), trainer=True),
+    }
+    replicated = [{"name": RJOB_TRAINER, "replicas": 1,
+                   "template": {"spec": _job_spec(trainer_template, t.num_nodes, indexed=True)}}]
+    if not job.spec.offline:
+        rollout_template = {
+            "metadata": {"labels": pod_labels(job, ROLE_ROLLOUT, 0)},
+            "spec": pod_spec(job, settings, [rollout_container(job, settings)], restart_policy="Never",
+                             service_account=None),
+        }
+        replicated.append({"name": RJOB_ROLLOUT, "replicas": job.spec.rollout.replicas,
+                           "template": {"spec": _job_spec(rollout_template, 1, indexed=True)}})
+    for rj in replicated:  # pods carry the attempt as JobSet's restart-attempt label, not ours
+        rj["template"]["spec"]["template"]["metadata"]["labels"].pop("rlhf.dev/attempt")
+    spec: dict[str, Any] = {
+        "network": {"enableDNSHostnames": True, "subdomain": name, "publishNotReadyAddresses": True},
+        "successPolicy": {"operator": "All", "targetReplicatedJobs": [RJOB_TRAINER]},
+        "failurePolicy": {
+            "maxRestarts": job.spec.run_policy.max_restarts,
+            "restartStrategy": "Recreate",
+            "rules": [{"name": PERMANENT_RULE, "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}],
+        },
+        "replicatedJobs": replicated,
+    }
+    if job.spec.suspend:
+        spec["suspend"] = True
+    return {
+        "apiVersion": JOBSET_API_VERSION,
+        "kind": "JobSet",
+        "metadata": metadata(job, name, job_labels(job)),
+        "spec": spec,
+    }

@@ -1,0 +1,158 @@
+"""`spec.backend: JobSet`: the JobSet manifest and the status read from a JobSet.
+
+The manifest is also created on the real API server with JobSet's own CRD, webhooks and
+controller (tests/cluster/test_jobset.py); here: what is decided from it, without a cluster.
+"""
+
+from __future__ import annotations
+
+import copy
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from rlhf_contract.api import validate_job
+from rlhf_operator.builders import build_children, build_workloads, PodSettings
+from rlhf_operator.builders.jobset import PERMANENT_EXIT_CODES as JOBSET_PERMANENT
+from rlhf_operator.status import PERMANENT_EXIT_CODES, Observed, plan
+
+UID = "uid-js"
+NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
+
+
+def body(status=None, max_restarts=2, suspend=False, method="rl", queue=None):
+    meta = {"name": "demo", "namespace": "ns", "uid": UID, "generation": 1,
+            "creationTimestamp": (NOW - timedelta(minutes=5)).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    if queue:
+        meta["labels"] = {"kueue.x-k8s.io/queue-name": queue}
+    spec = {"backend": "JobSet", "method": method, "model": {"path": "/m/tiny"}, "data": {"path": "/d/x.jsonl"},
+            "trainer": {"numNodes": 2, "nprocPerNode": 4}, "suspend": suspend,
+            "runPolicy": {"maxRestarts": max_restarts},
+            "pod": {"volumes": [{"name": "w", "emptyDir": {}}],
+                    "volumeMounts": [{"name": "w", "mountPath": p, "subPath": p.strip("/")}
+                                     for p in ("/m", "/d", "/output")]}}
+    if method == "rl":
+        spec["rollout"] = {"replicas": 3}
+    return {"apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob", "metadata": meta, "spec": spec,
+            **({"status": status} if status else {})}
+
+
+def job_of(b):
+    return validate_job({k: copy.deepcopy(v) for k, v in b.items() if k != "status"})
+
+
+def jobset(restarts=0, conditions=(), suspend=False, max_restarts=2):
+    return {"kind": "JobSet",
+            "metadata": {"name": "demo", "ownerReferences": [{"uid": UID, "controller": True}]},
+            "spec": {"suspend": suspend, "failurePolicy": {"maxRestarts": max_restarts}},
+            "status": {"restarts": restarts,
+                       "conditions": [{"type": t, "status": "True", "reason": r, "message": m}
+                                      for t, r, m in conditions]}}
+
+
+def pod(name, role, attempt=0, phase="Running", exit_code=None):
+    cs = {"name": "c", "restartCount": 0, "state": {"running": {}}}
+    if exit_code is not None:
+        cs["state"] = {"terminated": {"exitCode": exit_code, "reason": "Error", "message": "boom"}}
+    return {"metadata": {"name": name, "labels": {"rlhf.dev/role": role, "rlhf.dev/job-uid": UID,
+                                                  "jobset.sigs.k8s.io/restart-attempt": str(attempt)}},
+            "spec": {"nodeName": "n1"},
+            "status": {"phase": phase, "containerStatuses": [cs], "conditions": [{"type": "Ready", "status": "True"}]}}
+
+
+def all_pods(attempt=0, **failed):
+    names = [("demo-rollout-0-0", "rollout"), ("demo-rollout-1-0", "rollout"), ("demo-rollout-2-0", "rollout"),
+             ("demo-trainer-0-0", "trainer"), ("demo-trainer-0-1", "trainer")]
+    return [pod(f"{n}-x{attempt}", r, attempt, **(failed if n == "demo-trainer-0-1" else {})) for n, r in names]
+
+
+def run(b, observed):
+    return plan(b, job_of(b), observed, NOW)
+
+
+def test_one_jobset_holds_trainer_and_servers_with_the_budget_and_the_queue_label():
+    j = job_of(body(queue="team-a"))
+    (js,) = build_workloads(j, 0, PodSettings.from_job(j))
+    kinds = [c["kind"] for c in build_children(j, 0)]
+    assert "StatefulSet" not in kinds and "PyTorchJob" not in kinds and kinds.count("JobSet") == 1
+    assert js["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    rjobs = {r["name"]: r for r in js["spec"]["replicatedJobs"]}
+    assert rjobs["trainer"]["replicas"] == 1 and rjobs["trainer"]["template"]["spec"]["parallelism"] == 2
+    assert rjobs["rollout"]["replicas"] == 3 and rjobs["rollout"]["template"]["spec"]["parallelism"] == 1
+    for r in rjobs.values():
+        spec = r["template"]["spec"]
+        assert spec["backoffLimit"] == 0 and spec["template"]["spec"]["restartPolicy"] == "Never"
+    assert js["spec"]["failurePolicy"]["maxRestarts"] == 2
+    assert js["spec"]["successPolicy"] == {"operator": "All", "targetReplicatedJobs": ["trainer"]}
+    gpus = rjobs["trainer"]["template"]["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert gpus["nvidia.com/gpu"] == "4"
+
+
+def test_offline_method_gets_only_the_trainer_job():
+    j = job_of(body(method="sft"))
+    (js,) = build_workloads(j, 0, PodSettings.from_job(j))
+    assert [r["name"] for r in js["spec"]["replicatedJobs"]] == ["trainer"]
+
+
+def test_permanent_exit_codes_are_the_operators():
+    assert sorted(JOBSET_PERMANENT) == sorted(PERMANENT_EXIT_CODES)
+
+
+def test_no_jobset_yet_creates_it():
+    p = run(body(), Observed())
+    assert p.status["phase"] == "Pending" and p.create_workloads and p.delete == []
+
+
+def test_running_from_the_pods_of_the_jobsets_attempt():
+    p = run(body({"phase": "Pending"}), Observed(jobset=jobset(), pods=all_pods()))
+    assert p.status["phase"] == "Running", p.status
+    assert "3/3 rollout, 2/2 trainer" in next(c for c in p.status["conditions"] if c["type"] == "Running")["message"]
+
+
+def test_a_jobset_restart_is_one_restart_of_the_job_naming_the_failed_pod():
+    pods = all_pods(0, phase="Failed", exit_code=137) + all_pods(1)[:2]
+    p = run(body({"phase": "Running", "restarts": 0}), Observed(jobset=jobset(restarts=1), pods=pods))
+    assert p.status["phase"] == "Restarting" and p.status["restarts"] == 1
+    msg = next(c for c in p.status["conditions"] if c["type"] == "Restarting")["message"]
+    assert "demo-trainer-0-1-x0" in msg and "code 137" in msg and "restart 1 of 2" in msg
+    assert p.delete == []  # JobSet recreates its jobs itself
+    # the next reconcile: the new attempt's pods decide the phase
+    p2 = run(body({"phase": "Restarting", "restarts": 1, "conditions": p.status["conditions"]}),
+             Observed(jobset=jobset(restarts=1), pods=all_pods(1)))
+    assert p2.status["phase"] == "Running" and p2.status["restarts"] == 1
+
+
+def test_budget_spent_and_permanent_codes_end_in_failed():
+    pods = all_pods(2, phase="Failed", exit_code=1)
+    failed = jobset(restarts=2, conditions=[("Failed", "ReachedMaxRestarts", "jobset failed")])
+    p = run(body({"phase": "Running", "restarts": 2}), Observed(jobset=failed, pods=pods))
+    assert p.status["phase"] == "Failed"
+    c = next(c for c in p.status["conditions"] if c["type"] == "Failed")
+    assert c["reason"] == "RestartLimitExceeded" and "runPolicy.maxRestarts=2" in c["message"]
+    perm = jobset(conditions=[("Failed", "FailJobSetFailurePolicyAction", "rule permanentExitCode")])
+    p = run(body({"phase": "Running"}), Observed(jobset=perm, pods=all_pods(0, phase="Failed", exit_code=2)))
+    c = next(c for c in p.status["conditions"] if c["type"] == "Failed")
+    assert c["reason"] == "PermanentError" and "code 2" in c["message"]
+
+
+def test_completed_jobset_is_succeeded_and_never_restarted():
+    done = jobset(restarts=1, conditions=[("Completed", "AllJobsCompleted", "")])
+    p = run(body({"phase": "Running", "restarts": 1}), Observed(jobset=done, pods=all_pods(1, phase="Failed",
+                                                                                            exit_code=1)))
+    assert p.status["phase"] == "Succeeded" and p.status["restarts"] == 1
+    again = run(body(p.status), Observed(jobset=done))
+    assert again.status["phase"] == "Succeeded" and not again.create_workloads
+
+
+@pytest.mark.parametrize("kueue_suspended", [True, False])
+def test_suspend_is_the_jobsets_own(kueue_suspended):
+    if kueue_suspended:  # Kueue holds the JobSet until admission: Pending, saying why
+        p = run(body(), Observed(jobset=jobset(suspend=True)))
+        assert p.status["phase"] == "Pending" and not p.status["conditions"]
+        assert "admission" in p.events[0].message
+    else:
+        b = body({"phase": "Running"}, suspend=True)
+        p = run(b, Observed(jobset=jobset(), pods=all_pods()))
+        assert p.status["phase"] == "Suspended" and p.delete == [] and p.create_workloads
+        (js,) = build_workloads(job_of(b), 0, PodSettings.from_job(job_of(b)))
+        assert js["spec"]["suspend"] is True
