@@ -14,7 +14,9 @@ Also prints the operator's reconciles and CPU seconds, which say what limits the
     python bench/operator_scale.py [--jobs 100 --nodes 200 --failures 50]
     python bench/operator_scale.py --dir .cluster   # attach to a running `make cluster`
 
-Each job: 2 rollout servers x 1 GPU + 1 trainer pod x 2 GPUs.
+Each job: 2 rollout servers x 1 GPU + 1 trainer pod x 2 GPUs. `--backend JobSet` runs the
+same jobs as JobSets (the JobSet controller restarts them: the latency then also holds the
+Job controller failing the Job and the JobSet controller recreating its Jobs).
 """
 
 from __future__ import annotations
@@ -38,15 +40,20 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from cluster.harness import Cluster, ensure_binaries, free_port, wait_for  # noqa: E402
 
-CHILDREN = "configmap,serviceaccount,role,rolebinding,service,networkpolicy,statefulset,pytorchjob"
-CHILDREN_PER_JOB = 9
+CHILDREN = {"PyTorchJob": "configmap,serviceaccount,role,rolebinding,service,networkpolicy,statefulset,pytorchjob",
+            "JobSet": "configmap,serviceaccount,role,rolebinding,service,networkpolicy,jobset"}
+CHILDREN_PER_JOB = {"PyTorchJob": 9, "JobSet": 7}
 
 
-def job_doc(name: str) -> dict:
+def job_doc(name: str, backend: str = "PyTorchJob") -> dict:
     return {"apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob", "metadata": {"name": name},
-            "spec": {"model": {"path": "/models/tiny"}, "data": {"path": "/data/train.jsonl"},
+            "spec": {"backend": backend, "model": {"path": "/models/tiny"}, "data": {"path": "/data/train.jsonl"},
                      "rollout": {"replicas": 2, "image": "example.invalid/vllm:1"},
                      "trainer": {"numNodes": 1, "nprocPerNode": 2, "image": "example.invalid/trainer:1"},
+                     # model, data and output on a mounted volume, or the operator refuses the job
+                     "pod": {"volumes": [{"name": "work", "emptyDir": {}}],
+                             "volumeMounts": [{"name": "work", "mountPath": p, "subPath": p.strip("/")}
+                                              for p in ("/models", "/data", "/output")]},
                      "schedule": {"promptsPerStep": 8}, "runPolicy": {"maxRestarts": 3}}}
 
 
@@ -62,6 +69,7 @@ class Watcher:
         self.lock = threading.Lock()
         self.phase: dict[str, str] = {}
         self.pod_failed_at: dict[str, float] = {}  # job -> first failed trainer pod seen
+        self.trainer_pod: dict[str, str] = {}  # job -> name of a Running trainer pod
         self.restarting_at: dict[str, float] = {}  # job -> first seen Restarting / restarts >= 1
         self.stop = threading.Event()
         for target in (self._jobs, self._pods):
@@ -98,6 +106,8 @@ class Watcher:
             with self.lock:
                 if failed and job not in self.pod_failed_at:
                     self.pod_failed_at[job] = now
+                if pod.status.phase == "Running" and not failed and not pod.metadata.deletion_timestamp:
+                    self.trainer_pod.setdefault(job, pod.metadata.name)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -118,6 +128,7 @@ def main() -> int:
     ap.add_argument("--dir", help="attach to the cluster running in this state directory (else start one)")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--workers", type=int, default=None, help="operator reconcile workers (default: its own)")
+    ap.add_argument("--backend", choices=("PyTorchJob", "JobSet"), default="PyTorchJob")
     args = ap.parse_args()
 
     own = None
@@ -161,14 +172,15 @@ def run(cluster: Cluster, args) -> int:
         wait_for(lambda: "leader:" in log.read_text(), 60, "the operator to lead")
         cpu0 = cpu_seconds(op.pid)
         names = [f"job-{i:04d}" for i in range(args.jobs)]
-        docs = yaml.safe_dump_all([job_doc(n) for n in names])
+        docs = yaml.safe_dump_all([job_doc(n, args.backend) for n in names])
         t0 = time.monotonic()
         cluster.kubectl("create", "-n", ns, "-f", "-", input=docs, timeout=300)
         created = time.monotonic() - t0
 
         def all_children() -> bool:
-            out = cluster.kubectl("get", CHILDREN, "-n", ns, "-l", "rlhf.dev/job", "-o", "name", timeout=120).stdout
-            return len(out.split()) >= CHILDREN_PER_JOB * args.jobs
+            out = cluster.kubectl("get", CHILDREN[args.backend], "-n", ns, "-l", "rlhf.dev/job", "-o", "name",
+                                  timeout=120).stdout
+            return len(out.split()) >= CHILDREN_PER_JOB[args.backend] * args.jobs
         wait_for(all_children, args.timeout, "every job's children", interval=0.5)
         t_children = time.monotonic() - t0
 
@@ -183,7 +195,9 @@ def run(cluster: Cluster, args) -> int:
         sample = names[: args.failures]
         cpu1 = cpu_seconds(op.pid)
         for n in sample:
-            cluster.fail_pod(ns, f"{n}-trainer-master-0", exit_code=137, reason="OOMKilled")
+            with watcher.lock:
+                victim = watcher.trainer_pod[n]
+            cluster.fail_pod(ns, victim, exit_code=137, reason="OOMKilled")
             time.sleep(0.1)
 
         def seen() -> bool:
@@ -200,7 +214,7 @@ def run(cluster: Cluster, args) -> int:
         mean_reconcile = metric("rlhf_operator_reconcile_duration_seconds_sum") / max(
             1.0, metric("rlhf_operator_reconcile_duration_seconds_count"))
         print(json.dumps({
-            "jobs": args.jobs, "nodes": args.nodes, "cpus": os.cpu_count(),
+            "backend": args.backend, "jobs": args.jobs, "nodes": args.nodes, "cpus": os.cpu_count(),
             "load_average_1m": os.getloadavg()[0],
             "create_call_s": round(created, 2),
             "all_children_s": round(t_children, 2),

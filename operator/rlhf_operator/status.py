@@ -431,6 +431,27 @@ def _plan_jobset(job: RLHFJob, meta: dict[str, Any], observed: Observed, ours: l
         return finish("Restarting", "PodFailed",
                       f"{what}; restart {js_restarts} of {max_restarts} by the JobSet's failure policy, resuming "
                       "from the newest checkpoint", support=True, create=True, restarts_now=js_restarts)
+    restarting = conds.get("Restarting", {})
+    if restarts > js_restarts:  # announced below; the JobSet has not recreated its jobs yet
+        return finish("Restarting", restarting.get("reason", "PodFailed"), restarting.get("message", ""),
+                      support=True, create=True)
+    # A pod of the current attempt failed and the JobSet has not acted yet: its failure
+    # policy (which we wrote) decides exactly as below, so the status says so at once
+    # instead of after the Job and JobSet controllers have caught up (seconds under load).
+    attempt = [p for p in ours if _attempt_of(p) == restarts]
+    trainer_done = any(_labels(p).get(LABEL_ROLE) == ROLE_TRAINER
+                       and (p.get("status") or {}).get("phase") == "Succeeded" for p in attempt)
+    failure = next((f for p in sorted(attempt, key=lambda p: p["metadata"]["name"])
+                    if (f := pod_failure(p)) and not (trainer_done and f.role == ROLE_ROLLOUT)), None)
+    if failure is not None:
+        if failure.permanent:
+            return finish("Failed", "PermanentError", failure.describe())
+        if restarts >= max_restarts:
+            return finish("Failed", "RestartLimitExceeded",
+                          f"{failure.describe()}; no restarts left (runPolicy.maxRestarts={max_restarts})")
+        return finish("Restarting", "PodFailed",
+                      f"{failure.describe()}; restart {restarts + 1} of {max_restarts} by the JobSet's failure "
+                      "policy, resuming from the newest checkpoint", support=True, create=True, restart=True)
     if js["spec"].get("suspend"):
         return finish("Pending", "JobSetSuspended",
                       "the JobSet is suspended (waiting for admission, e.g. by Kueue)", support=True, create=True)

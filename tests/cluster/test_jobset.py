@@ -145,3 +145,22 @@ def test_jobset_trainer_success_is_succeeded_and_the_budget_is_immutable(cluster
                           and not p["metadata"].get("deletionTimestamp")], 60, "rollout servers stopped")
     assert job(cluster, ns, "jss")["status"]["phase"] == "Succeeded"
     cluster.kubectl("delete", "rlhfjob", "jss", "-n", ns, "--wait=false")
+
+
+def test_jobset_suspend_and_resume_keep_the_jobset(cluster: Cluster, setup):
+    ns, log = setup["ns"], setup["log"]
+    create(cluster, ns, jobset_doc("jsu", nodes=1))
+    wait_job(cluster, ns, "jsu", "Running", 0, log=log)
+    uid = cluster.get("jobset", "jsu", namespace=ns)["metadata"]["uid"]
+    cluster.kubectl("patch", "rlhfjob", "jsu", "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":true}}')
+    wait_job(cluster, ns, "jsu", "Suspended", 0, log=log)
+    wait_for(lambda: not [p for p in pods(cluster, ns, "jsu") if not p["metadata"].get("deletionTimestamp")], 60,
+             "pods deleted while suspended")
+    js = cluster.get("jobset", "jsu", namespace=ns)
+    assert js["spec"]["suspend"] is True and js["metadata"]["uid"] == uid  # the same JobSet, suspended
+    cluster.kubectl("patch", "rlhfjob", "jsu", "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":false}}')
+    j = wait_job(cluster, ns, "jsu", "Running", 0, log=log)
+    assert condition(j, "Suspended")["reason"] == "Resumed"
+    attempt_pods(cluster, ns, "jsu", 0, count=3)
+    assert cluster.get("jobset", "jsu", namespace=ns)["metadata"]["uid"] == uid
+    cluster.kubectl("delete", "rlhfjob", "jsu", "-n", ns, "--wait=false")

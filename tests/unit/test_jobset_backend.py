@@ -156,3 +156,29 @@ def test_suspend_is_the_jobsets_own(kueue_suspended):
         assert p.status["phase"] == "Suspended" and p.delete == [] and p.create_workloads
         (js,) = build_workloads(job_of(b), 0, PodSettings.from_job(job_of(b)))
         assert js["spec"]["suspend"] is True
+
+
+def test_status_announces_the_jobsets_decision_before_it_acts():
+    """A pod of the current attempt failed; the JobSet has not restarted yet (its Job and
+    JobSet controllers lag): the status already says Restarting (or Failed), as the failure
+    policy we wrote will decide, and keeps saying so until the JobSet catches up."""
+    pods = all_pods(0, phase="Failed", exit_code=137)
+    p = run(body({"phase": "Running", "restarts": 0}), Observed(jobset=jobset(restarts=0), pods=pods))
+    assert p.status["phase"] == "Restarting" and p.status["restarts"] == 1 and p.delete == []
+    again = run(body(p.status), Observed(jobset=jobset(restarts=0), pods=pods))
+    assert again.status["phase"] == "Restarting" and again.status["restarts"] == 1
+    caught_up = run(body(p.status), Observed(jobset=jobset(restarts=1), pods=all_pods(1)))
+    assert caught_up.status["phase"] == "Running" and caught_up.status["restarts"] == 1
+    # budget spent, or a permanent exit code: Failed at once
+    spent = run(body({"phase": "Running", "restarts": 2}), Observed(jobset=jobset(restarts=2), pods=all_pods(
+        2, phase="Failed", exit_code=1)))
+    assert spent.status["phase"] == "Failed" and "no restarts left" in spent.events[0].message
+    perm = run(body({"phase": "Running"}), Observed(jobset=jobset(), pods=all_pods(0, phase="Failed", exit_code=127)))
+    assert perm.status["phase"] == "Failed" and perm.events[0].reason == "PermanentError"
+    # a server stopping after the trainer succeeded is no failure
+    done = all_pods(0)
+    for p_ in done:
+        if p_["metadata"]["labels"]["rlhf.dev/role"] == "trainer":
+            p_["status"]["phase"] = "Succeeded"
+    done[0]["status"]["phase"] = "Failed"
+    assert run(body({"phase": "Running"}), Observed(jobset=jobset(), pods=done)).status["phase"] != "Restarting"
