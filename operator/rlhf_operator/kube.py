@@ -24,6 +24,7 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
 from rlhf_contract.api.models import API_GROUP, API_VERSION, PLURAL
+from .builders.jobset import JOBSET_API_VERSION
 from .builders.meta import LABEL_JOB, jobset_name, rollout_name, trainer_name
 from .status import Observed
 
@@ -36,11 +37,11 @@ NODE_CACHE_SECONDS = 10.0  # a node read serves every job on it this long (lost-
 _PLURALS = {
     "ConfigMap": "configmaps", "Service": "services", "ServiceAccount": "serviceaccounts", "Pod": "pods",
     "Event": "events", "StatefulSet": "statefulsets", "NetworkPolicy": "networkpolicies", "Role": "roles",
-    "RoleBinding": "rolebindings", "PyTorchJob": "pytorchjobs", "JobSet": "jobsets", "RLHFJob": PLURAL, "Lease": "leases",
-    "Node": "nodes",
+    "RoleBinding": "rolebindings", "PyTorchJob": "pytorchjobs", "JobSet": "jobsets", "RLHFJob": PLURAL,
+    "Lease": "leases", "Node": "nodes",
 }
-_API_VERSIONS = {"StatefulSet": "apps/v1", "PyTorchJob": "kubeflow.org/v1", "JobSet": "jobset.x-k8s.io/v1alpha2", "RLHFJob": f"{API_GROUP}/{API_VERSION}",
-                 "Lease": "coordination.k8s.io/v1"}
+_API_VERSIONS = {"StatefulSet": "apps/v1", "PyTorchJob": "kubeflow.org/v1", "JobSet": JOBSET_API_VERSION,
+                 "RLHFJob": f"{API_GROUP}/{API_VERSION}", "Lease": "coordination.k8s.io/v1"}
 
 
 def _path(api_version: str, kind: str, namespace: str, name: str | None = None) -> str:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, Callable
 
 from rlhf_contract.api.models import RLHFJob
 from .builders.meta import LABEL_JOB_UID, LABEL_ROLE, ROLE_ROLLOUT, ROLE_TRAINER, attempt_of
@@ -146,7 +146,6 @@ def _owned_by(obj: dict[str, Any], uid: str) -> bool:
     return any(r.get("uid") == uid and r.get("controller") for r in obj.get("metadata", {}).get("ownerReferences") or [])
 
 
-_attempt_of = attempt_of
 
 
 def _conditions(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -199,6 +198,20 @@ def lost_pod(pod: dict[str, Any], nodes_not_ready: dict[str, datetime], now: dat
                    f"node {node} not Ready since {_ts(since)}")
 
 
+def attempt_failure(pods: list[dict[str, Any]],
+                    lost: Callable[[dict[str, Any]], Failure | None] = lambda pod: None) -> Failure | None:
+    """The first failure (by pod name) among the pods of one attempt: `pod_failure`, or
+    `lost` (the pod's node is gone). A server's does not count once a trainer pod has
+    succeeded (Succeeded dominates)."""
+    trainer_done = any(_labels(p).get(LABEL_ROLE) == ROLE_TRAINER
+                       and (p.get("status") or {}).get("phase") == "Succeeded" for p in pods)
+    for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
+        failure = pod_failure(pod) or lost(pod)
+        if failure and not (trainer_done and failure.role == ROLE_ROLLOUT):
+            return failure
+    return None
+
+
 def _ptj_condition(ptj: dict[str, Any] | None, type_: str) -> dict[str, Any] | None:
     for c in (ptj or {}).get("status", {}).get("conditions") or []:
         if c.get("type") == type_ and c.get("status") == "True":
@@ -244,7 +257,7 @@ def _plan(body: dict[str, Any], job: RLHFJob | None, observed: Observed, now: da
     workloads = {"StatefulSet": observed.statefulset, "PyTorchJob": observed.pytorchjob, "JobSet": observed.jobset}
     # A JobSet lives through every attempt (it restarts its own jobs).
     current = {k: w for k, w in workloads.items() if w is not None and _owned_by(w, uid)
-               and (k == "JobSet" or _attempt_of(w) == restarts) and not w["metadata"].get("deletionTimestamp")}
+               and (k == "JobSet" or attempt_of(w) == restarts) and not w["metadata"].get("deletionTimestamp")}
     stale = [k for k, w in workloads.items() if w is not None and k not in current
              and not w["metadata"].get("deletionTimestamp")]
 
@@ -295,18 +308,9 @@ def _plan(body: dict[str, Any], job: RLHFJob | None, observed: Observed, now: da
     if _ptj_condition(current.get("PyTorchJob"), "Succeeded"):
         return finish("Succeeded", "TrainerSucceeded", "the trainer finished every step",
                       delete=[k for k in live if k == "StatefulSet"])
-    attempt_pods = sorted((p for p in ours if _attempt_of(p) == restarts), key=lambda p: p["metadata"]["name"])
-    trainer_done = any(_labels(p).get(LABEL_ROLE) == ROLE_TRAINER
-                       and (p.get("status") or {}).get("phase") == "Succeeded" for p in attempt_pods)
-
     # Failures of the current attempt (a server's, once the trainer is done, do not count).
-    failure = None
-    for pod in attempt_pods:
-        failure = pod_failure(pod) or lost_pod(pod, observed.nodes_not_ready, now, node_lost_after)
-        if failure and trainer_done and failure.role == ROLE_ROLLOUT:
-            failure = None
-        if failure:
-            break
+    failure = attempt_failure([p for p in ours if attempt_of(p) == restarts],
+                              lambda pod: lost_pod(pod, observed.nodes_not_ready, now, node_lost_after))
     ptj_failed = _ptj_condition(current.get("PyTorchJob"), "Failed")
     if ptj_failed and now < (parse_time(ptj_failed.get("lastTransitionTime")) or now) + EVIDENCE_GRACE:
         ptj_failed = None  # wait a moment for the failed pod's exit code
@@ -334,7 +338,7 @@ def _plan(body: dict[str, Any], job: RLHFJob | None, observed: Observed, now: da
 
     # Workloads of an earlier attempt (or of an earlier job of the same name) still exist,
     # or their pods do: delete, and create the new attempt only once no pod is left.
-    leftovers = [p for p in observed.pods if p not in ours or _attempt_of(p) != restarts]
+    leftovers = [p for p in observed.pods if p not in ours or attempt_of(p) != restarts]
     if stale or (not current and leftovers):
         restarting = conds.get("Restarting", {})
         if restarting.get("status") == "True":
@@ -361,12 +365,11 @@ def _deadline_passed(job: RLHFJob, meta: dict[str, Any], conds: dict[str, dict[s
 
 def _pods_phase(job: RLHFJob, ours: list[dict[str, Any]], attempt: int, workloads_exist: bool, finish) -> Plan:
     """Pending, Initializing or Running, from the pods of `attempt` (both backends)."""
-    restarts = attempt
     if job.spec.offline:  # sft, rm, dpo run the trainer alone
         expected = {ROLE_TRAINER: job.spec.trainer.num_nodes}
     else:
         expected = {ROLE_ROLLOUT: job.spec.rollout.replicas, ROLE_TRAINER: job.spec.trainer.num_nodes}
-    pods = [p for p in ours if _attempt_of(p) == restarts and not p["metadata"].get("deletionTimestamp")]
+    pods = [p for p in ours if attempt_of(p) == attempt and not p["metadata"].get("deletionTimestamp")]
     by_role = {r: [p for p in pods if _labels(p).get(LABEL_ROLE) == r] for r in expected}
     counts = ", ".join(f"{sum((p.get('status') or {}).get('phase') == 'Running' for p in by_role[r])}/{n} {r}"
                        for r, n in expected.items())
@@ -409,10 +412,7 @@ def _plan_jobset(job: RLHFJob, meta: dict[str, Any], observed: Observed, ours: l
     max_restarts = js["spec"].get("failurePolicy", {}).get("maxRestarts", 0)
 
     def failure_of(attempts: range) -> Failure | None:
-        for pod in sorted((p for p in ours if _attempt_of(p) in attempts), key=lambda p: p["metadata"]["name"]):
-            if failure := pod_failure(pod):
-                return failure
-        return None
+        return attempt_failure([p for p in ours if attempt_of(p) in attempts])
 
     if _ptj_condition(js, "Completed"):
         return finish("Succeeded", "TrainerSucceeded", "the trainer finished every step", restarts_now=js_restarts)
@@ -438,12 +438,7 @@ def _plan_jobset(job: RLHFJob, meta: dict[str, Any], observed: Observed, ours: l
     # A pod of the current attempt failed and the JobSet has not acted yet: its failure
     # policy (which we wrote) decides exactly as below, so the status says so at once
     # instead of after the Job and JobSet controllers have caught up (seconds under load).
-    attempt = [p for p in ours if _attempt_of(p) == restarts]
-    trainer_done = any(_labels(p).get(LABEL_ROLE) == ROLE_TRAINER
-                       and (p.get("status") or {}).get("phase") == "Succeeded" for p in attempt)
-    failure = next((f for p in sorted(attempt, key=lambda p: p["metadata"]["name"])
-                    if (f := pod_failure(p)) and not (trainer_done and f.role == ROLE_ROLLOUT)), None)
-    if failure is not None:
+    if (failure := failure_of(range(restarts, restarts + 1))) is not None:
         if failure.permanent:
             return finish("Failed", "PermanentError", failure.describe())
         if restarts >= max_restarts:

@@ -60,6 +60,6 @@ def build_children(job: RLHFJob, attempt: int, settings: PodSettings | None = No
 __all__ = [
     "LABEL_ATTEMPT", "LABEL_JOB", "LABEL_JOB_UID", "LABEL_ROLE", "POD_SETTINGS_ANNOTATION", "ROLE_ROLLOUT",
     "ROLE_TRAINER", "WORKLOAD_KINDS", "PodSettings", "PodSettingsError", "build_children", "build_support",
-    "build_jobset", "build_sandbox", "build_workloads", "config_map_name", "trainer_config", "network_policy_name", "rollout_endpoints",
-    "rollout_name", "trainer_name", "weight_sync_addr", "weight_sync_name", "wants_sandbox",
+    "build_jobset", "build_sandbox", "build_workloads", "config_map_name", "trainer_config", "network_policy_name",
+    "rollout_endpoints", "rollout_name", "trainer_name", "weight_sync_addr", "weight_sync_name", "wants_sandbox",
 ]

@@ -31,7 +31,7 @@ from typing import Any
 from rlhf_contract import pod as contract
 from rlhf_contract.api.models import RLHFJob
 from .meta import (
-    COMPLETION_INDEX_LABEL, RJOB_ROLLOUT, RJOB_TRAINER, ROLE_ROLLOUT, ROLE_TRAINER, job_labels, jobset_name,
+    COMPLETION_INDEX_LABEL, LABEL_ATTEMPT, RJOB_ROLLOUT, RJOB_TRAINER, ROLE_ROLLOUT, ROLE_TRAINER, job_labels, jobset_name,
     metadata, namespace_of, pod_labels, trainer_name,
 )
 from .pods import PodSettings, pod_spec
@@ -48,9 +48,10 @@ def trainer_master_addr(job: RLHFJob) -> str:
     return f"{js}-{RJOB_TRAINER}-0-0.{js}.{namespace_of(job)}.svc"
 
 
-def _job_spec(template: dict[str, Any], pods: int, *, indexed: bool) -> dict[str, Any]:
-    spec: dict[str, Any] = {
+def _job_spec(template: dict[str, Any], pods: int) -> dict[str, Any]:
+    return {
         "parallelism": pods,
+        "completionMode": "Indexed",
         "completions": pods,
         "backoffLimit": 0,  # a failed pod fails the Job, and JobSet restarts everything
         "podFailurePolicy": {"rules": [{
@@ -59,9 +60,14 @@ def _job_spec(template: dict[str, Any], pods: int, *, indexed: bool) -> dict[str
         }]},
         "template": template,
     }
-    if indexed:
-        spec["completionMode"] = "Indexed"
-    return spec
+
+
+def _pod_labels(job: RLHFJob, role: str) -> dict[str, str]:
+    """Ours without `rlhf.dev/attempt`: a JobSet's pods carry the attempt as JobSet's
+    restart-attempt label."""
+    labels = pod_labels(job, role, 0)
+    del labels[LABEL_ATTEMPT]
+    return labels
 
 
 def build_jobset(job: RLHFJob, settings: PodSettings) -> dict[str, Any]:
@@ -76,22 +82,20 @@ def build_jobset(job: RLHFJob, settings: PodSettings) -> dict[str, Any]:
     trainer = trainer_container(job, settings, rollout_endpoints=rollout_endpoints(job),
                                 weight_sync_addr=weight_sync_addr(job), name="trainer", extra_env=node_env)
     trainer_template = {
-        "metadata": {"labels": pod_labels(job, ROLE_TRAINER, 0)},
+        "metadata": {"labels": _pod_labels(job, ROLE_TRAINER)},
         "spec": pod_spec(job, settings, [trainer], restart_policy="Never",
                          service_account=trainer_name(job.metadata.name), trainer=True),
     }
     replicated = [{"name": RJOB_TRAINER, "replicas": 1,
-                   "template": {"spec": _job_spec(trainer_template, t.num_nodes, indexed=True)}}]
+                   "template": {"spec": _job_spec(trainer_template, t.num_nodes)}}]
     if not job.spec.offline:
         rollout_template = {
-            "metadata": {"labels": pod_labels(job, ROLE_ROLLOUT, 0)},
+            "metadata": {"labels": _pod_labels(job, ROLE_ROLLOUT)},
             "spec": pod_spec(job, settings, [rollout_container(job, settings)], restart_policy="Never",
                              service_account=None),
         }
         replicated.append({"name": RJOB_ROLLOUT, "replicas": job.spec.rollout.replicas,
-                           "template": {"spec": _job_spec(rollout_template, 1, indexed=True)}})
-    for rj in replicated:  # pods carry the attempt as JobSet's restart-attempt label, not ours
-        rj["template"]["spec"]["template"]["metadata"]["labels"].pop("rlhf.dev/attempt")
+                           "template": {"spec": _job_spec(rollout_template, 1)}})
     spec: dict[str, Any] = {
         "network": {"enableDNSHostnames": True, "subdomain": name, "publishNotReadyAddresses": True},
         "successPolicy": {"operator": "All", "targetReplicatedJobs": [RJOB_TRAINER]},

@@ -13,8 +13,8 @@ from typing import Any
 from rlhf_contract import pod as contract
 from rlhf_contract.api.models import RLHFJob
 from .meta import (
-    COMPLETION_INDEX_LABEL, JOBSET_NAME_LABEL, JOBSET_RJOB_LABEL, RJOB_TRAINER, jobset_name, LABEL_JOB, LABEL_ROLE, ROLE_ROLLOUT, metadata, network_policy_name, rollout_name, trainer_name,
-    weight_sync_name,
+    COMPLETION_INDEX_LABEL, JOBSET_NAME_LABEL, JOBSET_RJOB_LABEL, LABEL_JOB, LABEL_ROLE, RJOB_TRAINER, ROLE_ROLLOUT,
+    jobset_name, metadata, network_policy_name, rollout_name, trainer_name, weight_sync_name,
 )
 
 
@@ -35,8 +35,9 @@ def build_rollout_service(job: RLHFJob) -> dict[str, Any]:
 
 
 def build_weight_sync_service(job: RLHFJob) -> dict[str, Any]:
-    """Selects trainer rank 0 (the PyTorchJob's master pod, or the JobSet's trainer pod 0), where the weight-sync
-    rendezvous (TCPStore) listens; headless, so NCCL peers see the pod address."""
+    """Selects trainer rank 0 (the PyTorchJob's master pod, or the JobSet's trainer pod 0),
+    where the weight-sync rendezvous (TCPStore) listens; headless, so NCCL peers see the
+    pod address."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
