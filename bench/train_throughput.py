@@ -40,7 +40,7 @@ def build(shape: str, device: torch.device):
 
 
 def make_rows(num: int, vocab: int, prompt: int, max_response: int):
-    from rlhf_trainer.orchestrator.types import Row
+    from rlhf_trainer.data.sequences import Row
 
     gen = torch.Generator().manual_seed(1)
     rows = []
@@ -57,8 +57,9 @@ def ours(model, rows, budget: int, device: torch.device, steps: int) -> tuple[fl
     from rlhf_contract.api.presets import PRESETS
     from rlhf_trainer.orchestrator.types import RolloutBatch, RolloutStats
     from rlhf_trainer.parallel.parallelize import parallelize_models
-    from rlhf_trainer.train.micro_batches import attach_logprob_head
-    from rlhf_trainer.train.step import Models, TrainStep
+    from rlhf_trainer.models.logprob_head import attach_logprob_head
+    from rlhf_trainer.rl.models import Models
+    from rlhf_trainer.rl.step import TrainStep
 
     a = AlgorithmSpec(**{**PRESETS["grpo"], "kl_coef": 0.0})
     layout = parallelize_models(model, ref=None, critic=None, world_size=1, tp=1, cp=1,

@@ -58,7 +58,7 @@ def test_reward_model_exports_a_sequence_classifier_scoring_like_the_trainer(run
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from rlhf_trainer.data.balanced_packing import pack
-    from rlhf_trainer.offline.loop import ScoreModel
+    from rlhf_trainer.models.score import ScoreModel
     from rlhf_trainer.parallel.context_parallel import apply_cp, cp_inputs
 
     final = runs["rm"][0] / "final"

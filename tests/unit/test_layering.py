@@ -84,7 +84,7 @@ def test_operator_contract_and_cli_need_no_torch(code):
 
 
 def test_trainer_needs_no_kubernetes_client():
-    code = ("import sys, rlhf_trainer.run_loop, rlhf_trainer.main, rlhf_trainer.launch, rlhf_trainer.rewards\n"
+    code = ("import sys, rlhf_trainer.rl.loop, rlhf_trainer.main, rlhf_trainer.launch, rlhf_trainer.rewards\n"
             "assert not {'kopf', 'kubernetes', 'rlhf_operator'} & set(sys.modules)")
     res = _run_without(["kopf", "kubernetes"], code)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -109,8 +109,8 @@ def test_builtin_task_must_fit_the_method_and_held_out_examples_are_disjoint():
 def test_dataset_file_split_into_train_and_held_out(tmp_path):
     rows = [{"prompt": f"{i}:", "response": str(i % 10)} for i in range(50)]
     (tmp_path / "d.jsonl").write_text("\n".join(__import__("json").dumps(r) for r in rows))
-    data = OfflineData("sft", DataSpec(path=str(tmp_path / "d.jsonl"), eval_fraction=0.2), build_tokenizer(),
-                       seed=0, batch_size=8, budget=64)
+    data = OfflineData("sft", DataSpec(path=str(tmp_path / "d.jsonl")), build_tokenizer(),
+                       seed=0, batch_size=8, budget=64, held_out_fraction=0.2)
     assert len(data.eval) == 10 and len(data.train) == 40
     assert not {id(e) for e in data.eval} & {id(e) for e in data.train}
 
@@ -169,13 +169,12 @@ def test_model_reward_needs_a_model_and_refuses_dynamic_sampling():
     assert validate_job(doc).spec.reward.model.weight == 0.5  # combined with math, weighted
 
 
-def test_model_reward_adds_weighted_scores_and_updates_the_step_reward():
-    from rlhf_trainer.orchestrator.types import RolloutBatch, RolloutStats, Row
-    from rlhf_trainer.train.reward_model import add_model_rewards
+def test_model_reward_adds_weighted_scores_and_reports_the_step_reward():
+    from rlhf_trainer.rl.reward_model import ModelRewards
 
-    rows = [Row([1], [2], [0.0], reward, reward, False) for reward in (1.0, 0.0)]
-    batch = RolloutBatch(rows, 2, RolloutStats(0.5, 0.5, 1, 0, 0, 4))
-    metrics = add_model_rewards(batch, torch.tensor([2.0, -1.0]), 0.5)
-    assert [r.reward for r in rows] == [2.0, -0.5] and [r.score for r in rows] == [1.0, 0.0]
-    assert batch.stats.reward_mean == pytest.approx(0.75)
-    assert metrics == {"rm_score_mean": 0.5, "rm_score_std": 1.5}
+    rewards = [1.0, 0.0]
+    model_rewards = ModelRewards(torch.tensor([2.0, -1.0]), 0.5)
+    assert model_rewards.total(rewards) == [2.0, -0.5]
+    assert rewards == [1.0, 0.0]  # returned, never written back
+    assert model_rewards.metrics(rewards) == {"rm_score_mean": 0.5, "rm_score_std": 1.5,
+                                              "reward_mean": pytest.approx(0.75)}

@@ -39,7 +39,7 @@ class Orchestrator:
 def test_taken_batches_lag_at_most_k_versions(k):
     served = {"v": 0}
     orch = Orchestrator()
-    pre = Prefetcher(orch, max_staleness=k, first_step=1, served_version=lambda: served["v"])
+    pre = Prefetcher(orch, max_staleness=k, first_step=1, last_step=11, served_version=lambda: served["v"])
     lags = []
     for step in range(1, 12):
         batch = pre.take(step)
@@ -53,7 +53,7 @@ def test_taken_batches_lag_at_most_k_versions(k):
 
 
 def test_a_producer_failure_reaches_the_trainer():
-    pre = Prefetcher(Orchestrator(fail_at=2), max_staleness=1, first_step=1, served_version=lambda: 0)
+    pre = Prefetcher(Orchestrator(fail_at=2), max_staleness=1, first_step=1, last_step=5, served_version=lambda: 0)
     pre.take(1)
     with pytest.raises(RuntimeError, match="rollout server gone"):
         pre.take(2)
@@ -62,7 +62,34 @@ def test_a_producer_failure_reaches_the_trainer():
 
 def test_resumed_producer_starts_at_the_resumed_step():
     orch = Orchestrator()
-    pre = Prefetcher(orch, max_staleness=2, first_step=7, served_version=lambda: 6)
+    pre = Prefetcher(orch, max_staleness=2, first_step=7, last_step=20, served_version=lambda: 6)
     assert pre.take(7).extra["step"] == 7
     pre.close()
     assert min(orch.started) == 7 and threading.active_count() < 50
+
+
+def test_nothing_is_generated_past_the_last_step_and_close_returns_at_once():
+    """The exit hang: with maxStaleness >= 1 the producer used to generate the step after the
+    last one, and the run waited for it. Now it stops at the last step, and closing a
+    prefetcher whose collect is in flight waits for that collect, not more."""
+    orch = Orchestrator()
+    pre = Prefetcher(orch, max_staleness=2, first_step=1, last_step=3, served_version=lambda: 0)
+    for step in (1, 2, 3):
+        pre.take(step)
+    start = time.monotonic()
+    pre.close()
+    assert time.monotonic() - start < 1.0
+    assert orch.started == [1, 2, 3]  # never step 4 or 5, although k = 2 would allow them
+
+
+def test_close_waits_for_a_collect_in_flight():
+    class Slow(Orchestrator):
+        def collect(self, step):
+            time.sleep(0.5)
+            return super().collect(step)
+
+    orch = Slow()
+    pre = Prefetcher(orch, max_staleness=1, first_step=1, last_step=10, served_version=lambda: 0)
+    time.sleep(0.1)  # step 1 in flight
+    pre.close()
+    assert not pre._thread.is_alive() and orch.started == [1]

@@ -17,11 +17,15 @@ import torch
 from rlhf_contract.api.models import AlgorithmSpec
 from rlhf_contract.api.presets import PRESETS
 from rlhf_trainer.models.builtin import build_tiny_qwen2
-from rlhf_trainer.orchestrator.types import RolloutBatch, RolloutStats, Row
+from rlhf_trainer.data.sequences import Row
+from rlhf_trainer.orchestrator.types import RolloutBatch, RolloutStats
 from rlhf_trainer.parallel.parallelize import Layout, parallelize_models
-from rlhf_trainer.train.lr_schedule import lr_factor
-from rlhf_trainer.train.micro_batches import attach_logprob_head, chunked_token_stats, _chunk_stats, plan, policy_forward
-from rlhf_trainer.train.step import Models, TrainStep
+from rlhf_trainer.optim import lr_factor
+from rlhf_trainer.data.micro_batches import plan
+from rlhf_trainer.models.forward import policy_forward
+from rlhf_trainer.models.logprob_head import attach_logprob_head, chunked_token_stats, token_stats
+from rlhf_trainer.rl.models import Models
+from rlhf_trainer.rl.step import TrainStep
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -87,8 +91,8 @@ def test_logprobs_and_entropy_equal_the_naive_computation(temperature):
 def test_chunking_does_not_change_values():
     logits = torch.randn(1, 37, 50)
     targets = torch.randint(0, 50, (1, 37))
-    whole = chunked_token_stats(_chunk_stats, logits, (), targets, 0.8, chunk=1000)
-    chunked = chunked_token_stats(_chunk_stats, logits, (), targets, 0.8, chunk=5)
+    whole = chunked_token_stats(token_stats, logits, (), targets, 0.8, chunk=1000)
+    chunked = chunked_token_stats(token_stats, logits, (), targets, 0.8, chunk=5)
     assert torch.allclose(whole, chunked)
 
 
@@ -139,7 +143,9 @@ MEMORY_PROBE = """
 import resource, sys, torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from rlhf_trainer.data.balanced_packing import pack
-from rlhf_trainer.train.micro_batches import MicroBatch, attach_logprob_head, policy_forward
+from rlhf_trainer.data.micro_batches import MicroBatch
+from rlhf_trainer.models.forward import policy_forward
+from rlhf_trainer.models.logprob_head import attach_logprob_head
 from rlhf_trainer.parallel.context_parallel import apply_cp
 torch.manual_seed(0)
 config = Qwen2Config(vocab_size=65536, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

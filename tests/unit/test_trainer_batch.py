@@ -3,9 +3,10 @@ forward, and the loss mask of multi-turn rows lands on the right packed position
 
 import torch
 
-from rlhf_trainer.orchestrator.types import Row, pad_rows
+from rlhf_trainer.data.sequences import Row, pad_rows
 from rlhf_trainer.models.builtin import build_tiny_qwen2
-from rlhf_trainer.train.micro_batches import plan, policy_forward, whole_row
+from rlhf_trainer.data.micro_batches import plan
+from rlhf_trainer.models.forward import policy_forward, whole_row
 
 ROWS = [
     Row([6, 10, 4, 7, 15], [7, 1], [], 1.0, 1.0, False),

@@ -29,7 +29,7 @@ def main() -> None:
     output_dir = os.environ.get(ENV_OUTPUT_DIR) or config.output.dir or "/output"
     try:
         if config.method == "rl":
-            from .run_loop import RunLoop
+            from .rl.loop import RunLoop
 
             loop = RunLoop(config, info, endpoints=endpoints, weight_sync_addr=os.environ[ENV_WEIGHT_SYNC_ADDR],
                            output_dir=output_dir)

@@ -18,10 +18,12 @@ import torch.distributed as dist
 
 from rlhf_contract.api.models import AlgorithmSpec
 from rlhf_trainer.models.builtin import build_tiny_qwen2
-from rlhf_trainer.orchestrator.types import RolloutBatch, RolloutStats, Row
+from rlhf_trainer.data.sequences import Row
+from rlhf_trainer.orchestrator.types import RolloutBatch, RolloutStats
 from rlhf_trainer.parallel.parallelize import parallelize_models
-from rlhf_trainer.train.micro_batches import attach_logprob_head
-from rlhf_trainer.train.step import Models, TrainStep
+from rlhf_trainer.models.logprob_head import attach_logprob_head
+from rlhf_trainer.rl.models import Models
+from rlhf_trainer.rl.step import TrainStep
 
 VARIANTS = {
     "grpo": dict(preset="grpo", loss_agg="seq-mean-token-mean", kl_coef=0.04),

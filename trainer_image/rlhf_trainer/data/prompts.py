@@ -97,6 +97,11 @@ class PromptSource:
             random.Random(f"{self.seed}:epoch{epoch}").shuffle(order)
         return self._rows[order[offset]]
 
+    @property
+    def num_rows(self) -> int:
+        """Prompts in the dataset (0 for a built-in task, which has no end)."""
+        return len(self._rows)
+
     def next_batch(self, n: int) -> list[PromptRecord]:
         batch = []
         for _ in range(n):

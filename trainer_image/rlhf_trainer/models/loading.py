@@ -1,6 +1,7 @@
-"""Load the policy, the frozen reference model and the critic, lay them out over the
-trainer's processes (parallel/parallelize.py), and give the policy and the reference the
-chunked log-prob head (train/micro_batches.py).
+"""Load the trained model and the frozen reference, lay them out over the trainer's
+processes with the critic and the reward model (parallel/parallelize.py), and give the
+causal LMs the chunked log-prob head (models/logprob_head.py). Shared by RL (rl/models.py)
+and the offline methods.
 
 The policy loads in fp32 (master weights; on CUDA FSDP2 computes in bf16); the
 reference model never trains, so it has no optimizer state and, on GPUs, is stored in
@@ -29,8 +30,7 @@ from rlhf_contract.trainer_config import TrainerConfig
 
 from ..distributed import DistInfo
 from ..parallel.parallelize import Layout, parallelize_models
-from ..train.micro_batches import attach_logprob_head
-from ..train.step import Models
+from .logprob_head import attach_logprob_head
 
 
 def stored_dtype(path: str) -> torch.dtype:
@@ -116,36 +116,27 @@ def fill_from_checkpoint(model: torch.nn.Module, path: str, device: torch.device
                                                                strict=False))
 
 
-def build_models(config: TrainerConfig, info: DistInfo, pad_token_id: int | None = None) -> tuple[Models, Layout]:
-    a, o = config.algorithm, config.optim
+def load_models(config: TrainerConfig, info: DistInfo, *, trained: torch.nn.Module | None = None,
+                with_ref: bool = False, critic: torch.nn.Module | None = None,
+                scorer: torch.nn.Module | None = None) -> tuple[torch.nn.Module, torch.nn.Module | None, Layout]:
+    """Build the trained model (the causal LM of `model.path`, or `trained` when given,
+    e.g. a score model), the frozen reference (`with_ref`), lay them out with the optional
+    critic and scorer, and fill the sharded ones from the checkpoint; causal LMs get the
+    chunked log-prob head. Returns (trained, reference, layout)."""
     sharded = info.world_size > 1 or info.device.type == "cuda"
     new = empty_causal_lm if sharded else (lambda path, dtype: load_causal_lm(path, info.device, dtype))
-    policy = new(config.model_path, torch.float32)
+    lm = trained is None
+    model = new(config.model_path, torch.float32) if lm else trained
     # the reference never trains: on GPUs it is stored in bf16 (what it computes in), no optimizer state
     ref_dtype = torch.bfloat16 if info.device.type == "cuda" else torch.float32
-    ref = new(config.model_path, ref_dtype).eval().requires_grad_(False) if a.kl_coef else None
-    critic = None
-    if a.critic:
-        from .critic import ValueModel
-
-        critic = ValueModel(config.model_path).to(info.device)
-    scorer = None
-    if config.reward.model is not None:
-        from ..train.reward_model import load_reward_model
-
-        scorer = load_reward_model(config.reward.model.path, info.device, pad_token_id)
-    p = o.parallelism
-    layout = parallelize_models(policy, ref=ref, critic=critic, world_size=info.world_size, tp=p.tensor_parallel,
+    ref = new(config.model_path, ref_dtype).eval().requires_grad_(False) if with_ref else None
+    p = config.optim.parallelism
+    layout = parallelize_models(model, ref=ref, critic=critic, world_size=info.world_size, tp=p.tensor_parallel,
                                 cp=p.context_parallel, activation_checkpointing=p.activation_checkpointing,
                                 device_type=info.device.type, scorer=scorer)
-    for model in (policy, ref):
-        if model is not None:
+    for m in ((model, ref) if lm else (ref,)):
+        if m is not None:
             if sharded:
-                fill_from_checkpoint(model, config.model_path, info.device)
-            attach_logprob_head(model, tensor_parallel=p.tensor_parallel > 1)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=o.learning_rate, weight_decay=o.weight_decay)
-    critic_optimizer = None
-    if critic is not None:
-        critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=a.critic_learning_rate or o.learning_rate,
-                                             weight_decay=o.weight_decay)
-    return Models(policy, optimizer, ref, critic, critic_optimizer, scorer), layout
+                fill_from_checkpoint(m, config.model_path, info.device)
+            attach_logprob_head(m, tensor_parallel=p.tensor_parallel > 1)
+    return model, ref, layout

@@ -19,8 +19,9 @@ Built-in toy tasks (no download; example i is a pure function of (seed, i)):
   builtin://sum-mod-10   sft: "7+5=" -> "2"
   builtin://prefer-even  rm / dpo: "3714:" with chosen = even digits ("486"), rejected =
                          odd digits ("17"): a preference a tiny model learns in minutes
-Held-out examples (`data.evalFraction`): the last fraction of a shuffled dataset; for a
-built-in task, examples from a disjoint index range (200 of them, or evalFraction x 1000).
+Held-out examples (`evaluation.heldOutFraction`): the last fraction of a shuffled dataset;
+for a built-in task, examples from a disjoint index range (200 of them, or the fraction
+x 1000).
 """
 
 from __future__ import annotations
@@ -158,7 +159,8 @@ class OfflineData:
     """Train and held-out examples; `batch(step)` is a pure function of the step (resume
     needs no data state)."""
 
-    def __init__(self, method: str, spec: DataSpec, tokenizer: Any, *, seed: int, batch_size: int, budget: int):
+    def __init__(self, method: str, spec: DataSpec, tokenizer: Any, *, seed: int, batch_size: int, budget: int,
+                 held_out_fraction: float = 0.0):
         self.method, self.seed, self.batch_size = method, seed, batch_size
         self.limit = budget // 2 if method in PAIR_METHODS else budget
         self.num_dropped = 0
@@ -173,7 +175,7 @@ class OfflineData:
                 raise ValueError(f"data.path: {spec.path!r} is not a built-in {method} task; choose one of "
                                  + ", ".join(choices))
             self._task = lambda i: tokenize(make(random.Random(f"{seed}:{i}")))
-            n_eval = max(1, round(spec.eval_fraction * 1000)) if spec.eval_fraction else 200
+            n_eval = max(1, round(held_out_fraction * 1000)) if held_out_fraction else 200
             self.eval = [self._task(EVAL_OFFSET + i) for i in range(n_eval)]
             self.train: list[Example] = []
         else:
@@ -184,7 +186,7 @@ class OfflineData:
                                  "micro-batch budget allows)")
             order = list(range(len(examples)))
             random.Random(f"{seed}:split").shuffle(order)
-            n_eval = int(len(examples) * spec.eval_fraction)
+            n_eval = int(len(examples) * held_out_fraction)
             self.eval = [examples[i] for i in order[len(order) - n_eval:]] if n_eval else []
             self.train = [examples[i] for i in order[:len(order) - n_eval]]
             self.shuffle = spec.shuffle

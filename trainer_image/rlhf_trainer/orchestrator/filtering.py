@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 
 from ..algorithms.advantages import groups_with_signal
-from .types import Row
+from ..data.sequences import Row
 
 
 def has_signal(group: list[Row]) -> bool:

@@ -3,6 +3,9 @@
 `collect(step)` takes prompts from the data source, has the sampler generate and score
 them, applies dynamic sampling, and returns the rows with their statistics. It never
 touches a model or a process group: the run loop broadcasts the batch to every rank.
+It owns the rollout client for the run (`check_servers()` before the first step,
+`close()` at the end) and the evaluator of `spec.evaluation` (`evaluate(step)`), which
+generates through the same sampler.
 """
 
 from __future__ import annotations
@@ -13,18 +16,23 @@ from typing import Any
 
 from rlhf_contract.trainer_config import TrainerConfig
 
+from ..data.sequences import Row
 from .filtering import collect_groups
 from .sampler import Sampler
-from .types import RolloutBatch, RolloutStats, Row
+from .types import RolloutBatch, RolloutStats
 
 
 class Orchestrator:
     def __init__(self, config: TrainerConfig, *, data: Any, sampler: Sampler, output_dir: Path):
         self.config, self.data, self.sampler, self.output_dir = config, data, sampler, output_dir
+        self.evaluator = None
+        if config.evaluation is not None and config.evaluation.datasets:
+            from .evaluation import Evaluator
+
+            self.evaluator = Evaluator(config, sampler)
 
     @classmethod
-    def build(cls, config: TrainerConfig, tokenizer: Any, endpoints: list[str], output_dir: Path,
-              client: Any = None) -> "Orchestrator":
+    def build(cls, config: TrainerConfig, tokenizer: Any, endpoints: list[str], output_dir: Path) -> "Orchestrator":
         from ..data.prompts import PromptSource
         from ..rewards import build_scorer
         from ..rollout import RolloutClient
@@ -40,13 +48,33 @@ class Orchestrator:
 
             env_step = load_environment(config.environment.file)
         data = PromptSource(config.data, tokenizer, seed=config.schedule.seed, gem_id=gem_id)
-        client = client or RolloutClient(endpoints)
-        return cls(config, data=data, sampler=Sampler(config, client, build_scorer(config.reward), tokenizer, env_step),
+        scorer = build_scorer(config.reward, job_name=config.job_name, namespace=config.namespace)
+        return cls(config, data=data, sampler=Sampler(config, RolloutClient(endpoints), scorer, tokenizer, env_step),
                    output_dir=output_dir)
 
+    # ---- the rollout client's lifecycle -------------------------------------------
+
+    def check_servers(self) -> None:
+        """Wait for the rollout servers (as long as their startup allowance) and check
+        what they are; exits 2 naming `rollout.image` for a server without weight transfer."""
+        from ..rollout.client import check_rollout_servers
+
+        check_rollout_servers(self.sampler.client.endpoints,
+                              startup_timeout_s=self.config.rollout_startup_timeout_seconds)
+
     @property
-    def client(self) -> Any:
-        return self.sampler.client
+    def requests_sent(self) -> dict[str, int]:
+        """Generation requests sent to each endpoint so far."""
+        return self.sampler.client.requests_sent
+
+    def close(self) -> None:
+        self.sampler.client.close()
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """`spec.evaluation`'s metrics after `step` ({} without held-out sets)."""
+        return self.evaluator.run(step) if self.evaluator is not None else {}
+
+    # ---- one step -----------------------------------------------------------------
 
     def collect(self, step: int) -> RolloutBatch:
         a = self.config.algorithm

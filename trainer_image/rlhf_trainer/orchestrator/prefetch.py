@@ -12,6 +12,11 @@ under-stated.
 Resume: the checkpoint holds the data position after the last batch the trainer TOOK;
 batches generated ahead are dropped with the process and regenerated after a resume
 (same prompts and sampling seeds, the checkpoint's weights).
+
+End: the producer stops after `last_step` (nothing is generated past the run), and
+`close()` stops it and waits for a collect in flight to end (the caller closes the
+rollout client afterwards; on an error it closes the client first, which ends the
+requests in flight), so the run ends within seconds of its last step.
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ from .types import RolloutBatch
 
 
 class Prefetcher:
-    def __init__(self, orchestrator: Any, *, max_staleness: int, first_step: int, served_version: Callable[[], int]):
+    def __init__(self, orchestrator: Any, *, max_staleness: int, first_step: int, last_step: int,
+                 served_version: Callable[[], int]):
         self.orchestrator, self.k, self.served_version = orchestrator, max_staleness, served_version
+        self.last_step = last_step
         self._cond = threading.Condition()
         self._ready: dict[int, RolloutBatch | BaseException] = {}
         self._taken = first_step - 1  # the last step whose batch the trainer took
@@ -34,7 +41,7 @@ class Prefetcher:
 
     def _produce(self, step: int) -> None:
         data = self.orchestrator.data
-        while True:
+        while step <= self.last_step:
             with self._cond:
                 self._cond.wait_for(lambda: self._stop or step - self._taken <= self.k)
                 if self._stop:
@@ -64,7 +71,9 @@ class Prefetcher:
             raise item
         return item
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop producing; wait up to `timeout_s` for a collect in flight to return."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
+        self._thread.join(timeout_s)

@@ -13,7 +13,7 @@ import torch
 from rlhf_contract.trainer_config import TrainerConfig
 
 from ..algorithms.advantages import overlong_penalty
-from .types import Row
+from ..data.sequences import Row
 
 
 class Sampler:
@@ -29,11 +29,15 @@ class Sampler:
         resumed run repeats the uninterrupted one."""
         return (self.config.schedule.seed * 1_000_003 + step) * 64 + round_
 
-    def _generate_and_score(self, prompts: list[Any], seed: int) -> tuple[list[list[Any]], list[list[Any]]]:
-        """Each prompt's group is scored as soon as it is generated (on one scoring thread,
-        in completion order) while the others are still generating; the same samples and
-        scores as generating everything, then scoring everything."""
+    def generate_scored(self, prompts: list[Any], *, n: int, seed: int,
+                        sampling: dict[str, Any] | None = None) -> tuple[list[list[Any]], list[list[Any]]]:
+        """`n` samples of each prompt and their (reward, score) pairs, at the job's sampling
+        settings updated by `sampling`. Each prompt's group is scored as soon as it is
+        generated (on one scoring thread, in completion order) while the others are still
+        generating; the same samples and scores as generating everything, then scoring
+        everything."""
         s = self.config.sampling
+        settings = {**self.sampling, **(sampling or {})}
 
         def score(prompt: Any, samples: list[Any]) -> list[Any]:
             items = [(self.tokenizer.decode(x.token_ids, skip_special_tokens=True), prompt.answer, prompt.extra_info)
@@ -41,8 +45,8 @@ class Sampler:
             return self.scorer.score_batch(items)
 
         async def one(i: int, prompt: Any, pool: Any) -> tuple[list[Any], list[Any]]:
-            [samples] = await self.client.generate([prompt.token_ids], n=s.samples_per_prompt,
-                                                   max_tokens=s.max_tokens, seed=seed, first_index=i, **self.sampling)
+            [samples] = await self.client.generate([prompt.token_ids], n=n, max_tokens=s.max_tokens, seed=seed,
+                                                   first_index=i, **settings)
             return samples, await asyncio.get_running_loop().run_in_executor(pool, score, prompt, samples)
 
         async def main() -> list[tuple[list[Any], list[Any]]]:
@@ -63,7 +67,7 @@ class Sampler:
                                    sampling=self.sampling, seed=seed)
             return [[Row(t.prompt_ids, t.response_ids, t.logprobs, t.reward, t.score, t.truncated, t.loss_mask)
                      for t in group] for group in trajectories]
-        groups, scored = self._generate_and_score(prompts, seed)
+        groups, scored = self.generate_scored(prompts, n=s.samples_per_prompt, seed=seed)
         results = iter(r for group in scored for r in group)
         buffer = self.config.algorithm.overlong_buffer
         out = []

@@ -1,41 +1,11 @@
-"""What crosses the orchestrator -> trainer boundary: a step's sampled sequences (`Row`)
-in one `RolloutBatch`, and their per-token tables.
-
-Per-token tables of a step are [B, T]: row i's response tokens in columns 0..len-1,
-zeros after (the forward passes themselves are packed: see train/micro_batches.py)."""
+"""What crosses the orchestrator -> trainer boundary: a step's sampled sequences (`Row`,
+data/sequences.py) in one `RolloutBatch` with their statistics."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
-
-@dataclass
-class Row:
-    """One sampled sequence."""
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-    rollout_logprobs: list[float]
-    reward: float
-    score: float
-    truncated: bool
-    loss_mask: list[int] | None = None
-    """1 on tokens to train on; None means every response token (single turn). Multi-turn
-    rows hold environment tokens with 0."""
-
-    def mask(self) -> list[float]:
-        return [float(m) for m in self.loss_mask] if self.loss_mask is not None else [1.0] * len(self.response_ids)
-
-
-def pad_rows(values: list[list[float]], width: int) -> torch.Tensor:
-    """Right-pad per-row lists to [len(values), width] with zeros."""
-    out = torch.zeros(len(values), width, dtype=torch.float32)
-    for i, v in enumerate(values):
-        if v:
-            out[i, :len(v)] = torch.tensor(v[:width], dtype=torch.float32)
-    return out
+from ..data.sequences import Row
 
 
 @dataclass

@@ -1,8 +1,10 @@
 """Weight sync, sender side: trainer rank 0 pushes full HF-named weights to the rollout
 servers over vLLM's weight-transfer HTTP API plus a packed broadcast group (NCCL for vLLM,
-gloo for the CPU engine; one sender, two transports)."""
+gloo for the CPU engine; one sender, two transports); `push_weights` gathers a
+sharded policy on every rank and sends it from rank 0."""
 
 from .buckets import DEFAULT_BUCKET_BYTES, bucket_ranges, dtype_name, pack_buckets
+from .push import push_weights
 from .sender import WATCHDOG_EXIT_CODE, WeightSyncError, WeightSyncSender
 from .transport import GlooTransport, NcclTransport, make_transport
 
@@ -17,4 +19,5 @@ __all__ = [
     "dtype_name",
     "make_transport",
     "pack_buckets",
+    "push_weights",
 ]

@@ -23,31 +23,21 @@ import torch
 
 from rlhf_contract.api.models import AlgorithmSpec
 
+from ..accumulator import MetricAccumulator
 from ..algorithms.kl import kl_penalty
 from ..algorithms.losses import agg_weights, explained_variance, ppo_token_loss, truncated_is_weights, value_token_loss
-from ..orchestrator.types import RolloutBatch, Row
-from ..parallel.grad_norm import clip_grad_norm
+from ..data.micro_batches import MicroBatch, plan
+from ..data.sequences import Row
+from ..models.forward import critic_forward, local, policy_forward
+from ..optim import scale_lr, set_gradient_sync, step_or_skip
+from ..orchestrator.types import RolloutBatch
 from ..parallel.parallelize import Layout
-from .metrics import MetricAccumulator
-from .micro_batches import MicroBatch, critic_forward, local, plan, policy_forward
-from .reward_model import add_model_rewards, score_rows
+from .models import Models
+from .reward_model import ModelRewards, score_rows
 from .tensors import StepTensors, build_step_tensors, gather_passes, needs_old_logprobs
 
 METRICS = ["loss", "clip_fraction", "approx_kl", "entropy", "kl", "value_loss", "padding", "grad_norm",
            "critic_grad_norm", "skipped_steps"]
-
-
-@dataclass
-class Models:
-    """What the train step updates and reads."""
-
-    policy: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    ref: torch.nn.Module | None = None
-    critic: torch.nn.Module | None = None
-    critic_optimizer: torch.optim.Optimizer | None = None
-    scorer: torch.nn.Module | None = None
-    """The reward model (`reward.model`), frozen."""
 
 
 @dataclass
@@ -84,7 +74,6 @@ class TrainStep:
                  max_grad_norm: float, temperature: float, device: torch.device, reward_model_weight: float = 1.0):
         self.a, self.m, self.layout = algorithm, models, layout
         self.reward_model_weight = reward_model_weight
-        self.reward_model_metrics: dict[str, float] = {}
         self.budget, self.max_grad_norm, self.temperature, self.device = (
             max_tokens_per_micro_batch, max_grad_norm, temperature, device)
 
@@ -107,13 +96,17 @@ class TrainStep:
         if m.critic is not None:
             m.critic.eval()
         micro = self._plan(batch.rows, list(range(len(batch.rows))))
+        rewards, reward_metrics = [r.reward for r in batch.rows], {}
         if m.scorer is not None:  # the learned reward joins the rewards before advantages
-            scores = score_rows(m.scorer, batch, micro, cp, self.layout.world_size,
-                                contributes=self.layout.owns_rows, device=dev)
-            self.reward_model_metrics = add_model_rewards(batch, scores, self.reward_model_weight)
+            model_rewards = ModelRewards(score_rows(m.scorer, len(batch.rows), micro, cp, self.layout.world_size,
+                                                    contributes=self.layout.owns_rows, device=dev),
+                                         self.reward_model_weight)
+            rewards, reward_metrics = model_rewards.total(rewards), model_rewards.metrics(rewards)
         tables = gather_passes(batch.rows, micro, passes, cp, self.layout.world_size,
                                contributes=self.layout.owns_rows, device=dev)
-        return build_step_tensors(batch.rows, tables, self.a, batch.group_size)
+        tensors = build_step_tensors(batch.rows, tables, self.a, batch.group_size, rewards)
+        tensors.reward_metrics = reward_metrics
+        return tensors
 
     # ---- updates ----------------------------------------------------------------------
 
@@ -129,7 +122,7 @@ class TrainStep:
             m.critic.train()
         for k in range(a.num_mini_batches):
             if lr_factor is not None:
-                _scale_lr([m.optimizer, m.critic_optimizer], lr_factor(k))
+                scale_lr([m.optimizer, m.critic_optimizer], lr_factor(k))
             idx = list(range(k * per_mini, (k + 1) * per_mini))
             mask_k = t.mask[idx]
             width = max(max(len(rows[i].response_ids) for i in idx), 1)
@@ -140,7 +133,7 @@ class TrainStep:
                 m.critic_optimizer.zero_grad(set_to_none=True)
             micro = self._plan(rows, idx)
             for j, mb in enumerate(micro):
-                _set_gradient_sync([m.policy, m.critic], j == len(micro) - 1)
+                set_gradient_sync([m.policy, m.critic], j == len(micro) - 1)
                 self.micro_step(rows, t, mb, coef, value_coef, base=idx[0], acc=acc)
             self._clip_and_step(m.policy, m.optimizer, acc, "grad_norm")
             if m.critic is not None:
@@ -209,26 +202,8 @@ class TrainStep:
 
     def _clip_and_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, acc: MetricAccumulator,
                        name: str) -> None:
-        norm = clip_grad_norm(model.parameters(), self.max_grad_norm)
-        finite = bool(torch.isfinite(norm))  # the step's one host sync per optimizer step
-        if finite:
-            optimizer.step()
+        norm = step_or_skip(model, optimizer, self.max_grad_norm)
+        if norm is not None:
             acc.add(name, norm)
         else:
-            optimizer.zero_grad(set_to_none=True)
             acc.add("skipped_steps", 1.0)
-
-
-def _scale_lr(optimizers: list[torch.optim.Optimizer | None], factor: float) -> None:
-    for opt in optimizers:
-        if opt is not None:
-            for group in opt.param_groups:
-                group["lr"] = group.setdefault("initial_lr", group["lr"]) * factor
-
-
-def _set_gradient_sync(models: list[torch.nn.Module | None], enabled: bool) -> None:
-    """FSDP2 reduces gradients only when told to: off for all but a mini-batch's last
-    micro-batch (gradients accumulate unsharded locally in between)."""
-    for model in models:
-        if model is not None and hasattr(model, "set_requires_gradient_sync"):
-            model.set_requires_gradient_sync(enabled)

@@ -10,6 +10,8 @@ Per dataset, in the step's metrics row:
 and the Prometheus gauge `rlhf_eval{dataset, metric}` (metric: greedy_score, mean_score,
 pass_at_k). Single-turn generation only: with `spec.environment` the sets are scored on
 their first turn. Sampling seeds depend on the step, so a resumed run repeats them.
+Generation and scoring go through the orchestrator's sampler (the same client, reward
+and stop tokens as training).
 """
 
 from __future__ import annotations
@@ -28,51 +30,33 @@ EVAL_SEED_OFFSET = 7919
 
 
 class Evaluator:
-    def __init__(self, config: TrainerConfig, tokenizer: Any, client: Any, scorer: Any):
-        from .data.prompts import PromptSource
+    def __init__(self, config: TrainerConfig, sampler: Any):
+        from ..data.prompts import PromptSource
 
         self.spec: EvaluationSpec = config.evaluation
-        self.config, self.tokenizer, self.client, self.scorer = config, tokenizer, client, scorer
+        self.config, self.sampler = config, sampler
         self.prompts: dict[str, list[Any]] = {}
         for d in self.spec.datasets:
             data = DataSpec(**{**config.data.model_dump(), "path": d.path, "split": d.split, "shuffle": False})
             try:
-                source = PromptSource(data, tokenizer, seed=config.schedule.seed + EVAL_SEED_OFFSET)
+                source = PromptSource(data, sampler.tokenizer, seed=config.schedule.seed + EVAL_SEED_OFFSET)
             except ValueError as err:
                 raise ValueError(f"evaluation.datasets[{d.name}].{err}") from None
-            available = len(source._rows) if source._rows else BUILTIN_EVAL_PROMPTS
+            available = source.num_rows or BUILTIN_EVAL_PROMPTS
             self.prompts[d.name] = source.next_batch(min(d.max_prompts or available, available))
-        eos = tokenizer.eos_token_id
-        s = config.sampling
-        self.stop = [eos] if eos is not None else None
-        self.sampled = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k}
-
-    def due(self, step: int) -> bool:
-        """Score after `step` (0: before the first step)?"""
-        every, total = self.spec.every_steps, self.config.schedule.total_steps
-        return step == 0 or step == total or bool(every and step % every == 0)
-
-    def _scores(self, prompts: list[Any], samples: list[list[Any]]) -> list[list[float]]:
-        items = [(self.tokenizer.decode(x.token_ids, skip_special_tokens=True), p.answer, p.extra_info)
-                 for p, group in zip(prompts, samples) for x in group]
-        flat = iter(score for _, score in self.scorer.score_batch(items))
-        return [[next(flat) for _ in group] for group in samples]
 
     def run(self, step: int) -> dict[str, float]:
         """The metrics of every dataset (keys `eval/<name>/...`)."""
         out: dict[str, float] = {}
-        k, max_tokens = self.spec.samples_per_prompt, self.config.sampling.max_tokens
+        k = self.spec.samples_per_prompt
+        seed = (self.config.schedule.seed * 1_000_003 + step) * 64 + 63  # apart from training's rounds
         for name, prompts in self.prompts.items():
-            ids = [p.token_ids for p in prompts]
-            seed = (self.config.schedule.seed * 1_000_003 + step) * 64 + 63  # apart from training's rounds
             if self.spec.greedy:
-                greedy = self.client.generate_sync(ids, n=1, max_tokens=max_tokens, seed=seed, temperature=0.0,
-                                                   top_p=1.0, top_k=-1, stop_token_ids=self.stop)
-                scores = self._scores(prompts, greedy)
-                out[f"eval/{name}/greedy_score"] = sum(s[0] for s in scores) / len(scores)
-            sampled = self.client.generate_sync(ids, n=k, max_tokens=max_tokens, seed=seed, stop_token_ids=self.stop,
-                                                **self.sampled)
-            scores = self._scores(prompts, sampled)
+                _, scored = self.sampler.generate_scored(prompts, n=1, seed=seed,
+                                                         sampling={"temperature": 0.0, "top_p": 1.0, "top_k": -1})
+                out[f"eval/{name}/greedy_score"] = sum(g[0][1] for g in scored) / len(scored)
+            _, scored = self.sampler.generate_scored(prompts, n=k, seed=seed)
+            scores = [[score for _, score in g] for g in scored]
             out[f"eval/{name}/mean_score"] = sum(sum(s) for s in scores) / (k * len(scores))
             out[f"eval/{name}/pass@{k}"] = sum(max(s) >= 1.0 for s in scores) / len(scores)
         log.info("eval after step %d: %s", step, ", ".join(f"{key} {v:.3f}" for key, v in out.items()))

@@ -11,7 +11,7 @@ whatever the number of processes).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -20,8 +20,9 @@ from rlhf_contract.api.models import AlgorithmSpec
 
 from ..algorithms.advantages import compute_advantages, gae
 from ..algorithms.kl import kl_penalty
-from ..orchestrator.types import Row, pad_rows
-from .micro_batches import MicroBatch, whole_row
+from ..data.micro_batches import MicroBatch
+from ..data.sequences import Row, pad_rows
+from ..models.forward import whole_row
 
 
 @dataclass
@@ -39,6 +40,9 @@ class StepTensors:
     ref_logprobs: torch.Tensor | None = None
     values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    reward_metrics: dict[str, float] = field(default_factory=dict)
+    """The learned reward model's metrics (`reward.model`), the step's total reward mean
+    included: the rows keep their verifiable rewards."""
 
 
 def needs_old_logprobs(a: AlgorithmSpec) -> bool:
@@ -83,9 +87,10 @@ def gather_passes(rows: list[Row], micro_batches: list[MicroBatch], passes: dict
 
 
 def build_step_tensors(rows: list[Row], tables: dict[str, torch.Tensor], a: AlgorithmSpec,
-                       group_size: int) -> StepTensors:
+                       group_size: int, rewards: list[float] | None = None) -> StepTensors:
     """Token rewards (outcome on the last response token, minus the KL penalty when
-    `klMode` is `reward`), returns (GAE) and advantages, from the gathered tables."""
+    `klMode` is `reward`), returns (GAE) and advantages, from the gathered tables.
+    `rewards`: each row's outcome reward (default: the rows' own)."""
     width = max(max((len(r.response_ids) for r in rows), default=1), 1)
     mask = pad_rows([r.mask() for r in rows], width)
     t = StepTensors(mask=mask, advantages=torch.zeros_like(mask),
@@ -93,9 +98,9 @@ def build_step_tensors(rows: list[Row], tables: dict[str, torch.Tensor], a: Algo
                     old_logprobs=tables.get("old_logprobs"), ref_logprobs=tables.get("ref_logprobs"),
                     values=tables.get("values"))
     token_rewards = torch.zeros_like(mask)
-    for i, r in enumerate(rows):
+    for i, (r, reward) in enumerate(zip(rows, rewards if rewards is not None else [r.reward for r in rows])):
         if r.response_ids:
-            token_rewards[i, len(r.response_ids) - 1] = r.reward
+            token_rewards[i, len(r.response_ids) - 1] = reward
     if t.ref_logprobs is not None and a.kl_mode == "reward":
         token_rewards = token_rewards - a.kl_coef * kl_penalty(t.old_logprobs, t.ref_logprobs, a.kl_estimator) * mask
     if a.advantage_estimator == "gae":

@@ -1,0 +1,150 @@
+"""What every method's run loop shares, on every trainer process: the tokenizer and the
+seed, resume from the newest complete checkpoint, checkpoints every `schedule.saveEvery`
+steps and at the end, evaluation (before the first step, every `evaluation.everySteps`
+and after the last), the step's row in `metrics.jsonl` / Prometheus and on the job's
+status (rank 0), the final export, and clean-up in `finally`.
+
+A method is a subclass (rl/loop.py, offline/loop.py) that provides `parts()` (the trained
+models and optimizers a checkpoint holds), `run_step()` (one step; its metrics row on the
+process that records, else None), `final_model()`, and optionally `start()`,
+`evaluate(step)`, `extra_state()` / `load_extra_state(state)`, `finish()` and `close()`.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlhf_contract.trainer_config import TrainerConfig
+
+from .checkpoint import Parts, latest_checkpoint, load_checkpoint, save_checkpoint, save_final
+from .distributed import DistInfo, broadcast_object
+
+log = logging.getLogger("rlhf_trainer")
+
+LOGGED_KEYS = ("reward_mean", "loss", "accuracy")
+"""The keys of a row that the step's log line shows, when present."""
+
+
+class LoopBase(ABC):
+    def __init__(self, config: TrainerConfig, info: DistInfo, *, output_dir: str):
+        from transformers import AutoTokenizer
+
+        self.config, self.info = config, info
+        self.output_dir = Path(output_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        torch.manual_seed(config.schedule.seed)
+        self.step = 0
+        self.metrics = self.progress = None
+        self.last_row: dict[str, Any] = {}
+        if info.is_main:
+            from .metrics import MetricsWriter
+            from .progress import ProgressReporter
+
+            self.metrics = MetricsWriter(self.output_dir)
+            self.progress = ProgressReporter.from_config(config)  # no-op outside a cluster
+
+    # ---- what a method provides -----------------------------------------------------
+
+    @abstractmethod
+    def parts(self) -> Parts:
+        """See the module docstring."""
+
+    @abstractmethod
+    def run_step(self) -> dict[str, Any] | None:
+        """See the module docstring."""
+
+    @abstractmethod
+    def final_model(self) -> torch.nn.Module:
+        """See the module docstring."""
+
+    def start(self) -> None:
+        """Before the first step (after a resume)."""
+
+    def evaluate(self, step: int) -> dict[str, Any]:
+        """Collective: the evaluation metrics after `step` (0: before the first step)."""
+        return {}
+
+    def extra_state(self) -> dict[str, Any]:
+        """What a checkpoint holds besides the models and the step (rank 0's is kept)."""
+        return {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        """Restore `extra_state()` from a checkpoint's trainer state."""
+
+    def finish(self) -> None:
+        """After the final export."""
+
+    def close(self) -> None:
+        """Release what the method holds (always runs)."""
+
+    # ---- shared -----------------------------------------------------------------------
+
+    def evaluation_due(self, step: int) -> bool:
+        """Evaluate after `step`? Before the first step, every `evaluation.everySteps`, after the last."""
+        every = self.config.evaluation.every_steps if self.config.evaluation is not None else 0
+        total = self.config.schedule.total_steps
+        return step == 0 or step == total or bool(every and step % every == 0)
+
+    def resume_if_possible(self) -> None:
+        path = latest_checkpoint(self.output_dir)
+        if path is None:
+            return
+        state = load_checkpoint(path, self.parts())
+        self.step = int(state["step"])
+        self.load_extra_state(state)
+        if self.metrics is not None:
+            self.metrics.truncate_after(self.step)
+        log.info("resumed from %s (step %d)", path, self.step)
+
+    def save(self) -> None:
+        """Collective: a checkpoint of this step."""
+        state = broadcast_object(self.extra_state())
+        save_checkpoint(self.output_dir, self.step, self.parts(), state, keep=self.config.output.keep_checkpoints)
+
+    def report(self, row: dict[str, Any]) -> None:
+        """status.progress of the job (rank 0; rate-limited, never raises)."""
+        newest = latest_checkpoint(self.output_dir)
+        self.progress.report(self.step, reward_mean=row.get("reward_mean"), policy_version=row.get("policy_version"),
+                             last_checkpoint=str(newest) if newest is not None else None)
+
+    def record(self, row: dict[str, Any]) -> None:
+        """Rank 0: the step's row into metrics.jsonl and Prometheus, the job's status, the log."""
+        self.metrics.write(row)
+        self.last_row = row
+        self.report(row)
+        shown = " ".join(f"{k.removesuffix('_mean')} {row[k]:.4f}" for k in LOGGED_KEYS if row.get(k) is not None)
+        log.info("step %d/%d %s %.2fs", self.step, self.config.schedule.total_steps, shown, row["step_seconds"])
+
+    def run(self) -> None:
+        s = self.config.schedule
+        try:
+            self.start()
+            before = self.evaluate(0) if self.step == 0 else {}
+            while self.step < s.total_steps:
+                self.step += 1
+                row = self.run_step()
+                if self.step == 1 and row is not None:  # scored before the first step
+                    row.update(before)
+                if self.evaluation_due(self.step):
+                    scores = self.evaluate(self.step)
+                    if row is not None:
+                        row.update(scores)
+                if s.save_every and self.step % s.save_every == 0:
+                    self.save()
+                if row is not None and self.metrics is not None:
+                    self.record(row)
+            if s.save_every:
+                self.save()
+            save_final(self.output_dir, self.final_model(), self.tokenizer)
+            if self.progress is not None:
+                self.report(self.last_row)  # the final checkpoint
+            self.finish()
+        finally:
+            self.close()
+            if self.progress is not None:
+                self.progress.close()

@@ -1,0 +1,150 @@
+"""The chunked log-prob head: `attach_logprob_head(model)` gives `model.lm_head` a
+forward that computes, chunk by chunk of tokens, the log-probability of the target token
+and the entropy at the sampling temperature, with the chunk's logits recomputed in the
+backward pass (activation checkpointing per chunk). It runs only when `models.forward`
+asks it to (the plain head otherwise).
+
+Log-probs never hold fp32 logits for a whole micro-batch: peak memory of the head is one
+chunk's [chunk, vocab] in fp32, whatever the micro-batch budget. With tensor parallelism
+the head is vocabulary-parallel: each rank multiplies by its own rows of the
+(column-parallel) head weight and only three numbers per token cross the tensor-parallel
+group (the softmax normaliser, the expected logit for the entropy and the target's
+logit), so no rank ever holds [tokens, vocab] logits (Megatron's parallel cross-entropy,
+extended with the entropy).
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.utils.checkpoint import checkpoint
+
+HEAD_CHUNK_TOKENS = 1024
+"""Tokens per chunk of the log-prob head: [1024, 151936] fp32 is 0.6 GB."""
+
+
+def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[n, V] logits, [n] targets -> [n, 2]: (log p(target), entropy) at `temperature`."""
+    scaled = logits.float() / temperature
+    logz = torch.logsumexp(scaled, dim=-1)
+    logp = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz
+    entropy = logz - (torch.softmax(scaled, dim=-1) * scaled).sum(-1)
+    return torch.stack([logp, entropy], dim=-1)
+
+
+def _linear_chunk_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    return token_stats(F.linear(hidden, weight, bias), targets, temperature)
+
+
+def chunked_token_stats(fn, inputs: torch.Tensor, extra: tuple, targets: torch.Tensor, temperature: float,
+                        chunk: int = HEAD_CHUNK_TOKENS, extra_after: tuple = ()) -> torch.Tensor:
+    """Apply `fn(inputs_chunk, *extra, targets_chunk, temperature, *extra_after)` over
+    chunks of tokens ([1, l, ...] -> [1, l, 2]); with gradients, each chunk is recomputed
+    in backward (collectives in `fn` rerun in the same order on every rank)."""
+    flat_in, flat_t = inputs.reshape(-1, inputs.shape[-1]), targets.reshape(-1)
+    outs = []
+    grad = torch.is_grad_enabled() and (inputs.requires_grad or any(
+        isinstance(e, torch.Tensor) and e.requires_grad for e in extra))
+    for start in range(0, flat_in.shape[0], chunk):
+        args = (flat_in[start:start + chunk], *extra, flat_t[start:start + chunk], temperature, *extra_after)
+        outs.append(checkpoint(fn, *args, use_reentrant=False) if grad else fn(*args))
+    out = torch.cat(outs) if outs else flat_in.new_zeros(0, 2, dtype=torch.float32)
+    return out.reshape(*targets.shape, 2)
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce SUM forward, identity backward: the partial sums of each rank feed a
+    result that every rank of the group then uses identically (Megatron's
+    reduce-from-tensor-parallel region)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def _vocab_parallel_chunk_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                                targets: torch.Tensor, temperature: float, group: dist.ProcessGroup,
+                                vocab_start: int) -> torch.Tensor:
+    """[n, H] hidden, this rank's [V_r, H] rows of the head (vocabulary ids
+    `vocab_start` ... `vocab_start + V_r - 1`), [n] targets -> [n, 2] (log p(target),
+    entropy) over the whole vocabulary, with z = logits / temperature:
+
+        m = max_v z_v (all-reduce MAX, no gradient),  e_v = exp(z_v - m)
+        S = sum_v e_v,  E = sum_v e_v z_v,  Z_t = z_target     (each an all-reduce SUM of
+                                                                the ranks' partial sums)
+        log p(target) = Z_t - (m + log S),   entropy = (m + log S) - E / S
+    """
+    z = F.linear(hidden, weight, bias).float() / temperature
+    m = z.detach().amax(dim=-1)
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    e = torch.exp(z - m.unsqueeze(-1))
+    local_t = targets - vocab_start
+    owned = (local_t >= 0) & (local_t < z.shape[-1])
+    z_t = z.gather(-1, local_t.clamp(0, z.shape[-1] - 1).unsqueeze(-1)).squeeze(-1) * owned
+    s, expected, z_t = _SumOverGroup.apply(torch.stack([e.sum(-1), (e * z).sum(-1), z_t]), group)
+    log_z = m + s.log()
+    return torch.stack([z_t - log_z, log_z - expected / s], dim=-1)
+
+
+def _vocab_parallel_head(self, hidden: DTensor, targets: torch.Tensor, temperature: float) -> DTensor:
+    """Column-parallel head (weight `Shard(0)` over the vocabulary on the TP mesh; the
+    input arrives replicated): token stats without gathering logits."""
+    weight = self.weight
+    mesh = weight.device_mesh
+    group = mesh.get_group()
+    rows = -(-weight.shape[0] // mesh.size())  # DTensor shards like torch.chunk
+    # each rank's input gradient is a partial sum over its vocabulary rows
+    local_hidden = hidden.to_local(grad_placements=[Partial()]) if isinstance(hidden, DTensor) else hidden
+    bias = getattr(self, "bias", None)
+    bias = bias.to_local() if isinstance(bias, DTensor) else bias
+    self._rlhf_vocab_parallel_calls = getattr(self, "_rlhf_vocab_parallel_calls", 0) + 1
+    stats = chunked_token_stats(_vocab_parallel_chunk_stats, local_hidden, (weight.to_local(), bias), targets,
+                                temperature, extra_after=(group, mesh.get_local_rank() * rows))
+    # replicated on the TP ranks; the head's output hook expects a DTensor
+    return DTensor.from_local(stats, mesh, [Replicate()], run_check=False)
+
+
+def _head_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    request = getattr(self, "_rlhf_request", None)
+    if request is None:  # not called by policy_forward: behave as the plain head
+        return self._rlhf_plain_forward(hidden)
+    targets, temperature = request
+    weight, bias = self.weight, getattr(self, "bias", None)
+    if isinstance(weight, DTensor):  # tensor parallel (FSDP alone gives plain unsharded weights here)
+        return _vocab_parallel_head(self, hidden, targets, temperature)
+    return chunked_token_stats(_linear_chunk_stats, hidden, (weight, bias), targets, temperature)
+
+
+def attach_logprob_head(model: torch.nn.Module, *, tensor_parallel: bool = False) -> torch.nn.Module:
+    """Give `model.lm_head` the chunked log-prob forward (parameter names unchanged);
+    under tensor parallelism it is vocabulary-parallel (`tensor_parallel` is kept for
+    callers: the head's weight placement decides)."""
+    head = model.get_output_embeddings()
+    if getattr(head, "_rlhf_plain_forward", None) is not None:
+        return model
+    head._rlhf_plain_forward = head.forward
+    head.forward = types.MethodType(_head_forward, head)
+    return model
+
+
+
+
+def has_logprob_head(model: torch.nn.Module) -> bool:
+    return getattr(model.get_output_embeddings(), "_rlhf_plain_forward", None) is not None
+
+
+def request_stats(model: torch.nn.Module, targets: torch.Tensor | None, temperature: float = 1.0) -> None:
+    """Make the next forward of `model`'s head return token stats for `targets` (None:
+    back to the plain head)."""
+    model.get_output_embeddings()._rlhf_request = None if targets is None else (targets, temperature)

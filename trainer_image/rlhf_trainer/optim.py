@@ -1,0 +1,76 @@
+"""The optimizer side shared by every method: AdamW over a model's trainable parameters,
+learning-rate schedules as a pure function of the optimizer step, and one optimizer step
+that clips and steps, or skips a non-finite step.
+
+Schedules: linear warmup from 0, then constant, linear or cosine decay to
+`min_ratio x peak` at the last step (as TRL and OpenRLHF offer). A pure function of the
+step, so a resumed run needs no scheduler state; the optimizer's base rate is kept in
+each parameter group's `initial_lr` and scaled per step (`scale_lr`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+from .parallel.grad_norm import clip_grad_norm
+
+
+def lr_factor(step: int, *, total: int, warmup: int = 0, kind: str = "constant", min_ratio: float = 0.0) -> float:
+    """The learning rate of optimizer step `step` (0-based) of `total`, as a fraction of
+    the peak (the configured learning rate)."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if kind == "constant":
+        return 1.0
+    span = max(total - warmup - 1, 1)
+    progress = min(max(step - warmup, 0) / span, 1.0)
+    if kind == "linear":
+        factor = 1.0 - progress
+    elif kind == "cosine":
+        factor = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        raise ValueError(f"trainer.lrScheduler: unknown schedule {kind!r}; use constant, linear or cosine")
+    return min_ratio + (1.0 - min_ratio) * factor
+
+
+def schedule_factor(optim, step: int, total: int) -> float:
+    """`lr_factor` of optimizer step `step` of `total` under the trainer config's `optim`."""
+    return lr_factor(step, total=total, warmup=optim.warmup_steps, kind=optim.lr_scheduler,
+                     min_ratio=optim.min_learning_rate_ratio)
+
+
+def adamw(model: torch.nn.Module, optim, learning_rate: float | None = None) -> torch.optim.Optimizer:
+    """AdamW over `model`'s trainable parameters (the trainer config's `optim`)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=learning_rate or optim.learning_rate, weight_decay=optim.weight_decay)
+
+
+def scale_lr(optimizers: Iterable[torch.optim.Optimizer | None], factor: float) -> None:
+    """Set every parameter group's rate to `factor` x its base rate."""
+    for opt in optimizers:
+        if opt is not None:
+            for group in opt.param_groups:
+                group["lr"] = group.setdefault("initial_lr", group["lr"]) * factor
+
+
+def set_gradient_sync(models: Iterable[torch.nn.Module | None], enabled: bool) -> None:
+    """FSDP2 reduces gradients only when told to: off for all but a mini-batch's last
+    micro-batch (gradients accumulate unsharded locally in between)."""
+    for model in models:
+        if model is not None and hasattr(model, "set_requires_gradient_sync"):
+            model.set_requires_gradient_sync(enabled)
+
+
+def step_or_skip(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> torch.Tensor | None:
+    """Clip `model`'s gradients to `max_grad_norm` and step; a non-finite norm skips the
+    step and drops the gradients. Returns the norm (a device tensor), or None if skipped.
+    The one host sync of an optimizer step."""
+    norm = clip_grad_norm(model.parameters(), max_grad_norm)
+    if bool(torch.isfinite(norm)):
+        optimizer.step()
+        return norm
+    optimizer.zero_grad(set_to_none=True)
+    return None

@@ -1,0 +1,189 @@
+"""The RL run loop, on every trainer process (resume, save, evaluation, records and
+clean-up: loop.py). For each step:
+
+  1. rollout   rank 0's orchestrator collects a `RolloutBatch` (or, with
+               `rollout.maxStaleness` >= 1, takes the one generated ahead while the previous
+               steps trained: orchestrator/prefetch.py); it is broadcast to all ranks
+  2. train     `TrainStep.prepare` (old / reference log-probs, values, advantages) and the
+               optimizer steps (rl/step.py)
+  3. sync      every rank gathers full tensors, rank 0 streams them to the rollout servers
+               (weight_sync.push_weights; skipped when every optimizer step of the step was
+               skipped: the weights did not change)
+  4. record    the step's metrics row (rank 0)
+
+A checkpoint holds, besides the models, the policy version and the orchestrator's data
+position (after the last batch the trainer took).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from rlhf_contract.trainer_config import TrainerConfig
+
+from ..checkpoint import Parts
+from ..distributed import DistInfo, broadcast_object
+from ..loop import LoopBase
+from ..metrics import logprob_mismatch, peak_flops, peak_gpu_memory_bytes, train_mfu
+from ..optim import schedule_factor
+from ..weight_sync import push_weights
+from .models import build_models
+from .step import TrainStep
+
+log = logging.getLogger("rlhf_trainer")
+
+
+@contextmanager
+def span(timings: dict[str, float], name: str):
+    """Time a phase of the step into `timings[name]` (seconds)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[name] = time.perf_counter() - start
+
+
+class RunLoop(LoopBase):
+    def __init__(self, config: TrainerConfig, info: DistInfo, *, endpoints: list[str], weight_sync_addr: str,
+                 output_dir: str):
+        super().__init__(config, info, output_dir=output_dir)
+        self.models, self.layout = build_models(config, info, self.tokenizer.pad_token_id)
+        o = config.optim
+        self.train_step = TrainStep(config.algorithm, self.models, self.layout,
+                                    max_tokens_per_micro_batch=o.max_tokens_per_micro_batch,
+                                    max_grad_norm=o.max_grad_norm, temperature=config.sampling.temperature,
+                                    device=info.device,
+                                    reward_model_weight=config.reward.model.weight if config.reward.model else 1.0)
+        self.max_staleness = config.sampling.max_staleness
+        self.policy_version = 0
+        self.served_version = 0  # what the rollout servers hold (advanced after each completed sync)
+        self.prefetcher = None
+        self.data_position: dict | None = None  # after the last batch taken (maxStaleness >= 1)
+        self.orchestrator = self.sender = None
+        self.num_params = sum(p.numel() for p in self.models.policy.parameters())  # a DTensor's numel is global
+        if info.is_main:
+            from ..orchestrator.orchestrator import Orchestrator
+            from ..weight_sync import WeightSyncSender
+
+            self.orchestrator = Orchestrator.build(config, self.tokenizer, endpoints, self.output_dir)
+            host, port = weight_sync_addr.rsplit(":", 1)
+            self.sender = WeightSyncSender(endpoints, host, int(port))
+
+    def parts(self) -> Parts:
+        return self.models.parts()
+
+    def final_model(self) -> torch.nn.Module:
+        return self.models.policy
+
+    def lr_factor(self, k: int) -> float:
+        """The learning-rate factor of this step's k-th optimizer step."""
+        n = self.config.algorithm.num_mini_batches
+        return schedule_factor(self.config.optim, (self.step - 1) * n + k, self.config.schedule.total_steps * n)
+
+    # ---- state ------------------------------------------------------------------------
+
+    def extra_state(self) -> dict[str, Any]:
+        orchestrator = None
+        if self.orchestrator is not None:  # batches generated ahead are regenerated after a resume
+            orchestrator = ({"data": self.data_position} if self.data_position is not None
+                            else self.orchestrator.state_dict())
+        return {"policy_version": self.policy_version, "orchestrator": orchestrator}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        self.policy_version = int(state.get("policy_version", self.step))
+        if self.orchestrator is not None:
+            self.orchestrator.load_state_dict(state["orchestrator"])
+
+    # ---- the run ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.info.is_main:
+            self.orchestrator.check_servers()
+            self.sender.init()
+        self.sync_weights()  # servers start from exactly the trainer's weights (also after a resume)
+        if self.max_staleness and self.info.is_main:
+            from ..orchestrator.prefetch import Prefetcher
+
+            self.prefetcher = Prefetcher(self.orchestrator, max_staleness=self.max_staleness, first_step=self.step + 1,
+                                         last_step=self.config.schedule.total_steps,
+                                         served_version=lambda: self.served_version)
+
+    def evaluate(self, step: int) -> dict[str, Any]:
+        return self.orchestrator.evaluate(step) if self.orchestrator is not None else {}
+
+    def finish(self) -> None:
+        if self.orchestrator is not None:
+            log.info("rollout requests per endpoint: %s", json.dumps(self.orchestrator.requests_sent))
+
+    def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+        if self.orchestrator is not None:
+            self.orchestrator.close()
+        if self.sender is not None:
+            self.sender.close()
+
+    def sync_weights(self) -> float:
+        """Collective: the servers get the policy's weights (tagged with its version)."""
+        seconds = push_weights(self.models.policy, self.sender, weight_version=str(self.policy_version))
+        self.served_version = self.policy_version
+        return seconds
+
+    def _next_batch(self):
+        """Rank 0: this step's rollouts, generated now (synchronous) or ahead (maxStaleness)."""
+        if self.prefetcher is None:
+            return self.orchestrator.collect(self.step)
+        batch = self.prefetcher.take(self.step)
+        batch.extra["staleness"] = self.served_version - batch.extra["policy_version"]
+        if batch.extra["staleness"] > self.max_staleness:  # the producer's gate makes this impossible
+            raise RuntimeError(f"step {self.step}: a batch {batch.extra['staleness']} versions old exceeds "
+                               f"rollout.maxStaleness={self.max_staleness}")
+        self.data_position = batch.extra["data_position"]
+        return batch
+
+    def run_step(self) -> dict[str, Any] | None:
+        timings: dict[str, float] = {}
+        with span(timings, "step_seconds"):
+            with span(timings, "rollout_seconds"):  # with maxStaleness >= 1: waiting for a prefetched batch
+                batch = self._next_batch() if self.info.is_main else None
+                batch = broadcast_object(batch)
+            with span(timings, "train_seconds"):
+                tensors = self.train_step.prepare(batch)
+                train = self.train_step(batch, tensors, lr_factor=self.lr_factor)
+            if train["skipped_steps"] < self.config.algorithm.num_mini_batches:
+                self.policy_version += 1
+                timings["weight_sync_seconds"] = self.sync_weights()
+            else:
+                log.warning("step %d: every optimizer step had a non-finite gradient norm; weights unchanged, "
+                            "no weight sync", self.step)
+                timings["weight_sync_seconds"] = 0.0
+        if not self.info.is_main:
+            return None
+        return self._row(batch, tensors, train, timings)
+
+    def _row(self, batch, tensors, train: dict[str, Any], timings: dict[str, float]) -> dict[str, Any]:
+        """Rank 0: the step's metrics row."""
+        stats = vars(batch.stats).copy()
+        num_tokens = stats.pop("num_tokens")
+        lr = self.config.optim.learning_rate * self.lr_factor(self.config.algorithm.num_mini_batches - 1)
+        extra = {}
+        if tensors.old_logprobs is not None:  # same weights, two engines: how far they disagree
+            extra["logprob_mismatch"] = logprob_mismatch(tensors.old_logprobs, tensors.rollout_logprobs, tensors.mask)
+        dev = self.info.device
+        if dev.type == "cuda":
+            passes = 3.0 + (tensors.old_logprobs is not None) + (tensors.ref_logprobs is not None)
+            extra["mfu"] = train_mfu(num_params=self.num_params, tokens=num_tokens,
+                                     train_seconds=timings["train_seconds"], world_size=self.info.world_size,
+                                     device_peak_flops=peak_flops(torch.cuda.get_device_name(dev)), passes=passes)
+            extra["peak_gpu_memory_bytes"] = peak_gpu_memory_bytes()
+        extra.update(tensors.reward_metrics)  # the learned reward's scores and the total reward mean
+        if "staleness" in batch.extra:
+            extra["staleness_mean"] = extra["staleness_max"] = batch.extra["staleness"]
+        return {"step": self.step, **stats, **train, **extra, "learning_rate": lr, **timings,
+                "tokens_per_second": num_tokens / timings["step_seconds"], "policy_version": self.policy_version}

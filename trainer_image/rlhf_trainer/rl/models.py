@@ -1,0 +1,54 @@
+"""The models of an RL job: the policy and its optimizer, the frozen reference (when
+`algorithm.klCoef` is set), the critic and its optimizer (PPO), the learned reward model
+(`reward.model`), built and laid out by the shared loader (models/loading.py).
+
+Simplification: the critic (PPO only) still loads whole on every rank before sharding."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rlhf_contract.trainer_config import TrainerConfig
+
+from ..distributed import DistInfo
+from ..models.loading import load_models
+from ..optim import adamw
+from ..parallel.parallelize import Layout
+
+
+@dataclass
+class Models:
+    """What the train step updates and reads."""
+
+    policy: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    ref: torch.nn.Module | None = None
+    critic: torch.nn.Module | None = None
+    critic_optimizer: torch.optim.Optimizer | None = None
+    scorer: torch.nn.Module | None = None
+    """The reward model (`reward.model`), frozen."""
+
+    def parts(self) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]:
+        """The trained (model, optimizer) pairs by checkpoint name."""
+        parts = {"policy": (self.policy, self.optimizer)}
+        if self.critic is not None:
+            parts["critic"] = (self.critic, self.critic_optimizer)
+        return parts
+
+
+def build_models(config: TrainerConfig, info: DistInfo, pad_token_id: int | None = None) -> tuple[Models, Layout]:
+    a, o = config.algorithm, config.optim
+    critic = scorer = None
+    if a.critic:
+        from ..models.critic import ValueModel
+
+        critic = ValueModel(config.model_path).to(info.device)
+    if config.reward.model is not None:
+        from ..models.score import load_reward_model
+
+        scorer = load_reward_model(config.reward.model.path, info.device, pad_token_id)
+    policy, ref, layout = load_models(config, info, with_ref=bool(a.kl_coef), critic=critic, scorer=scorer)
+    critic_optimizer = adamw(critic, o, a.critic_learning_rate) if critic is not None else None
+    return Models(policy, adamw(policy, o), ref, critic, critic_optimizer, scorer), layout
