@@ -118,10 +118,10 @@ def fill_from_checkpoint(model: torch.nn.Module, path: str, device: torch.device
 
 def load_models(config: TrainerConfig, info: DistInfo, *, trained: torch.nn.Module | None = None,
                 with_ref: bool = False, critic: torch.nn.Module | None = None,
-                scorer: torch.nn.Module | None = None) -> tuple[torch.nn.Module, torch.nn.Module | None, Layout]:
+                reward_model: torch.nn.Module | None = None) -> tuple[torch.nn.Module, torch.nn.Module | None, Layout]:
     """Build the trained model (the causal LM of `model.path`, or `trained` when given,
     e.g. a score model), the frozen reference (`with_ref`), lay them out with the optional
-    critic and scorer, and fill the sharded ones from the checkpoint; causal LMs get the
+    critic and the reward model, and fill the sharded ones from the checkpoint; causal LMs get the
     chunked log-prob head. Returns (trained, reference, layout)."""
     sharded = info.world_size > 1 or info.device.type == "cuda"
     new = empty_causal_lm if sharded else (lambda path, dtype: load_causal_lm(path, info.device, dtype))
@@ -133,7 +133,7 @@ def load_models(config: TrainerConfig, info: DistInfo, *, trained: torch.nn.Modu
     p = config.optim.parallelism
     layout = parallelize_models(model, ref=ref, critic=critic, world_size=info.world_size, tp=p.tensor_parallel,
                                 cp=p.context_parallel, activation_checkpointing=p.activation_checkpointing,
-                                device_type=info.device.type, scorer=scorer)
+                                device_type=info.device.type, reward_model=reward_model)
     for m in ((model, ref) if lm else (ref,)):
         if m is not None:
             if sharded:

@@ -163,25 +163,25 @@ class Layout:
 
 def parallelize_models(policy: torch.nn.Module, *, ref: torch.nn.Module | None, critic: torch.nn.Module | None,
                        world_size: int, tp: int, cp: int, activation_checkpointing: bool,
-                       device_type: str, scorer: torch.nn.Module | None = None) -> Layout:
+                       device_type: str, reward_model: torch.nn.Module | None = None) -> Layout:
     """TP -> CP -> activation checkpointing -> FSDP2 for the policy (`parallelize`); the
     reference model and the critic are laid out on the same meshes (no checkpointing:
     the reference never runs backward, and the critic is small next to the policy)."""
-    if tp > 1 and scorer is not None:
+    if tp > 1 and reward_model is not None:
         raise ValueError("trainer.parallelism.tensorParallel > 1 with reward.model is not supported yet; use "
                          "tensorParallel: 1 (FSDP and context parallel work with a reward model)")
     if tp > 1 and critic is not None:
         raise ValueError("trainer.parallelism.tensorParallel > 1 with algorithm.critic is not supported yet; "
                          "use tensorParallel: 1 (FSDP and context parallel work with the critic)")
     if world_size == 1 and device_type != "cuda":
-        for model in (policy, ref, critic, scorer):
+        for model in (policy, ref, critic, reward_model):
             if model is not None:
                 apply_cp(model.model if model is critic else model, None)
         return Layout()
     dp = world_size // (tp * cp)
     meshes = parallelize(policy, world_size=world_size, dp_shard=dp, tp=tp, cp=cp,
                          activation_checkpointing=activation_checkpointing, device_type=device_type)
-    for extra in (ref, critic, scorer):
+    for extra in (ref, critic, reward_model):
         if extra is None:
             continue
         if tp > 1:

@@ -27,7 +27,7 @@ class Models:
     ref: torch.nn.Module | None = None
     critic: torch.nn.Module | None = None
     critic_optimizer: torch.optim.Optimizer | None = None
-    scorer: torch.nn.Module | None = None
+    reward_model: torch.nn.Module | None = None
     """The reward model (`reward.model`), frozen."""
 
     def parts(self) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]:
@@ -40,7 +40,7 @@ class Models:
 
 def build_models(config: TrainerConfig, info: DistInfo, pad_token_id: int | None = None) -> tuple[Models, Layout]:
     a, o = config.algorithm, config.optim
-    critic = scorer = None
+    critic = reward_model = None
     if a.critic:
         from ..models.critic import ValueModel
 
@@ -48,7 +48,7 @@ def build_models(config: TrainerConfig, info: DistInfo, pad_token_id: int | None
     if config.reward.model is not None:
         from ..models.score import load_reward_model
 
-        scorer = load_reward_model(config.reward.model.path, info.device, pad_token_id)
-    policy, ref, layout = load_models(config, info, with_ref=bool(a.kl_coef), critic=critic, scorer=scorer)
+        reward_model = load_reward_model(config.reward.model.path, info.device, pad_token_id)
+    policy, ref, layout = load_models(config, info, with_ref=bool(a.kl_coef), critic=critic, reward_model=reward_model)
     critic_optimizer = adamw(critic, o, a.critic_learning_rate) if critic is not None else None
-    return Models(policy, adamw(policy, o), ref, critic, critic_optimizer, scorer), layout
+    return Models(policy, adamw(policy, o), ref, critic, critic_optimizer, reward_model), layout

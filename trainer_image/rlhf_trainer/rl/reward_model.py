@@ -39,13 +39,13 @@ class ModelRewards:
 
 
 @torch.no_grad()
-def score_rows(scorer: torch.nn.Module, num_rows: int, micro_batches: list[MicroBatch], cp_mesh,
+def reward_model_scores(reward_model: torch.nn.Module, num_rows: int, micro_batches: list[MicroBatch], cp_mesh,
                world_size: int, *, contributes: bool, device: torch.device) -> torch.Tensor:
     """[num_rows] scores of every row of the batch, the same on every rank, on the CPU (see
     gather_passes in rl/tensors.py for why one all-reduce of zero-filled tables is exact)."""
     scores = torch.zeros(num_rows, dtype=torch.float32, device=device)
     for mb in micro_batches:
-        picked = last_token_scores(scorer, mb, cp_mesh, device, whole=True)
+        picked = last_token_scores(reward_model, mb, cp_mesh, device, whole=True)
         if contributes and mb.rows:
             scores[torch.tensor(mb.rows, device=device)] = picked.float()
     if world_size > 1:

@@ -33,7 +33,7 @@ from ..optim import scale_lr, set_gradient_sync, step_or_skip
 from ..orchestrator.types import RolloutBatch
 from ..parallel.parallelize import Layout
 from .models import Models
-from .reward_model import ModelRewards, score_rows
+from .reward_model import ModelRewards, reward_model_scores
 from .tensors import StepTensors, build_step_tensors, gather_passes, needs_old_logprobs
 
 METRICS = ["loss", "clip_fraction", "approx_kl", "entropy", "kl", "value_loss", "padding", "grad_norm",
@@ -97,10 +97,10 @@ class TrainStep:
             m.critic.eval()
         micro = self._plan(batch.rows, list(range(len(batch.rows))))
         rewards, reward_metrics = [r.reward for r in batch.rows], {}
-        if m.scorer is not None:  # the learned reward joins the rewards before advantages
-            model_rewards = ModelRewards(score_rows(m.scorer, len(batch.rows), micro, cp, self.layout.world_size,
-                                                    contributes=self.layout.owns_rows, device=dev),
-                                         self.reward_model_weight)
+        if m.reward_model is not None:  # the learned reward joins the rewards before advantages
+            scores = reward_model_scores(m.reward_model, len(batch.rows), micro, cp, self.layout.world_size,
+                                         contributes=self.layout.owns_rows, device=dev)
+            model_rewards = ModelRewards(scores, self.reward_model_weight)
             rewards, reward_metrics = model_rewards.total(rewards), model_rewards.metrics(rewards)
         tables = gather_passes(batch.rows, micro, passes, cp, self.layout.world_size,
                                contributes=self.layout.owns_rows, device=dev)
