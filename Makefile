@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 UV_VERSION := 0.13.8
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-unit crd clean sandbox-bin images
+.PHONY: venv demo test test-fast crd clean sandbox-bin images
 venv: $(STAMP)
 
 # bubblewrap for the code reward's sandbox (rlhf_trainer/rewards/sandbox.py looks for it on
@@ -37,6 +37,10 @@ demo: $(STAMP)
 
 test: $(STAMP) sandbox-bin
 	$(BIN)/python -m pytest tests
+
+# The quick tier (pure functions, single servers, vLLM's protocol, the chart): a few minutes.
+test-fast: $(STAMP) sandbox-bin
+	$(BIN)/python -m pytest tests/unit tests/protocol tests/chart
 
 crd: $(STAMP)
 	$(BIN)/rlhfctl crd > crds/rlhfjobs.yaml

@@ -30,4 +30,4 @@ $(RLHF_PROMETHEUS_BIN)/promtool:
 	rm -rf $(PROMETHEUS_CACHE) && mv $(PROMETHEUS_CACHE).tmp/root $(PROMETHEUS_CACHE) && rm -rf $(PROMETHEUS_CACHE).tmp
 	$(RLHF_PROMETHEUS_BIN)/promtool --version | head -1
 
-test: prometheus-tools chart-tools
+test test-fast: prometheus-tools chart-tools

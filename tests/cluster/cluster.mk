@@ -19,5 +19,6 @@ cluster-down:
 cluster-status:
 	$(BIN)/python tests/cluster/harness.py status
 
-# `make test` builds the binaries first, with the build's output on the terminal.
-test: cluster-bin
+# `make test` builds the binaries first, with the build's output on the terminal (the
+# chart tests of `make test-fast` need its helm).
+test test-fast: cluster-bin
