@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 .PHONY: venv demo test test-fast crd clean sandbox-bin images
 venv: $(STAMP)
 
-# bubblewrap for the code reward's sandbox (rlhf_trainer/rewards/sandbox.py looks for it on
+# bubblewrap for the code reward's sandbox (rlhf_trainer/sandbox/bwrap.py looks for it on
 # PATH, then here). Fetched from Debian, not installed: no root needed to use it, and the
 # tests run it both as root and as an unprivileged uid.
 BWRAP_DEB_VERSION ?= 0.8.0-2+deb12u1

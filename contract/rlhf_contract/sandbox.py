@@ -1,10 +1,11 @@
 """The code sandbox service's part of the pod contract: its name, port, URL and command.
 
 With `reward.type: code` on a cluster, the operator runs the trainer's image as a sandbox
-service (`<job>-sandbox`, a Deployment and a Service) that executes model-written programs
-out of the trainer's pod; the trainer reaches it at `sandbox_url(job, namespace)` (or at
-`reward.sandbox.url` when set, or `$RLHF_SANDBOX_URL`). Local mode runs programs in the
-trainer's own process tree with bubblewrap, the same code the service runs.
+service (`<job>-sandbox`: a StatefulSet, a Service and a NetworkPolicy) that executes
+model-written programs out of the trainer's pod; the trainer reaches it at
+`sandbox_url(job, namespace)` (or at `reward.sandbox.url` when set, or `$RLHF_SANDBOX_URL`).
+Local mode runs programs in the trainer's own process tree with bubblewrap, the same code the
+service runs (`rlhf_trainer.sandbox`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def sandbox_url(job: str, namespace: str | None) -> str:
 def sandbox_command(*, host: str = "0.0.0.0", port: int = SANDBOX_PORT, python: str = "python",
                     require_isolation: bool = True) -> list[str]:
     """The sandbox service's command line (it must run as the container's PID 1: exec form)."""
-    command = [python, "-m", "rlhf_trainer.rewards.sandbox_service", "--host", host, "--port", str(port)]
+    command = [python, "-m", "rlhf_trainer.sandbox.service", "--host", host, "--port", str(port)]
     if not require_isolation:
         command.append("--allow-rlimits-only")
     return command

@@ -23,9 +23,9 @@ import time
 import uuid
 from pathlib import Path
 
-from rlhf_trainer.rewards import sandbox
+from rlhf_trainer import sandbox
 from rlhf_trainer.rewards.code import score_code, score_code_batch
-from rlhf_trainer.rewards.sandbox import Limits, run_python
+from rlhf_trainer.sandbox import Limits, run_python
 
 ALLOWED_ROOT = {"usr", "bin", "lib", "lib32", "lib64", "sbin", "proc", "dev", "tmp"}
 SUM_CASES = {"inputs": ["1 2\n", "10 -3\n", "0 0\n", "5 5\n"],
@@ -237,7 +237,7 @@ def check_many_responses_at_once(responses: int = 48, cases: int = 24) -> None:
 
 def check_queue_waits_when_full() -> None:
     """More runs than slots: they queue (never more than `capacity` at once) and all pass."""
-    size = sandbox._Queue.slot(Limits()) and sandbox._Queue.size
+    size = sandbox.queue_size(Limits())
     code = "import time\nt = time.time()\ntime.sleep(0.3)\nprint(int(input()) * {}, t, time.time())"
     jobs = [(code.format(i), "3\n") for i in range(size * 3)]
     results = sandbox.run_many(jobs)

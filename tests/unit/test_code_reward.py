@@ -24,10 +24,12 @@ import httpx
 import pytest
 
 import sandbox_checks as checks
-from rlhf_trainer.rewards import build_scorer, sandbox
+from rlhf_contract.sandbox import sandbox_command
+from rlhf_trainer import sandbox
+from rlhf_trainer.rewards import build_scorer
 from rlhf_trainer.rewards.code import extract_code, normalize_output, score_code
-from rlhf_trainer.rewards.sandbox import Limits, SandboxError, run_python
-from rlhf_trainer.rewards.sandbox_service import SandboxClient
+from rlhf_trainer.sandbox import Limits, SandboxClient, SandboxError, cgroup, run_python
+from rlhf_trainer.sandbox import run as sandbox_run
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -96,7 +98,7 @@ def test_same_checks_as_an_unprivileged_uid_without_capabilities(world_readable_
 
 def test_no_isolation_is_refused_not_scored(monkeypatch):
     weak = sandbox.Isolation("rlimits", ISO.python, None, "no bwrap binary (test)")
-    monkeypatch.setattr(sandbox, "isolation", lambda: weak)
+    monkeypatch.setattr(sandbox_run, "isolation", lambda: weak)
     with pytest.raises(SandboxError, match="needs bubblewrap.*requireSandboxIsolation is true"):
         score_code(checks.fenced("print(1)"), {"inputs": [""], "outputs": ["1"]})
     # resource limits alone never run model code in the trainer, whatever the spec says
@@ -105,7 +107,7 @@ def test_no_isolation_is_refused_not_scored(monkeypatch):
                    require_isolation=False)
     broken = sandbox.Isolation("bwrap", "/nonexistent/python3", ISO.bwrap or "/bin/false", "",
                                ISO.mounts or ("/usr",))
-    monkeypatch.setattr(sandbox, "isolation", lambda: broken)
+    monkeypatch.setattr(sandbox_run, "isolation", lambda: broken)
     with pytest.raises(SandboxError, match="did not start the program"):
         score_code(checks.fenced("print(1)"), {"inputs": [""], "outputs": ["1"]})
 
@@ -121,11 +123,11 @@ def test_a_program_cannot_fake_a_sandbox_failure():
 def test_capacity_comes_from_the_cgroup_and_affinity(monkeypatch):
     monkeypatch.delenv(sandbox.CONCURRENCY_ENV, raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
-    monkeypatch.setattr(sandbox, "_cgroup_cpu_quota", lambda: 3.5)
-    monkeypatch.setattr(sandbox, "cgroup_memory_limit_mb", lambda: None)
+    monkeypatch.setattr(cgroup, "cgroup_cpu_quota", lambda: 3.5)
+    monkeypatch.setattr(cgroup, "cgroup_memory_limit_mb", lambda: None)
     assert sandbox.capacity(Limits()) == 3  # never the 64 host cores
-    monkeypatch.setattr(sandbox, "cgroup_memory_limit_mb", lambda: 2 * Limits().memory_bound_mb)
-    monkeypatch.setattr(sandbox, "_cgroup_cpu_quota", lambda: None)
+    monkeypatch.setattr(cgroup, "cgroup_memory_limit_mb", lambda: 2 * Limits().memory_bound_mb)
+    monkeypatch.setattr(cgroup, "cgroup_cpu_quota", lambda: None)
     assert sandbox.capacity(Limits()) == 2  # what fits the memory limit
     monkeypatch.setenv(sandbox.CONCURRENCY_ENV, "5")
     assert sandbox.capacity(Limits()) == 5
@@ -139,12 +141,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_service(command_prefix: list[str], env: dict, extra: list[str] = (),
+def _start_service(command_prefix: list[str], env: dict, *, require_isolation: bool = True,
                    python: str = sys.executable):
+    """The service, started with the command line its pods run (the pod contract's)."""
     port = _free_port()
-    proc = subprocess.Popen([*command_prefix, python, "-m",
-                             "rlhf_trainer.rewards.sandbox_service", "--host", "127.0.0.1",
-                             "--port", str(port), *extra], env=env,
+    command = sandbox_command(host="127.0.0.1", port=port, python=python,
+                              require_isolation=require_isolation)
+    proc = subprocess.Popen([*command_prefix, *command], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -197,7 +200,7 @@ def test_service_as_pid_1_with_rlimits_only_survives_its_programs(world_readable
     # as PID 1 of a new PID namespace with its own /proc (the pod), as uid 1000 without
     # capabilities
     prefix = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", *UNPRIVILEGED]
-    proc, url, health = _start_service(prefix, env, ["--allow-rlimits-only"],
+    proc, url, health = _start_service(prefix, env, require_isolation=False,
                                        python="/usr/bin/python3")
     try:
         assert health["backend"] == "rlimits"
@@ -241,32 +244,40 @@ def test_service_as_pid_1_with_rlimits_only_survives_its_programs(world_readable
         proc.wait()
 
 
-def test_where_model_code_runs(monkeypatch, tmp_path):
+def test_where_model_code_runs(monkeypatch):
+    """The caller says which job and namespace the trainer serves (its config); the rewards
+    package reads no config file."""
     from rlhf_contract.api.models import RewardSpec
-    from rlhf_contract.trainer_config import TrainerConfig
     from rlhf_trainer.rewards import sandbox_url_for
 
     for name in ("RLHF_SANDBOX_URL", "RLHF_TRAINER_CONFIG", "KUBERNETES_SERVICE_HOST"):
         monkeypatch.delenv(name, raising=False)
     spec = RewardSpec(type="code")
     assert sandbox_url_for(spec) is None  # local: this process, with bubblewrap
-    from rlhf_contract.api import validate_job
-
-    doc = {"apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob",
-           "metadata": {"name": "coder", "namespace": "team-a"},
-           "spec": {"model": {"path": "/m"}, "data": {"path": "/d.jsonl"}, "reward": {"type": "code"}}}
-    path = tmp_path / "trainer.json"
-    path.write_text(TrainerConfig.from_job(validate_job(doc)).to_json())
-    monkeypatch.setenv("RLHF_TRAINER_CONFIG", str(path))
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    assert sandbox_url_for(spec) is None  # not in a pod
+    job = {"job_name": "coder", "namespace": "team-a"}
+    assert sandbox_url_for(spec, **job) is None  # not in a pod
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
-    assert sandbox_url_for(spec) == "http://coder-sandbox.team-a.svc:8080"  # the operator's
-    del doc["metadata"]["namespace"]
-    path.write_text(TrainerConfig.from_job(validate_job(doc)).to_json())
-    assert sandbox_url_for(spec) is None  # local mode has no namespace
+    assert sandbox_url_for(spec, **job) == "http://coder-sandbox.team-a.svc:8080"  # the operator's
+    assert sandbox_url_for(spec, job_name="coder", namespace=None) is None  # local mode
+    with pytest.raises(ValueError, match="needs the job's name"):
+        sandbox_url_for(spec, namespace="team-a")
+    # build_scorer passes the job on: its programs go to that service
+    sent_to = []
+
+    class Client:
+        def __init__(self, url):
+            self.url = url
+
+        def run_many(self, jobs, limits, require_isolation=True):
+            sent_to.append(self.url)
+            return [sandbox.SandboxResult("3\n", "", 0, False, 0.1, False, "bwrap") for _ in jobs]
+
+    monkeypatch.setattr(sandbox, "SandboxClient", Client)
+    item = (checks.fenced("print(3)"), "", {"test_cases": {"inputs": [""], "outputs": ["3"]}})
+    assert build_scorer(spec, **job).score_batch([item]) == [(1.0, 1.0)]
+    assert sent_to == ["http://coder-sandbox.team-a.svc:8080"]
     monkeypatch.setenv("RLHF_SANDBOX_URL", "http://env:1")
-    assert sandbox_url_for(spec) == "http://env:1"
+    assert sandbox_url_for(spec, **job) == "http://env:1"
     spec = RewardSpec(type="code", sandbox={"url": "http://shared:8080"})
-    assert sandbox_url_for(spec) == "http://shared:8080"
-    assert sandbox_url_for(spec, "http://arg:2") == "http://arg:2"
+    assert sandbox_url_for(spec, **job) == "http://shared:8080"
+    assert sandbox_url_for(spec, "http://arg:2", **job) == "http://arg:2"

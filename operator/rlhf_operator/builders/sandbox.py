@@ -2,7 +2,7 @@
 programs run OUT of the trainer's pod, in `<job>-sandbox` pods that hold nothing worth taking.
 
   StatefulSet `<job>-sandbox`  `sandboxService.replicas` pods of the trainer image running
-                               `python -m rlhf_trainer.rewards.sandbox_service` as PID 1;
+                               `python -m rlhf_trainer.sandbox.service` as PID 1;
                                `restricted` Pod Security level; no service-account token
                                (automountServiceAccountToken: false, and the default account);
                                no data, config or output volumes; read-only root filesystem;

@@ -7,7 +7,8 @@
                                worker processes killed past `timeout_seconds` per answer
   code                         code.score_code_batch: last fenced Python block vs test_cases,
                                every (response x case) through ONE bounded sandbox queue, run
-                               by the sandbox service (cluster) or bubblewrap here (local)
+                               by the sandbox service (cluster) or bubblewrap here (local),
+                               both `rlhf_trainer.sandbox`
   python                       custom.load_reward_function: a user file's function
   http                         custom.RemoteReward: a reward service
 """
@@ -56,42 +57,42 @@ def _same(value: float) -> Result:
     return value, value
 
 
-def sandbox_url_for(spec: "RewardSpec", sandbox_url: str | None = None) -> str | None:
+def sandbox_url_for(spec: "RewardSpec", sandbox_url: str | None = None, *,
+                    job_name: str | None = None, namespace: str | None = None) -> str | None:
     """Where model code runs, first that applies: `sandbox_url`, `reward.sandbox.url`,
-    `$RLHF_SANDBOX_URL`, and in a Kubernetes pod (`$KUBERNETES_SERVICE_HOST` set, and the
-    trainer config `$RLHF_TRAINER_CONFIG` has the job's namespace) the `<job>-sandbox` service
-    the operator creates for every code-reward job.
-    None: this process runs programs itself, with bubblewrap (local mode)."""
-    from rlhf_contract.pod import ENV_TRAINER_CONFIG
+    `$RLHF_SANDBOX_URL`, and in a Kubernetes pod (`$KUBERNETES_SERVICE_HOST` set) of a job with
+    a `namespace` the `<job_name>-sandbox` service the operator creates for every code-reward
+    job. None: this process runs programs itself, with bubblewrap (local mode, which has no
+    namespace)."""
     from rlhf_contract.sandbox import ENV_SANDBOX_URL
     from rlhf_contract.sandbox import sandbox_url as service_url
 
     if sandbox_url or spec.sandbox.url or os.environ.get(ENV_SANDBOX_URL):
         return sandbox_url or spec.sandbox.url or os.environ[ENV_SANDBOX_URL]
-    path = os.environ.get(ENV_TRAINER_CONFIG)
-    if path and os.path.isfile(path) and os.environ.get("KUBERNETES_SERVICE_HOST"):
-        from rlhf_contract.trainer_config import TrainerConfig
-
-        with open(path, encoding="utf-8") as f:
-            config = TrainerConfig.from_json(f.read())
-        if config.namespace is not None:
-            return service_url(config.job_name, config.namespace)
+    if namespace is not None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        if not job_name:
+            raise ValueError(f"the sandbox service of a job in namespace {namespace!r} needs the "
+                             "job's name: pass job_name (the trainer config's job_name)")
+        return service_url(job_name, namespace)
     return None
 
 
-def sandbox_runner(spec: "RewardSpec", sandbox_url: str | None = None):
+def sandbox_runner(spec: "RewardSpec", sandbox_url: str | None = None, *,
+                   job_name: str | None = None, namespace: str | None = None):
     """The sandbox service client for `sandbox_url_for(...)`, or None (run here)."""
-    url = sandbox_url_for(spec, sandbox_url)
+    url = sandbox_url_for(spec, sandbox_url, job_name=job_name, namespace=namespace)
     if not url:
         return None
-    from .sandbox_service import SandboxClient
+    from rlhf_trainer.sandbox import SandboxClient
 
     return SandboxClient(url)
 
 
-def build_scorer(spec: "RewardSpec", *, sandbox_url: str | None = None) -> Scorer:
-    """The scorer of `spec`. `sandbox_url` (code only): a sandbox service to use; see
-    `sandbox_url_for` for what is used without it."""
+def build_scorer(spec: "RewardSpec", *, job_name: str | None = None, namespace: str | None = None,
+                 sandbox_url: str | None = None) -> Scorer:
+    """The scorer of `spec`. Code only: `job_name` and `namespace` are the job's (the trainer
+    config's; no namespace in local mode), which name its sandbox service on a cluster;
+    `sandbox_url` is a sandbox service to use instead. See `sandbox_url_for`."""
     t = spec.type
     if t == "exact_match":
         return Scorer(lambda r, a, e: _same(exact_match(r, a)))
@@ -104,14 +105,15 @@ def build_scorer(spec: "RewardSpec", *, sandbox_url: str | None = None) -> Score
         return Scorer(batch_fn=lambda items: [_same(x) for x in scorer.score_many(
             [(r, a) for r, a, _ in items])])
     if t == "code":
+        from rlhf_trainer.sandbox import Limits
+
         from .code import score_code_batch
-        from .sandbox import Limits
 
         s = spec.sandbox
         limits = Limits(timeout_s=spec.timeout_seconds, memory_mb=s.memory_mb,
                         max_processes=s.max_processes, tmpfs_mb=s.tmpfs_mb,
                         max_output_bytes=s.max_output_kb << 10)
-        runner = sandbox_runner(spec, sandbox_url)
+        runner = sandbox_runner(spec, sandbox_url, job_name=job_name, namespace=namespace)
 
         def code(items: list[Item]) -> list[Result]:
             for i, (_, _, extra) in enumerate(items):
@@ -133,6 +135,6 @@ def build_scorer(spec: "RewardSpec", *, sandbox_url: str | None = None) -> Score
         from .custom import RemoteReward
 
         return Scorer(batch_fn=RemoteReward(spec.url, timeout_s=spec.timeout_seconds).score_batch)
-    if t == "model":  # scored by the reward model in the trainer processes (train/reward_model.py)
+    if t == "model":  # scored by the reward model in the trainer processes (rl/reward_model.py)
         return Scorer(lambda r, a, e: _same(0.0))
     raise ValueError(f"reward.type: unknown reward {t!r}")

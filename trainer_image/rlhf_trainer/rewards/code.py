@@ -12,9 +12,9 @@ cases gets 0.75); `all_or_nothing=True` gives 1.0 only when every case passes, a
 pass@k evaluation. No code block, or no test cases, scores 0.0.
 
 Where programs run: `runner` (any object with `run_many(jobs, limits, require_isolation=...)`)
-is the sandbox service client (`sandbox_service.SandboxClient`) on a cluster, or by default
-this process's own bubblewrap sandbox (`sandbox.run_many`). Either way the expected outputs
-never leave this process: the sandbox gets the program and the input only.
+is the sandbox service client (`rlhf_trainer.sandbox.SandboxClient`) on a cluster, or by
+default this process's own bubblewrap sandbox (`rlhf_trainer.sandbox.run_many`). Either way the
+expected outputs never leave this process: the sandbox gets the program and the input only.
 
 `score_code_batch` scores many responses through ONE bounded queue of (response x test case)
 runs, which is what the trainer's scorer uses.
@@ -28,8 +28,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from rlhf_trainer.rewards import sandbox
-from rlhf_trainer.rewards.sandbox import Limits
+from rlhf_trainer.sandbox import Limits, SandboxError, run_many
 
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
@@ -92,11 +91,10 @@ def score_code_batch(items: list[tuple[str, Any]], timeout_s: float = 10.0, *,
             continue
         plan.append((len(jobs), len(inputs), outputs))
         jobs.extend((code, x) for x in inputs)
-    run = runner.run_many if runner is not None else sandbox.run_many
+    run = runner.run_many if runner is not None else run_many
     results = run(jobs, lim, require_isolation=require_isolation) if jobs else []
     if len(results) != len(jobs):
-        raise sandbox.SandboxError(f"the sandbox returned {len(results)} results for "
-                                   f"{len(jobs)} runs")
+        raise SandboxError(f"the sandbox returned {len(results)} results for {len(jobs)} runs")
     return [0.0 if p is None else _grade(results[p[0]:p[0] + p[1]], p[2], all_or_nothing)
             for p in plan]
 

@@ -10,8 +10,8 @@ A reward file defines `reward_fn(response: str, answer: str, extra_info: dict)` 
 
 A reward service takes `POST <url>` with JSON `{"response", "answer", "extra_info"}` and
 answers `{"reward": float, "score": float?}`. Connection errors, timeouts, 429 and 5xx are
-retried `max_retries` times with exponential backoff; any other status, a malformed answer
-or running out of retries raises `RewardError` naming the URL.
+retried `max_retries` times with exponential backoff (`RemoteReward.retry_policy`); any other
+status, a malformed answer or running out of retries raises `RewardError` naming the URL.
 
 Simplifications: the user function runs in the trainer process, unsandboxed and trusted
 (it is the user's code, not the model's); an `async def` function gets a fresh event loop per
@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable
 
 import httpx
+
+from rlhf_trainer.retry import Retry, TryAgain
 
 RewardResult = tuple[float, float]
 """(reward used for advantages, score that is logged)."""
@@ -136,9 +138,9 @@ class RemoteReward:
         self.max_retries = max_retries
         self.max_concurrency = max_concurrency
         self.backoff_s = backoff_s
-
-    def _delay(self, attempt: int) -> float:
-        return min(self.backoff_s * 2 ** attempt, 10.0)
+        self.retry_policy = Retry(attempts=max_retries + 1, delay_s=backoff_s, max_delay_s=10.0)
+        """Connection errors, timeouts, 429 and 5xx: `max_retries` more attempts, `backoff_s`,
+        then twice as long each time, at most 10 s."""
 
     def _result(self, response: httpx.Response) -> RewardResult:
         try:
@@ -156,31 +158,27 @@ class RemoteReward:
                               f"{response.text[:200]!r}")
         return False
 
-    def _give_up(self, last: str) -> RewardError:
-        return RewardError(f"reward service {self.url} failed {self.max_retries + 1} times; "
-                           f"last: {last}")
-
     def __call__(self, response: str, answer: str, extra_info: dict) -> RewardResult:
         """One request, synchronously (the batch path with a batch of one)."""
         return self.score_batch([(response, answer, extra_info)])[0]
 
     async def _one(self, client: httpx.AsyncClient, sem: asyncio.Semaphore,
                    payload: dict) -> RewardResult:
-        last = ""
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                await asyncio.sleep(self._delay(attempt - 1))
+        async def attempt() -> RewardResult:
             try:
                 async with sem:
                     r = await client.post(self.url, json=payload)
             except httpx.TransportError as err:
-                last = f"{type(err).__name__}: {err}"
-                continue
+                raise TryAgain(f"{type(err).__name__}: {err}") from err
             if self._retryable(r):
-                last = f"HTTP {r.status_code}"
-                continue
+                raise TryAgain(f"HTTP {r.status_code}")
             return self._result(r)
-        raise self._give_up(last)
+
+        try:
+            return await self.retry_policy.acall(attempt)
+        except TryAgain as last:
+            raise RewardError(f"reward service {self.url} failed {self.max_retries + 1} times; "
+                              f"last: {last}") from None
 
     async def ascore_batch(self, items: Iterable[tuple[str, str, dict]]) -> list[RewardResult]:
         """(reward, score) for each (response, answer, extra_info), up to `max_concurrency`

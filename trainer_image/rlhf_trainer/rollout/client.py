@@ -7,13 +7,15 @@ Text is never re-tokenized.
 
 One request per prompt (with `n` samples), so each server batches whatever is in
 flight; each request goes to the endpoint with the fewest outstanding requests (ties:
-round robin). Connection errors are retried with exponential backoff, on any endpoint;
-read timeouts are not (the server may still be working on the request);
-HTTP errors are not retried (except 502/503/504) and raise `RolloutError` with the
-endpoint and the server's body. With `seed` set, prompt i gets its own seed derived
-from (seed, i), so a run is reproducible whatever endpoint serves it (as long as the
-servers hold the same weights). Every sampling field vLLM would otherwise fill from the
-model's generation_config.json is sent explicitly (neutral penalties, min_p 0).
+round robin). Connection errors are retried with exponential backoff, on any endpoint
+(`RolloutClient.retry_policy`); read timeouts are not (the server may still be working on the
+request); HTTP errors are not retried (except 502/503/504) and raise `RolloutError` with the
+endpoint and the server's body. A 503 from a server paused for a weight sync is sent again
+until the client timeout without using up the retries (`RolloutClient.paused_policy`).
+With `seed` set, prompt i gets its own seed derived from (seed, i), so a run is reproducible
+whatever endpoint serves it (as long as the servers hold the same weights). Every sampling
+field vLLM would otherwise fill from the model's generation_config.json is sent explicitly
+(neutral penalties, min_p 0).
 
 `check_rollout_servers` is the trainer's start-up check: it waits for every server as
 long as its startup probe allows, then asks each for its version and capabilities, and
@@ -34,6 +36,8 @@ import time
 from dataclasses import dataclass
 
 import httpx
+
+from rlhf_trainer.retry import Retry, TryAgain
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +67,14 @@ class RolloutError(RuntimeError):
     """A rollout request failed for good (after retries, or with a non-retryable error)."""
 
 
+class _Paused(Exception):
+    """HTTP 503 from `endpoint`: a server paused for a weight update (see `PAUSED_POLL_S`)."""
+
+    def __init__(self, endpoint: str, message: str):
+        super().__init__(message)
+        self.endpoint = endpoint
+
+
 def prompt_seed(seed: int, index: int) -> int:
     """A 63-bit seed for prompt `index` of a call seeded with `seed`."""
     digest = hashlib.sha256(f"{seed}:{index}".encode()).digest()
@@ -84,6 +96,14 @@ class RolloutClient:
         self.max_concurrency = max_concurrency
         self.max_retries = max_retries
         self.backoff_s = backoff_s
+        self.retry_policy = Retry(attempts=max_retries + 1, delay_s=backoff_s)
+        """RETRY_ERRORS and HTTP 502/503/504: `max_retries` more attempts, each on an endpoint
+        that has not failed this request while one is left, `backoff_s` apart, then twice as
+        long each time."""
+        self.paused_policy = Retry(attempts=None, delay_s=min(backoff_s, PAUSED_POLL_S),
+                                   factor=1.0, retry_on=(_Paused,), deadline_s=timeout_s)
+        """HTTP 503: sent again every min(backoff_s, PAUSED_POLL_S) until `timeout_s` after the
+        request started, before it counts as one of `retry_policy`'s attempts."""
         self.model = model
         self.outstanding = dict.fromkeys(self.endpoints, 0)
         self.requests_sent = dict.fromkeys(self.endpoints, 0)
@@ -171,42 +191,50 @@ class RolloutClient:
         async with self._new_http() as http:  # called on another loop: a pool for this call
             return await all_prompts(http)
 
+    async def _send(self, http: httpx.AsyncClient, endpoint: str, body: dict) -> httpx.Response:
+        self.outstanding[endpoint] += 1
+        self.requests_sent[endpoint] += 1
+        try:
+            return await http.post(endpoint + "/v1/completions", json=body)
+        finally:
+            self.outstanding[endpoint] -= 1
+
     async def _post(self, http: httpx.AsyncClient, body: dict) -> dict:
-        last_error = ""
         failed: set[str] = set()  # a dead endpoint answers fastest: never let it win every retry
-        attempt = 0
         paused_until = time.monotonic() + self.timeout_s
-        while attempt <= self.max_retries:
+
+        async def send() -> dict:
             endpoint = self._pick(failed)
-            self.outstanding[endpoint] += 1
-            self.requests_sent[endpoint] += 1
             try:
-                response = await http.post(endpoint + "/v1/completions", json=body)
+                response = await self._send(http, endpoint, body)
             except RETRY_ERRORS as exc:
-                last_error = f"{endpoint}: {exc!r}"
                 failed.add(endpoint)
-            else:
-                if response.status_code == 200:
-                    return response.json()
-                if response.status_code not in RETRY_STATUS:
-                    raise RolloutError(f"{endpoint}/v1/completions answered HTTP "
-                                       f"{response.status_code}: {response.text[:2000]}")
-                last_error = f"{endpoint}: HTTP {response.status_code}: {response.text[:500]}"
-                if response.status_code == 503 and time.monotonic() < paused_until:
-                    # paused for a weight update (another thread's sync while rollouts run
-                    # ahead): wait for the resume without using up the retry budget
-                    self.outstanding[endpoint] -= 1
-                    await asyncio.sleep(min(self.backoff_s, PAUSED_POLL_S))
-                    self.outstanding[endpoint] += 1
-                    continue
-                failed.add(endpoint)
-            finally:
-                self.outstanding[endpoint] -= 1
-            if attempt < self.max_retries:
-                await asyncio.sleep(self.backoff_s * 2**attempt)
-            attempt += 1
-        raise RolloutError(f"rollout request failed after {self.max_retries + 1} attempts; "
-                           f"last error: {last_error}")
+                raise TryAgain(f"{endpoint}: {exc!r}") from exc
+            if response.status_code == 200:
+                return response.json()
+            if response.status_code not in RETRY_STATUS:
+                raise RolloutError(f"{endpoint}/v1/completions answered HTTP "
+                                   f"{response.status_code}: {response.text[:2000]}")
+            last_error = f"{endpoint}: HTTP {response.status_code}: {response.text[:500]}"
+            if response.status_code == 503:
+                raise _Paused(endpoint, last_error)
+            failed.add(endpoint)
+            raise TryAgain(last_error)
+
+        async def attempt() -> dict:
+            # paused for a weight update (another thread's sync while rollouts run ahead): wait
+            # for the resume without using up the retry budget, until the request's timeout
+            try:
+                return await self.paused_policy.acall(send, deadline=paused_until)
+            except _Paused as still:
+                failed.add(still.endpoint)
+                raise TryAgain(str(still)) from None
+
+        try:
+            return await self.retry_policy.acall(attempt)
+        except TryAgain as last:
+            raise RolloutError(f"rollout request failed after {self.max_retries + 1} attempts; "
+                               f"last error: {last}") from None
 
     def generate_sync(self, prompts: list[list[int]], **kwargs) -> list[list[Sample]]:
         """`generate` for callers without an event loop (on the run's loop: `run`)."""

@@ -1,6 +1,6 @@
 """The code sandbox as a service: runs model-written programs OUT of the trainer's pod.
 
-    python -m rlhf_trainer.rewards.sandbox_service --port 8080 [--allow-rlimits-only]
+    python -m rlhf_trainer.sandbox.service --port 8080 [--allow-rlimits-only]
 
 `POST /run_many` with `{"jobs": [[code, stdin], ...], "limits": {...sandbox.Limits},
 "require_isolation": bool}` answers `{"results": [SandboxResult, ...]}` in order, or HTTP 500
@@ -19,8 +19,10 @@ never the service. PID 1 also reaps and kills orphans a program left behind (its
 called setsid), and the service makes itself non-dumpable so programs of the same uid cannot
 ptrace it or read its memory.
 
-`SandboxClient(url).run_many(jobs, limits)` is the trainer's side, with the same signature as
-`sandbox.run_many`.
+`client.SandboxClient(url).run_many(jobs, limits)` is the trainer's side, with the same
+signature as `sandbox.run_many`. This program is the trainer image's second entry point: it
+imports nothing of the trainer but this package and `rlhf_trainer.retry` (standard library
+only).
 """
 
 from __future__ import annotations
@@ -32,13 +34,12 @@ import logging
 import os
 import signal
 import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Sequence
 
-from rlhf_trainer.rewards import sandbox
-from rlhf_trainer.rewards.sandbox import Limits, SandboxError, SandboxResult
+from rlhf_trainer.sandbox.cgroup import capacity
+from rlhf_trainer.sandbox.limits import Limits, SandboxError
+from rlhf_trainer.sandbox.run import (LIVE_PIDS, SPAWN_LOCK, isolation, run_many,
+                                      set_rlimits_only_allowed)
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +65,9 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self.path != "/healthz":
             return self._answer(404, {"error": f"no route {self.path}"})
-        iso = sandbox.isolation()
+        iso = isolation()
         self._answer(200, {"backend": iso.backend, "reason": iso.reason,
-                           "capacity": sandbox.capacity(Limits())})
+                           "capacity": capacity(Limits())})
 
     def do_POST(self) -> None:
         if self.path != "/run_many":
@@ -84,7 +85,7 @@ class _Handler(BaseHTTPRequestHandler):
         if len(jobs) > MAX_JOBS_PER_REQUEST:
             return self._answer(413, {"error": f"at most {MAX_JOBS_PER_REQUEST} jobs a request"})
         try:
-            results = sandbox.run_many(jobs, limits, require_isolation=require)
+            results = run_many(jobs, limits, require_isolation=require)
         except SandboxError as err:
             return self._answer(500, {"error": str(err)})
         self._answer(200, {"results": [r.to_json() for r in results]})
@@ -95,8 +96,8 @@ def _reap_and_kill_orphans(stop: threading.Event) -> None:
     processes reparented to us that no run owns (a program's setsid'ed descendants)."""
     me = os.getpid()
     while not stop.wait(0.5):
-        with sandbox.SPAWN_LOCK:
-            live = set(sandbox.LIVE_PIDS)
+        with SPAWN_LOCK:
+            live = set(LIVE_PIDS)
             for entry in os.listdir("/proc"):
                 if not entry.isdigit() or int(entry) in live or int(entry) == me:
                     continue
@@ -125,80 +126,24 @@ def _reap_and_kill_orphans(stop: threading.Event) -> None:
 
 def serve(host: str, port: int, *, allow_rlimits_only: bool = False) -> None:
     ctypes.CDLL(None).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
-    iso = sandbox.isolation()
+    iso = isolation()
     if iso.backend != "bwrap" and not allow_rlimits_only:
         logger.warning("no per-run namespaces here (%s); requests that require isolation fail",
                        iso.reason)
-    sandbox.RLIMITS_ONLY_ALLOWED = allow_rlimits_only
-    handler = _Handler
-    server = ThreadingHTTPServer((host, port), handler)
+    set_rlimits_only_allowed(allow_rlimits_only)
+    server = ThreadingHTTPServer((host, port), _Handler)
     server.daemon_threads = True
     stop = threading.Event()
     if os.getpid() == 1:
         threading.Thread(target=_reap_and_kill_orphans, args=(stop,), daemon=True).start()
         signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
     logger.warning("sandbox service on %s:%d, backend %s, %d runs at once", host, port,
-                   iso.backend, sandbox.capacity(Limits()))
+                   iso.backend, capacity(Limits()))
     try:
         server.serve_forever()
     finally:
         stop.set()
         server.server_close()
-
-
-class SandboxClient:
-    """The trainer's side: `run_many` as in `sandbox.run_many`, executed by the service."""
-
-    def __init__(self, url: str, *, chunk: int = 64, max_in_flight: int = 8,
-                 retries: int = 3, connect_timeout_s: float = 10.0) -> None:
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"reward.sandbox.url {url!r} must start with http:// or https://")
-        self.url = url.rstrip("/")
-        self.chunk, self.max_in_flight, self.retries = chunk, max_in_flight, retries
-        self.connect_timeout_s = connect_timeout_s
-
-    def _post(self, jobs: Sequence[tuple[str, str]], limits: Limits,
-              require_isolation: bool) -> list[SandboxResult]:
-        import httpx
-
-        body = {"jobs": [list(j) for j in jobs], "limits": limits.to_json(),
-                "require_isolation": require_isolation}
-        # the service queues: allow every run of every chunk in flight its full time, one
-        # after another (a bound that holds for a service with a single slot)
-        timeout = httpx.Timeout(self.max_in_flight * len(jobs) * (limits.timeout_s + 5) + 60,
-                                connect=self.connect_timeout_s)
-        last = ""
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(min(2 ** attempt, 30))
-            try:
-                r = httpx.post(f"{self.url}/run_many", json=body, timeout=timeout)
-            except httpx.TransportError as err:
-                last = f"{type(err).__name__}: {err}"
-                continue
-            if r.status_code >= 502:
-                last = f"HTTP {r.status_code}"
-                continue
-            try:
-                data = r.json()
-            except ValueError:
-                data = {"error": r.text[:300]}
-            if r.status_code != 200 or "results" not in data:
-                raise SandboxError(f"sandbox service {self.url}: HTTP {r.status_code}: "
-                                   f"{data.get('error', data)!s:.1000}")
-            return [SandboxResult.from_json(x) for x in data["results"]]
-        raise SandboxError(f"sandbox service {self.url} failed {self.retries + 1} times; "
-                           f"last: {last} (is reward.sandbox.url right, and the service up?)")
-
-    def run_many(self, jobs: Sequence[tuple[str, str]], limits: Limits | None = None, *,
-                 require_isolation: bool = True) -> list[SandboxResult]:
-        limits = limits or Limits()
-        chunks = [jobs[i:i + self.chunk] for i in range(0, len(jobs), self.chunk)]
-        if not chunks:
-            return []
-        with ThreadPoolExecutor(min(len(chunks), self.max_in_flight)) as pool:
-            parts = pool.map(lambda c: self._post(c, limits, require_isolation), chunks)
-            return [r for part in parts for r in part]
 
 
 def main(argv: list[str] | None = None) -> None:
