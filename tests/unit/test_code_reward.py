@@ -26,7 +26,7 @@ import pytest
 import sandbox_checks as checks
 from rlhf_contract.sandbox import sandbox_command
 from rlhf_trainer import sandbox
-from rlhf_trainer.rewards import build_scorer
+from rlhf_trainer.rewards import build_reward
 from rlhf_trainer.rewards.code import extract_code, normalize_output, score_code
 from rlhf_trainer.sandbox import Limits, SandboxClient, SandboxError, cgroup, run_python
 from rlhf_trainer.sandbox import run as sandbox_run
@@ -163,7 +163,7 @@ def _start_service(command_prefix: list[str], env: dict, *, require_isolation: b
 
 
 @needs_bwrap
-def test_service_scores_through_the_client_and_the_scorer():
+def test_service_scores_through_the_client_and_the_reward_function():
     proc, url, health = _start_service([], dict(os.environ))
     try:
         assert health["backend"] == "bwrap" and health["capacity"] >= 1
@@ -174,7 +174,7 @@ def test_service_scores_through_the_client_and_the_scorer():
                           runner=client) == 0.0
         from rlhf_contract.api.models import RewardSpec
 
-        scorer = build_scorer(RewardSpec(type="code"), sandbox_url=url)
+        scorer = build_reward(RewardSpec(type="code"), sandbox_url=url)
         items = [(checks.fenced(right), "", {"test_cases": checks.SUM_CASES}),
                  (checks.fenced("print(3)"), "", {"test_cases": checks.SUM_CASES})]
         assert scorer.score_batch(items) == [(1.0, 1.0), (0.25, 0.25)]
@@ -261,7 +261,7 @@ def test_where_model_code_runs(monkeypatch):
     assert sandbox_url_for(spec, job_name="coder", namespace=None) is None  # local mode
     with pytest.raises(ValueError, match="needs the job's name"):
         sandbox_url_for(spec, namespace="team-a")
-    # build_scorer passes the job on: its programs go to that service
+    # build_reward passes the job on: its programs go to that service
     sent_to = []
 
     class Client:
@@ -274,7 +274,7 @@ def test_where_model_code_runs(monkeypatch):
 
     monkeypatch.setattr(sandbox, "SandboxClient", Client)
     item = (checks.fenced("print(3)"), "", {"test_cases": {"inputs": [""], "outputs": ["3"]}})
-    assert build_scorer(spec, **job).score_batch([item]) == [(1.0, 1.0)]
+    assert build_reward(spec, **job).score_batch([item]) == [(1.0, 1.0)]
     assert sent_to == ["http://coder-sandbox.team-a.svc:8080"]
     monkeypatch.setenv("RLHF_SANDBOX_URL", "http://env:1")
     assert sandbox_url_for(spec, **job) == "http://env:1"

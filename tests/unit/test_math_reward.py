@@ -89,10 +89,10 @@ def test_pathological_answer_scores_zero_within_its_limit_and_the_worker_is_repl
         scorer.close()
 
 
-def test_build_scorer_math_uses_the_per_answer_limit():
+def test_build_reward_math_uses_the_per_answer_limit():
     from rlhf_contract.api.models import RewardSpec
-    from rlhf_trainer.rewards import build_scorer
+    from rlhf_trainer.rewards import build_reward
 
-    scorer = build_scorer(RewardSpec(type="math", timeout_seconds=3))
+    scorer = build_reward(RewardSpec(type="math", timeout_seconds=3))
     items = [(r"\boxed{1/2}", "0.5", {}), (r"\boxed{3}", "4", {}), ("no answer", "1", {})]
     assert scorer.score_batch(items) == [(1.0, 1.0), (0.0, 0.0), (0.0, 0.0)]

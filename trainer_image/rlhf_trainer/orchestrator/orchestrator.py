@@ -34,7 +34,7 @@ class Orchestrator:
     @classmethod
     def build(cls, config: TrainerConfig, tokenizer: Any, endpoints: list[str], output_dir: Path) -> "Orchestrator":
         from ..data.prompts import PromptSource
-        from ..rewards import build_scorer
+        from ..rewards import build_reward
         from ..rollout import RolloutClient
 
         env_step, gem_id = None, None
@@ -48,8 +48,8 @@ class Orchestrator:
 
             env_step = load_environment(config.environment.file)
         data = PromptSource(config.data, tokenizer, seed=config.schedule.seed, gem_id=gem_id)
-        scorer = build_scorer(config.reward, job_name=config.job_name, namespace=config.namespace)
-        return cls(config, data=data, sampler=Sampler(config, RolloutClient(endpoints), scorer, tokenizer, env_step),
+        reward = build_reward(config.reward, job_name=config.job_name, namespace=config.namespace)
+        return cls(config, data=data, sampler=Sampler(config, RolloutClient(endpoints), reward, tokenizer, env_step),
                    output_dir=output_dir)
 
     # ---- the rollout client's lifecycle -------------------------------------------

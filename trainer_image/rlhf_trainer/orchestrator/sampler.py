@@ -17,8 +17,8 @@ from ..data.sequences import Row
 
 
 class Sampler:
-    def __init__(self, config: TrainerConfig, client: Any, scorer: Any, tokenizer: Any, env_step: Any = None):
-        self.config, self.client, self.scorer, self.tokenizer, self.env_step = config, client, scorer, tokenizer, env_step
+    def __init__(self, config: TrainerConfig, client: Any, reward: Any, tokenizer: Any, env_step: Any = None):
+        self.config, self.client, self.reward, self.tokenizer, self.env_step = config, client, reward, tokenizer, env_step
         eos = tokenizer.eos_token_id
         s = config.sampling
         self.sampling = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
@@ -42,7 +42,7 @@ class Sampler:
         def score(prompt: Any, samples: list[Any]) -> list[Any]:
             items = [(self.tokenizer.decode(x.token_ids, skip_special_tokens=True), prompt.answer, prompt.extra_info)
                      for x in samples]
-            return self.scorer.score_batch(items)
+            return self.reward.score_batch(items)
 
         async def one(i: int, prompt: Any, pool: Any) -> tuple[list[Any], list[Any]]:
             [samples] = await self.client.generate([prompt.token_ids], n=n, max_tokens=s.max_tokens, seed=seed,

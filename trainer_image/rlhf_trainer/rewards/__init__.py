@@ -1,4 +1,4 @@
-"""Rewards, selected by `spec.reward.type`: every scorer maps a batch of
+"""Rewards, selected by `spec.reward.type`: every reward function maps a batch of
 (response, answer, extra_info) to (reward, score) pairs. `reward` feeds the advantages,
 `score` is logged (RL2's split); the built-in rewards return the same number for both.
 
@@ -36,7 +36,7 @@ def prefix_match(response: str, answer: str) -> float:
     return float(response.strip().startswith(answer.strip()))
 
 
-class Scorer:
+class RewardFunction:
     """Scores a batch: with `batch_fn` in one call (code, math, http), else item by item with
     `fn`, in a thread pool of `workers` when that is above 1."""
 
@@ -88,21 +88,21 @@ def sandbox_runner(spec: "RewardSpec", sandbox_url: str | None = None, *,
     return SandboxClient(url)
 
 
-def build_scorer(spec: "RewardSpec", *, job_name: str | None = None, namespace: str | None = None,
-                 sandbox_url: str | None = None) -> Scorer:
-    """The scorer of `spec`. Code only: `job_name` and `namespace` are the job's (the trainer
+def build_reward(spec: "RewardSpec", *, job_name: str | None = None, namespace: str | None = None,
+                 sandbox_url: str | None = None) -> RewardFunction:
+    """The reward function of `spec`. Code only: `job_name` and `namespace` are the job's (the trainer
     config's; no namespace in local mode), which name its sandbox service on a cluster;
     `sandbox_url` is a sandbox service to use instead. See `sandbox_url_for`."""
     t = spec.type
     if t == "exact_match":
-        return Scorer(lambda r, a, e: _same(exact_match(r, a)))
+        return RewardFunction(lambda r, a, e: _same(exact_match(r, a)))
     if t == "prefix_match":
-        return Scorer(lambda r, a, e: _same(prefix_match(r, a)))
+        return RewardFunction(lambda r, a, e: _same(prefix_match(r, a)))
     if t == "math":
         from .math import MathScorer
 
-        scorer = MathScorer(timeout_s=spec.timeout_seconds)
-        return Scorer(batch_fn=lambda items: [_same(x) for x in scorer.score_many(
+        verifier = MathScorer(timeout_s=spec.timeout_seconds)
+        return RewardFunction(batch_fn=lambda items: [_same(x) for x in verifier.score_many(
             [(r, a) for r, a, _ in items])])
     if t == "code":
         from rlhf_trainer.sandbox import Limits
@@ -126,15 +126,15 @@ def build_scorer(spec: "RewardSpec", *, job_name: str | None = None, namespace: 
                                       require_isolation=spec.require_sandbox_isolation)
             return [_same(x) for x in scores]
 
-        return Scorer(batch_fn=code)
+        return RewardFunction(batch_fn=code)
     if t == "python":
         from .custom import load_reward_function
 
-        return Scorer(load_reward_function(spec.file, spec.function))
+        return RewardFunction(load_reward_function(spec.file, spec.function))
     if t == "http":
         from .custom import RemoteReward
 
-        return Scorer(batch_fn=RemoteReward(spec.url, timeout_s=spec.timeout_seconds).score_batch)
+        return RewardFunction(batch_fn=RemoteReward(spec.url, timeout_s=spec.timeout_seconds).score_batch)
     if t == "model":  # scored by the reward model in the trainer processes (rl/reward_model.py)
-        return Scorer(lambda r, a, e: _same(0.0))
+        return RewardFunction(lambda r, a, e: _same(0.0))
     raise ValueError(f"reward.type: unknown reward {t!r}")

@@ -17,7 +17,7 @@ default this process's own bubblewrap sandbox (`rlhf_trainer.sandbox.run_many`).
 expected outputs never leave this process: the sandbox gets the program and the input only.
 
 `score_code_batch` scores many responses through ONE bounded queue of (response x test case)
-runs, which is what the trainer's scorer uses.
+runs, which is what the trainer's reward function uses.
 
 Simplifications: stdin/stdout programs only (no function-call harness, no special judges,
 no float tolerance); a SandboxError (the sandbox itself broken) is raised, never scored.
