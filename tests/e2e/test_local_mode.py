@@ -82,39 +82,6 @@ def test_two_trainer_processes_and_two_rollout_servers(tmp_path):
     assert not processes_of(out)
 
 
-def test_grpo_learns_the_toy_task(tmp_path):
-    out = tmp_path / "run"
-    res = rlhfctl("run", str(EXAMPLE), "--output", str(out),
-                  *sets("rollout.replicas=1", "rollout.maxTokens=1", "algorithm.klCoef=0", "schedule.totalSteps=120", "schedule.saveEvery=0"),
-                  timeout=580)
-    assert res.returncode == 0, res.stderr[-3000:]
-    rewards = [r["reward_mean"] for r in metrics(out)]
-    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-    assert last >= 0.6 and last >= 3 * first, (first, last)
-    assert not (out / "checkpoints").exists()
-
-
-def test_resume_continues_from_the_newest_checkpoint(tmp_path):
-    out = tmp_path / "run"
-    args = ["run", str(EXAMPLE), "--output", str(out)]
-    res = rlhfctl(*args, *sets(*SMALL, "rollout.replicas=1", "schedule.totalSteps=4", "schedule.saveEvery=2"))
-    assert res.returncode == 0, res.stderr[-3000:]
-    before = metrics(out)
-
-    again = rlhfctl(*args, *sets(*SMALL, "rollout.replicas=1", "schedule.totalSteps=6", "schedule.saveEvery=2"))
-    assert again.returncode == 1 and "--resume" in again.stderr
-
-    res = rlhfctl(*args, "--resume", *sets(*SMALL, "rollout.replicas=1", "schedule.totalSteps=6", "schedule.saveEvery=2"))
-    assert res.returncode == 0, res.stderr[-3000:]
-    rows = metrics(out)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
-    assert rows[:4] == before
-    assert "resumed from" in (out / "logs" / "trainer.log").read_text()
-    assert latest_checkpoint(out).name == "step-6"
-    state = json.loads((out / "checkpoints" / "step-6" / "trainer_state.json").read_text())
-    assert state["orchestrator"]["data"]["position"] == 6 * 4 and state["policy_version"] == 6
-
-
 def test_a_crashing_trainer_stops_the_run_with_its_error(tmp_path):
     out = tmp_path / "run"
     data = tmp_path / "prompts.jsonl"
@@ -170,6 +137,9 @@ def test_multi_turn_environment_keeps_one_sequence_and_masks_its_tokens(tmp_path
     res = rlhfctl("run", str(ROOT / "examples" / "local-multiturn.yaml"), "--output", str(out),
                   *sets("schedule.totalSteps=2", "schedule.saveEvery=0", f"rollout.maxStaleness={k}"))
     assert res.returncode == 0, res.stderr[-3000:]
+    # the run ends within seconds of its last step (with k = 1 it once generated a step past
+    # the last one and waited minutes for it)
+    assert time.time() - (out / "metrics.jsonl").stat().st_mtime < 30
     tok = AutoTokenizer.from_pretrained(out / "builtin-model")
     rows = [json.loads(line) for step in (1, 2) for line in (out / "rollouts" / f"step-{step}.jsonl").read_text().splitlines()]
     assert len(rows) == 2 * 8 * 8
@@ -218,8 +188,9 @@ def test_parallel_layouts_train_exactly_like_one_process(tmp_path):
 
 def test_stopped_and_resumed_run_repeats_the_uninterrupted_one(tmp_path):
     """Steps after a resume are those of a run that never stopped (same seed): weights,
-    optimizer, data position and sampling seeds all come back. A checkpoint left half
-    written (as by a SIGKILL during a save: no completion marker) is never resumed from."""
+    optimizer, data position and sampling seeds all come back; metrics rows are neither
+    lost nor repeated. A run into a used output directory needs --resume. A checkpoint left
+    half written (as by a SIGKILL during a save: no completion marker) is never resumed from."""
     common = [*SMALL, "rollout.replicas=1", "schedule.saveEvery=2"]
     straight = tmp_path / "straight"
     res = rlhfctl("run", str(EXAMPLE), "--output", str(straight), *sets(*common, "schedule.totalSteps=4"))
@@ -228,6 +199,9 @@ def test_stopped_and_resumed_run_repeats_the_uninterrupted_one(tmp_path):
     stopped = tmp_path / "stopped"
     res = rlhfctl("run", str(EXAMPLE), "--output", str(stopped), *sets(*common, "schedule.totalSteps=2"))
     assert res.returncode == 0, res.stderr[-3000:]
+    before = metrics(stopped)
+    again = rlhfctl("run", str(EXAMPLE), "--output", str(stopped), *sets(*common, "schedule.totalSteps=4"))
+    assert again.returncode == 1 and "--resume" in again.stderr
     partial = stopped / "checkpoints" / "step-3"
     partial.mkdir()
     (partial / "__0_0.distcp").write_bytes(b"torn write")
@@ -236,25 +210,33 @@ def test_stopped_and_resumed_run_repeats_the_uninterrupted_one(tmp_path):
     assert "resumed from" in (stopped / "logs" / "trainer.log").read_text()
     assert "checkpoints/step-2 (step 2)" in (stopped / "logs" / "trainer.log").read_text()
     assert not partial.exists() and latest_checkpoint(stopped).name == "step-4"
+    state = json.loads((stopped / "checkpoints" / "step-4" / "trainer_state.json").read_text())
+    assert state["orchestrator"]["data"]["position"] == 4 * 4 and state["policy_version"] == 4
 
     a, b = metrics(straight), metrics(stopped)
-    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    assert [r["step"] for r in b] == [1, 2, 3, 4] and b[:2] == before
     for x, y in zip(a[2:], b[2:]):
         assert x["reward_mean"] == y["reward_mean"] and x["response_length_mean"] == y["response_length_mean"]
         for key in ("loss", "grad_norm", "kl", "entropy"):
             assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-8), key
 
 
-def test_eval_datasets_are_scored_and_rise_with_training(tmp_path):
-    """spec.evaluation on the demo: held-out prompts scored before the first step, every 40
-    steps and after the last, greedy and with k = 4 samples; the scores rise."""
-    out = tmp_path / "eval"
+def test_grpo_learns_the_toy_task_and_its_held_out_scores_rise(tmp_path):
+    """The demo's task learned in 120 steps (one-token answers, no KL), with spec.evaluation:
+    held-out prompts scored before the first step, every 40 steps and after the last,
+    greedy and with k = 4 samples; training reward and held-out scores rise."""
+    out = tmp_path / "run"
     evaluation = ('evaluation={"datasets": [{"name": "digits", "path": "builtin://last-digit", "maxPrompts": 32}],'
                   ' "everySteps": 40, "samplesPerPrompt": 4}')
     res = rlhfctl("run", str(EXAMPLE), "--output", str(out),
-                  *sets("rollout.replicas=1", "schedule.totalSteps=120", "schedule.saveEvery=0", evaluation))
+                  *sets("rollout.replicas=1", "rollout.maxTokens=1", "algorithm.klCoef=0", "schedule.totalSteps=120",
+                        "schedule.saveEvery=0", evaluation), timeout=580)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = metrics(out)
+    rewards = [r["reward_mean"] for r in rows]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last >= 0.6 and last >= 3 * first, (first, last)
+    assert not (out / "checkpoints").exists()
     scored = [r for r in rows if "eval/digits/mean_score" in r]
     assert [r["step"] for r in scored] == [1, 40, 80, 120]  # step 1's row holds the scores from before it
     first, last = scored[0], scored[-1]
@@ -276,20 +258,6 @@ def test_a_gem_environment_runs_in_local_mode(tmp_path):
     samples = [json.loads(line) for line in (out / "rollouts" / "step-1.jsonl").read_text().splitlines()]
     assert len(samples) == 2 * 4 and {s["reward"] for s in samples} == {-0.1}  # GEM's reward for a bad guess
     assert all(len(s["loss_mask"]) == len(s["response_ids"]) for s in samples)
-
-
-TIMING = {"step_seconds", "rollout_seconds", "train_seconds", "weight_sync_seconds", "tokens_per_second"}
-
-
-def test_max_staleness_zero_is_the_synchronous_run(tmp_path):
-    common = ["rollout.replicas=1", "schedule.totalSteps=3", "schedule.saveEvery=0"]
-    rows = {}
-    for name, extra in {"default": [], "k0": ["rollout.maxStaleness=0"]}.items():
-        res = rlhfctl("run", str(EXAMPLE), "--output", str(tmp_path / name), *sets(*common, *extra))
-        assert res.returncode == 0, res.stderr[-3000:]
-        rows[name] = [{k: v for k, v in r.items() if k not in TIMING} for r in metrics(tmp_path / name)]
-    assert rows["default"] == rows["k0"]
-    assert "staleness_mean" not in rows["k0"][0]
 
 
 def test_max_staleness_one_overlaps_and_resumes_with_the_same_prompts(tmp_path):
