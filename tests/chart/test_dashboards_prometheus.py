@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -18,6 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+
+from helpers import free_port
 
 from .conftest import CHART, prometheus_bin
 
@@ -56,10 +57,6 @@ OPERATOR = textwrap.dedent("""
 """)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _queries() -> list[tuple[str, str, str]]:

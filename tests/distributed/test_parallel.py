@@ -8,15 +8,10 @@ into micro-batches of at most 20 tokens, balanced over the data-parallel ranks.
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from rlhf_launcher.local import free_port  # noqa: E402  (one definition)
+from helpers import torchrun
 
 WORKER = Path(__file__).parent / "workers" / "parallel_parity.py"
 TOL = 1e-5  # float32, relative (loss) and relative L2 per parameter gradient (worst one)
@@ -30,13 +25,7 @@ LAYOUTS = {  # world size -> "dp_shard,tp,cp[,ac]"
 
 
 def launch(world: int, tmp_path: Path) -> dict:
-    out = tmp_path / f"world{world}.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
-           f"--master-port={free_port()}", str(WORKER), "--out", str(out), *LAYOUTS[world]]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(out.read_text())
+    return torchrun(WORKER, world, *LAYOUTS[world], out=tmp_path / f"world{world}.json", timeout=240)
 
 
 @pytest.fixture(scope="module")

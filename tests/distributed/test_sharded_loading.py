@@ -6,16 +6,12 @@ into safetensors shards from the sharded model, reads back as the same weights."
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from rlhf_launcher.local import free_port
+from helpers import torchrun
 
 WORKER = Path(__file__).parent / "workers" / "sharded_loading.py"
 LAYOUTS = ["2,1,1", "1,2,1", "1,1,2"]
@@ -41,12 +37,8 @@ def results(tmp_path_factory) -> dict:
     save_models(root)
     assert len(list((root / "untied-bf16-sharded").glob("*.safetensors"))) > 1  # really sharded
     out = root.parent / "sharded_loading.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "EXPORT_ROOT": str(root.parent / "exports")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
-           str(WORKER), "--models-dir", str(root), "--out", str(out), *LAYOUTS]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(out.read_text())
+    return torchrun(WORKER, 2, "--models-dir", str(root), *LAYOUTS, out=out, timeout=300,
+                    env={"EXPORT_ROOT": str(root.parent / "exports")})
 
 
 @pytest.mark.parametrize("model", ["untied-fp32", "tied-fp32", "untied-bf16-sharded"])

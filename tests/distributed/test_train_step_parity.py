@@ -6,15 +6,11 @@ reward, and a sampling temperature != 1."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from rlhf_launcher.local import free_port
+from helpers import torchrun
 
 WORKER = Path(__file__).parent / "workers" / "train_step_parity.py"
 CASES = {
@@ -26,13 +22,7 @@ KEYS = ["loss", "clip_fraction", "approx_kl", "entropy", "kl", "grad_norm", "adv
 
 
 def launch(world: int, tmp_path: Path) -> dict:
-    out = tmp_path / f"world{world}.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}", f"--master-port={free_port()}",
-           str(WORKER), "--out", str(out), *CASES[world]]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(out.read_text())
+    return torchrun(WORKER, world, *CASES[world], out=tmp_path / f"world{world}.json")
 
 
 @pytest.fixture(scope="module")

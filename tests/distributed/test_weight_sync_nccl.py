@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import socket
 import subprocess
 import sys
 import textwrap
@@ -23,6 +22,7 @@ import time
 import httpx
 import pytest
 import torch
+from helpers import free_port
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
@@ -119,10 +119,6 @@ RECEIVER = textwrap.dedent('''
 ''')
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sha256(t: torch.Tensor) -> str:
