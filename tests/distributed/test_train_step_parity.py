@@ -1,8 +1,10 @@
-"""The trainer's own train step (prepare + optimizer steps) on fixed rows under FSDP, TP,
-CP and their products equals the same step in one process: metrics and the updated
-weights, for every loss aggregation, two mini-batches (the second one off-policy: ratio
-!= 1), truncated importance sampling, entropy bonus, dual clip, KL in the loss and in the
-reward, and a sampling temperature != 1."""
+"""The parity matrix: the trainer's own steps on fixed data under FSDP, TP, CP and their
+products equal the same step in one process, metrics and updated weights. RL's train step
+(prepare + optimizer steps) for every loss aggregation, two mini-batches (the second one
+off-policy: ratio != 1), truncated importance sampling, entropy bonus, dual clip, KL in the
+loss and in the reward, a sampling temperature != 1 and a learned reward model; the
+offline methods' step and held-out scoring (sft, rm, dpo) under FSDP. Whole runs on
+several processes are compared with one process once, in tests/e2e (parallel layouts)."""
 
 from __future__ import annotations
 
@@ -15,9 +17,12 @@ from helpers import torchrun
 WORKER = Path(__file__).parent / "workers" / "train_step_parity.py"
 CASES = {
     2: ["2,1,1:grpo", "2,1,1:token-mean-2mb", "2,1,1:seq-sum-tis", "2,1,1:sum-norm-entropy:0.7",
-        "1,2,1:grpo", "1,2,1:dapo-dual", "1,1,2:token-mean-2mb", "1,1,2:dapo-dual:0.7"],
+        "1,2,1:grpo", "1,2,1:dapo-dual", "1,1,2:token-mean-2mb", "1,1,2:dapo-dual:0.7",
+        "2,1,1:grpo-rm", "1,1,2:grpo-rm"],
     4: ["2,2,1:seq-sum-tis", "2,1,2:grpo", "1,2,2:sum-norm-entropy"],
 }
+OFFLINE_CASES = ["2,1,1:sft", "2,1,1:rm", "2,1,1:dpo"]
+OFFLINE_KEYS = ["loss", "grad_norm", "accuracy", "reward_margin", "chosen_logratio", "eval_loss", "eval_accuracy"]
 KEYS = ["loss", "clip_fraction", "approx_kl", "entropy", "kl", "grad_norm", "advantage_mean", "skipped_steps"]
 
 
@@ -27,7 +32,9 @@ def launch(world: int, tmp_path: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    return {**launch(2, tmp_path_factory.mktemp("step2")), **launch(4, tmp_path_factory.mktemp("step4"))}
+    two = tmp_path_factory.mktemp("step2")
+    return {**torchrun(WORKER, 2, *CASES[2], *OFFLINE_CASES, out=two / "world2.json"),
+            **launch(4, tmp_path_factory.mktemp("step4"))}
 
 
 @pytest.mark.parametrize("case", CASES[2] + CASES[4])
@@ -60,3 +67,24 @@ def test_tensor_parallel_head_never_gathers_logits(results, case):
     calls = results[case]["metrics"]["vocab_parallel_head_calls"]
     assert (calls > 0) if tp > 1 else (calls == 0)
     assert results[case]["ref_metrics"]["vocab_parallel_head_calls"] == 0
+
+
+@pytest.mark.parametrize("case", ["2,1,1:grpo-rm", "1,1,2:grpo-rm"])
+def test_learned_reward_scores_match_one_process(results, case):
+    got, want = results[case]["metrics"], results[case]["ref_metrics"]
+    for key in ("rm_score_mean", "rm_score_std", "reward_mean"):
+        assert got[key] == pytest.approx(want[key], rel=2e-4, abs=1e-6), key
+    assert want["rm_score_std"] > 0  # the (random) reward model told the rows apart
+
+
+@pytest.mark.parametrize("case", OFFLINE_CASES)
+def test_offline_step_matches_one_process(results, case):
+    r = results[case]
+    got, want = r["metrics"], r["ref_metrics"]
+    for key in OFFLINE_KEYS:
+        if want.get(key) is None:
+            assert got.get(key) is None, key
+        else:
+            assert got[key] == pytest.approx(want[key], rel=2e-4, abs=1e-6), key
+    assert r["param_rel_err"] < 1e-3, r["worst"]
+    assert r["moved"] > 1e-4

@@ -1,8 +1,9 @@
-"""torchrun worker: the trainer's own `TrainStep` (prepare + updates) on fixed rows under a
-parallel layout vs the same step in one process (computed on every rank, no process group
-involved), for several algorithm settings.
+"""torchrun worker: the trainer's own steps on fixed data under a parallel layout vs the
+same step in one process (computed on every rank, no process group involved): RL's
+`TrainStep` (prepare + updates) for several algorithm settings, with a learned reward
+model (`grpo-rm`), and the offline methods' `OfflineStep` (`sft`, `rm`, `dpo`).
 
-Each case: `layout=dp,tp,cp` and an algorithm variant. Rank 0 writes
+Each case: `layout=dp,tp,cp` and a variant. Rank 0 writes
 `{case: {metrics, ref_metrics, param_rel_err, worst}}` to --out. The rows are random but
 fixed; two mini-batches make the second one's policy differ from the old one (ratio != 1).
 """
@@ -32,6 +33,7 @@ VARIANTS = {
     "sum-norm-entropy": dict(preset="dr_grpo", loss_agg="seq-mean-token-sum-norm", entropy_coef=0.01,
                              num_mini_batches=2),
     "dapo-dual": dict(preset="dapo", dual_clip=3.0, num_mini_batches=2, kl_coef=0.01, kl_mode="reward"),
+    "grpo-rm": dict(preset="grpo", loss_agg="seq-mean-token-mean", kl_coef=0.0),  # + a learned reward model
 }
 GROUP = 4
 
@@ -60,24 +62,86 @@ def rows() -> list[Row]:
     return out
 
 
+OFFLINE = ("sft", "rm", "dpo")
+
+
+def examples(method: str) -> list:
+    """Fixed random examples: one sequence each for sft, (chosen, rejected) pairs otherwise."""
+    from rlhf_trainer.offline.data import Example, Sequence
+
+    gen = torch.Generator().manual_seed(5)
+
+    def seq() -> Sequence:
+        p, r = (int(torch.randint(2, 6, (1,), generator=gen)) for _ in range(2))
+        return Sequence(torch.randint(3, 16, (p,), generator=gen).tolist(),
+                        torch.randint(3, 16, (r,), generator=gen).tolist(), [1] * r)
+
+    return [Example((seq(),) if method == "sft" else (seq(), seq())) for _ in range(6)]
+
+
+def score_model(tmp: str):
+    """A reward model (decoder + `score` head) from the tiny model, with a random head."""
+    from rlhf_trainer.models.score import ScoreModel
+
+    path = os.path.join(tmp, "tiny")
+    if not os.path.exists(os.path.join(path, "config.json")) and int(os.environ.get("RANK", "0")) == 0:
+        build_tiny_qwen2(0).save_pretrained(path)
+    if dist.is_initialized():
+        dist.barrier()
+    model = ScoreModel(path, 0)
+    torch.nn.init.normal_(model.score.weight, generator=torch.Generator().manual_seed(1))
+    return model
+
+
+def run_offline(layout: tuple[int, int, int], method: str, device: torch.device, tmp: str):
+    from types import SimpleNamespace
+
+    from rlhf_contract.api.models import PreferenceSpec
+    from rlhf_trainer.offline.step import OfflineStep
+
+    model = score_model(tmp) if method == "rm" else build_tiny_qwen2(0)
+    model = model.to(device)
+    ref = build_tiny_qwen2(0).to(device).eval().requires_grad_(False) if method == "dpo" else None
+    lay = parallelize_models(model, ref=ref, critic=None, world_size=layout[0], tp=1, cp=1,
+                             activation_checkpointing=False, device_type=device.type)
+    if method != "rm":
+        for m in (model, ref):
+            if m is not None:
+                attach_logprob_head(m)
+    config = SimpleNamespace(method=method, preference=PreferenceSpec(beta=0.5),
+                             optim=SimpleNamespace(max_tokens_per_micro_batch=24, max_grad_norm=0.3),
+                             schedule=SimpleNamespace(prompts_per_step=6))
+    step = OfflineStep(config, model, ref, torch.optim.AdamW(model.parameters(), lr=1e-2), lay, device)
+    metrics = step(examples(method), lr_factor=1.0)
+    metrics.update({f"eval_{k}": v for k, v in step.evaluate(examples(method)).items()})
+    return metrics, model
+
+
 def run(layout: tuple[int, int, int], variant: str, temperature: float,
-        device: torch.device = torch.device("cpu")) -> tuple[dict, dict[str, torch.Tensor]]:
+        device: torch.device = torch.device("cpu"), tmp: str = "") -> tuple[dict, dict[str, torch.Tensor]]:
+    if variant in OFFLINE:
+        metrics, policy = run_offline(layout, variant, device, tmp)
+        params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu().clone()
+                  for n, p in policy.named_parameters()}
+        return metrics, params
     dp, tp, cp = layout
     world = dp * tp * cp
     a = resolved(variant)
     policy = build_tiny_qwen2(0).to(device)
     ref = build_tiny_qwen2(0).to(device).eval().requires_grad_(False) if a.kl_coef else None
+    reward_model = score_model(tmp).to(device).eval().requires_grad_(False) if variant == "grpo-rm" else None
     lay = parallelize_models(policy, ref=ref, critic=None, world_size=world, tp=tp, cp=cp,
-                             activation_checkpointing=False, device_type=device.type)
+                             activation_checkpointing=False, device_type=device.type, reward_model=reward_model)
     for m in (policy, ref):
         if m is not None:
             attach_logprob_head(m, tensor_parallel=tp > 1)
-    models = Models(policy, torch.optim.AdamW(policy.parameters(), lr=1e-2), ref)
+    models = Models(policy, torch.optim.AdamW(policy.parameters(), lr=1e-2), ref, reward_model=reward_model)
     step = TrainStep(a, models, lay, max_tokens_per_micro_batch=24, max_grad_norm=0.3, temperature=temperature,
-                     device=device)
+                     device=device, reward_model_weight=0.5)
     batch = RolloutBatch(rows(), GROUP, RolloutStats(0, 0, 0, 0, 0, 0))
     tensors = step.prepare(batch)
     metrics = step(batch, tensors)
+    metrics.update(tensors.reward_metrics)
     params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu().clone()
               for n, p in policy.named_parameters()}
     metrics["vocab_parallel_head_calls"] = getattr(policy.get_output_embeddings(), "_rlhf_vocab_parallel_calls", 0)
@@ -102,15 +166,16 @@ def main() -> None:
             layout_s, variant, *rest = case.split(":")
             temperature = float(rest[0]) if rest else 1.0
             layout = tuple(int(x) for x in layout_s.split(","))
-            ref_metrics, ref_params = run((1, 1, 1), variant, temperature)  # one process, fp32 on the CPU
-            metrics, params = run(layout, variant, temperature, device)
+            tmp = os.path.dirname(os.path.abspath(args.out))
+            ref_metrics, ref_params = run((1, 1, 1), variant, temperature, tmp=tmp)  # one process, fp32, CPU
+            metrics, params = run(layout, variant, temperature, device, tmp=tmp)
             worst, worst_name = 0.0, ""
             for name, ref in ref_params.items():
                 err = ((params[name] - ref).norm() / ref.norm().clamp(min=1e-30)).item()
                 if err > worst:
                     worst, worst_name = err, name
             initial = build_tiny_qwen2(0).state_dict()
-            moved = max((params[n] - initial[n]).norm().item() for n in params)
+            moved = max((params[n] - initial[n]).norm().item() for n in params if n in initial)
             results[case] = {"metrics": metrics, "ref_metrics": ref_metrics, "param_rel_err": worst,
                              "worst": worst_name, "moved": moved}
     finally:
