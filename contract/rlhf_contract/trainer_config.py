@@ -88,7 +88,7 @@ class TrainerConfig(_Config):
     preference: PreferenceSpec = Field(default_factory=PreferenceSpec)
     """`dpo` / `rm`: the preference loss."""
     evaluation: EvaluationSpec | None = None
-    """`rl`: held-out prompt sets and when to score them."""
+    """Held-out data and when to score it (every method)."""
     namespace: str | None = None
     """The RLHFJob's namespace on a cluster; null in local mode."""
     model_path: str = Field(min_length=1)

@@ -4,6 +4,31 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+
+def _check_data(job):
+    """The trainer's data checks (rlhf_trainer/data/checks.py) on the datasets that are on
+    this machine, measured with the model's tokenizer when it is here too (a built-in model
+    is written to a temporary directory, as local mode does) and transformers is installed."""
+    import tempfile
+
+    from rlhf_contract.trainer_config import TrainerConfig
+    from rlhf_trainer.data.checks import check_data, load_tokenizer
+
+    with tempfile.TemporaryDirectory(prefix="rlhfctl-validate-") as tmp:
+        def tokenizer():
+            path = job.spec.model.path
+            try:
+                if path.startswith("builtin://"):
+                    from rlhf_trainer.models.builtin import materialize
+
+                    path = str(materialize(path, tmp, seed=job.spec.schedule.seed))
+                return load_tokenizer(path) if Path(path).is_dir() else None
+            except ImportError:
+                return None
+
+        return check_data(TrainerConfig.from_job(job), tokenizer, require_paths=False)
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
@@ -13,6 +38,15 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         job = load_job(args.job, args.set)
     except JobError as err:
         print(err, file=sys.stderr)
+        return 1
+    report = _check_data(job)
+    for line in report.unchecked:
+        print(f"note: {line}", file=sys.stderr)
+    for line in report.warnings:
+        print(f"warning: {line}", file=sys.stderr)
+    if report.problems:
+        print(f"{args.job}: the data cannot work as configured:\n" + "\n".join(f"  {p}" for p in report.problems),
+              file=sys.stderr)
         return 1
     print(f"{args.job}: valid RLHFJob {job.metadata.name!r}")
     return 0

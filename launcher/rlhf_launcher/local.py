@@ -130,15 +130,20 @@ def _read_metrics(path: Path) -> list[dict]:
     return rows
 
 
+HELD_OUT = "eval/held_out/"
+"""Offline methods' held-out metrics in a row (`evaluation.heldOutFraction`)."""
+
+
 def summarize(rows: list[dict]) -> str:
     """Mean reward of the first and last 10 steps (what the demo promises)."""
     if rows and "reward_mean" not in rows[0]:  # sft, rm, dpo
         losses = [r["loss"] for r in rows]
         text = f"loss: first 10 steps {mean(losses[:10]):.4f}, last 10 steps {mean(losses[-10:]):.4f}"
-        evals = [r for r in rows if r.get("eval_accuracy") is not None or r.get("eval_loss") is not None]
+        evals = [r for r in rows if r.get(HELD_OUT + "accuracy") is not None or r.get(HELD_OUT + "loss") is not None]
         if evals:
-            key = "eval_accuracy" if evals[-1].get("eval_accuracy") is not None else "eval_loss"
-            text += f"; held-out {key[5:]}: start {evals[0][key]:.3f}, end {evals[-1][key]:.3f}"
+            name = "accuracy" if evals[-1].get(HELD_OUT + "accuracy") is not None else "loss"
+            key = HELD_OUT + name
+            text += f"; held-out {name}: start {evals[0][key]:.3f}, end {evals[-1][key]:.3f}"
         return text
     rewards = [r["reward_mean"] for r in rows]
     if not rewards:

@@ -38,7 +38,8 @@ TRAINER = textwrap.dedent("""
                  "tokens_per_second": 900.0, "mfu": None, "peak_gpu_memory_bytes": None,
                  # spec.evaluation, and an offline (rm / dpo) job's pair metrics
                  "eval/held-out/greedy_score": 0.2, "eval/held-out/pass@4": 0.5,
-                 "accuracy": 0.7, "reward_margin": 0.4, "eval_accuracy": 0.65, "eval_reward_margin": 0.3})
+                 "accuracy": 0.7, "reward_margin": 0.4, "eval/held_out/accuracy": 0.65,
+                 "eval/held_out/reward_margin": 0.3})
         time.sleep(0.5)
 """)
 OPERATOR = textwrap.dedent("""

@@ -39,15 +39,15 @@ def test_sft_halves_its_loss(runs):
     _, rows = runs["sft"]
     first, last = mean(r["loss"] for r in rows[:10]), mean(r["loss"] for r in rows[-10:])
     assert last <= 0.5 * first, (first, last)
-    evals = [r["eval_loss"] for r in rows if r.get("eval_loss") is not None]
+    evals = [r["eval/held_out/loss"] for r in rows if r.get("eval/held_out/loss") is not None]
     assert len(evals) >= 3 and evals[-1] < 0.5 * evals[0]  # held out: at the start, every 20 steps, at the end
 
 
 @pytest.mark.parametrize("method", ["rm", "dpo"])
 def test_preference_methods_reach_held_out_accuracy(runs, method):
     _, rows = runs[method]
-    assert rows[-1]["eval_accuracy"] >= 0.9
-    assert rows[0]["eval_accuracy"] < 0.9  # measured before any step: learned, not given
+    assert rows[-1]["eval/held_out/accuracy"] >= 0.9
+    assert rows[0]["eval/held_out/accuracy"] < 0.9  # measured before any step: learned, not given
     margins = [r["reward_margin"] for r in rows]
     assert mean(margins[-10:]) > mean(margins[:10]) > -1e-9  # the margin rises
     if method == "dpo":
@@ -77,18 +77,6 @@ def test_reward_model_exports_a_sequence_classifier_scoring_like_the_trainer(run
     assert want[0] > want[1] and want[2] > want[3]  # even digits preferred, as trained
 
 
-@pytest.mark.parametrize("method", ["sft", "rm", "dpo"])
-def test_fsdp_on_two_processes_equals_one(tmp_path, method):
-    common = ["schedule.totalSteps=3", "schedule.saveEvery=0", "schedule.evalEvery=0"]
-    one = run(method, tmp_path / "one", *common, "trainer.nprocPerNode=1")
-    two = run(method, tmp_path / "two", *common, "trainer.nprocPerNode=2")
-    assert len(one) == len(two) == 3
-    for a, b in zip(one, two):
-        for key in ("loss", "grad_norm", "accuracy", "reward_margin", "eval_loss"):
-            if a.get(key) is not None:
-                assert b[key] == pytest.approx(a[key], rel=2e-4, abs=1e-6), (method, a["step"], key)
-
-
 def even_fraction(out: Path, steps: range) -> float:
     """Fraction of sampled responses made only of even digits (what the toy reward model prefers)."""
     rows = [json.loads(line) for s in steps for line in (out / "rollouts" / f"step-{s}.jsonl").read_text().splitlines()]
@@ -114,12 +102,3 @@ def test_rl_against_the_learned_reward_model(runs, tmp_path):
     scores = [r["rm_score_mean"] for r in rows]
     assert mean(scores[-10:]) > mean(scores[:10]) + 0.3
     assert all(r["reward_mean"] == pytest.approx(r["rm_score_mean"], abs=1e-5) for r in rows)  # type model, weight 1
-
-
-def test_reward_model_scores_equal_on_two_processes(runs, tmp_path):
-    common = ["schedule.totalSteps=2", "schedule.saveEvery=0"]
-    one = rlhf(tmp_path / "one", runs["rm"][0] / "final", *common, "trainer.nprocPerNode=1")
-    two = rlhf(tmp_path / "two", runs["rm"][0] / "final", *common, "trainer.nprocPerNode=2")
-    for a, b in zip(one, two):
-        for key in ("rm_score_mean", "rm_score_std", "loss", "grad_norm"):
-            assert b[key] == pytest.approx(a[key], rel=2e-4, abs=1e-6), key

@@ -8,7 +8,8 @@ import pytest
 
 datasets = pytest.importorskip("datasets")
 
-from rlhf_trainer.data.datasets import PromptRecord, load_records, to_prompts  # noqa: E402
+from rlhf_trainer.data.datasets import load_records  # noqa: E402
+from rlhf_trainer.data.rendering import PromptRecord, to_prompts  # noqa: E402
 
 ROWS = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+3=", "answer": "5"}]
 TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
@@ -85,14 +86,14 @@ def test_load_errors_say_what_to_change(tmp_path):
 
 
 def test_text_prompts_and_system_prompt(tokenizer):
-    prompts, dropped = to_prompts(ROWS, tokenizer=tokenizer, source="f.jsonl",
-                                  max_prompt_length=100)
-    assert dropped == 0
+    prompts, dropped, skipped = to_prompts(ROWS, tokenizer=tokenizer, source="f.jsonl",
+                                           max_prompt_length=100)
+    assert dropped == 0 and skipped == 0
     assert prompts[0] == PromptRecord("1+1=", tokenizer("1+1=")["input_ids"], "2", {})
     assert len(prompts[0].token_ids) == 4
 
-    prompts, _ = to_prompts(ROWS[:1], tokenizer=tokenizer, source="f.jsonl",
-                            system_prompt="Be brief.", max_prompt_length=100)
+    prompts, _, _ = to_prompts(ROWS[:1], tokenizer=tokenizer, source="f.jsonl",
+                               system_prompt="Be brief.", max_prompt_length=100)
     assert prompts[0].text == "<system>Be brief.\n<user>1+1=\n<assistant>"
     assert len(prompts[0].token_ids) == len(prompts[0].text)
 
@@ -107,9 +108,9 @@ def test_messages_and_colossalchat_rows(tokenizer):
         {"prompt": [{"role": "system", "content": "S"}, {"role": "user", "content": "q"}],
          "answer": 4, "data_source": "gsm8k"},
     ]
-    prompts, dropped = to_prompts(rows, tokenizer=tokenizer, source="f.parquet",
-                                  system_prompt="Sys", max_prompt_length=100)
-    assert dropped == 0
+    prompts, dropped, skipped = to_prompts(rows, tokenizer=tokenizer, source="f.parquet",
+                                           system_prompt="Sys", max_prompt_length=100)
+    assert dropped == 0 and skipped == 0
     assert [p.text for p in prompts] == ["<system>Sys\n<user>hi\n<assistant>",
                                          "<system>Sys\n<user>sum\n<assistant>",
                                          "<system>S\n<user>q\n<assistant>"]
@@ -123,9 +124,9 @@ def test_messages_and_colossalchat_rows(tokenizer):
 def test_custom_column_names_and_long_prompts_dropped(tokenizer):
     rows = [{"question": "short", "label": "x"}, {"question": "y" * 50, "label": "z"},
             {"question": "also short", "label": "w"}]
-    prompts, dropped = to_prompts(rows, tokenizer=tokenizer, source="f.csv",
-                                  prompt_key="question", answer_key="label", max_prompt_length=10)
-    assert dropped == 1
+    prompts, dropped, skipped = to_prompts(rows, tokenizer=tokenizer, source="f.csv",
+                                           prompt_key="question", answer_key="label", max_prompt_length=10)
+    assert dropped == 1 and skipped == 0
     assert [(p.text, p.answer) for p in prompts] == [("short", "x"), ("also short", "w")]
 
 
@@ -154,6 +155,58 @@ def test_messages_without_chat_template_is_an_error(tokenizer):
 
 def test_prompts_that_tokenize_to_nothing_are_dropped_and_counted(tokenizer):
     rows = [{"prompt": "", "answer": "1"}, {"prompt": "1234:", "answer": "4"}]
-    prompts, dropped = to_prompts(rows, tokenizer=tokenizer, source="f.jsonl", max_prompt_length=64)
-    assert [p.answer for p in prompts] == ["4"] and dropped == 1
+    prompts, dropped, skipped = to_prompts(rows, tokenizer=tokenizer, source="f.jsonl", max_prompt_length=64)
+    assert [p.answer for p in prompts] == ["4"] and dropped == 1 and skipped == 0
     assert all(p.token_ids for p in prompts)  # nothing empty reaches a rollout server
+
+
+def test_a_few_malformed_rows_are_skipped_and_counted_many_are_an_error(tokenizer):
+    from rlhf_trainer.data.datasets import MAX_MALFORMED_FRACTION
+
+    good = [{"prompt": f"{i}:", "answer": "1"} for i in range(39)]
+    prompts, dropped, skipped = to_prompts([*good[:10], {"prompt": 5}, *good[10:]], tokenizer=tokenizer,
+                                           source="f.jsonl", max_prompt_length=100)
+    assert (len(prompts), dropped, skipped) == (39, 0, 1)  # 1 of 40 <= MAX_MALFORMED_FRACTION
+    assert [p.text for p in prompts] == [r["prompt"] for r in good]
+    bad = [{"answer": "1"}] * (int(MAX_MALFORMED_FRACTION * 40) + 1)
+    with pytest.raises(ValueError, match=rf"data.path: {len(bad)} of the {39 + len(bad)} rows of f.jsonl are "
+                                         r"malformed .*the first: f.jsonl: row 39 has neither a 'prompt' column"):
+        to_prompts([*good, *bad], tokenizer=tokenizer, source="f.jsonl", max_prompt_length=100)
+
+
+def test_a_broken_line_deep_in_a_jsonl_file_is_skipped_not_fatal(tmp_path, tokenizer):
+    """`datasets` cannot read the file at all (a line that is not JSON, an answer that turns
+    from text into a number); the rows are read line by line and the broken one skipped."""
+    rows = [{"prompt": f"{i}:", "answer": str(i)} for i in range(50)]
+    lines = [json.dumps(r) for r in rows]
+    lines.insert(45, "{broken")
+    lines.append(json.dumps({"prompt": "7:", "answer": 7}))
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
+    records = load_records(str(tmp_path / "d.jsonl"))
+    assert len(records) == 52 and records[0] == rows[0] and records[51] == {"prompt": "7:", "answer": 7}
+    prompts, dropped, skipped = to_prompts(records, tokenizer=tokenizer, source="d.jsonl", max_prompt_length=100)
+    assert (len(prompts), dropped, skipped) == (51, 0, 1)
+    assert [p.answer for p in prompts][-2:] == ["49", "7"]
+
+
+def test_an_empty_jsonl_file_has_no_rows(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    assert load_records(str(tmp_path / "empty.jsonl")) == []
+
+
+def test_built_in_prompts_respect_max_prompt_length(tokenizer):
+    from rlhf_contract.api.models import DataSpec
+    from rlhf_trainer.data.prompts import PromptSource
+
+    def prompts(limit: int) -> tuple[list[str], int]:
+        source = PromptSource(DataSpec(path="builtin://last-digit", max_prompt_length=limit), tokenizer, seed=3)
+        return [p.text for p in source.next_batch(200)], source.num_dropped
+
+    free, none_dropped = prompts(1024)  # "3714:" is 5 tokens; prompts have 4 to 7
+    short, dropped = prompts(5)
+    assert none_dropped == 0 and max(len(t) for t in free) == 7
+    assert max(len(t) for t in short) <= 5 and dropped > 0
+    assert [a for a, b in zip(free, short) if len(a) <= 5] == [b for a, b in zip(free, short) if len(a) <= 5]
+    assert prompts(5) == (short, dropped)  # a pure function of (seed, index): resumable
+    with pytest.raises(ValueError, match=r"data.maxPromptLength: 3 tokens is shorter than"):
+        prompts(3)

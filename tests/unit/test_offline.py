@@ -126,6 +126,20 @@ def test_rl_only_fields_are_refused_for_offline_methods(field):
         validate_job(offline_job(**{field: {"file": "env.py"} if field == "environment" else {}}))
 
 
+def test_evaluation_is_one_vocabulary_with_each_methods_own_source():
+    held = validate_job(offline_job(evaluation={"everySteps": 5, "heldOutFraction": 0.1})).spec.evaluation
+    assert (held.every_steps, held.held_out_fraction, held.datasets) == (5, 0.1, [])
+    sets = {"datasets": [{"name": "d", "path": "/e"}]}
+    with pytest.raises(JobError, match=r"spec\.evaluation\.datasets: prompt sets .* are for method rl"):
+        validate_job(offline_job(evaluation=sets))
+    rl = rl_job(type="exact_match")
+    rl["spec"]["evaluation"] = {"heldOutFraction": 0.1}
+    with pytest.raises(JobError, match=r"spec\.evaluation\.heldOutFraction: is for the offline methods"):
+        validate_job(rl)
+    rl["spec"]["evaluation"] = sets
+    assert validate_job(rl).spec.evaluation.datasets[0].name == "d"
+
+
 def test_offline_methods_refuse_context_parallel_and_rm_refuses_tensor_parallel():
     with pytest.raises(JobError, match=r"spec\.trainer\.parallelism\.contextParallel: must be 1 for method sft"):
         validate_job(offline_job(trainer={"nprocPerNode": 2, "parallelism": {"contextParallel": 2}}))

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from rlhf_contract.pod import ENV_OUTPUT_DIR, ENV_RESUME, ENV_ROLLOUT_ENDPOINTS, ENV_TRAINER_CONFIG, ENV_WEIGHT_SYNC_ADDR
 from rlhf_contract.trainer_config import TrainerConfig
 
+from .data.datasets import DataError
 from .distributed import init_distributed
 from .preflight import EXIT_CONFIG_ERROR, mark_config_error, write_termination_message
 
@@ -41,7 +42,7 @@ def main() -> None:
             loop.resume_if_possible()
         loop.run()
     except BaseException as err:
-        if isinstance(err, SystemExit) and err.code == EXIT_CONFIG_ERROR:
+        if isinstance(err, DataError) or (isinstance(err, SystemExit) and err.code == EXIT_CONFIG_ERROR):
             mark_config_error()  # the launcher exits 2: fail the job at once, no restart
         if not isinstance(err, KeyboardInterrupt):
             write_termination_message(f"rank {info.rank}: {type(err).__name__}: {err}".splitlines()[0])

@@ -46,6 +46,7 @@ STEP_GAUGES: dict[str, str] = {
     "truncated_fraction": "Fraction of responses cut at rollout.maxTokens.",
     "dropped_group_fraction": "Fraction of sampled groups dropped by dynamic sampling (all rewards equal).",
     "dropped_prompts": "Prompts the data source skipped so far (longer than data.maxPromptLength, or empty).",
+    "skipped_rows": "Malformed dataset rows skipped (unreadable, or a missing or mistyped column; RL and offline).",
     "logprob_mismatch": "Mean |trainer log-prob - rollout engine log-prob| per response token.",
     "staleness_mean": "Policy versions the step's samples lag behind the trainer (rollout.maxStaleness >= 1).",
     "staleness_max": "Largest lag of a sample of the step, in policy versions.",
@@ -66,16 +67,13 @@ STEP_GAUGES: dict[str, str] = {
     "critic_grad_norm": "Critic gradient norm before clipping (PPO with a critic only).",
     "explained_variance": "Explained variance of the returns by the critic's values (PPO only).",
     "learning_rate": "Policy learning rate at the step.",
-    # offline methods (sft, rm, dpo); eval_* are the same on the held-out examples
+    # offline methods (sft, rm, dpo); the same on the held-out examples are rlhf_eval{dataset="held_out"}
     "accuracy": "RM and DPO: fraction of pairs whose chosen response scores above the rejected one.",
     "reward_margin": "RM and DPO: mean chosen minus rejected reward (RM score; DPO beta x log-ratio).",
     "chosen_reward": "RM and DPO: mean reward of the chosen responses.",
     "rejected_reward": "RM and DPO: mean reward of the rejected responses.",
     "chosen_logratio": "DPO: mean log pi(chosen) - log pi_ref(chosen).",
     "rejected_logratio": "DPO: mean log pi(rejected) - log pi_ref(rejected).",
-    "eval_loss": "Offline methods: loss on the held-out examples (SFT: token-mean NLL).",
-    "eval_accuracy": "RM and DPO: accuracy on the held-out pairs.",
-    "eval_reward_margin": "RM and DPO: reward margin on the held-out pairs.",
     "num_examples": "Offline methods: examples (SFT sequences or preference pairs) in the step.",
     # time and throughput
     "step_seconds": "Wall time of the RL step.",
@@ -116,8 +114,9 @@ class MetricsWriter:
                 self._gauges[key].set(math.nan)
             self._last_step = Gauge(LAST_STEP_TIMESTAMP, "Unix time at which the last RL step was recorded.",
                                     registry=self.registry)
-            self._eval = Gauge(EVAL_GAUGE, "Held-out score of spec.evaluation's datasets (metric: greedy_score, "
-                               "mean_score, pass_at_k).", ["dataset", "metric"], registry=self.registry)
+            self._eval = Gauge(EVAL_GAUGE, "Held-out scores of spec.evaluation (RL datasets: greedy_score, "
+                               "mean_score, pass_at_k; offline methods' held_out: loss, accuracy, ...).",
+                               ["dataset", "metric"], registry=self.registry)
             self._last_step.set(math.nan)
             start_http_server(port, registry=self.registry)
 

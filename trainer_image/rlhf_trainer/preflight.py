@@ -1,17 +1,20 @@
 """Every error a user can fix, found before any model loads.
 
 `check(config, world_size)` reads only small files (the model's config.json, the reward
-and environment files) and returns one message per problem, each naming the spec field
-and what to change. The launcher (`python -m rlhf_trainer.launch`) runs it first thing in
-a trainer pod and in local mode, and exits with code 2 (the operator's "bad config: fail
-at once") instead of starting torchrun, so such a job fails in seconds rather than after
-every allowed restart.
+and environment files), and of the data only the columns and a bounded sample, measured
+with the model's tokenizer (data/checks.py: no rows, missing columns, prompts longer than
+data.maxPromptLength, ...), and returns one message per problem, each naming the spec
+field and what to change; the data's warnings go to stderr. The launcher
+(`python -m rlhf_trainer.launch`) runs it first thing in a trainer pod and in local mode,
+and exits with code 2 (the operator's "bad config: fail at once") instead of starting
+torchrun, so such a job fails in seconds rather than after every allowed restart.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 from rlhf_contract.trainer_config import TrainerConfig
@@ -61,6 +64,15 @@ def _readable_python(path: str | None, field: str) -> str | None:
     return None
 
 
+def _data_problems(config: TrainerConfig, model_ok: bool) -> list[str]:
+    from .data.checks import check_data, load_tokenizer
+
+    report = check_data(config, (lambda: load_tokenizer(config.model_path)) if model_ok else (lambda: None))
+    for warning in report.warnings:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
+    return report.problems
+
+
 def check(config: TrainerConfig, world_size: int) -> list[str]:
     """The problems of `config` for a trainer world of `world_size` processes."""
     problems = []
@@ -69,8 +81,7 @@ def check(config: TrainerConfig, world_size: int) -> list[str]:
     if error:
         problems.append(error)
     data = config.data.path
-    if not data.startswith("builtin://") and not Path(data).exists():
-        problems.append(f"spec.data.path: {data} does not exist in the trainer (mount the volume that holds it)")
+    problems += _data_problems(config, model_ok=error is None)
     if config.method != "rl":
         if data.startswith("builtin://"):
             from .offline.data import BUILTIN_OFFLINE

@@ -172,9 +172,6 @@ class DataSpec(_Model):
     """`method: rm` / `dpo`: column of the preferred response (text or an assistant message)."""
     rejected_key: str = "rejected"
     """`method: rm` / `dpo`: column of the dispreferred response."""
-    eval_fraction: float = Field(default=0.0, ge=0, lt=1)
-    """`method: sft` / `rm` / `dpo`: fraction of the examples held out and scored every
-    `schedule.evalEvery` steps and at the end (`eval_*` metrics)."""
 
 
 class CodeSandboxSpec(_Model):
@@ -417,9 +414,6 @@ class ScheduleSpec(_Model):
     """Save a checkpoint every this many steps; 0 saves only the final model."""
     seed: int = 0
     """Seed for data order, sampling and the built-in model's weights."""
-    eval_every: int = Field(default=0, ge=0)
-    """`method: sft` / `rm` / `dpo`: score the held-out examples every this many steps (0: only
-    at the start and the end)."""
 
 
 class OutputSpec(_Model):
@@ -464,12 +458,18 @@ class EvalDatasetSpec(_Model):
 
 
 class EvaluationSpec(_Model):
-    """`method: rl`: held-out prompts scored with the job's reward through the rollout servers."""
+    """Held-out data scored during training, for every method, before the first step, every
+    `everySteps` steps and after the last (`eval/<name>/<metric>` metrics). RL: prompt sets
+    (`datasets`) scored with the job's reward through the rollout servers. sft / rm / dpo:
+    the held-out fraction of `data.path` (`heldOutFraction`), metrics `eval/held_out/...`."""
 
-    datasets: list[EvalDatasetSpec] = Field(min_length=1)
-    """The held-out sets (names unique)."""
     every_steps: int = Field(default=0, ge=0)
-    """Score them every this many steps (0: only before the first step and after the last)."""
+    """Score every this many steps (0: only before the first step and after the last)."""
+    datasets: list[EvalDatasetSpec] = Field(default_factory=list)
+    """`method: rl`: the held-out prompt sets (names unique)."""
+    held_out_fraction: float = Field(default=0.0, ge=0, lt=1)
+    """`method: sft` / `rm` / `dpo`: fraction of `data.path`'s examples held out (a built-in
+    task holds out 200 examples of a disjoint range, or this fraction x 1000)."""
     samples_per_prompt: int = Field(default=1, ge=1)
     """k sampled responses per prompt at the job's temperature: mean score and pass@k
     (a prompt passes when one of its k responses scores at least 1)."""

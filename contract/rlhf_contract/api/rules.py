@@ -143,9 +143,27 @@ RULES: tuple[Rule, ...] = (
         check=lambda s: s.method != "rm" or s.trainer.parallelism.tensor_parallel == 1,
         detail=lambda s: f"got {s.trainer.parallelism.tensor_parallel}",
     ),
+    Rule(
+        field_path="evaluation.datasets",
+        cel="self.method == 'rl' || !has(self.evaluation) || !has(self.evaluation.datasets) "
+            "|| size(self.evaluation.datasets) == 0",
+        message="prompt sets scored through the rollout servers are for method rl; sft, rm and dpo score "
+        "the held-out fraction of data.path: set evaluation.heldOutFraction instead",
+        check=lambda s: s.method == "rl" or s.evaluation is None or not s.evaluation.datasets,
+        detail=lambda s: f"method {s.method}",
+    ),
+    Rule(
+        field_path="evaluation.heldOutFraction",
+        cel="self.method != 'rl' || !has(self.evaluation) || !has(self.evaluation.heldOutFraction) "
+            "|| self.evaluation.heldOutFraction == 0.0",
+        message="is for the offline methods (sft, rm, dpo); method rl scores held-out prompt sets: "
+        "set evaluation.datasets instead",
+        check=lambda s: s.method != "rl" or s.evaluation is None or not s.evaluation.held_out_fraction,
+        detail=lambda s: f"got {s.evaluation.held_out_fraction}" if s.evaluation else "",
+    ),
 )
 
-RL_ONLY_FIELDS: tuple[str, ...] = ("reward", "environment", "algorithm", "rollout", "sandboxService", "evaluation")
+RL_ONLY_FIELDS: tuple[str, ...] = ("reward", "environment", "algorithm", "rollout", "sandboxService")
 """Spec fields that only `method: rl` reads: a job file of another method that sets one is
 refused naming it (`load.validate_job`; on a cluster the API server's defaults fill them in,
 so the operator only ignores them)."""

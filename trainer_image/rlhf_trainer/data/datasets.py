@@ -1,31 +1,33 @@
-"""Prompt datasets from local files through Hugging Face `datasets`, and their chat rendering.
+"""Datasets from local files through Hugging Face `datasets` (the rows; rendering.py turns
+them into prompts).
 
 `load_records(path, split=...)` reads, locally only (no hub):
   - a directory written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk`;
   - one JSON, JSONL, CSV, Parquet or Arrow file (chosen by extension);
   - a directory of such files (one format); files named after a split (`train.jsonl`,
     `test-00000.parquet`) become that split, as `datasets` infers them, otherwise all are "train".
+  JSON that `datasets` cannot read as a whole (a line that is not JSON, a column whose type
+  changes between rows, an empty file) is read again line by line: each line that is not a
+  JSON object stays in its place as an `UnreadableRow`, which the row code skips as malformed.
+`peek_records(path, split=..., limit=...)` opens the same layouts, resolves the same split,
+and reads only the columns, the first `limit` rows and the row count where the format gives
+it cheaply (Parquet metadata, Arrow record batches, `save_to_disk`; for JSON and CSV only
+when the sample reached the end): what the preflight's data checks read.
 
-`to_prompts(records, ...)` turns rows into `PromptRecord`s. A row's prompt is either
-  - text under `prompt_key`: used as is, or rendered as [system, user] with the tokenizer's
-    chat template when `system_prompt` is set;
-  - chat turns under `messages_key` (or a list of turns under `prompt_key`, the verl layout):
-    rendered with `tokenizer.apply_chat_template(..., add_generation_prompt=True)`, the
-    system prompt prepended when given and the turns hold none.
-ColossalChat rows are accepted too: `messages` as one {role, content} dict, the answer under
-`gt_answer`, `test_cases` ({"inputs": [...], "outputs": [...]}) for code.
-Every column other than the prompt and `answer_key` is kept in `extra_info` under its own name
-(a row's own `extra_info` column therefore arrives as `extra_info["extra_info"]`).
+A malformed row is skipped and counted (`MalformedRows`) by the code that turns rows into
+prompts or examples; more than MAX_MALFORMED_FRACTION of a dataset's rows malformed is an
+error naming the first one.
 
-Simplifications: rows are read into memory (fine up to ~1e6 prompts); only string chat
-content (no multimodal parts); with `system_prompt` set but no chat template, text prompts
-are used as is and a warning is logged.
+Simplifications: rows are read into memory (fine up to ~1e6 prompts); a JSON array file
+(not JSON Lines) is peeked by reading it whole.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -35,19 +37,37 @@ BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parqu
             ".arrow": "arrow"}
 """File extension -> `datasets` packaged builder."""
 
-_ANSWER_FALLBACK_KEY = "gt_answer"  # ColossalChat
+
+class DataError(ValueError):
+    """A problem of the data itself, found while reading it: no restart can fix it, so the
+    trainer ends the job as a config error (exit 2)."""
 
 
-@dataclass(frozen=True)
-class PromptRecord:
-    text: str
-    """The prompt as the model sees it (chat template applied)."""
-    token_ids: list[int]
-    """`text` tokenized without extra special tokens."""
-    answer: str
-    """Gold answer for the reward ("" when the row has none, e.g. code with test cases)."""
-    extra_info: dict[str, Any] = field(default_factory=dict)
-    """Every other column of the row, under its own name."""
+MAX_MALFORMED_FRACTION = 0.05
+"""Malformed rows are skipped and counted (`skipped_rows`) up to this fraction of a dataset's
+rows; beyond it the data or its column mapping is wrong, and reading it is an error."""
+
+ROW_ERRORS = (ValueError, TypeError, KeyError, AttributeError)
+"""What the row code raises for a row it cannot use (the row is skipped and counted)."""
+
+_SAVED_MARKERS = ("dataset_info.json", "dataset_dict.json", "state.json")
+
+
+class UnreadableRow(str):
+    """A line of a JSON file that is not a JSON object (the text says why): it keeps its
+    place, so row numbers stay those of the file, and the row code skips it."""
+
+
+@dataclass
+class DataSample:
+    """The start of a dataset (`peek_records`)."""
+
+    rows: list
+    """The first rows, in file order."""
+    columns: list[str]
+    """The schema's columns (JSON: the keys of the sampled rows)."""
+    num_rows: int | None
+    """All rows of the split, where the format tells it cheaply; None when unknown."""
 
 
 def _load_error(path: str, what: str) -> ValueError:
@@ -56,136 +76,199 @@ def _load_error(path: str, what: str) -> ValueError:
                       "directory of such files")
 
 
+def _split_error(path: str, split: str, splits: Iterable[str]) -> ValueError:
+    return ValueError(f"data.split: {path} has no split {split!r}; it has " + ", ".join(sorted(map(str, splits))))
+
+
 def _select_split(data: Any, split: str, path: str):
     from datasets import DatasetDict
 
     if isinstance(data, DatasetDict):
         if split not in data:
-            raise ValueError(f"data.split: {path} has no split {split!r}; it has "
-                             + ", ".join(sorted(data)))
+            raise _split_error(path, split, data)
         return data[split]
     return data
 
 
 def _read(path: str, fn, *args, **kwargs):
-    """Call a `datasets` reader; its errors become a ValueError naming the file."""
+    """Call a reader; its errors become a ValueError naming the file."""
     try:
         return fn(*args, **kwargs)
     except Exception as err:
         raise ValueError(f"data.path: could not read {path}: {type(err).__name__}: {err}") from err
 
 
-def load_records(path: str, *, split: str = "train") -> list[dict]:
+def _is_saved(p: Path) -> bool:
+    return p.is_dir() and any((p / name).exists() for name in _SAVED_MARKERS)
+
+
+def _directory_builder(p: Path, path: str) -> str:
+    files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in BUILDERS)
+    builders = {BUILDERS[f.suffix] for f in files}
+    if not files:
+        raise _load_error(path, "the directory holds no data files")
+    if len(builders) > 1:
+        raise _load_error(path, "the directory mixes formats " + ", ".join(sorted(builders)))
+    return builders.pop()
+
+
+def _split_files(p: Path, split: str, path: str) -> list[Path]:
+    """The files of `split`: a single file is every split; a directory's splits are those
+    `datasets` infers from the file names."""
+    if not p.is_dir():
+        if p.suffix not in BUILDERS:
+            raise _load_error(path, f"unknown file extension {p.suffix!r}")
+        return [p]
+    import datasets
+
+    data_files = _read(path, datasets.load_dataset_builder, _directory_builder(p, path),
+                       data_dir=str(p)).config.data_files
+    if split not in data_files:
+        raise _split_error(path, split, data_files)
+    return [Path(f) for f in data_files[split]]
+
+
+def _json_rows(file: Path, limit: int | None = None) -> tuple[list, int | None]:
+    """(the first `limit` rows of a JSON array or JSON Lines file, its row count when known)."""
+    with open(file, "rb") as f:
+        first = next((line for line in f if line.strip()), b"").lstrip(b"\xef\xbb\xbf \t")
+        if first.startswith(b"["):  # one JSON array: read whole
+            f.seek(0)
+            items = _read(str(file), json.loads, f.read())
+            rows = [r if isinstance(r, dict) else UnreadableRow(f"item {i} is not a JSON object")
+                    for i, r in enumerate(items if isinstance(items, list) else [items])]
+            return rows[:limit], len(rows)
+        f.seek(0)
+        rows: list = []
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            if limit is not None and len(rows) == limit:
+                return rows, None  # more rows follow
+            try:
+                row = json.loads(line.lstrip(b"\xef\xbb\xbf") if number == 1 else line)
+            except ValueError as err:
+                row = UnreadableRow(f"line {number} is not JSON ({err})")
+            rows.append(row if isinstance(row, (dict, UnreadableRow)) else
+                        UnreadableRow(f"line {number} is not a JSON object"))
+        return rows, len(rows)
+
+
+def load_records(path: str, *, split: str = "train") -> list:
     """Rows of a local dataset (see the module docstring for the accepted layouts)."""
     import datasets
 
     p = Path(path)
     if not p.exists():
         raise _load_error(path, "does not exist")
-    if p.is_dir() and any((p / name).exists() for name in
-                          ("dataset_info.json", "dataset_dict.json", "state.json")):
-        data = _select_split(_read(path, datasets.load_from_disk, str(p)), split, path)
-    elif p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in BUILDERS)
-        builders = {BUILDERS[f.suffix] for f in files}
-        if not files:
-            raise _load_error(path, "the directory holds no data files")
-        if len(builders) > 1:
-            raise _load_error(path, "the directory mixes formats " + ", ".join(sorted(builders)))
-        # `datasets` infers splits from the file names; all files are "train" otherwise.
-        data = _select_split(_read(path, datasets.load_dataset, builders.pop(),
-                                   data_dir=str(p)), split, path)
+    if _is_saved(p):
+        return _select_split(_read(path, datasets.load_from_disk, str(p)), split, path).to_list()
+    if p.is_dir():
+        builder = _directory_builder(p, path)
+        load = partial(datasets.load_dataset, builder, data_dir=str(p))
     elif p.suffix in BUILDERS:
-        data = _read(path, datasets.load_dataset, BUILDERS[p.suffix],
-                     data_files={split: str(p)}, split=split)
+        builder = BUILDERS[p.suffix]
+        load = partial(datasets.load_dataset, builder, data_files={split: str(p)}, split=split)
     else:
         raise _load_error(path, f"unknown file extension {p.suffix!r}")
-    return data.to_list()
+    try:
+        data = _read(path, load)
+    except ValueError as err:
+        if builder != "json":
+            raise
+        rows = [row for f in _split_files(p, split, path) for row in _read(str(f), _json_rows, f)[0]]
+        if rows and all(isinstance(row, UnreadableRow) for row in rows):
+            raise ValueError(f"{err}; read line by line, {rows[0]}") from err
+        logger.warning("%s; read line by line instead: %d rows", err, len(rows))
+        return rows
+    # `datasets` infers splits from the file names; all files are "train" otherwise.
+    return _select_split(data, split, path).to_list()
 
 
-def _has_chat_template(tokenizer: Any) -> bool:
-    return bool(getattr(tokenizer, "chat_template", None))
+def _peek_arrow(file: Path, limit: int) -> DataSample:
+    import pyarrow as pa
+
+    with pa.memory_map(str(file)) as source:  # record batches are read in place: counting is cheap
+        try:
+            reader = pa.ipc.open_stream(source)
+            schema, batches = reader.schema, iter(reader)
+        except (OSError, pa.lib.ArrowInvalid):  # the Arrow file format, as `datasets` falls back to
+            source.seek(0)
+            reader = pa.ipc.open_file(source)
+            schema = reader.schema
+            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+        rows, count = [], 0
+        for batch in batches:
+            if len(rows) < limit:
+                rows += batch.slice(0, limit - len(rows)).to_pylist()
+            count += batch.num_rows
+    return DataSample(rows, schema.names, count)
 
 
-def _check_messages(value: Any, where: str) -> list[dict[str, str]]:
-    if isinstance(value, dict):  # ColossalChat: one turn as a dict
-        value = [value]
-    if not isinstance(value, list) or not value:
-        raise ValueError(f"{where} must be a non-empty list of {{role, content}} chat turns, "
-                         f"got {type(value).__name__}")
-    turns = []
-    for j, turn in enumerate(value):
-        if (not isinstance(turn, dict) or not isinstance(turn.get("role"), str)
-                or not isinstance(turn.get("content"), str)):
-            raise ValueError(f"{where}: turn {j} must be a dict with string 'role' and "
-                             f"'content', got {turn!r:.200}")
-        turns.append({"role": turn["role"], "content": turn["content"]})
-    return turns
+def _peek_file(file: Path, limit: int) -> DataSample:
+    kind = BUILDERS[file.suffix]
+    if kind == "json":
+        rows, count = _json_rows(file, limit)
+        columns = list(dict.fromkeys(k for r in rows if isinstance(r, dict) for k in r))
+        return DataSample(rows, columns, count)
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        pf, rows = pq.ParquetFile(file), []
+        for batch in pf.iter_batches(batch_size=limit) if limit else ():  # a batch ends at a row group's end
+            rows += batch.to_pylist()[:limit - len(rows)]
+            if len(rows) == limit:
+                break
+        return DataSample(rows, pf.schema_arrow.names, pf.metadata.num_rows)
+    if kind == "arrow":
+        return _peek_arrow(file, limit)
+    import pandas as pd
+    import pyarrow as pa
+
+    try:  # as `datasets`' csv builder reads it: pandas, then Arrow (NaN becomes None)
+        frame = pd.read_csv(file, nrows=limit + 1)
+    except pd.errors.EmptyDataError:
+        return DataSample([], [], 0)
+    rows = pa.Table.from_pandas(frame, preserve_index=False).to_pylist()
+    return DataSample(rows[:limit], [str(c) for c in frame.columns], len(rows) if len(rows) <= limit else None)
 
 
-def _render(tokenizer: Any, turns: list[dict[str, str]], where: str) -> str:
-    if not _has_chat_template(tokenizer):
-        raise ValueError(f"{where}: chat messages need a tokenizer with a chat template; "
-                         "use a model whose tokenizer has one, or plain text prompts")
-    return tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+def peek_records(path: str, *, split: str = "train", limit: int = 256) -> DataSample:
+    """The columns, the first `limit` rows and (where cheap) the row count of `split`, with
+    `load_records`' errors for what cannot be opened."""
+    p = Path(path)
+    if not p.exists():
+        raise _load_error(path, "does not exist")
+    if _is_saved(p):
+        import datasets
+
+        data = _select_split(_read(path, datasets.load_from_disk, str(p)), split, path)
+        return DataSample(data.select(range(min(limit, data.num_rows))).to_list(), list(data.column_names),
+                          data.num_rows)
+    sample = DataSample([], [], 0)
+    for file in _split_files(p, split, path):
+        part = _read(str(file), _peek_file, file, limit - len(sample.rows))
+        sample.rows += part.rows
+        sample.columns += [c for c in part.columns if c not in sample.columns]
+        sample.num_rows = None if sample.num_rows is None or part.num_rows is None else sample.num_rows + part.num_rows
+    return sample
 
 
-def _answer(row: dict, answer_key: str, where: str) -> str:
-    value = row.get(answer_key)
-    if value is None:
-        value = row.get(_ANSWER_FALLBACK_KEY)
-    if value is None:
-        return ""
-    if isinstance(value, (str, int, float)):
-        return str(value)
-    raise ValueError(f"{where}, column {answer_key!r}: the answer must be a string or a "
-                     f"number, got {type(value).__name__}")
+class MalformedRows:
+    """Counts the rows of `source` skipped as malformed; `check` ends the read when they are
+    more than MAX_MALFORMED_FRACTION of its rows."""
 
+    def __init__(self, source: str):
+        self.source, self.count, self.first = source, 0, ""
 
-def to_prompts(records: Iterable[dict], *, tokenizer: Any, source: str,
-               prompt_key: str = "prompt", messages_key: str = "messages",
-               answer_key: str = "answer", system_prompt: str | None = None,
-               max_prompt_length: int) -> tuple[list[PromptRecord], int]:
-    """Rows -> (prompts, number of rows dropped for being longer than `max_prompt_length` or
-    for tokenizing to nothing: an empty prompt cannot be sent to a rollout server).
+    def skip(self, error: Exception) -> None:
+        self.count += 1
+        self.first = self.first or str(error)
 
-    `source` names the file in errors; a malformed row raises ValueError with its index.
-    """
-    if system_prompt is not None and not _has_chat_template(tokenizer):
-        logger.warning("%s: a system prompt is set but the tokenizer has no chat template; "
-                       "text prompts are used as is", source)
-    prompts, num_dropped = [], 0
-    for i, row in enumerate(records):
-        where = f"{source}: row {i}"
-        if not isinstance(row, dict):
-            raise ValueError(f"{where} is a {type(row).__name__}, not an object with columns")
-        if row.get(prompt_key) is not None:
-            key, value = prompt_key, row[prompt_key]
-        elif row.get(messages_key) is not None:
-            key, value = messages_key, row[messages_key]
-        else:
-            raise ValueError(f"{where} has neither a {prompt_key!r} column (data.promptKey) nor a "
-                             f"{messages_key!r} column (data.messagesKey)")
-        where_col = f"{where}, column {key!r}"
-        if isinstance(value, str):
-            if system_prompt is not None and _has_chat_template(tokenizer):
-                text = _render(tokenizer, [{"role": "system", "content": system_prompt},
-                                           {"role": "user", "content": value}], where_col)
-            else:
-                text = value
-        elif isinstance(value, (list, dict)):
-            turns = _check_messages(value, where_col)
-            if system_prompt is not None and not any(t["role"] == "system" for t in turns):
-                turns = [{"role": "system", "content": system_prompt}, *turns]
-            text = _render(tokenizer, turns, where_col)
-        else:
-            raise ValueError(f"{where_col}: expected prompt text or chat turns, got "
-                             f"{type(value).__name__}")
-        answer = _answer(row, answer_key, where)
-        token_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-        if not token_ids or len(token_ids) > max_prompt_length:
-            num_dropped += 1
-            continue
-        extra_info = {k: v for k, v in row.items() if k not in (key, answer_key)}
-        prompts.append(PromptRecord(text, token_ids, answer, extra_info))
-    return prompts, num_dropped
+    def check(self, num_rows: int) -> None:
+        if self.count > MAX_MALFORMED_FRACTION * num_rows:
+            raise DataError(f"data.path: {self.count} of the {num_rows} rows of {self.source} are malformed (at most "
+                             f"{MAX_MALFORMED_FRACTION:.0%} may be skipped); the first: {self.first}")
+        if self.count:
+            logger.warning("%s: %d malformed rows of %d skipped (skipped_rows); the first: %s", self.source,
+                           self.count, num_rows, self.first)

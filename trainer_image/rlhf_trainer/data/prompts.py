@@ -5,7 +5,12 @@ Built-in tasks (no download, endless, example i is a pure function of (seed, i))
   builtin://sum-mod-10   "7+5=" -> "2"       ((a + b) mod 10)
   builtin://gem          the reset observations of `environment.gem` (rollout/gem_env.py)
 Datasets (files or directories, see datasets.py) are read once, filtered by
-`data.maxPromptLength`, and shuffled each epoch with the job seed.
+`data.maxPromptLength`, and shuffled each epoch with the job seed; malformed rows are skipped
+and counted (`num_skipped`, the `skipped_rows` metric), up to MAX_MALFORMED_FRACTION.
+`data.maxPromptLength` applies to the built-in tasks too: example i that does not fit is
+replaced by another draw seeded from (seed, i, attempt), so the stream stays a pure function
+of the index, and is counted in `num_dropped`. Exempt: `builtin://gem`, whose prompts are
+the environment's own opening observation (`rollout.maxTokens` bounds the trajectory).
 
 The source's position (`state_dict`) is saved in checkpoints so a resumed run sees the same
 prompts as an uninterrupted one.
@@ -17,12 +22,17 @@ import logging
 import random
 from typing import TYPE_CHECKING, Any, Callable
 
-from .datasets import PromptRecord, load_records, to_prompts
+from .datasets import load_records
+from .rendering import PromptRecord, to_prompts
 
 if TYPE_CHECKING:
     from rlhf_contract.api.models import DataSpec
 
 log = logging.getLogger(__name__)
+
+MAX_BUILTIN_ATTEMPTS = 1000
+"""Draws of a built-in task in a row that may all be longer than data.maxPromptLength before
+the source gives up (the preflight reports such a length before any model loads)."""
 
 BUILTIN_TASKS: dict[str, Callable[[random.Random], tuple[str, str]]] = {}
 
@@ -56,6 +66,8 @@ class PromptSource:
         self.spec = spec
         self.position = 0
         self.num_dropped = 0
+        self.num_skipped = 0
+        """Malformed rows skipped (files only)."""
         self._task = None
         self._rows: list[PromptRecord] = []
         path = spec.path
@@ -71,14 +83,15 @@ class PromptSource:
             self._task = BUILTIN_TASKS[name]
         else:
             records = load_records(path, split=spec.split)
-            self._rows, self.num_dropped = to_prompts(
+            self._rows, self.num_dropped, self.num_skipped = to_prompts(
                 records, tokenizer=tokenizer, source=path, prompt_key=spec.prompt_key, messages_key=spec.messages_key,
                 answer_key=spec.answer_key, system_prompt=spec.system_prompt, max_prompt_length=spec.max_prompt_length)
             if not self._rows:
-                raise ValueError(f"data.path: {path} has no usable rows ({self.num_dropped} longer than "
-                                 "data.maxPromptLength or tokenized to nothing: check the tokenizer)")
-            log.info("%s: %d prompts, %d dropped (empty, or longer than data.maxPromptLength=%d)", path, len(self._rows),
-                     self.num_dropped, spec.max_prompt_length)
+                raise ValueError(f"data.path: {path} has no usable rows ({len(records)} rows: {self.num_dropped} "
+                                 f"longer than data.maxPromptLength or tokenized to nothing, {self.num_skipped} "
+                                 "malformed)")
+            log.info("%s: %d prompts, %d dropped (empty, or longer than data.maxPromptLength=%d), %d malformed skipped",
+                     path, len(self._rows), self.num_dropped, spec.max_prompt_length, self.num_skipped)
 
     def _example(self, index: int) -> PromptRecord:
         if self._gem_id is not None:  # a GEM environment's first observation (rollout/gem_env.py)
@@ -89,13 +102,24 @@ class PromptSource:
             return PromptRecord(text, self.tokenizer(text, add_special_tokens=False)["input_ids"], "",
                                 {"gem_id": self._gem_id, "gem_seed": seed})
         if self._task is not None:
-            text, answer = self._task(random.Random(f"{self.seed}:{index}"))
-            return PromptRecord(text, self.tokenizer(text, add_special_tokens=False)["input_ids"], answer, {})
+            return self._builtin(index)
         epoch, offset = divmod(index, len(self._rows))
         order = list(range(len(self._rows)))
         if self.spec.shuffle:
             random.Random(f"{self.seed}:epoch{epoch}").shuffle(order)
         return self._rows[order[offset]]
+
+    def _builtin(self, index: int) -> PromptRecord:
+        limit = self.spec.max_prompt_length
+        for attempt in range(MAX_BUILTIN_ATTEMPTS):
+            rng = random.Random(f"{self.seed}:{index}" if attempt == 0 else f"{self.seed}:{index}:{attempt}")
+            text, answer = self._task(rng)
+            token_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if 0 < len(token_ids) <= limit:
+                return PromptRecord(text, token_ids, answer, {})
+            self.num_dropped += 1
+        raise ValueError(f"data.maxPromptLength: {limit} tokens is shorter than {MAX_BUILTIN_ATTEMPTS} prompts of "
+                         f"{self.spec.path} in a row; raise it")
 
     @property
     def num_rows(self) -> int:

@@ -12,7 +12,9 @@ An `Example` is one or two sequences trained together (a preference pair's chose
 rejected are always packed into the same micro-batch). Every response ends with the
 tokenizer's EOS. Examples longer than the micro-batch budget allows (the whole
 sequence for SFT, each side of a pair for RM and DPO: budget / 2) are dropped and
-counted.
+counted (`num_dropped`); malformed rows (a missing or mistyped column, a conversation
+without an assistant turn) are skipped and counted (`num_skipped`, the `skipped_rows`
+metric), up to MAX_MALFORMED_FRACTION of the rows (data/datasets.py).
 
 Built-in toy tasks (no download; example i is a pure function of (seed, i)):
   builtin://last-digit   sft: "3714:" -> "4" (the RL demo's task, as supervised data)
@@ -33,7 +35,7 @@ from typing import Any, Callable
 
 from rlhf_contract.api.models import DataSpec
 
-from ..data.datasets import load_records
+from ..data.datasets import ROW_ERRORS, MalformedRows, UnreadableRow, load_records
 from ..data.prompts import BUILTIN_TASKS
 
 log = logging.getLogger(__name__)
@@ -92,6 +94,17 @@ class Tokenize:
 
     def ids(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def from_row(self, row: Any, where: str) -> Example:
+        """`self(row)` for the row that `where` names; ValueError naming it when the row is malformed."""
+        if isinstance(row, UnreadableRow):
+            raise ValueError(f"{where}: {row}")
+        if not isinstance(row, dict):
+            raise ValueError(f"{where} is a {type(row).__name__}, not an object with columns")
+        try:
+            return self(row)
+        except ROW_ERRORS as err:
+            raise ValueError(f"{where}: {err}") from err
 
     def _chat(self, turns: list[dict], *, generation_prompt: bool) -> list[int]:
         if not getattr(self.tok, "chat_template", None):
@@ -163,7 +176,7 @@ class OfflineData:
                  held_out_fraction: float = 0.0):
         self.method, self.seed, self.batch_size = method, seed, batch_size
         self.limit = budget // 2 if method in PAIR_METHODS else budget
-        self.num_dropped = 0
+        self.num_dropped = self.num_skipped = 0
         tokenize = Tokenize(method, spec, tokenizer)
         self._task = None
         if spec.path.startswith("builtin://"):
@@ -180,18 +193,30 @@ class OfflineData:
             self.train: list[Example] = []
         else:
             rows = load_records(spec.path, split=spec.split)
-            examples = [e for e in (tokenize(r) for r in rows) if self._fits(e)]
+            examples = [e for e in self._examples(rows, tokenize, spec.path) if self._fits(e)]
             if not examples:
-                raise ValueError(f"data.path: {spec.path} has no usable rows ({self.num_dropped} longer than the "
-                                 "micro-batch budget allows)")
+                raise ValueError(f"data.path: {spec.path} has no usable rows ({len(rows)} rows: {self.num_dropped} "
+                                 f"longer than the micro-batch budget allows, {self.num_skipped} malformed)")
             order = list(range(len(examples)))
             random.Random(f"{seed}:split").shuffle(order)
             n_eval = int(len(examples) * held_out_fraction)
             self.eval = [examples[i] for i in order[len(order) - n_eval:]] if n_eval else []
             self.train = [examples[i] for i in order[:len(order) - n_eval]]
             self.shuffle = spec.shuffle
-            log.info("%s: %d train / %d held-out examples, %d dropped (longer than the budget)", spec.path,
-                     len(self.train), len(self.eval), self.num_dropped)
+            log.info("%s: %d train / %d held-out examples, %d dropped (longer than the budget), %d malformed skipped",
+                     spec.path, len(self.train), len(self.eval), self.num_dropped, self.num_skipped)
+
+    def _examples(self, rows: list, tokenize: Tokenize, source: str) -> list[Example]:
+        """The rows' examples; malformed rows are skipped and counted."""
+        malformed, examples = MalformedRows(source), []
+        for i, row in enumerate(rows):
+            try:
+                examples.append(tokenize.from_row(row, f"{source}: row {i}"))
+            except ValueError as err:
+                malformed.skip(err)
+        malformed.check(len(rows))
+        self.num_skipped = malformed.count
+        return examples
 
     def _fits(self, example: Example) -> bool:
         if all(seq.length <= self.limit for seq in example.sequences):

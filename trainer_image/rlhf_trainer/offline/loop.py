@@ -75,5 +75,5 @@ class OfflineLoop(LoopBase):
         tokens = sum(seq.length for ex in examples for seq in ex.sequences)
         row.update(learning_rate=self.config.optim.learning_rate * factor, step_seconds=seconds,
                    tokens_per_second=tokens / seconds, num_examples=len(examples),
-                   dropped_examples=self.data.num_dropped)
+                   dropped_examples=self.data.num_dropped, skipped_rows=self.data.num_skipped)
         return row

@@ -96,6 +96,7 @@ class Orchestrator:
             dropped_group_fraction=dropped / sampled,
             num_tokens=sum(len(r.prompt_ids) + len(r.response_ids) for r in rows),
             dropped_prompts=getattr(self.data, "num_dropped", 0),
+            skipped_rows=getattr(self.data, "num_skipped", 0),
         )
         return RolloutBatch(rows, self.config.sampling.samples_per_prompt, stats)
 

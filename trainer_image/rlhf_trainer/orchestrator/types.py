@@ -21,6 +21,8 @@ class RolloutStats:
     """Prompt + response tokens of the step."""
     dropped_prompts: int = 0
     """Prompts skipped by the data source so far (too long or empty)."""
+    skipped_rows: int = 0
+    """Malformed rows of the dataset skipped when it was read."""
 
 
 @dataclass
