@@ -75,6 +75,7 @@ STEP_GAUGES: dict[str, str] = {
     "chosen_logratio": "DPO: mean log pi(chosen) - log pi_ref(chosen).",
     "rejected_logratio": "DPO: mean log pi(rejected) - log pi_ref(rejected).",
     "num_examples": "Offline methods: examples (SFT sequences or preference pairs) in the step.",
+    "dropped_examples": "Offline methods: examples dropped so far for not fitting the micro-batch budget.",
     # time and throughput
     "step_seconds": "Wall time of the RL step.",
     "rollout_seconds": "Wall time of the rollout phase (generation and rewards).",
