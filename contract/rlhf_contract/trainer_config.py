@@ -74,6 +74,10 @@ class OutputConfig(_Config):
     """Write every step's samples to `rollouts/step-N.jsonl`."""
 
 
+DEFAULT_STALE_TIS_CAP = 2.0
+"""`algorithm.tisCap` of a job with `rollout.maxStaleness` >= 1 that sets none: stale samples
+are corrected toward the trainer's policy (resolved here, so the mounted config shows it)."""
+
 # Fields of AlgorithmSpec that may stay null once a preset is applied.
 _OPTIONAL_ALGORITHM_FIELDS = {"dual_clip", "critic_learning_rate", "tis_cap"}
 
@@ -124,10 +128,13 @@ class TrainerConfig(_Config):
     def from_job(cls, job: RLHFJob) -> "TrainerConfig":
         s = job.spec
         r, t, o = s.rollout, s.trainer, s.output
+        algorithm = s.algorithm
+        if r.max_staleness and algorithm.tis_cap is None:
+            algorithm = algorithm.model_copy(update={"tis_cap": DEFAULT_STALE_TIS_CAP})
         return cls(
             job_name=job.metadata.name, namespace=job.metadata.namespace, model_path=s.model.path,
             method=s.method, preference=s.preference, evaluation=s.evaluation,
-            data=s.data, reward=s.reward, environment=s.environment, algorithm=s.algorithm,
+            data=s.data, reward=s.reward, environment=s.environment, algorithm=algorithm,
             sampling=SamplingConfig(samples_per_prompt=r.samples_per_prompt, max_tokens=r.max_tokens,
                                     temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                     max_staleness=r.max_staleness),

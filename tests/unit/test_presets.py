@@ -46,6 +46,19 @@ def test_resolved_config_round_trips():
     assert again.to_config() == resolved
 
 
+@pytest.mark.parametrize(("staleness", "tis_cap", "want"), [(1, None, 2.0), (2, 1.5, 1.5), (0, None, None)])
+def test_the_trainer_config_shows_the_tis_cap_it_uses(staleness, tis_cap, want):
+    """Stale rollouts (maxStaleness >= 1) are corrected with tisCap 2.0 when none is set:
+    resolved in the contract, so the mounted trainer config holds the value used."""
+    from rlhf_contract.trainer_config import TrainerConfig
+
+    data = copy.deepcopy(BASE)
+    data["spec"]["rollout"]["maxStaleness"] = staleness
+    data["spec"]["algorithm"] = {"tisCap": tis_cap} if tis_cap else {}
+    config = TrainerConfig.from_json(TrainerConfig.from_job(validate_job(data)).to_json())
+    assert config.algorithm.tis_cap == want
+
+
 def errors(**spec):
     data = copy.deepcopy(BASE)
     data["spec"].update(spec)

@@ -315,7 +315,8 @@ class AlgorithmSpec(_Model):
     are penalised linearly down to -1; 0 disables it."""
     tis_cap: float | None = Field(default=None, gt=0)
     """Truncated importance sampling against the rollout engine's logprobs, weights capped
-    at this value; null disables it."""
+    at this value; null disables it (with rollout.maxStaleness >= 1 the trainer config
+    resolves null to 2.0)."""
     entropy_coef: float = Field(default=0.0, ge=0)
     """Weight of an entropy bonus in the policy loss."""
     num_mini_batches: int = Field(default=1, ge=1)

@@ -8,10 +8,8 @@ job. The README's preset table is checked against PRESETS by a test.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from .models import RLHFJobSpec
 
 _COMMON: dict[str, Any] = {
     "norm_std": False, "loss_agg": "token-mean", "clip_low": 0.2, "clip_high": 0.2, "kl_coef": 0.0,
@@ -42,7 +40,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def preset_value(preset: str, field: str, spec: "RLHFJobSpec") -> Any:
+def preset_value(preset: str, field: str, spec: Any) -> Any:
     value = PRESETS[preset][field]
     if value == "maxTokens/5":
         return spec.rollout.max_tokens // 5
@@ -71,7 +69,7 @@ def cel_resolved(field: str, yaml_name: str) -> str:
             f"{_cel_literal(PRESETS['grpo'][field])}))")
 
 
-def apply_preset(spec: "RLHFJobSpec") -> None:
+def apply_preset(spec: Any) -> None:
     """Fill every unset algorithm field from the preset (in place)."""
     algo = spec.algorithm
     for field in PRESETS[algo.preset]:

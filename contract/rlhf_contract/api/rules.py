@@ -8,7 +8,7 @@ rejects the same specs at `kubectl apply` with the same field path and message.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable
 
 from .presets import cel_resolved
 
@@ -21,8 +21,6 @@ _TP = "(has(self.trainer.parallelism) && has(self.trainer.parallelism.tensorPara
 _CP = "(has(self.trainer.parallelism) && has(self.trainer.parallelism.contextParallel) ? self.trainer.parallelism.contextParallel : 1)"
 _ALGO_MINI = "(has(self.algorithm) && has(self.algorithm.numMiniBatches) ? self.algorithm.numMiniBatches : 1)"
 
-if TYPE_CHECKING:
-    from .models import RLHFJobSpec
 
 
 @dataclass(frozen=True)
@@ -33,9 +31,9 @@ class Rule:
     """The rule as a CEL expression over `self` = the spec."""
     message: str
     """What is wrong and what to change (static; the CEL message)."""
-    check: Callable[["RLHFJobSpec"], bool]
-    """True when the spec satisfies the rule."""
-    detail: Callable[["RLHFJobSpec"], str] = lambda s: ""
+    check: Callable[[Any], bool]
+    """True when the spec (an `RLHFJobSpec`; rules import no model: models imports rules) satisfies the rule."""
+    detail: Callable[[Any], str] = lambda s: ""
     """The values involved, appended to the message in Python."""
 
 
@@ -197,7 +195,7 @@ class RuleViolations(ValueError):
         super().__init__("; ".join(f"spec.{p}: {m}" for p, m in violations))
 
 
-def check_spec(spec: "RLHFJobSpec") -> None:
+def check_spec(spec: Any) -> None:
     violations = []
     for rule in RULES:
         if not rule.check(spec):
