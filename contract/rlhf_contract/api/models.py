@@ -12,7 +12,7 @@ Cross-field rules live in `RULES` (rules.py) so that the same rule is checked he
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 from pydantic.alias_generators import to_camel
@@ -267,6 +267,8 @@ class EnvironmentSpec(_Model):
 
 
 Estimator = Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+ESTIMATORS: tuple[str, ...] = get_args(Estimator)
+"""The advantage estimators, in one place (the trainer's `compute_advantages` reads them)."""
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
 

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import torch
 
+from rlhf_contract.api.models import ESTIMATORS
 from rlhf_contract.api.rules import GROUP_ESTIMATORS
 
-ESTIMATORS = ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
 WHITEN_EPS = 1e-8
 
 
