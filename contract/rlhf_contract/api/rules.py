@@ -37,6 +37,16 @@ class Rule:
     """The values involved, appended to the message in Python."""
 
 
+def required_for_reward(reward_type: str, field: str, what: str) -> Rule:
+    """`reward.<field>` must be set when `reward.type` is `reward_type`."""
+    return Rule(
+        field_path=f"reward.{field}",
+        cel=f"self.reward.type != '{reward_type}' || has(self.reward.{field})",
+        message=f"is required when reward.type is {reward_type} ({what})",
+        check=lambda s: s.reward.type != reward_type or bool(getattr(s.reward, field)),
+    )
+
+
 RULES: tuple[Rule, ...] = (
     Rule(
         field_path="rollout.samplesPerPrompt",
@@ -54,18 +64,8 @@ RULES: tuple[Rule, ...] = (
         check=lambda s: (s.algorithm.advantage_estimator == "gae") == s.algorithm.critic,
         detail=lambda s: f"critic={s.algorithm.critic}, advantageEstimator={s.algorithm.advantage_estimator}",
     ),
-    Rule(
-        field_path="reward.file",
-        cel="self.reward.type != 'python' || has(self.reward.file)",
-        message="is required when reward.type is python (the file defining the reward function)",
-        check=lambda s: s.reward.type != "python" or bool(s.reward.file),
-    ),
-    Rule(
-        field_path="reward.model",
-        cel="self.reward.type != 'model' || has(self.reward.model)",
-        message="is required when reward.type is model (the reward model's directory, reward.model.path)",
-        check=lambda s: s.reward.type != "model" or s.reward.model is not None,
-    ),
+    required_for_reward("python", "file", "the file defining the reward function"),
+    required_for_reward("model", "model", "the reward model's directory, reward.model.path"),
     Rule(
         field_path="algorithm.dynamicSampling",
         cel=f"!has(self.reward.model) || !{DYNAMIC}",
@@ -87,12 +87,7 @@ RULES: tuple[Rule, ...] = (
         "observations are the prompts)",
         check=lambda s: (s.data.path == "builtin://gem") == (s.environment is not None and s.environment.gem is not None),
     ),
-    Rule(
-        field_path="reward.url",
-        cel="self.reward.type != 'http' || has(self.reward.url)",
-        message="is required when reward.type is http (the reward service endpoint)",
-        check=lambda s: s.reward.type != "http" or bool(s.reward.url),
-    ),
+    required_for_reward("http", "url", "the reward service endpoint"),
     Rule(
         field_path="algorithm.overlongBuffer",
         cel=f"{OVERLONG} < self.rollout.maxTokens",
