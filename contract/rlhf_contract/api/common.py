@@ -1,0 +1,129 @@
+"""Shared pieces of the RLHFJob API: the API's names, the base model every spec part derives
+from (camelCase in YAML, snake_case in Python, docstrings as descriptions, unknown fields
+refused), Kubernetes quantities and objects, and the pod template fields."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+
+API_GROUP = "rlhf.dev"
+API_VERSION = "v1alpha1"
+KIND = "RLHFJob"
+PLURAL = "rlhfjobs"
+SHORT_NAME = "rlj"
+MAX_NAME_LENGTH = 40  # `<name>-rollout-<hash>` and `<name>-trainer-worker-N` stay within 63
+
+
+class SpecModel(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        validate_default=True,
+        use_attribute_docstrings=True,
+    )
+
+
+# A Kubernetes object kept as written (a Volume, a Toleration, an Affinity): the API server
+# checks it when the operator creates the pods; the CRD keeps its unknown fields.
+KubeObject = Annotated[dict[str, Any], WithJsonSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True})]
+_QUANTITY = re.compile(r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+|Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)?$")
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
+def _quantity(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("must be a Kubernetes quantity such as 4, 500m, 64Gi")
+    if isinstance(value, (int, float)):
+        value = str(value)
+    if isinstance(value, str) and not _QUANTITY.match(value):
+        raise ValueError(f"{value!r} is not a Kubernetes quantity (examples: 4, 500m, 64Gi, 1.5)")
+    return value
+
+
+Quantity = Annotated[str, BeforeValidator(_quantity), WithJsonSchema({"x-kubernetes-int-or-string": True})]
+
+
+class Resources(SpecModel):
+    """CPU, memory and other non-GPU resources of a container (GPUs come from
+    `trainer.nprocPerNode` and `rollout.tensorParallelSize`)."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        {"rule": f"!has(self.requests) || !('{GPU_RESOURCE}' in self.requests)",
+         "message": f"{GPU_RESOURCE} is set from trainer.nprocPerNode / rollout.tensorParallelSize; remove it here"},
+        {"rule": f"!has(self.limits) || !('{GPU_RESOURCE}' in self.limits)",
+         "message": f"{GPU_RESOURCE} is set from trainer.nprocPerNode / rollout.tensorParallelSize; remove it here"},
+    ]})
+    requests: dict[str, Quantity] = {}
+    """Requested amounts, e.g. {cpu: "16", memory: 200Gi}; the scheduler reserves them."""
+    limits: dict[str, Quantity] = {}
+    """Limits, e.g. {memory: 200Gi}; a container above its memory limit is killed (OOMKilled)."""
+
+    @field_validator("requests", "limits")
+    @classmethod
+    def _no_gpus(cls, value: dict[str, str]) -> dict[str, str]:
+        if GPU_RESOURCE in value:
+            raise ValueError(f"{GPU_RESOURCE} is set from trainer.nprocPerNode / rollout.tensorParallelSize; "
+                             "remove it here")
+        return value
+
+
+class VolumeMount(SpecModel):
+    """Where a volume of `pod.volumes` appears in every container."""
+
+    name: str = Field(min_length=1)
+    """Name of a volume in `pod.volumes`."""
+    mount_path: str = Field(min_length=1, pattern=r"^/")
+    """Absolute path in the container."""
+    sub_path: str | None = None
+    """Mount only this sub-directory of the volume."""
+    read_only: bool = False
+    """Mount read-only (the output directory cannot be on such a mount)."""
+
+
+class PodTemplateSpec(SpecModel):
+    """What every pod of the job (trainer and rollout servers) gets on a real cluster:
+    where it may run and what it mounts."""
+
+    node_selector: dict[str, str] = {}
+    """Node labels a pod's node must have, e.g. {nvidia.com/gpu.product: NVIDIA-H100-80GB-HBM3}."""
+    tolerations: list[KubeObject] = []
+    """Kubernetes tolerations, e.g. [{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]."""
+    affinity: KubeObject | None = None
+    """A Kubernetes affinity (node / pod affinity and anti-affinity)."""
+    priority_class_name: str | None = None
+    """PriorityClass of the pods (preemption order)."""
+    image_pull_secrets: list[str] = []
+    """Names of Secrets (in the job's namespace) used to pull the images."""
+    volumes: list[KubeObject] = []
+    """Kubernetes volumes, e.g. [{name: work, persistentVolumeClaim: {claimName: rlhf-work}}];
+    the model, the data and the output directory must be on one of them."""
+    volume_mounts: list[VolumeMount] = []
+    """Mounts of `volumes` into every container."""
+
+    @field_validator("volumes")
+    @classmethod
+    def _named(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for i, v in enumerate(value):
+            if not isinstance(v.get("name"), str) or not v["name"]:
+                raise ValueError(f"volumes[{i}] needs a name (it is how volumeMounts refer to it)")
+        return value
+
+    @model_validator(mode="after")
+    def _mounts_name_volumes(self) -> "PodTemplateSpec":
+        names = [v["name"] for v in self.volumes]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"volumes: duplicate name(s) {', '.join(dup)}")
+        for i, m in enumerate(self.volume_mounts):
+            if m.name not in names:
+                raise ValueError(f"volumeMounts[{i}].name: {m.name!r} is not a volume in pod.volumes "
+                                 f"(have: {', '.join(names) or 'none'})")
+        return self
+
+

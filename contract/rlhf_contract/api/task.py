@@ -1,0 +1,202 @@
+"""What a job learns from: the model, the data, the reward (verifiable, code in a sandbox,
+Python, HTTP, a learned reward model), the multi-turn environment, the RL algorithm."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+from pydantic import Field
+
+from .common import SpecModel
+
+
+class ModelSpec(SpecModel):
+    """The policy model to train."""
+
+    path: str = Field(min_length=1)
+    """Hugging Face model directory (in Kubernetes: a path on a mounted volume), or a
+    built-in model: `builtin://tiny-qwen2`."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights dtype for the rollout servers (`vllm serve --dtype`)."""
+
+
+class DataSpec(SpecModel):
+    """Where prompts come from."""
+
+    path: str = Field(min_length=1)
+    """A local dataset (in Kubernetes: on a mounted volume): a JSON, JSONL, CSV, Parquet or
+    Arrow file, a directory of them, or a `save_to_disk` directory; or a built-in task:
+    `builtin://last-digit`, `builtin://sum-mod-10`."""
+    split: str = "train"
+    """Split to read from a dataset with several."""
+    prompt_key: str = "prompt"
+    """Column holding the prompt text (or a list of chat turns)."""
+    messages_key: str = "messages"
+    """Column holding chat turns ({role, content}), rendered with the model's chat template."""
+    answer_key: str = "answer"
+    """Column holding the reference answer passed to the reward (`gt_answer` is also accepted)."""
+    system_prompt: str | None = None
+    """System prompt added to every prompt through the chat template."""
+    max_prompt_length: int = Field(default=1024, ge=1)
+    """Prompts longer than this many tokens are dropped (the count is logged)."""
+    shuffle: bool = True
+    """Shuffle the prompts each epoch (seeded by `schedule.seed`)."""
+    response_key: str = "response"
+    """`method: sft`: column of the response text (with `promptKey`; or `messagesKey` turns)."""
+    chosen_key: str = "chosen"
+    """`method: rm` / `dpo`: column of the preferred response (text or an assistant message)."""
+    rejected_key: str = "rejected"
+    """`method: rm` / `dpo`: column of the dispreferred response."""
+
+
+class CodeSandboxSpec(SpecModel):
+    """Where model-written programs run (`reward.type: code`) and their per-run limits."""
+
+    url: str | None = Field(default=None, pattern=r"^https?://")
+    """A sandbox service to use (this project's `rlhf_trainer.rewards.sandbox_service`);
+    null: on a cluster the operator creates `<job>-sandbox`, locally the trainer runs programs
+    itself with bubblewrap."""
+    memory_mb: int = Field(default=512, ge=32)
+    """Address space of each process of a run (MiB)."""
+    max_processes: int = Field(default=4, ge=1, le=1024)
+    """Processes and threads of one run together."""
+    tmpfs_mb: int = Field(default=64, ge=1)
+    """The run's only writable space, /tmp (MiB, counted in memory)."""
+    max_output_kb: int = Field(default=1024, ge=1)
+    """stdout and stderr are each cut here; a run that goes past it fails its case."""
+
+
+class SandboxServiceSpec(SpecModel):
+    """The pods that run model-written programs for `reward.type: code` on a cluster
+    (`<job>-sandbox`), unless `reward.sandbox.url` names another service."""
+
+    replicas: int = Field(default=1, ge=1)
+    """Sandbox service pods (cluster only)."""
+    cpu: str = Field(default="4", pattern=r"^[0-9]+(\.[0-9]+)?m?$")
+    """CPU of each sandbox pod (request = limit); it runs that many programs at once."""
+    memory: str = Field(default="12Gi", pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$")
+    """Memory of each sandbox pod (request = limit); it runs no more programs at once than
+    fit at memoryMb x maxProcesses + tmpfsMb each."""
+    seccomp_localhost_profile: str | None = None
+    """Run the sandbox pod under this node-local seccomp profile (`Localhost`, allowed at the
+    `restricted` level) instead of RuntimeDefault, which forbids the user namespaces that
+    per-run isolation needs; the profile must allow unshare/clone with CLONE_NEWUSER."""
+
+
+class RewardModelSpec(SpecModel):
+    """A learned reward model, scored in the trainer processes (laid out like the reference
+    model: FSDP over the trainer's ranks, packed, no gradients)."""
+
+    path: str = Field(min_length=1)
+    """Directory of a Hugging Face sequence classifier with one label (what `method: rm`
+    exports to `<output>/final`); the score of a sequence is at its last token."""
+    weight: float = 1.0
+    """The step reward is the verifiable reward (0 for `type: model`) + weight x score."""
+
+
+class RewardSpec(SpecModel):
+    """How a response is scored. A reward function returns `reward` (used for advantages)
+    and `score` (logged); the built-in ones return the same number for both."""
+
+    type: Literal["exact_match", "prefix_match", "math", "code", "python", "http", "model"] = "exact_match"
+    """`exact_match` / `prefix_match`: the stripped response equals / starts with the answer;
+    `math`: the final boxed or <answer> answer is equivalent to the answer (math-verify);
+    `code`: the last fenced Python block passes the row's `test_cases` in a sandbox;
+    `python`: `function` from the user file `file`; `http`: POST to `url`; `model`: the
+    reward model `model` alone."""
+    model: RewardModelSpec | None = None
+    """A reward model whose weighted score is added to the reward (required by `type: model`;
+    with another type the two are combined)."""
+    file: str | None = None
+    """`python`: path of the file defining the reward function."""
+    function: str = "reward_fn"
+    """`python`: name of `fn(response, answer, extra_info) -> float | {reward, score}`."""
+    url: str | None = None
+    """`http`: endpoint that answers {response, answer, extra_info} with {reward, score}."""
+    timeout_seconds: float = Field(default=10.0, gt=0)
+    """`code`: wall-clock limit per test case; `math`: per answer; `http`: per request."""
+    all_or_nothing: bool = False
+    """`code`: 1 only when every test case passes (default: the fraction that pass)."""
+    require_sandbox_isolation: bool = True
+    """`code`: refuse to run model code without per-run namespaces (bubblewrap: its own root
+    filesystem view, /proc and network per run; needs unprivileged user namespaces, not root).
+    false lets the operator's sandbox pod run programs with resource limits only, where the pod
+    (no token, no data, no egress) is the only barrier, e.g. under the RuntimeDefault seccomp
+    profile, which forbids user namespaces."""
+    sandbox: CodeSandboxSpec = CodeSandboxSpec()
+    """`code`: where and within which limits model-written programs run."""
+
+
+class EnvironmentSpec(SpecModel):
+    """A multi-turn environment (RL2's contract); when set, rewards come from it."""
+
+    file: str | None = Field(default=None, min_length=1)
+    """Python file defining `async def step(state, action, extra_info)` returning
+    {next_state, reward, score, done, extra_info}."""
+    gem: str | None = Field(default=None, min_length=1)
+    """Instead of `file`: a GEM environment id (the `gem-llm` package, e.g.
+    `game:GuessTheNumber-v0-easy`); its reset observations are the prompts
+    (`data.path: builtin://gem`) and its step feedback the environment's turns."""
+    max_turns: int = Field(default=4, ge=1)
+    """Model turns per trajectory; `rollout.maxTokens` bounds the whole trajectory."""
+
+
+Estimator = Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"]
+ESTIMATORS: tuple[str, ...] = get_args(Estimator)
+"""The advantage estimators, in one place (the trainer's `compute_advantages` reads them)."""
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+
+
+class AlgorithmSpec(SpecModel):
+    """The RL algorithm. `preset` sets the defaults of every field left unset (null);
+    see presets.py and the README's preset table."""
+
+    preset: Literal["ppo", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = "grpo"
+    """A named algorithm whose settings fill every field you leave unset."""
+    advantage_estimator: Estimator | None = None
+    """How advantages are computed: gae (PPO, needs the critic), grpo, dr_grpo, rloo,
+    reinforce_pp, reinforce_pp_baseline."""
+    norm_std: bool | None = None
+    """grpo: divide by the group's std; gae: whiten advantages over the batch."""
+    loss_agg: LossAgg | None = None
+    """How per-token losses are reduced: token-mean, seq-mean-token-mean,
+    seq-mean-token-sum, seq-mean-token-sum-norm (Dr. GRPO)."""
+    clip_low: float | None = Field(default=None, ge=0)
+    """PPO ratio clip below 1: ratio >= 1 - clipLow."""
+    clip_high: float | None = Field(default=None, ge=0)
+    """PPO ratio clip above 1: ratio <= 1 + clipHigh (DAPO's clip-higher: 0.28)."""
+    dual_clip: float | None = Field(default=None, gt=1)
+    """Dual-clip constant c > 1 for negative advantages; null disables it."""
+    kl_coef: float | None = Field(default=None, ge=0)
+    """Weight of KL(policy || reference); 0 loads no reference model."""
+    kl_estimator: Literal["k1", "k2", "k3"] | None = None
+    """Per-token KL estimator (Schulman's k1, k2, k3)."""
+    kl_mode: Literal["loss", "reward"] | None = None
+    """Where the KL goes: a loss term, or a per-token penalty in the reward (before advantages)."""
+    gamma: float | None = Field(default=None, ge=0, le=1)
+    """Discount for gae and reinforce_pp."""
+    lam: float | None = Field(default=None, ge=0, le=1)
+    """GAE lambda."""
+    critic: bool | None = None
+    """Train a value model (a value head on a copy of the policy) for gae."""
+    value_clip: float | None = Field(default=None, gt=0)
+    """Clip of the value loss around the old values."""
+    critic_learning_rate: float | None = Field(default=None, gt=0)
+    """Critic AdamW learning rate; null uses trainer.learningRate."""
+    dynamic_sampling: bool | None = None
+    """DAPO: drop groups whose rewards are all equal and sample more prompts to refill."""
+    max_sampling_rounds: int = Field(default=4, ge=1)
+    """Dynamic sampling gives up refilling after this many rollout rounds per step."""
+    overlong_buffer: int | None = Field(default=None, ge=0)
+    """DAPO soft overlong punishment: the last this-many tokens before rollout.maxTokens
+    are penalised linearly down to -1; 0 disables it."""
+    tis_cap: float | None = Field(default=None, gt=0)
+    """Truncated importance sampling against the rollout engine's logprobs, weights capped
+    at this value; null disables it (with rollout.maxStaleness >= 1 the trainer config
+    resolves null to 2.0)."""
+    entropy_coef: float = Field(default=0.0, ge=0)
+    """Weight of an entropy bonus in the policy loss."""
+    num_mini_batches: int = Field(default=1, ge=1)
+    """Optimizer steps per RL step; the step's samples are split into this many parts."""
+
+

@@ -1,0 +1,186 @@
+"""How a job runs: the rollout servers, the trainer and its parallelism, the schedule, the
+outputs, the restart policy, evaluation and the preference loss."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from ..images import INFERENCE_IMAGE, TRAINER_IMAGE
+from .common import SpecModel, Resources
+
+
+class RolloutSpec(SpecModel):
+    """The rollout (generation) servers."""
+
+    engine: Literal["vllm", "cpu"] = "vllm"
+    """`vllm` on GPUs; `cpu` is the built-in Hugging Face engine (local mode always uses it)."""
+    image: str = INFERENCE_IMAGE
+    """Container image of the rollout servers: vLLM 0.33.0 (`vllm/vllm-openai:v0.33.0` plus
+    this project's inference package); any image must run a vLLM with the weight-transfer
+    API (0.32 or newer)."""
+    replicas: int = Field(default=1, ge=1)
+    """Number of rollout servers."""
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    """GPUs per rollout server (vLLM tensor parallel size)."""
+    samples_per_prompt: int = Field(default=8, ge=1)
+    """Responses sampled for each prompt (the group size)."""
+    max_tokens: int = Field(default=1024, ge=1)
+    """Maximum response length in tokens."""
+    temperature: float = Field(default=1.0, ge=0)
+    """Sampling temperature."""
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    """Nucleus sampling probability mass."""
+    top_k: int = Field(default=-1, ge=-1)
+    """Top-k sampling; -1 disables it."""
+    resources: Resources = Field(default_factory=Resources)
+    """CPU and memory of each rollout server container (GPUs: `tensorParallelSize`)."""
+    startup_timeout_seconds: int = Field(default=1800, ge=60)
+    """How long a rollout server may take to start (model load, CUDA graph capture): its
+    startup probe allows this long, and the trainer waits this long for it."""
+    max_staleness: int = Field(default=0, ge=0)
+    """Policy versions a sample may lag behind the trainer. 0: synchronous (generate, then
+    train). k >= 1: the rollouts of the next k steps are generated while the trainer trains
+    (weights are pushed between requests), stale samples are corrected by truncated
+    importance sampling (`algorithm.tisCap`, 2.0 when unset)."""
+
+
+class ParallelismSpec(SpecModel):
+    """Model and sequence parallelism; data-parallel sharding (FSDP2) takes the rest of the
+    world: dataParallel = world size / (tensorParallel x contextParallel)."""
+
+    tensor_parallel: int = Field(default=1, ge=1)
+    """Tensor-parallel degree (within a node); must divide the attention and KV heads."""
+    context_parallel: int = Field(default=1, ge=1)
+    """Context-parallel degree: each rank holds a contiguous slice of the packed sequence."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass."""
+
+
+class TrainerSpec(SpecModel):
+    """The trainer processes (torchrun)."""
+
+    image: str = TRAINER_IMAGE
+    """Container image of the trainer."""
+    num_nodes: int = Field(default=1, ge=1)
+    """Trainer pods (torchrun nodes)."""
+    nproc_per_node: int = Field(default=1, ge=1)
+    """Trainer processes per pod (GPUs per pod)."""
+    learning_rate: float = Field(default=1e-6, gt=0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(default=0.0, ge=0)
+    """AdamW weight decay."""
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    """Gradient clipping by global norm."""
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning rate after warmup: constant, linear decay or cosine decay to
+    `minLearningRateRatio` x learningRate at the last optimizer step."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """Optimizer steps of linear warmup from 0 to learningRate."""
+    min_learning_rate_ratio: float = Field(default=0.0, ge=0, le=1)
+    """Floor of the linear / cosine decay, as a fraction of learningRate."""
+    max_tokens_per_micro_batch: int = Field(default=16384, ge=1)
+    """Token budget of one packed forward/backward pass per GPU (sequences are packed
+    without padding and balanced across data-parallel ranks); must hold the longest
+    possible sequence, data.maxPromptLength + rollout.maxTokens. The default fits a 7B
+    model in bf16 with activation checkpointing under FSDP over 8 x 80 GB GPUs (the
+    log-prob head never holds more than 1024 tokens of fp32 logits)."""
+    parallelism: "ParallelismSpec" = Field(default_factory=lambda: ParallelismSpec())
+    """How the model and the sequences are split over the trainer processes."""
+    resources: Resources = Field(default_factory=Resources)
+    """CPU and memory of each trainer pod's container (GPUs: `nprocPerNode`)."""
+
+
+class ScheduleSpec(SpecModel):
+    """How long to train and how often to save."""
+
+    total_steps: int = Field(default=100, ge=1)
+    """Number of RL steps."""
+    prompts_per_step: int = Field(default=32, ge=1)
+    """Prompts sampled per RL step (each gets `rollout.samplesPerPrompt` responses)."""
+    save_every: int = Field(default=50, ge=0)
+    """Save a checkpoint every this many steps; 0 saves only the final model."""
+    seed: int = 0
+    """Seed for data order, sampling and the built-in model's weights."""
+
+
+class OutputSpec(SpecModel):
+    """Where results go."""
+
+    dir: str = ""
+    """Output directory; empty means `runs/<job name>` in local mode and `/output` in pods.
+    In pods it must be on a writable mounted volume: `claimName`, or a `pod.volumeMounts`
+    entry that contains it."""
+    claim_name: str | None = None
+    """A PersistentVolumeClaim mounted at `dir` in the trainer pods, so checkpoints survive
+    restarts (ReadWriteMany when `trainer.numNodes` > 1)."""
+    keep_checkpoints: int = Field(default=3, ge=1)
+    """How many complete checkpoints to keep."""
+    save_rollouts: bool = False
+    """Write every step's samples (token ids, loss mask, text, reward) to
+    `rollouts/step-N.jsonl` for inspection."""
+
+
+class RunPolicy(SpecModel):
+    """Restarts and lifetime, as for a Kubernetes Job."""
+
+    max_restarts: int = Field(default=3, ge=0)
+    """Whole-job restarts before the job is Failed."""
+    active_deadline_seconds: int | None = Field(default=None, ge=1)
+    """Fail the job after this many seconds of running."""
+    ttl_seconds_after_finished: int | None = Field(default=None, ge=0)
+    """Delete the job this many seconds after it finished."""
+
+
+class EvalDatasetSpec(SpecModel):
+    """One held-out prompt set, read with `spec.data`'s keys."""
+
+    name: str = Field(min_length=1, max_length=40, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    """Name in the metrics (`eval/<name>/...`, Prometheus label `dataset`)."""
+    path: str = Field(min_length=1)
+    """A file or directory as `data.path` (or a built-in task: 64 prompts unseen in training)."""
+    split: str = "train"
+    """Split of a dataset with several."""
+    max_prompts: int | None = Field(default=None, ge=1)
+    """Score only the first this-many prompts (null: all)."""
+
+
+class EvaluationSpec(SpecModel):
+    """Held-out data scored during training, for every method, before the first step, every
+    `everySteps` steps and after the last (`eval/<name>/<metric>` metrics). RL: prompt sets
+    (`datasets`) scored with the job's reward through the rollout servers. sft / rm / dpo:
+    the held-out fraction of `data.path` (`heldOutFraction`), metrics `eval/held_out/...`."""
+
+    every_steps: int = Field(default=0, ge=0)
+    """Score every this many steps (0: only before the first step and after the last)."""
+    datasets: list[EvalDatasetSpec] = Field(default_factory=list)
+    """`method: rl`: the held-out prompt sets (names unique)."""
+    held_out_fraction: float = Field(default=0.0, ge=0, lt=1)
+    """`method: sft` / `rm` / `dpo`: fraction of `data.path`'s examples held out (a built-in
+    task holds out 200 examples of a disjoint range, or this fraction x 1000)."""
+    samples_per_prompt: int = Field(default=1, ge=1)
+    """k sampled responses per prompt at the job's temperature: mean score and pass@k
+    (a prompt passes when one of its k responses scores at least 1)."""
+    greedy: bool = True
+    """Also score one greedy (temperature 0) response per prompt."""
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> "EvaluationSpec":
+        names = [d.name for d in self.datasets]
+        if len(set(names)) != len(names):
+            raise ValueError(f"evaluation.datasets: names must be unique, got {names}")
+        return self
+
+
+class PreferenceSpec(SpecModel):
+    """`method: dpo` (and `rm`'s margin): how preference pairs are turned into a loss."""
+
+    beta: float = Field(default=0.1, gt=0)
+    """DPO: scale of the implicit reward beta x (log pi - log pi_ref)."""
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    """DPO: `sigmoid` (the DPO paper) or `ipo` (squared distance to 1 / (2 beta))."""
+    label_smoothing: float = Field(default=0.0, ge=0, le=0.5)
+    """DPO and RM (sigmoid): assumed probability that a pair's label is flipped (conservative DPO)."""
+
+
