@@ -22,6 +22,8 @@ are held), and counts resets in /stats.
 
 Every blocking call (generation is already on the engine's worker thread; joining the
 group, receiving broadcasts, pausing) runs in a thread so the event loop stays free.
+The routes are grouped in routers by protocol (OpenAI, pause and cache control, weight
+transfer, weight version and checks) over one `ServerState`; `build_app` assembles them.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ import json
 import logging
 import time
 
-from fastapi import FastAPI, Query, Request
+from dataclasses import dataclass, field
+
+from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from rlhf_contract.images import VLLM_VERSION
@@ -50,15 +54,40 @@ class WeightStateError(RuntimeError):
     """A weight-transfer call out of order (vLLM raises RuntimeError: HTTP 500)."""
 
 
-def build_app(engine: Engine, *, model_name: str, model_path: str,
-              weight_timeout_s: float = 600.0, version: str = VLLM_VERSION,
-              generation_defaults: dict | None = None) -> FastAPI:
-    app = FastAPI(title="rlhf-operator CPU rollout engine")
-    receiver = WeightReceiver(timeout_s=weight_timeout_s)
-    weight_lock = asyncio.Lock()  # one weight-transfer call at a time
-    created = int(time.time())
-    state = {"update_active": False, "prefix_cache_resets": 0}
-    calls: list[str] = []  # weight-protocol calls, in order (GET /stats shows them)
+@dataclass
+class ServerState:
+    """What the routes share: the engine, the weight receiver and the update state."""
+
+    engine: Engine
+    model_name: str
+    model_path: str
+    receiver: WeightReceiver
+    version: str = VLLM_VERSION
+    generation_defaults: dict = field(default_factory=dict)
+    created: int = field(default_factory=lambda: int(time.time()))
+    weight_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """One weight-transfer call at a time."""
+    update_active: bool = False
+    prefix_cache_resets: int = 0
+    calls: list[str] = field(default_factory=list)
+    """Weight-protocol calls, in order (GET /stats shows them)."""
+
+
+async def json_body(request: Request, *, required: bool = True) -> dict:
+    raw = await request.body()
+    if not raw and not required:
+        return {}
+    try:
+        body = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise RequestError(f"Invalid JSON body: {exc}", None) from exc
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object", None)
+    return body
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Errors answer with vLLM's error body: 400 for bad payloads, 500 for state errors."""
 
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, exc: RequestError):
@@ -79,29 +108,20 @@ def build_app(engine: Engine, *, model_name: str, model_path: str,
         return JSONResponse(error_body(f"{type(exc).__name__}: {exc}", None, 500),
                             status_code=500)
 
-    async def json_body(request: Request, *, required: bool = True) -> dict:
-        raw = await request.body()
-        if not raw and not required:
-            return {}
-        try:
-            body = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise RequestError(f"Invalid JSON body: {exc}", None) from exc
-        if not isinstance(body, dict):
-            raise RequestError("request body must be a JSON object", None)
-        return body
 
-    # ---- OpenAI ------------------------------------------------------------------
+def openai_router(s: ServerState) -> APIRouter:
+    """OpenAI-compatible serving: health, version, server info, models, completions."""
+    router, engine = APIRouter(), s.engine
 
-    @app.get("/health")
+    @router.get("/health")
     async def health():
         return Response(status_code=200)
 
-    @app.get("/version")
+    @router.get("/version")
     async def version_():
-        return {"version": version}
+        return {"version": s.version}
 
-    @app.get("/server_info")
+    @router.get("/server_info")
     async def server_info(config_format: str = Query("text")):
         config = {"weight_transfer_config": {"backend": WEIGHT_TRANSFER_BACKEND},
                   "parallel_config": {"tensor_parallel_size": 1, "pipeline_parallel_size": 1,
@@ -109,18 +129,18 @@ def build_app(engine: Engine, *, model_name: str, model_path: str,
         return {"vllm_config": config if config_format == "json" else json.dumps(config),
                 "vllm_env": {}, "system_env": {"engine": "rlhf_inference.cpu_engine"}}
 
-    @app.get("/v1/models")
+    @router.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": created, "owned_by": "vllm",
-            "root": model_path, "parent": None, "max_model_len": engine.max_model_len,
+            "id": s.model_name, "object": "model", "created": s.created, "owned_by": "vllm",
+            "root": s.model_path, "parent": None, "max_model_len": engine.max_model_len,
         }]}
 
-    @app.post("/v1/completions")
+    @router.post("/v1/completions")
     async def completions(request: Request):
         req = protocol.apply_generation_defaults(protocol.parse_request(await json_body(request)),
-                                                 generation_defaults or {})
-        if req.model is not None and req.model != model_name:
+                                                 s.generation_defaults)
+        if req.model is not None and req.model != s.model_name:
             raise RequestError(f"The model `{req.model}` does not exist.", "model", 404)
         protocol.validate(req, vocab_size=engine.vocab_size)
         if engine.rejects_new_requests:
@@ -130,112 +150,135 @@ def build_app(engine: Engine, *, model_name: str, model_path: str,
         params = protocol.sampling_params(req)
         per_prompt = [engine.new_sequences(ids, params, req.n, req.seed) for ids in prompts]
         # All prompts of one request go into the queue at once: one batch if they fit.
-        await engine.generate([s for seqs in per_prompt for s in seqs])
-        return protocol.completion_response(req, model_name, engine.tokenizer, per_prompt)
+        await engine.generate([seq for seqs in per_prompt for seq in seqs])
+        return protocol.completion_response(req, s.model_name, engine.tokenizer, per_prompt)
 
-    # ---- pause / resume ----------------------------------------------------------
+    return router
 
-    @app.post("/pause")
+
+def control_router(s: ServerState) -> APIRouter:
+    """vLLM's dev-mode control: pause and resume, the prefix cache; the CPU engine's /stats."""
+    router, engine = APIRouter(), s.engine
+
+    @router.post("/pause")
     async def pause(mode: str = Query("abort"), clear_cache: bool = Query(True)):
-        calls.append(f"pause?mode={mode}")
+        s.calls.append(f"pause?mode={mode}")
         if mode not in PAUSE_MODES:
             return JSONResponse({"error": f"mode must be one of {'|'.join(PAUSE_MODES)}, "
                                           f"got {mode!r}"}, status_code=400)
         await asyncio.to_thread(engine.pause, mode)
         if clear_cache and mode != "keep":
-            state["prefix_cache_resets"] += 1
+            s.prefix_cache_resets += 1
         return {"status": "paused"}
 
-    @app.post("/resume")
+    @router.post("/resume")
     async def resume():
-        calls.append("resume")
+        s.calls.append("resume")
         engine.resume()
         return {"status": "resumed"}
 
-    @app.get("/is_paused")
+    @router.get("/is_paused")
     async def is_paused():
         return {"is_paused": engine.is_paused}
 
-    @app.post("/reset_prefix_cache")
+    @router.post("/reset_prefix_cache")
     async def reset_prefix_cache(reset_running_requests: bool = Query(False),
                                  reset_external: bool = Query(False)):
-        calls.append("reset_prefix_cache")
+        s.calls.append("reset_prefix_cache")
         success = reset_running_requests or engine.is_idle
         if success:
-            state["prefix_cache_resets"] += 1
+            s.prefix_cache_resets += 1
         return {"success": success}
 
-    # ---- weight transfer (vLLM's worker state machine) -----------------------------
+    @router.get("/stats")
+    async def stats():
+        return {**engine.stats(), "weight_update_active": s.update_active,
+                "prefix_cache_resets": s.prefix_cache_resets, "weight_calls": list(s.calls)}
 
-    @app.get("/get_world_size")
-    async def get_world_size(include_dp: bool = Query(True)):
-        return {"world_size": 1}
+    return router
 
-    @app.post("/init_weight_transfer_engine")
+
+def weight_transfer_router(s: ServerState) -> APIRouter:
+    """vLLM's weight-transfer API and its worker's state machine (see the module docstring)."""
+    router, engine, receiver = APIRouter(), s.engine, s.receiver
+
+    @router.post("/init_weight_transfer_engine")
     async def init_weight_transfer_engine(request: Request):
-        calls.append("init_weight_transfer_engine")
+        s.calls.append("init_weight_transfer_engine")
         body = await json_body(request)
         if body.get("init_info") is None:
             raise RequestError("Missing 'init_info' in request body", "init_info")
         info = InitInfo.parse(body["init_info"])
-        async with weight_lock:
+        async with s.weight_lock:
             await asyncio.to_thread(receiver.init, info)
         return {"message": "Weight transfer initialized"}
 
-    @app.post("/shutdown_weight_transfer_engine")
+    @router.post("/shutdown_weight_transfer_engine")
     async def shutdown_weight_transfer_engine():
-        calls.append("shutdown_weight_transfer_engine")
-        if state["update_active"]:
+        s.calls.append("shutdown_weight_transfer_engine")
+        if s.update_active:
             raise WeightStateError("Cannot release a trainer connection during a weight update")
         receiver.shutdown()
         return {"message": "Weight transfer shut down"}
 
-    @app.post("/start_weight_update")
+    @router.post("/start_weight_update")
     async def start_weight_update():
-        calls.append("start_weight_update")
-        if state["update_active"]:
+        s.calls.append("start_weight_update")
+        if s.update_active:
             raise WeightStateError("start_weight_update called while a weight update is already active. "
                                    "Call finish_weight_update first.")
-        state["update_active"] = True
+        s.update_active = True
         return {"message": "Weight update started"}
 
-    @app.post("/update_weights")
+    @router.post("/update_weights")
     async def update_weights(request: Request):
-        calls.append("update_weights")
+        s.calls.append("update_weights")
         body = await json_body(request)
         if body.get("update_info") is None:
             raise RequestError("Missing 'update_info' in request body", "update_info")
-        if not state["update_active"]:
+        if not s.update_active:
             raise WeightStateError("start_weight_update must be called before update_weights.")
         try:
             info = UpdateInfo.parse(body["update_info"])
             targets = engine.named_weights()
+
             def receive() -> None:
                 with engine.hold():
                     receiver.receive(info, targets, lambda pairs: copy_into(targets, pairs))
 
-            async with weight_lock:
+            async with s.weight_lock:
                 await asyncio.to_thread(receive)
         except BaseException:
-            state["update_active"] = False  # as vLLM's worker: a failed update ends the session
+            s.update_active = False  # as vLLM's worker: a failed update ends the session
             raise
         return {"message": "Weights updated"}
 
-    @app.post("/finish_weight_update")
+    @router.post("/finish_weight_update")
     async def finish_weight_update(request: Request):
-        calls.append("finish_weight_update")
+        s.calls.append("finish_weight_update")
         body = await json_body(request, required=False)
         version = body.get("weight_version")
         if version is not None and not isinstance(version, str):
             raise RequestError(f"weight_version must be a string, got {version!r}", "weight_version")
-        if not state["update_active"]:
+        if not s.update_active:
             raise WeightStateError("finish_weight_update called without a matching start_weight_update.")
-        state["update_active"] = False
+        s.update_active = False
         if version is not None:
             engine.weight_version = version
         return {"message": "Weight update finished"}
 
-    @app.post("/update_weight_version")
+    return router
+
+
+def weight_info_router(s: ServerState) -> APIRouter:
+    """The weights' world size, version and checksums."""
+    router, engine = APIRouter(), s.engine
+
+    @router.get("/get_world_size")
+    async def get_world_size(include_dp: bool = Query(True)):
+        return {"world_size": 1}
+
+    @router.post("/update_weight_version")
     async def update_weight_version(request: Request):
         body = await json_body(request)
         if "new_version" not in body:
@@ -243,11 +286,11 @@ def build_app(engine: Engine, *, model_name: str, model_path: str,
         engine.weight_version = str(body["new_version"])
         return {"success": True, "new_version": engine.weight_version}
 
-    @app.get("/weight_info")
+    @router.get("/weight_info")
     async def weight_info():
         return {"weight_version": engine.weight_version}
 
-    @app.post("/weight_checker")
+    @router.post("/weight_checker")
     async def weight_checker(request: Request):
         body = await json_body(request)
         action = body.get("action")
@@ -264,9 +307,16 @@ def build_app(engine: Engine, *, model_name: str, model_path: str,
                             if baseline.get(n) != checksums.get(n))
         return {"match": not mismatches, "mismatches": mismatches}
 
-    @app.get("/stats")
-    async def stats():
-        return {**engine.stats(), "weight_update_active": state["update_active"],
-                "prefix_cache_resets": state["prefix_cache_resets"], "weight_calls": list(calls)}
+    return router
 
+
+def build_app(engine: Engine, *, model_name: str, model_path: str,
+              weight_timeout_s: float = 600.0, version: str = VLLM_VERSION,
+              generation_defaults: dict | None = None) -> FastAPI:
+    app = FastAPI(title="rlhf-operator CPU rollout engine")
+    state = ServerState(engine, model_name, model_path, WeightReceiver(timeout_s=weight_timeout_s), version,
+                        generation_defaults or {})
+    add_error_handlers(app)
+    for router in (openai_router, control_router, weight_transfer_router, weight_info_router):
+        app.include_router(router(state))
     return app
