@@ -22,7 +22,8 @@ would wait for ever: an API server keeps a Terminating pod until its kubelet con
 
 Phases: Pending (children or pods not yet scheduled), Initializing (pods placed, not all
 running and ready), Running, Restarting, Suspended, Succeeded, Failed. Conditions, each
-set by its own function: Suspended, Running, Restarting, Succeeded, Failed.
+set by its own function: conditions.py. What pods and workloads say (failures, lost
+nodes, readiness): failures.py.
 
 Simplifications: a rollout pod that the StatefulSet replaced while the operator was down
 is noticed only through its containers' restart counts; `activeDeadlineSeconds` counts
@@ -33,29 +34,25 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from typing import Any, Callable
 
 from rlhf_contract.api.models import RLHFJob
-from .builders.meta import LABEL_JOB_UID, LABEL_ROLE, ROLE_ROLLOUT, ROLE_TRAINER, attempt_of
 
-# Exit codes of our entry points that no restart can fix (the one list of them).
-PERMANENT_EXIT_CODES: dict[int, str] = {
-    2: "invalid job config or command-line usage",
-    126: "command not executable (broken image)",
-    127: "command not found (broken image)",
-}
+from .builders.meta import LABEL_JOB_UID, LABEL_ROLE, ROLE_ROLLOUT, ROLE_TRAINER, attempt_of
+from .conditions import CONDITION_TYPES, conditions_by_type, set_conditions
+from .failures import (NODE_LOST_AFTER, PERMANENT_EXIT_CODES, Failure, attempt_failure, labels, lost_pod,
+                       parse_time, pod_failure, pod_ready, true_condition)
+
+__all__ = ["NODE_LOST_AFTER", "PERMANENT_EXIT_CODES", "Event", "Failure", "Observed", "Plan", "attempt_failure",
+           "lost_pod", "parse_time", "plan", "pod_failure", "set_conditions"]
 
 TERMINAL = ("Succeeded", "Failed")
 TERMINAL_GRACE = timedelta(seconds=60)
-# A pod on a node that has not been Ready for this long is lost (see the module docstring).
-NODE_LOST_AFTER = timedelta(seconds=60)
 # The training-operator deletes a failed trainer pod at once; its exit code reaches us
 # through the pod's watch events. A PyTorchJob marked Failed with no failed pod in sight
 # is therefore given this long for that evidence before it counts as a retryable failure.
 EVIDENCE_GRACE = timedelta(seconds=10)
-CONDITION_TYPES = ("Suspended", "Running", "Restarting", "Succeeded", "Failed")
-
 
 @dataclass
 class Observed:
@@ -69,36 +66,6 @@ class Observed:
     nodes_not_ready: dict[str, datetime] = field(default_factory=dict)
     """Nodes of the job's pods that are not Ready: name -> since when (the Ready
     condition's lastTransitionTime)."""
-
-
-@dataclass(frozen=True)
-class Failure:
-    pod: str
-    role: str
-    container: str | None
-    exit_code: int | None
-    reason: str
-    message: str = ""
-
-    @property
-    def permanent(self) -> bool:
-        return self.exit_code in PERMANENT_EXIT_CODES
-
-    def describe(self) -> str:
-        what = f"{self.role} pod {self.pod}"
-        if self.container:
-            what += f" container {self.container}"
-        if self.exit_code is not None:
-            what += f" exited with code {self.exit_code}"
-            if self.exit_code in PERMANENT_EXIT_CODES:
-                what += f" ({PERMANENT_EXIT_CODES[self.exit_code]})"
-        else:
-            what += " failed"
-        if self.reason:
-            what += f" [{self.reason}]"
-        if self.message:
-            what += f": {' '.join(self.message.split())[-300:]}"
-        return what
 
 
 @dataclass(frozen=True)
@@ -125,107 +92,11 @@ class Plan:
     events: list[Event] = field(default_factory=list)
 
 
-# ---------------------------------------------------------------- helpers
-
-
-def _ts(now: datetime) -> str:
-    return now.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def parse_time(text: str | None) -> datetime | None:
-    if not text:
-        return None
-    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
-
-
-def _labels(obj: dict[str, Any]) -> dict[str, str]:
-    return obj.get("metadata", {}).get("labels") or {}
-
-
 def _owned_by(obj: dict[str, Any], uid: str) -> bool:
     return any(r.get("uid") == uid and r.get("controller") for r in obj.get("metadata", {}).get("ownerReferences") or [])
 
 
-
-
-def _conditions(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {c["type"]: c for c in status.get("conditions") or []}
-
-
-def _set(conds: dict[str, dict[str, Any]], type_: str, value: bool | None, reason: str, message: str,
-         now: datetime) -> None:
-    """Set (or, with value None, leave absent) one condition; the transition time moves
-    only when the status does."""
-    if value is None:
-        return
-    status = "True" if value else "False"
-    old = conds.get(type_)
-    when = old.get("lastTransitionTime") if old and old.get("status") == status else _ts(now)
-    conds[type_] = {"type": type_, "status": status, "reason": reason, "message": message,
-                    "lastTransitionTime": when}
-
-
-def pod_failure(pod: dict[str, Any]) -> Failure | None:
-    """The first sign that a pod failed: a container that terminated (any exit code for a
-    rollout server, which must never exit; non-zero for a trainer), a container restart,
-    or a Failed phase (evictions)."""
-    role = _labels(pod).get(LABEL_ROLE, "?")
-    name = pod["metadata"]["name"]
-    st = pod.get("status") or {}
-    for cs in (st.get("initContainerStatuses") or []) + (st.get("containerStatuses") or []):
-        for key in ("state", "lastState"):
-            term = (cs.get(key) or {}).get("terminated")
-            if term and (term.get("exitCode", 0) != 0 or role == ROLE_ROLLOUT):
-                return Failure(name, role, cs.get("name"), term.get("exitCode"), term.get("reason") or "",
-                               term.get("message") or "")
-        if role == ROLE_ROLLOUT and cs.get("restartCount", 0) > 0:
-            return Failure(name, role, cs.get("name"), None, "ContainerRestarted")
-    if st.get("phase") == "Failed":
-        return Failure(name, role, None, None, st.get("reason") or "PodFailed", st.get("message") or "")
-    if st.get("phase") == "Succeeded" and role == ROLE_ROLLOUT:
-        return Failure(name, role, None, 0, "RolloutServerExited")
-    return None
-
-
-def lost_pod(pod: dict[str, Any], nodes_not_ready: dict[str, datetime], now: datetime,
-             after: timedelta = NODE_LOST_AFTER) -> Failure | None:
-    """The pod's node has not been Ready for `after`: the pod is lost with it."""
-    node = (pod.get("spec") or {}).get("nodeName")
-    since = nodes_not_ready.get(node) if node else None
-    if since is None or now < since + after:
-        return None
-    return Failure(pod["metadata"]["name"], _labels(pod).get(LABEL_ROLE, "?"), None, None, "NodeLost",
-                   f"node {node} not Ready since {_ts(since)}")
-
-
-def attempt_failure(pods: list[dict[str, Any]],
-                    lost: Callable[[dict[str, Any]], Failure | None] = lambda pod: None) -> Failure | None:
-    """The first failure (by pod name) among the pods of one attempt: `pod_failure`, or
-    `lost` (the pod's node is gone). A server's does not count once a trainer pod has
-    succeeded (Succeeded dominates)."""
-    trainer_done = any(_labels(p).get(LABEL_ROLE) == ROLE_TRAINER
-                       and (p.get("status") or {}).get("phase") == "Succeeded" for p in pods)
-    for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
-        failure = pod_failure(pod) or lost(pod)
-        if failure and not (trainer_done and failure.role == ROLE_ROLLOUT):
-            return failure
-    return None
-
-
-def _ptj_condition(ptj: dict[str, Any] | None, type_: str) -> dict[str, Any] | None:
-    for c in (ptj or {}).get("status", {}).get("conditions") or []:
-        if c.get("type") == type_ and c.get("status") == "True":
-            return c
-    return None
-
-
-def _ready(pod: dict[str, Any]) -> bool:
-    return any(c.get("type") == "Ready" and c.get("status") == "True"
-               for c in (pod.get("status") or {}).get("conditions") or [])
-
-
 # ---------------------------------------------------------------- the plan
-
 
 def plan(body: dict[str, Any], job: RLHFJob | None, observed: Observed, now: datetime,
          invalid: str | None = None, node_lost_after: timedelta = NODE_LOST_AFTER) -> Plan:
@@ -241,115 +112,151 @@ def plan(body: dict[str, Any], job: RLHFJob | None, observed: Observed, now: dat
     return result
 
 
-def _plan(body: dict[str, Any], job: RLHFJob | None, observed: Observed, now: datetime, invalid: str | None,
-          node_lost_after: timedelta) -> Plan:
+@dataclass
+class _Context:
+    """The job's status and children as one reconcile sees them."""
+
+    meta: dict[str, Any]
+    restarts: int
+    conds: dict[str, dict[str, Any]]
+    prev_phase: str | None
+    progress: dict[str, Any]
+    ours: list[dict[str, Any]]
+    """The job's own pods (by the job's uid)."""
+    current: dict[str, dict[str, Any]]
+    """The workloads of this attempt, by kind."""
+    stale: list[str]
+    """Kinds of workload of an earlier attempt (or an earlier job of the same name)."""
+    live: dict[str, dict[str, Any]]
+    """Every workload not being deleted, by kind."""
+
+
+def _context(body: dict[str, Any], job: RLHFJob | None, observed: Observed) -> _Context:
     meta = body.get("metadata", {})
     uid = meta.get("uid", "")
     old = copy.deepcopy(body.get("status") or {})
     restarts = int(old.get("restarts") or 0)
-    conds = _conditions(old)
-    prev_phase = old.get("phase")
     progress = dict(old.get("progress") or {})
     if job is not None and not progress.get("totalSteps"):
         progress["totalSteps"] = job.spec.schedule.total_steps
-
-    ours = [p for p in observed.pods if _labels(p).get(LABEL_JOB_UID) == uid]
     workloads = {"StatefulSet": observed.statefulset, "PyTorchJob": observed.pytorchjob, "JobSet": observed.jobset}
     # A JobSet lives through every attempt (it restarts its own jobs).
     current = {k: w for k, w in workloads.items() if w is not None and _owned_by(w, uid)
                and (k == "JobSet" or attempt_of(w) == restarts) and not w["metadata"].get("deletionTimestamp")}
     stale = [k for k, w in workloads.items() if w is not None and k not in current
              and not w["metadata"].get("deletionTimestamp")]
+    live = {k: w for k, w in workloads.items() if w is not None and not w["metadata"].get("deletionTimestamp")}
+    return _Context(meta, restarts, conditions_by_type(old), old.get("phase"), progress,
+                    [p for p in observed.pods if labels(p).get(LABEL_JOB_UID) == uid], current, stale, live)
+
+
+def _finisher(c: _Context, now: datetime) -> Callable[..., Plan]:
+    """`finish(phase, reason, message, ...)`: the Plan of a decided phase (conditions,
+    status, events and actions)."""
 
     def finish(phase: str, reason: str, message: str, *, create: bool = False, support: bool = False,
                delete: list[str] | None = None, delete_job: bool = False, restart: bool = False,
                restarts_now: int | None = None) -> Plan:
-        set_conditions(conds, phase, reason, message, now)
+        set_conditions(c.conds, phase, reason, message, now)
         status = {
             "phase": phase,
-            "conditions": [conds[t] for t in CONDITION_TYPES if t in conds],
-            "observedGeneration": meta.get("generation"),
-            "restarts": restarts_now if restarts_now is not None else restarts + (1 if restart else 0),
-            "progress": progress,
+            "conditions": [c.conds[t] for t in CONDITION_TYPES if t in c.conds],
+            "observedGeneration": c.meta.get("generation"),
+            "restarts": restarts_now if restarts_now is not None else c.restarts + (1 if restart else 0),
+            "progress": c.progress,
         }
         events = []
-        if phase != prev_phase or restart:
+        if phase != c.prev_phase or restart:
             warn = phase in ("Failed", "Restarting")
             events.append(Event("Warning" if warn else "Normal", reason if warn else phase, message))
         return Plan(status, apply_support=support, create_workloads=create, delete=delete or [],
                     delete_job=delete_job, events=events)
 
-    live = {k: w for k, w in workloads.items() if w is not None and not w["metadata"].get("deletionTimestamp")}
+    return finish
 
-    # Terminal: nothing is created again. The rollout servers go at once; an unfinished
-    # PyTorchJob after a grace period (a finished one keeps its failed pods for their logs).
-    if prev_phase in TERMINAL:
-        cond = conds.get(prev_phase, {})
-        finished = parse_time(cond.get("lastTransitionTime")) or now
-        ptj_done = (_ptj_condition(observed.pytorchjob, "Succeeded") or _ptj_condition(observed.pytorchjob, "Failed")
-                    or _ptj_condition(observed.jobset, "Completed") or _ptj_condition(observed.jobset, "Failed"))
-        delete = [k for k in live if k == "StatefulSet" or (not ptj_done and now >= finished + TERMINAL_GRACE)]
-        ttl = job.spec.run_policy.ttl_seconds_after_finished if job else None
-        expired = ttl is not None and now >= finished + timedelta(seconds=ttl)
-        return finish(prev_phase, cond.get("reason", prev_phase), cond.get("message", ""), delete=delete,
-                      delete_job=expired)
 
+def _plan(body: dict[str, Any], job: RLHFJob | None, observed: Observed, now: datetime, invalid: str | None,
+          node_lost_after: timedelta) -> Plan:
+    c = _context(body, job, observed)
+    finish = _finisher(c, now)
+    if c.prev_phase in TERMINAL:
+        return _terminal(job, observed, c, now, finish)
     if job is None:
-        return finish("Failed", "InvalidSpec", invalid or "the job does not validate", delete=list(live))
-
+        return finish("Failed", "InvalidSpec", invalid or "the job does not validate", delete=list(c.live))
     if job.spec.backend == "JobSet":
-        return _plan_jobset(job, meta, observed, ours, current, restarts, conds, now, finish)
+        return _plan_jobset(job, c.meta, observed, c.ours, c.current, c.restarts, c.conds, now, finish)
+    return _plan_pytorchjob(job, observed, c, now, node_lost_after, finish)
 
-    if job.spec.suspend:
-        return finish("Suspended", "Suspended", "spec.suspend is true: pods deleted, checkpoints kept",
-                      support=True, delete=list(live))
 
-    # Succeeded dominates: a finished trainer is never restarted, whatever the servers do.
-    if _ptj_condition(current.get("PyTorchJob"), "Succeeded"):
-        return finish("Succeeded", "TrainerSucceeded", "the trainer finished every step",
-                      delete=[k for k in live if k == "StatefulSet"])
-    # Failures of the current attempt (a server's, once the trainer is done, do not count).
-    failure = attempt_failure([p for p in ours if attempt_of(p) == restarts],
+def _terminal(job: RLHFJob | None, observed: Observed, c: _Context, now: datetime, finish) -> Plan:
+    """Terminal: nothing is created again. The rollout servers go at once; an unfinished
+    PyTorchJob after a grace period (a finished one keeps its failed pods for their logs)."""
+    cond = c.conds.get(c.prev_phase, {})
+    finished = parse_time(cond.get("lastTransitionTime")) or now
+    done = (true_condition(observed.pytorchjob, "Succeeded") or true_condition(observed.pytorchjob, "Failed")
+            or true_condition(observed.jobset, "Completed") or true_condition(observed.jobset, "Failed"))
+    delete = [k for k in c.live if k == "StatefulSet" or (not done and now >= finished + TERMINAL_GRACE)]
+    ttl = job.spec.run_policy.ttl_seconds_after_finished if job else None
+    expired = ttl is not None and now >= finished + timedelta(seconds=ttl)
+    return finish(c.prev_phase, cond.get("reason", c.prev_phase), cond.get("message", ""), delete=delete,
+                  delete_job=expired)
+
+
+def _trainer_failure(observed: Observed, c: _Context, now: datetime, node_lost_after: timedelta) -> Failure | None:
+    """The first failure of the current attempt (a server's, once the trainer is done, does
+    not count), or a Failed PyTorchJob whose failed pod has not been seen in time."""
+    failure = attempt_failure([p for p in c.ours if attempt_of(p) == c.restarts],
                               lambda pod: lost_pod(pod, observed.nodes_not_ready, now, node_lost_after))
-    ptj_failed = _ptj_condition(current.get("PyTorchJob"), "Failed")
+    ptj_failed = true_condition(c.current.get("PyTorchJob"), "Failed")
     if ptj_failed and now < (parse_time(ptj_failed.get("lastTransitionTime")) or now) + EVIDENCE_GRACE:
         ptj_failed = None  # wait a moment for the failed pod's exit code
     if failure is None and ptj_failed:
-        failure = Failure(current["PyTorchJob"]["metadata"]["name"], ROLE_TRAINER, None, None,
+        failure = Failure(c.current["PyTorchJob"]["metadata"]["name"], ROLE_TRAINER, None, None,
                           ptj_failed.get("reason") or "PyTorchJobFailed", ptj_failed.get("message") or "")
+    return failure
+
+
+def _plan_pytorchjob(job: RLHFJob, observed: Observed, c: _Context, now: datetime, node_lost_after: timedelta,
+                     finish) -> Plan:
+    """Backend PyTorchJob + StatefulSet: the operator restarts the whole job itself."""
+    if job.spec.suspend:
+        return finish("Suspended", "Suspended", "spec.suspend is true: pods deleted, checkpoints kept",
+                      support=True, delete=list(c.live))
+    # Succeeded dominates: a finished trainer is never restarted, whatever the servers do.
+    if true_condition(c.current.get("PyTorchJob"), "Succeeded"):
+        return finish("Succeeded", "TrainerSucceeded", "the trainer finished every step",
+                      delete=[k for k in c.live if k == "StatefulSet"])
+    failure = _trainer_failure(observed, c, now, node_lost_after)
     if failure is not None:
         # Keep a failed trainer's PyTorchJob (its pods' logs); stop everything else.
-        stop = [k for k in live if not (k == "PyTorchJob" and failure.role == ROLE_TRAINER)]
+        stop = [k for k in c.live if not (k == "PyTorchJob" and failure.role == ROLE_TRAINER)]
         if failure.permanent:
             return finish("Failed", "PermanentError", failure.describe(), delete=stop)
         max_restarts = job.spec.run_policy.max_restarts
-        if restarts >= max_restarts:
+        if c.restarts >= max_restarts:
             return finish("Failed", "RestartLimitExceeded",
                           f"{failure.describe()}; no restarts left (runPolicy.maxRestarts={max_restarts})",
                           delete=stop)
         return finish("Restarting", "PodFailed",
-                      f"{failure.describe()}; restart {restarts + 1} of {max_restarts}, resuming from the "
-                      "newest checkpoint", support=True, delete=list(live), restart=True)
-
-    if _deadline_passed(job, meta, conds, now):
+                      f"{failure.describe()}; restart {c.restarts + 1} of {max_restarts}, resuming from the "
+                      "newest checkpoint", support=True, delete=list(c.live), restart=True)
+    if _deadline_passed(job, c.meta, c.conds, now):
         return finish("Failed", "DeadlineExceeded",
                       f"ran longer than runPolicy.activeDeadlineSeconds ({job.spec.run_policy.active_deadline_seconds} s)",
-                      delete=list(live))
-
+                      delete=list(c.live))
     # Workloads of an earlier attempt (or of an earlier job of the same name) still exist,
     # or their pods do: delete, and create the new attempt only once no pod is left.
-    leftovers = [p for p in observed.pods if p not in ours or attempt_of(p) != restarts]
-    if stale or (not current and leftovers):
-        restarting = conds.get("Restarting", {})
+    leftovers = [p for p in observed.pods if p not in c.ours or attempt_of(p) != c.restarts]
+    if c.stale or (not c.current and leftovers):
+        restarting = c.conds.get("Restarting", {})
         if restarting.get("status") == "True":
             return finish("Restarting", restarting.get("reason", "PodFailed"), restarting.get("message", ""),
-                          support=True, delete=stale)
+                          support=True, delete=c.stale)
         return finish("Pending", "WaitingForOldPods",
                       f"waiting for {len(leftovers)} pod(s) of an earlier run to be deleted", support=True,
-                      delete=stale)
-
+                      delete=c.stale)
     required = ["PyTorchJob"] if job.spec.offline else ["StatefulSet", "PyTorchJob"]
-    return _pods_phase(job, ours, restarts, all(k in current for k in required), finish)
+    return _pods_phase(job, c.ours, c.restarts, all(k in c.current for k in required), finish)
 
 
 def _deadline_passed(job: RLHFJob, meta: dict[str, Any], conds: dict[str, dict[str, Any]], now: datetime) -> bool:
@@ -370,7 +277,7 @@ def _pods_phase(job: RLHFJob, ours: list[dict[str, Any]], attempt: int, workload
     else:
         expected = {ROLE_ROLLOUT: job.spec.rollout.replicas, ROLE_TRAINER: job.spec.trainer.num_nodes}
     pods = [p for p in ours if attempt_of(p) == attempt and not p["metadata"].get("deletionTimestamp")]
-    by_role = {r: [p for p in pods if _labels(p).get(LABEL_ROLE) == r] for r in expected}
+    by_role = {r: [p for p in pods if labels(p).get(LABEL_ROLE) == r] for r in expected}
     counts = ", ".join(f"{sum((p.get('status') or {}).get('phase') == 'Running' for p in by_role[r])}/{n} {r}"
                        for r, n in expected.items())
     if not workloads_exist or any(len(by_role[r]) < n for r, n in expected.items()):
@@ -379,7 +286,7 @@ def _pods_phase(job: RLHFJob, ours: list[dict[str, Any]], attempt: int, workload
         return finish("Pending", "Unschedulable" if _unschedulable(pods) else "Scheduling",
                       f"waiting for pods to be scheduled: {counts} running", support=True, create=True)
     running = all((p.get("status") or {}).get("phase") == "Running" for p in pods)
-    ready = all(_ready(p) for p in by_role.get(ROLE_ROLLOUT, []))
+    ready = all(pod_ready(p) for p in by_role.get(ROLE_ROLLOUT, []))
     if running and ready:
         return finish("Running", "AllPodsRunning",
                       f"{counts} running" + ("" if job.spec.offline else "; rollout servers ready"), support=True,
@@ -414,9 +321,9 @@ def _plan_jobset(job: RLHFJob, meta: dict[str, Any], observed: Observed, ours: l
     def failure_of(attempts: range) -> Failure | None:
         return attempt_failure([p for p in ours if attempt_of(p) in attempts])
 
-    if _ptj_condition(js, "Completed"):
+    if true_condition(js, "Completed"):
         return finish("Succeeded", "TrainerSucceeded", "the trainer finished every step", restarts_now=js_restarts)
-    if failed := _ptj_condition(js, "Failed"):
+    if failed := true_condition(js, "Failed"):
         failure = failure_of(range(js_restarts, js_restarts + 1))
         what = failure.describe() if failure else (failed.get("message") or "the JobSet failed")
         if failed.get("reason") == "FailJobSetFailurePolicyAction" or (failure and failure.permanent):
@@ -455,46 +362,3 @@ def _plan_jobset(job: RLHFJob, meta: dict[str, Any], observed: Observed, ours: l
 
 def _unschedulable(pods: list[dict[str, Any]]) -> bool:
     return any(c.get("reason") == "Unschedulable" for p in pods for c in (p.get("status") or {}).get("conditions") or [])
-
-
-# ---------------------------------------------------------------- conditions, one function each
-
-
-def set_conditions(conds: dict[str, dict[str, Any]], phase: str, reason: str, message: str, now: datetime) -> None:
-    _set(conds, "Suspended", *suspended_condition(conds, phase, reason, message), now)
-    _set(conds, "Running", *running_condition(conds, phase, reason, message), now)
-    _set(conds, "Restarting", *restarting_condition(conds, phase, reason, message), now)
-    _set(conds, "Succeeded", *succeeded_condition(conds, phase, reason, message), now)
-    _set(conds, "Failed", *failed_condition(conds, phase, reason, message), now)
-
-
-def suspended_condition(conds, phase, reason, message) -> tuple[bool | None, str, str]:
-    if phase == "Suspended":
-        return True, reason, message
-    if "Suspended" in conds and conds["Suspended"]["status"] == "True":
-        return False, "Resumed", "spec.suspend is false: the job runs again from its newest checkpoint"
-    return None, "", ""  # unchanged (or absent)
-
-
-def running_condition(conds, phase, reason, message) -> tuple[bool | None, str, str]:
-    if phase == "Running":
-        return True, reason, message
-    if "Running" in conds:
-        return False, reason, message
-    return None, "", ""
-
-
-def restarting_condition(conds, phase, reason, message) -> tuple[bool | None, str, str]:
-    if phase == "Restarting":
-        return True, reason, message
-    if conds.get("Restarting", {}).get("status") == "True":
-        return False, "Restarted", f"new pods created after: {conds['Restarting'].get('message', '')}"
-    return None, "", ""
-
-
-def succeeded_condition(conds, phase, reason, message) -> tuple[bool | None, str, str]:
-    return (True, reason, message) if phase == "Succeeded" else (None, "", "")
-
-
-def failed_condition(conds, phase, reason, message) -> tuple[bool | None, str, str]:
-    return (True, reason, message) if phase == "Failed" else (None, "", "")

@@ -1,0 +1,69 @@
+"""The job's status conditions, each set by its own small function from the phase just
+decided: Suspended, Running, Restarting, Succeeded, Failed. A condition's transition time
+moves only when its status does."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from .failures import ts
+
+CONDITION_TYPES = ("Suspended", "Running", "Restarting", "Succeeded", "Failed")
+
+
+def conditions_by_type(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["type"]: c for c in status.get("conditions") or []}
+
+
+def _set(conds: dict[str, dict[str, Any]], type_: str, value: bool | None, reason: str, message: str,
+         now: datetime) -> None:
+    """Set (or, with value None, leave absent) one condition; the transition time moves
+    only when the status does."""
+    if value is None:
+        return
+    status = "True" if value else "False"
+    old = conds.get(type_)
+    when = old.get("lastTransitionTime") if old and old.get("status") == status else ts(now)
+    conds[type_] = {"type": type_, "status": status, "reason": reason, "message": message,
+                    "lastTransitionTime": when}
+
+
+def set_conditions(conds: dict[str, dict[str, Any]], phase: str, reason: str, message: str, now: datetime) -> None:
+    _set(conds, "Suspended", *suspended_condition(conds, phase, reason, message), now)
+    _set(conds, "Running", *running_condition(conds, phase, reason, message), now)
+    _set(conds, "Restarting", *restarting_condition(conds, phase, reason, message), now)
+    _set(conds, "Succeeded", *succeeded_condition(conds, phase, reason, message), now)
+    _set(conds, "Failed", *failed_condition(conds, phase, reason, message), now)
+
+
+def suspended_condition(conds, phase, reason, message) -> tuple[bool | None, str, str]:
+    if phase == "Suspended":
+        return True, reason, message
+    if "Suspended" in conds and conds["Suspended"]["status"] == "True":
+        return False, "Resumed", "spec.suspend is false: the job runs again from its newest checkpoint"
+    return None, "", ""  # unchanged (or absent)
+
+
+def running_condition(conds, phase, reason, message) -> tuple[bool | None, str, str]:
+    if phase == "Running":
+        return True, reason, message
+    if "Running" in conds:
+        return False, reason, message
+    return None, "", ""
+
+
+def restarting_condition(conds, phase, reason, message) -> tuple[bool | None, str, str]:
+    if phase == "Restarting":
+        return True, reason, message
+    if conds.get("Restarting", {}).get("status") == "True":
+        return False, "Restarted", f"new pods created after: {conds['Restarting'].get('message', '')}"
+    return None, "", ""
+
+
+def succeeded_condition(conds, phase, reason, message) -> tuple[bool | None, str, str]:
+    return (True, reason, message) if phase == "Succeeded" else (None, "", "")
+
+
+def failed_condition(conds, phase, reason, message) -> tuple[bool | None, str, str]:
+    return (True, reason, message) if phase == "Failed" else (None, "", "")

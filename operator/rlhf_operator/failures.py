@@ -1,0 +1,125 @@
+"""What the pods and workloads of a job say, read without side effects: a pod's failure
+(`pod_failure`), a pod lost with its node (`lost_pod`), the first failure of an attempt
+(`attempt_failure`), a workload's True condition, a pod's readiness. Exit codes that no
+restart can fix are `PERMANENT_EXIT_CODES` (the one list of them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any, Callable
+
+from .builders.meta import LABEL_ROLE, ROLE_ROLLOUT, ROLE_TRAINER
+
+# Exit codes of our entry points that no restart can fix (the one list of them).
+PERMANENT_EXIT_CODES: dict[int, str] = {
+    2: "invalid job config or command-line usage",
+    126: "command not executable (broken image)",
+    127: "command not found (broken image)",
+}
+
+# A pod on a node that has not been Ready for this long is lost (see the module docstring).
+NODE_LOST_AFTER = timedelta(seconds=60)
+
+@dataclass(frozen=True)
+class Failure:
+    pod: str
+    role: str
+    container: str | None
+    exit_code: int | None
+    reason: str
+    message: str = ""
+
+    @property
+    def permanent(self) -> bool:
+        return self.exit_code in PERMANENT_EXIT_CODES
+
+    def describe(self) -> str:
+        what = f"{self.role} pod {self.pod}"
+        if self.container:
+            what += f" container {self.container}"
+        if self.exit_code is not None:
+            what += f" exited with code {self.exit_code}"
+            if self.exit_code in PERMANENT_EXIT_CODES:
+                what += f" ({PERMANENT_EXIT_CODES[self.exit_code]})"
+        else:
+            what += " failed"
+        if self.reason:
+            what += f" [{self.reason}]"
+        if self.message:
+            what += f": {' '.join(self.message.split())[-300:]}"
+        return what
+
+
+def ts(now: datetime) -> str:
+    return now.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(text: str | None) -> datetime | None:
+    if not text:
+        return None
+    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+
+
+def labels(obj: dict[str, Any]) -> dict[str, str]:
+    return obj.get("metadata", {}).get("labels") or {}
+
+
+def pod_failure(pod: dict[str, Any]) -> Failure | None:
+    """The first sign that a pod failed: a container that terminated (any exit code for a
+    rollout server, which must never exit; non-zero for a trainer), a container restart,
+    or a Failed phase (evictions)."""
+    role = labels(pod).get(LABEL_ROLE, "?")
+    name = pod["metadata"]["name"]
+    st = pod.get("status") or {}
+    for cs in (st.get("initContainerStatuses") or []) + (st.get("containerStatuses") or []):
+        for key in ("state", "lastState"):
+            term = (cs.get(key) or {}).get("terminated")
+            if term and (term.get("exitCode", 0) != 0 or role == ROLE_ROLLOUT):
+                return Failure(name, role, cs.get("name"), term.get("exitCode"), term.get("reason") or "",
+                               term.get("message") or "")
+        if role == ROLE_ROLLOUT and cs.get("restartCount", 0) > 0:
+            return Failure(name, role, cs.get("name"), None, "ContainerRestarted")
+    if st.get("phase") == "Failed":
+        return Failure(name, role, None, None, st.get("reason") or "PodFailed", st.get("message") or "")
+    if st.get("phase") == "Succeeded" and role == ROLE_ROLLOUT:
+        return Failure(name, role, None, 0, "RolloutServerExited")
+    return None
+
+
+def lost_pod(pod: dict[str, Any], nodes_not_ready: dict[str, datetime], now: datetime,
+             after: timedelta = NODE_LOST_AFTER) -> Failure | None:
+    """The pod's node has not been Ready for `after`: the pod is lost with it."""
+    node = (pod.get("spec") or {}).get("nodeName")
+    since = nodes_not_ready.get(node) if node else None
+    if since is None or now < since + after:
+        return None
+    return Failure(pod["metadata"]["name"], labels(pod).get(LABEL_ROLE, "?"), None, None, "NodeLost",
+                   f"node {node} not Ready since {ts(since)}")
+
+
+def attempt_failure(pods: list[dict[str, Any]],
+                    lost: Callable[[dict[str, Any]], Failure | None] = lambda pod: None) -> Failure | None:
+    """The first failure (by pod name) among the pods of one attempt: `pod_failure`, or
+    `lost` (the pod's node is gone). A server's does not count once a trainer pod has
+    succeeded (Succeeded dominates)."""
+    trainer_done = any(labels(p).get(LABEL_ROLE) == ROLE_TRAINER
+                       and (p.get("status") or {}).get("phase") == "Succeeded" for p in pods)
+    for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
+        failure = pod_failure(pod) or lost(pod)
+        if failure and not (trainer_done and failure.role == ROLE_ROLLOUT):
+            return failure
+    return None
+
+
+def true_condition(workload: dict[str, Any] | None, type_: str) -> dict[str, Any] | None:
+    """The workload's condition `type_` when it is True (PyTorchJob, JobSet)."""
+    for c in (workload or {}).get("status", {}).get("conditions") or []:
+        if c.get("type") == type_ and c.get("status") == "True":
+            return c
+    return None
+
+
+def pod_ready(pod: dict[str, Any]) -> bool:
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in (pod.get("status") or {}).get("conditions") or [])
