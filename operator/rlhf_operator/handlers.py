@@ -24,7 +24,8 @@ from rlhf_contract.api.models import API_GROUP, API_VERSION, PLURAL
 
 from . import metrics
 from .builders import LABEL_JOB
-from .kube import Kube, Lease
+from .kube import Kube
+from .leader import Lease
 from .reconcile import Reconciler
 from .status import NODE_LOST_AFTER
 from .workqueue import WorkQueue

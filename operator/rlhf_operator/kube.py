@@ -2,18 +2,14 @@
 
 Children are written with server-side apply (field manager `rlhf-operator`, forced), so
 applying the same manifest twice, or from two operator processes, never makes two
-objects. Every request has a timeout. `Lease` is the leader election that keeps two
-operator replicas from acting at once.
-
-Fault injection for the tests: RLHF_OPERATOR_FAILPOINT=exit-after-creates:N makes the
-process exit (code 137, like SIGKILL) right after its N-th object creation.
+objects. Every request has a timeout. The leader election that keeps two operator
+replicas from acting at once is leader.py (over `Kube.request`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
 import threading
 import time
@@ -44,17 +40,10 @@ _API_VERSIONS = {"StatefulSet": "apps/v1", "PyTorchJob": "kubeflow.org/v1", "Job
                  "RLHFJob": f"{API_GROUP}/{API_VERSION}", "Lease": "coordination.k8s.io/v1"}
 
 
-def _path(api_version: str, kind: str, namespace: str, name: str | None = None) -> str:
+def api_path(api_version: str, kind: str, namespace: str, name: str | None = None) -> str:
     base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
     path = f"{base}/namespaces/{namespace}/{_PLURALS[kind]}"
     return f"{path}/{name}" if name else path
-
-
-def _failpoint_creates() -> int | None:
-    fp = os.environ.get("RLHF_OPERATOR_FAILPOINT", "")
-    if fp.startswith("exit-after-creates:"):
-        return int(fp.split(":", 1)[1])
-    return None
 
 
 class Kube:
@@ -72,12 +61,10 @@ class Kube:
             cfg.connection_pool_maxsize = connections
             api_client = client.ApiClient(cfg)
         self.api = api_client
-        self._creates = 0
-        self._exit_after = _failpoint_creates()
         self._nodes: dict[str, tuple[float, dict[str, Any] | None]] = {}
         self._nodes_guard = threading.Lock()
 
-    def _call(self, method: str, path: str, *, body: Any = None, query: list | None = None,
+    def request(self, method: str, path: str, *, body: Any = None, query: list | None = None,
               content_type: str = "application/json") -> tuple[Any, int]:
         method_, url, headers, body_, post = self.api.param_serialize(
             method, path, query_params=query or [],
@@ -93,9 +80,9 @@ class Kube:
             raise err
         return (json.loads(raw) if raw else None), resp.status
 
-    def _get(self, path: str) -> dict[str, Any] | None:
+    def read(self, path: str) -> dict[str, Any] | None:
         try:
-            return self._call("GET", path)[0]
+            return self.request("GET", path)[0]
         except ApiException as err:
             if err.status == 404:
                 return None
@@ -103,17 +90,17 @@ class Kube:
 
     # ---- the job
     def get_job(self, namespace: str, name: str) -> dict[str, Any] | None:
-        return self._get(_path(_API_VERSIONS["RLHFJob"], "RLHFJob", namespace, name))
+        return self.read(api_path(_API_VERSIONS["RLHFJob"], "RLHFJob", namespace, name))
 
     def list_jobs(self, namespace: str | None = None) -> list[dict[str, Any]]:
         base = f"/apis/{API_GROUP}/{API_VERSION}"
         path = f"{base}/namespaces/{namespace}/{PLURAL}" if namespace else f"{base}/{PLURAL}"
-        return self._call("GET", path)[0].get("items", [])
+        return self.request("GET", path)[0].get("items", [])
 
     def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         """Replace the operator's part of the status (merge patch on the status subresource;
         `progress` is merged, so the trainer's fields survive)."""
-        self._call("PATCH", _path(_API_VERSIONS["RLHFJob"], "RLHFJob", namespace, name) + "/status",
+        self.request("PATCH", api_path(_API_VERSIONS["RLHFJob"], "RLHFJob", namespace, name) + "/status",
                    body={"status": status}, content_type="application/merge-patch+json")
 
     def delete_job(self, namespace: str, name: str) -> None:
@@ -123,11 +110,11 @@ class Kube:
     def observe(self, namespace: str, name: str, backend: str = "PyTorchJob") -> Observed:
         sts = ptj = js = None
         if backend == "JobSet":
-            js = self._get(_path(_API_VERSIONS["JobSet"], "JobSet", namespace, jobset_name(name)))
+            js = self.read(api_path(_API_VERSIONS["JobSet"], "JobSet", namespace, jobset_name(name)))
         else:
-            sts = self._get(_path("apps/v1", "StatefulSet", namespace, rollout_name(name)))
-            ptj = self._get(_path("kubeflow.org/v1", "PyTorchJob", namespace, trainer_name(name)))
-        pods = self._call("GET", _path("v1", "Pod", namespace), query=[("labelSelector", f"{LABEL_JOB}={name}")])[0]
+            sts = self.read(api_path("apps/v1", "StatefulSet", namespace, rollout_name(name)))
+            ptj = self.read(api_path("kubeflow.org/v1", "PyTorchJob", namespace, trainer_name(name)))
+        pods = self.request("GET", api_path("v1", "Pod", namespace), query=[("labelSelector", f"{LABEL_JOB}={name}")])[0]
         items = pods.get("items", [])
         nodes = {n for p in items if (n := (p.get("spec") or {}).get("nodeName"))}
         return Observed(statefulset=sts, pytorchjob=ptj, jobset=js, pods=items, nodes_not_ready=self.nodes_not_ready(nodes))
@@ -139,7 +126,7 @@ class Kube:
             hit = self._nodes.get(name)
             if hit and now - hit[0] < NODE_CACHE_SECONDS:
                 return hit[1]
-        node = self._get(f"/api/v1/nodes/{name}")
+        node = self.read(f"/api/v1/nodes/{name}")
         with self._nodes_guard:
             self._nodes[name] = (now, node)
             if len(self._nodes) > 4096:  # forget the stalest half
@@ -167,7 +154,7 @@ class Kube:
         """Delete a pod with grace period 0: the API server removes it without waiting for
         its kubelet (what the pod garbage collector does on an out-of-service node)."""
         try:
-            self._call("DELETE", _path("v1", "Pod", namespace, name), body={"gracePeriodSeconds": 0})
+            self.request("DELETE", api_path("v1", "Pod", namespace, name), body={"gracePeriodSeconds": 0})
         except ApiException as err:
             if err.status == 404:
                 return False
@@ -178,23 +165,19 @@ class Kube:
     def apply(self, obj: dict[str, Any]) -> bool:
         """Server-side apply; True when the object was created."""
         meta = obj["metadata"]
-        path = _path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
-        _, code = self._call("PATCH", path, body=obj, content_type="application/apply-patch+yaml",
+        path = api_path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+        _, code = self.request("PATCH", path, body=obj, content_type="application/apply-patch+yaml",
                              query=[("fieldManager", FIELD_MANAGER), ("force", "true")])
         created = code == 201
         if created:
-            self._creates += 1
             log.info("created %s %s/%s", obj["kind"], meta["namespace"], meta["name"])
-            if self._exit_after is not None and self._creates >= self._exit_after:
-                log.warning("failpoint: exiting after %d creations", self._creates)
-                os._exit(137)
         return created
 
     def delete(self, kind: str, namespace: str, name: str) -> bool:
         """Delete (background propagation: the garbage collector removes the pods)."""
         api_version = _API_VERSIONS.get(kind, "v1")
         try:
-            self._call("DELETE", _path(api_version, kind, namespace, name),
+            self.request("DELETE", api_path(api_version, kind, namespace, name),
                        body={"propagationPolicy": "Background"})
         except ApiException as err:
             if err.status == 404:
@@ -217,79 +200,6 @@ class Kube:
             "reportingInstance": socket.gethostname(),
         }
         try:
-            self._call("POST", _path("v1", "Event", meta["namespace"]), body=body)
+            self.request("POST", api_path("v1", "Event", meta["namespace"]), body=body)
         except ApiException as err:  # an event is never worth failing a reconcile for
             log.warning("could not post event %s: %s", reason, err.reason)
-
-
-class Lease:
-    """Leader election on a coordination.k8s.io Lease, as client-go does it: a holder
-    renews every `duration / 3`; another candidate takes over only after the record has
-    not changed for `duration` seconds of its own clock (no clock-skew assumptions)."""
-
-    def __init__(self, kube: Kube, namespace: str, name: str = "rlhf-operator", duration: int = 15,
-                 identity: str | None = None):
-        self.kube, self.namespace, self.name, self.duration = kube, namespace, name, duration
-        self.identity = identity or f"{socket.gethostname()}-{os.getpid()}"
-        self._seen: tuple[str | None, float] = (None, 0.0)  # (resourceVersion, local time first seen)
-        self.path = _path("coordination.k8s.io/v1", "Lease", namespace, name)
-
-    def _now(self) -> str:
-        return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-    def try_acquire(self) -> bool:
-        lease = self.kube._get(self.path)
-        spec = {"holderIdentity": self.identity, "leaseDurationSeconds": self.duration, "renewTime": self._now()}
-        if lease is None:
-            body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                    "metadata": {"name": self.name, "namespace": self.namespace},
-                    "spec": {**spec, "acquireTime": self._now(), "leaseTransitions": 0}}
-            try:
-                self.kube._call("POST", _path("coordination.k8s.io/v1", "Lease", self.namespace), body=body)
-                return True
-            except ApiException as err:
-                if err.status == 409:
-                    return False
-                raise
-        rv = lease["metadata"]["resourceVersion"]
-        holder = lease.get("spec", {}).get("holderIdentity") or ""
-        if holder and holder != self.identity:
-            if self._seen[0] != rv:
-                self._seen = (rv, time.monotonic())
-                return False
-            if time.monotonic() - self._seen[1] < lease["spec"].get("leaseDurationSeconds", self.duration):
-                return False
-        lease["spec"].update(spec)
-        if holder != self.identity:
-            lease["spec"]["acquireTime"] = self._now()
-            lease["spec"]["leaseTransitions"] = lease["spec"].get("leaseTransitions", 0) + 1
-        try:
-            self.kube._call("PUT", self.path, body=lease)  # resourceVersion: optimistic concurrency
-            return True
-        except ApiException as err:
-            if err.status == 409:
-                return False
-            raise
-
-    def release(self) -> None:
-        lease = self.kube._get(self.path)
-        if lease and lease.get("spec", {}).get("holderIdentity") == self.identity:
-            lease["spec"]["holderIdentity"] = ""
-            try:
-                self.kube._call("PUT", self.path, body=lease)
-            except ApiException:
-                pass
-
-    def hold(self, stop: threading.Event, lost) -> None:
-        """Renew until `stop` is set; call `lost()` when renewal failed for `duration`."""
-        last_ok = time.monotonic()
-        while not stop.wait(self.duration / 3):
-            try:
-                if self.try_acquire():
-                    last_ok = time.monotonic()
-                    continue
-            except Exception as err:  # noqa: BLE001 - API errors while renewing
-                log.warning("lease renewal failed: %s", err)
-            if time.monotonic() - last_ok > self.duration * 2 / 3:
-                lost()
-                return
