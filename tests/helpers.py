@@ -32,3 +32,25 @@ def hf_causal_lm(path: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+# ---- the operator's pure functions: jobs and pods as the API server returns them ----------
+
+def job_of(body: dict):
+    """The validated RLHFJob of an API object (its status left out)."""
+    import copy
+
+    from rlhf_contract.api import validate_job
+
+    return validate_job({k: copy.deepcopy(v) for k, v in body.items() if k != "status"})
+
+
+def fake_pod(name: str, labels: dict[str, str], *, phase: str = "Running", ready: bool = True,
+             exit_code: int | None = None, restarts: int = 0, node: str = "node-1") -> dict:
+    """A pod as the API returns it: one container, running or terminated with `exit_code`."""
+    cs = {"name": "c", "restartCount": restarts, "state": {"running": {}}}
+    if exit_code is not None:
+        cs["state"] = {"terminated": {"exitCode": exit_code, "reason": "Error", "message": "boom"}}
+    return {"metadata": {"name": name, "labels": labels}, "spec": {"nodeName": node},
+            "status": {"phase": phase, "containerStatuses": [cs],
+                       "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}

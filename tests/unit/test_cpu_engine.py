@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from helpers import hf_causal_lm
 
 PROMPT = [6, 10, 4, 7, 15]  # "3714:"
 EOS = 1
@@ -24,7 +24,7 @@ def engine_url(tiny_model_dir, start_engines):
 
 @pytest.fixture(scope="module")
 def hf_model(tiny_model_dir):
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    return hf_causal_lm(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")

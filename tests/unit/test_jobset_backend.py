@@ -6,12 +6,11 @@ controller (tests/cluster/test_jobset.py); here: what is decided from it, withou
 
 from __future__ import annotations
 
-import copy
 from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from rlhf_contract.api import validate_job
+from helpers import fake_pod, job_of
 from rlhf_operator.builders import build_children, build_workloads, PodSettings
 from rlhf_operator.builders.jobset import PERMANENT_EXIT_CODES as JOBSET_PERMANENT
 from rlhf_operator.status import PERMANENT_EXIT_CODES, Observed, plan
@@ -37,10 +36,6 @@ def body(status=None, max_restarts=2, suspend=False, method="rl", queue=None):
             **({"status": status} if status else {})}
 
 
-def job_of(b):
-    return validate_job({k: copy.deepcopy(v) for k, v in b.items() if k != "status"})
-
-
 def jobset(restarts=0, conditions=(), suspend=False, max_restarts=2):
     return {"kind": "JobSet",
             "metadata": {"name": "demo", "ownerReferences": [{"uid": UID, "controller": True}]},
@@ -51,13 +46,9 @@ def jobset(restarts=0, conditions=(), suspend=False, max_restarts=2):
 
 
 def pod(name, role, attempt=0, phase="Running", exit_code=None):
-    cs = {"name": "c", "restartCount": 0, "state": {"running": {}}}
-    if exit_code is not None:
-        cs["state"] = {"terminated": {"exitCode": exit_code, "reason": "Error", "message": "boom"}}
-    return {"metadata": {"name": name, "labels": {"rlhf.dev/role": role, "rlhf.dev/job-uid": UID,
-                                                  "jobset.sigs.k8s.io/restart-attempt": str(attempt)}},
-            "spec": {"nodeName": "n1"},
-            "status": {"phase": phase, "containerStatuses": [cs], "conditions": [{"type": "Ready", "status": "True"}]}}
+    return fake_pod(name, {"rlhf.dev/role": role, "rlhf.dev/job-uid": UID,
+                           "jobset.sigs.k8s.io/restart-attempt": str(attempt)}, phase=phase, exit_code=exit_code,
+                    node="n1")
 
 
 def all_pods(attempt=0, **failed):

@@ -8,7 +8,7 @@ import socket
 import httpx
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from helpers import hf_causal_lm
 
 from rlhf_trainer.rollout import RolloutClient, RolloutError, Sample, prompt_seed
 
@@ -26,7 +26,7 @@ def engines(tiny_model_dir, start_engines):
 
 @pytest.fixture(scope="module")
 def hf_model(tiny_model_dir):
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    return hf_causal_lm(tiny_model_dir)
 
 
 def test_samples_in_prompt_order_from_both_endpoints(engines, hf_model):

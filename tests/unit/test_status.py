@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import copy
 from datetime import datetime, timedelta, timezone
 
-from rlhf_contract.api import validate_job
+from helpers import fake_pod, job_of
 from rlhf_operator.status import PERMANENT_EXIT_CODES, Observed, plan
 
 UID = "uid-1"
@@ -25,10 +24,6 @@ def body(status=None, suspend=False, max_restarts=2, deadline=None, ttl=None, cr
     }
 
 
-def job_of(b):
-    return validate_job({k: copy.deepcopy(v) for k, v in b.items() if k != "status"})
-
-
 def owner(uid=UID):
     return [{"uid": uid, "controller": True, "kind": "RLHFJob", "name": "demo"}]
 
@@ -40,14 +35,8 @@ def workload(kind, attempt, conditions=(), uid=UID):
 
 
 def pod(name, role, attempt=0, phase="Running", ready=True, terminated=None, uid=UID, restarts=0):
-    cs = {"name": "c", "restartCount": restarts, "state": {"running": {}}}
-    if terminated is not None:
-        cs["state"] = {"terminated": {"exitCode": terminated, "reason": "Error", "message": "boom"}}
-    return {"metadata": {"name": name, "labels": {"rlhf.dev/role": role, "rlhf.dev/attempt": str(attempt),
-                                                  "rlhf.dev/job-uid": uid}},
-            "spec": {"nodeName": "node-1"},
-            "status": {"phase": phase, "containerStatuses": [cs],
-                       "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+    return fake_pod(name, {"rlhf.dev/role": role, "rlhf.dev/attempt": str(attempt), "rlhf.dev/job-uid": uid},
+                    phase=phase, ready=ready, exit_code=terminated, restarts=restarts)
 
 
 def running_children(attempt=0, **trainer):
