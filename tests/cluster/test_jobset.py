@@ -16,8 +16,7 @@ import json
 import pytest
 
 from .harness import Cluster, wait_for
-from .test_admission import install_crd
-from .test_operator import condition, create, events, job, job_doc, new_namespace, operator, pods, wait_job
+from .test_operator import condition, create, events, job, job_doc, operator_in_namespace, pods, wait_job
 
 pytestmark = pytest.mark.cluster
 
@@ -27,12 +26,8 @@ ATTEMPT = "jobset.sigs.k8s.io/restart-attempt"
 
 @pytest.fixture(scope="module")
 def setup(cluster: Cluster, tmp_path_factory):
-    install_crd(cluster)
-    ns = new_namespace(cluster, "js")
-    log = tmp_path_factory.mktemp("operator-js") / "operator.log"
-    with operator(cluster, ns, log) as proc:
-        yield {"ns": ns, "log": log, "proc": proc}
-    cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+    with operator_in_namespace(cluster, tmp_path_factory, "js") as s:
+        yield s
 
 
 def jobset_doc(name: str, max_restarts: int = 1, queue: str | None = None, nodes: int = 2) -> dict:

@@ -62,17 +62,30 @@ def operator(cluster: Cluster, ns: str, log: Path, env: dict[str, str] | None = 
                 proc.wait()
 
 
+@contextmanager
+def operator_in_namespace(cluster: Cluster, tmp_path_factory, prefix: str, *, env: dict[str, str] | None = None,
+                          metrics_port: int = 0, multi: bool = False):
+    """A module's operator: the CRD installed, a new namespace (and a second, baseline one
+    with `multi`) watched by a real operator process; yields {ns, multi, log, proc,
+    metrics_port}; the namespaces go at the end."""
+    install_crd(cluster)
+    namespaces = [new_namespace(cluster, prefix)] + ([new_namespace(cluster, f"{prefix}-multi", level="baseline")]
+                                                      if multi else [])
+    log = tmp_path_factory.mktemp(f"operator-{prefix}") / "operator.log"
+    try:
+        with operator(cluster, namespaces[0], log, env=env, metrics_port=metrics_port,
+                      more_namespaces=tuple(namespaces[1:])) as proc:
+            yield {"ns": namespaces[0], "multi": namespaces[-1], "log": log, "proc": proc,
+                   "metrics_port": metrics_port}
+    finally:
+        for n in namespaces:
+            cluster.kubectl("delete", "namespace", n, "--wait=false", check=False)
+
+
 @pytest.fixture(scope="module")
 def setup(cluster: Cluster, tmp_path_factory):
-    install_crd(cluster)
-    ns = new_namespace(cluster, "op")
-    multi = new_namespace(cluster, "op-multi", level="baseline")
-    log = tmp_path_factory.mktemp("operator") / "operator.log"
-    port = free_port()
-    with operator(cluster, ns, log, metrics_port=port, more_namespaces=(multi,)) as proc:
-        yield {"ns": ns, "multi": multi, "log": log, "proc": proc, "metrics_port": port}
-    for n in (ns, multi):
-        cluster.kubectl("delete", "namespace", n, "--wait=false", check=False)
+    with operator_in_namespace(cluster, tmp_path_factory, "op", metrics_port=free_port(), multi=True) as s:
+        yield s
 
 
 def job_doc(name: str, nodes: int = 1, **spec) -> dict:

@@ -14,8 +14,7 @@ import uuid
 import pytest
 
 from .harness import Cluster, wait_for
-from .test_admission import install_crd
-from .test_operator import by_role, condition, create, events, job, job_doc, new_namespace, operator, pods, \
+from .test_operator import by_role, condition, create, events, job, job_doc, operator_in_namespace, pods, \
     running_pods, wait_job
 
 pytestmark = pytest.mark.cluster
@@ -23,12 +22,8 @@ pytestmark = pytest.mark.cluster
 
 @pytest.fixture(scope="module")
 def setup(cluster: Cluster, tmp_path_factory):
-    install_crd(cluster)
-    ns = new_namespace(cluster, "nodes")
-    log = tmp_path_factory.mktemp("operator-nodes") / "operator.log"
-    with operator(cluster, ns, log, env={"RLHF_OPERATOR_NODE_LOST_SECONDS": "5"}) as proc:
-        yield {"ns": ns, "log": log, "proc": proc}
-    cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+    with operator_in_namespace(cluster, tmp_path_factory, "nodes", env={"RLHF_OPERATOR_NODE_LOST_SECONDS": "5"}) as s:
+        yield s
 
 
 def test_lost_node_with_the_trainer_restarts_the_job_once_and_the_restart_completes(cluster: Cluster, setup):
