@@ -86,6 +86,13 @@ async def json_body(request: Request, *, required: bool = True) -> dict:
     return body
 
 
+def required(body: dict, key: str) -> object:
+    """`body[key]`, or vLLM's 400 naming the missing key."""
+    if body.get(key) is None:
+        raise RequestError(f"Missing '{key}' in request body", key)
+    return body[key]
+
+
 def add_error_handlers(app: FastAPI) -> None:
     """Errors answer with vLLM's error body: 400 for bad payloads, 500 for state errors."""
 
@@ -205,10 +212,7 @@ def weight_transfer_router(s: ServerState) -> APIRouter:
     @router.post("/init_weight_transfer_engine")
     async def init_weight_transfer_engine(request: Request):
         s.calls.append("init_weight_transfer_engine")
-        body = await json_body(request)
-        if body.get("init_info") is None:
-            raise RequestError("Missing 'init_info' in request body", "init_info")
-        info = InitInfo.parse(body["init_info"])
+        info = InitInfo.parse(required(await json_body(request), "init_info"))
         async with s.weight_lock:
             await asyncio.to_thread(receiver.init, info)
         return {"message": "Weight transfer initialized"}
@@ -233,13 +237,11 @@ def weight_transfer_router(s: ServerState) -> APIRouter:
     @router.post("/update_weights")
     async def update_weights(request: Request):
         s.calls.append("update_weights")
-        body = await json_body(request)
-        if body.get("update_info") is None:
-            raise RequestError("Missing 'update_info' in request body", "update_info")
+        update_info = required(await json_body(request), "update_info")
         if not s.update_active:
             raise WeightStateError("start_weight_update must be called before update_weights.")
         try:
-            info = UpdateInfo.parse(body["update_info"])
+            info = UpdateInfo.parse(update_info)
             targets = engine.named_weights()
 
             def receive() -> None:
