@@ -104,7 +104,7 @@ def prometheus(tmp_path_factory):
                 up = httpx.get(f"{url}/api/v1/query", params={"query": "up"}, timeout=2).json()["data"]["result"]
                 if len(up) == 2 and all(r["value"][1] == "1" for r in up):
                     break
-            except httpx.HTTPError:
+            except (httpx.HTTPError, ValueError):  # not listening yet, or 503 "Service Unavailable" (not JSON)
                 pass
             if time.monotonic() > deadline:
                 raise TimeoutError(f"prometheus did not scrape both targets:\n{(tmp / 'prometheus.log').read_text()[-3000:]}")
