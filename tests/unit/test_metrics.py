@@ -6,7 +6,7 @@ import time
 import httpx
 
 from rlhf_launcher.local import free_port, summarize
-from rlhf_trainer.metrics import MetricsWriter, gauge_names
+from rlhf_trainer.metrics import MetricsWriter, exported_names
 
 
 def test_jsonl_prometheus_and_resume_truncation(tmp_path, monkeypatch):
@@ -27,6 +27,36 @@ def test_jsonl_prometheus_and_resume_truncation(tmp_path, monkeypatch):
     assert [json.loads(line)["step"] for line in writer.path.read_text().splitlines()] == [1]
 
 
+def _samples(text: str) -> dict[str, float]:
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
+def test_prometheus_conventions_counters_ratios_and_labelled_families(tmp_path):
+    writer = MetricsWriter(tmp_path / "out", port=free_port())
+    from prometheus_client import generate_latest
+
+    rows = [{"step": 1, "dropped_prompts": 3, "skipped_steps": 1, "num_tokens": 100, "tokens_per_second": 50.0,
+             "truncated_fraction": 0.25, "step_seconds": 2.0, "weight_sync_seconds": 0.5,
+             "reward/format_mean": 0.5, "reward/math_mean": 0.25, "eval/gsm/pass@4": 0.75, "eval/gsm/greedy_score": 0.5},
+            {"step": 2, "dropped_prompts": 5, "skipped_steps": 0, "num_tokens": 60, "tokens_per_second": 30.0,
+             "truncated_fraction": None, "step_seconds": 1.5, "weight_sync_seconds": 0.25, "reward/format_mean": 1.0}]
+    for row in rows:
+        writer.write(row)
+    got = _samples(generate_latest(writer.registry).decode())
+    assert got["rlhf_dropped_prompts_total"] == 5.0  # a count so far: the counter follows it, not 3 + 5
+    assert got["rlhf_skipped_optimizer_steps_total"] == 1.0 and got["rlhf_tokens_total"] == 160.0  # sums of steps
+    assert got["rlhf_steps_total"] == 2.0
+    assert got['rlhf_step_duration_seconds{phase="step"}'] == 1.5
+    assert got['rlhf_step_duration_seconds{phase="weight_sync"}'] == 0.25
+    assert got['rlhf_reward_component_mean{component="format"}'] == 1.0
+    assert got['rlhf_reward_component_mean{component="math"}'] == 0.25
+    assert got['rlhf_eval_pass_at_k_ratio{dataset="gsm",k="4"}'] == 0.75
+    assert got['rlhf_eval_greedy_score{dataset="gsm"}'] == 0.5
+    assert str(got["rlhf_truncated_ratio"]) == "nan"  # null in the last row: no stale value
+    assert not any("per_second" in name or "fraction" in name for name in got)
+
+
 def test_summary_of_first_and_last_ten_steps():
     rows = [{"reward_mean": 0.1}] * 10 + [{"reward_mean": 0.5}] * 5 + [{"reward_mean": 0.9}] * 10
     assert summarize(rows) == "reward_mean: first 10 steps 0.100, last 10 steps 0.900 (9.0x)"
@@ -40,8 +70,9 @@ def test_each_writer_has_its_own_registry_and_only_declared_names(tmp_path):
     from prometheus_client import generate_latest
     text_a, text_b = generate_latest(a.registry).decode(), generate_latest(b.registry).decode()
     assert "rlhf_step 1.0" in text_a and "rlhf_step 7.0" in text_b  # no shared global registry
-    exported = {line.split()[2] for line in text_a.splitlines() if line.startswith("# TYPE")}
-    assert exported == gauge_names()  # stable names: a row key never creates a new metric
+    types = [line.split()[2:] for line in text_a.splitlines() if line.startswith("# TYPE")]
+    exported = {name + "_total" if kind == "counter" else name for name, kind in types}
+    assert exported == exported_names()  # stable names: a row key never creates a new metric
     assert "not_declared" in (tmp_path / "a" / "metrics.jsonl").read_text()  # still in the jsonl
 
 

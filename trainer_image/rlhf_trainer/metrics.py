@@ -1,17 +1,21 @@
-"""Per-step metrics: `metrics.jsonl` in the output directory and Prometheus gauges.
+"""Per-step metrics: `metrics.jsonl` in the output directory, Prometheus, and the trackers.
 
-Keys (one JSON object per step, written by rank 0): see `STEP_GAUGES` below; the ones a
-step does not produce (`kl` without a reference model, `value_loss` without a critic,
-`mfu` and `peak_gpu_memory_bytes` without a GPU) are null or absent.
+Keys (one JSON object per step, written by rank 0): see `STEP_KEYS` below; the ones a step
+does not produce (`kl` without a reference model, `value_loss` without a critic, `mfu` and
+`peak_gpu_memory_bytes` without a GPU) are null or absent. `reward/<name>_mean` is the mean
+of each reward component (`reward.components`), `eval/<dataset>/<metric>` an evaluation.
 
-Prometheus: every gauge is declared up front, on the writer's own registry, with a stable
-name `rlhf_<key>` (the alerts and the Grafana dashboards of the Helm chart query these
-names; a test checks that each name they use is declared here). A gauge holds NaN until a
-step sets it, and again when a step reports null. `rlhf_last_step_timestamp_seconds` is
-the Unix time of the last `write` (the "no training step for N minutes" alert). Served on
-rank 0 when RLHF_METRICS_PORT is set (the operator sets 9400 in trainer pods).
-A row key that is not declared still goes to `metrics.jsonl`, and is logged once as not
-exported: add it to `STEP_GAUGES` to export it.
+Prometheus names follow its conventions: base units (`_seconds`, `_bytes`), counters end in
+`_total` (counts so far: dropped prompts, skipped rows; sums over steps: tokens, examples,
+skipped optimizer steps, steps), ratios in `_ratio`, one family per meaning with labels for
+the rest (`rlhf_step_duration_seconds{phase}`, `rlhf_reward_component_mean{component}`,
+`rlhf_eval_pass_at_k_ratio{dataset,k}`). Every family is declared up front on the writer's
+own registry (the Helm chart's alerts and dashboards query these names; a test checks that
+each name they use is declared here). A gauge holds NaN until a step sets it, and again
+when a step reports null. `rlhf_last_step_timestamp_seconds` is the Unix time of the last
+`write` (the "no training step for N minutes" alert). Served when RLHF_METRICS_PORT is set
+(the operator sets 9400 in trainer pods). A row key that is not declared still goes to
+`metrics.jsonl` and the trackers, and is logged once as not exported.
 
 Helpers for the row's newer keys (the run loop calls them once per step on rank 0):
 `train_mfu` + `peak_flops` (mfu), `peak_gpu_memory_bytes`, `logprob_mismatch`.
@@ -23,77 +27,167 @@ import json
 import logging
 import math
 import os
+import re
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from rlhf_contract.pod import ENV_METRICS_PORT
 
 log = logging.getLogger(__name__)
 
-PREFIX = "rlhf_"
 LAST_STEP_TIMESTAMP = "rlhf_last_step_timestamp_seconds"
-EVAL_GAUGE = "rlhf_eval"
-"""Labelled by dataset and metric: the `eval/<dataset>/<metric>` keys of a row."""
+STEPS_TOTAL = "rlhf_steps_total"
+COMPONENT_FAMILY = "rlhf_reward_component_mean"
+PASS_AT_K_FAMILY = "rlhf_eval_pass_at_k_ratio"
 
-STEP_GAUGES: dict[str, str] = {
-    "step": "Last completed RL step.",
-    "policy_version": "Weight version the rollout servers hold (incremented by every weight sync).",
+
+@dataclass(frozen=True)
+class Family:
+    """One Prometheus metric family. kind `gauge`: the row's value; `counter`: the row's
+    value is a count so far (the counter follows it); `counter_sum`: the row's value is this
+    step's amount (the counter adds it)."""
+
+    help: str
+    kind: Literal["gauge", "counter", "counter_sum"] = "gauge"
+    labels: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Key:
+    """Where a row key goes: a family (by Prometheus name) and its label values."""
+
+    family: str
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+def _g(help_text: str) -> Family:
+    return Family(help_text)
+
+
+FAMILIES: dict[str, Family] = {
+    "rlhf_step": _g("Last completed step."),
+    "rlhf_policy_version": _g("Weight version the rollout servers hold (incremented by every weight sync)."),
     # rollout (rank 0's orchestrator)
-    "reward_mean": "Mean reward of the step's samples.",
-    "score_mean": "Mean score (the logged task metric) of the step's samples.",
-    "response_length_mean": "Mean response length in tokens.",
-    "truncated_fraction": "Fraction of responses cut at rollout.maxTokens.",
-    "dropped_group_fraction": "Fraction of sampled groups dropped by dynamic sampling (all rewards equal).",
-    "dropped_prompts": "Prompts the data source skipped so far (longer than data.maxPromptLength, or empty).",
-    "skipped_rows": "Malformed dataset rows skipped (unreadable, or a missing or mistyped column; RL and offline).",
-    "logprob_mismatch": "Mean |trainer log-prob - rollout engine log-prob| per response token.",
-    "staleness_mean": "Policy versions the step's samples lag behind the trainer (rollout.maxStaleness >= 1).",
-    "staleness_max": "Largest lag of a sample of the step, in policy versions.",
-    "rm_score_mean": "Mean reward-model score of the step's samples (reward.model; weighted into the reward).",
-    "rm_score_std": "Standard deviation of the reward-model scores of the step's samples.",
+    "rlhf_reward_mean": _g("Mean reward (the trained total) of the step's samples."),
+    "rlhf_reward_std": _g("Standard deviation of the rewards of the step's samples."),
+    "rlhf_reward_min": _g("Smallest reward of the step's samples."),
+    "rlhf_reward_max": _g("Largest reward of the step's samples."),
+    COMPONENT_FAMILY: Family("Mean of each reward component before weighting (reward.components).", "gauge",
+                             ("component",)),
+    "rlhf_score_mean": _g("Mean score (the logged task metric) of the step's samples."),
+    "rlhf_response_length_mean": _g("Mean response length in tokens."),
+    "rlhf_response_length_min": _g("Shortest response of the step in tokens."),
+    "rlhf_response_length_max": _g("Longest response of the step in tokens."),
+    "rlhf_truncated_ratio": _g("Fraction of responses cut at rollout.maxTokens (clipped responses)."),
+    "rlhf_zero_std_group_ratio": _g("Fraction of sampled groups whose rewards are all equal (no GRPO signal)."),
+    "rlhf_dropped_group_ratio": _g("Fraction of sampled groups dropped by dynamic sampling (all rewards equal)."),
+    "rlhf_dropped_prompts_total": Family("Prompts the data source skipped (longer than data.maxPromptLength, "
+                                         "or empty).", "counter"),
+    "rlhf_skipped_rows_total": Family("Malformed dataset rows skipped (unreadable, or a missing or mistyped "
+                                      "column; RL and offline).", "counter"),
+    "rlhf_logprob_mismatch": _g("Mean |trainer log-prob - rollout engine log-prob| per response token."),
+    "rlhf_staleness_mean": _g("Policy versions the step's samples lag behind the trainer (rollout.maxStaleness >= 1)."),
+    "rlhf_staleness_max": _g("Largest lag of a sample of the step, in policy versions."),
+    "rlhf_rm_score_mean": _g("Mean reward-model score of the step's samples (reward.model; weighted into the reward)."),
+    "rlhf_rm_score_std": _g("Standard deviation of the reward-model scores of the step's samples."),
     # train step
-    "loss": "Policy loss.",
-    "clip_fraction": "Fraction of tokens whose PPO ratio was clipped.",
-    "approx_kl": "Approximate KL(old policy || policy) per token.",
-    "entropy": "Mean per-token entropy of the policy.",
-    "kl": "Mean per-token KL(policy || reference) (NaN without a reference model).",
-    "grad_norm": "Policy gradient norm before clipping.",
-    "skipped_steps": "Optimizer steps skipped in this RL step (non-finite gradients).",
-    "advantage_mean": "Mean advantage over response tokens.",
-    "advantage_std": "Standard deviation of the advantages over response tokens.",
-    "padding_fraction": "Padding tokens / token slots of the packed micro-batches.",
-    "value_loss": "Critic loss (PPO with a critic only).",
-    "critic_grad_norm": "Critic gradient norm before clipping (PPO with a critic only).",
-    "explained_variance": "Explained variance of the returns by the critic's values (PPO only).",
-    "learning_rate": "Policy learning rate at the step.",
-    # offline methods (sft, rm, dpo); the same on the held-out examples are rlhf_eval{dataset="held_out"}
-    "accuracy": "RM and DPO: fraction of pairs whose chosen response scores above the rejected one.",
-    "reward_margin": "RM and DPO: mean chosen minus rejected reward (RM score; DPO beta x log-ratio).",
-    "chosen_reward": "RM and DPO: mean reward of the chosen responses.",
-    "rejected_reward": "RM and DPO: mean reward of the rejected responses.",
-    "chosen_logratio": "DPO: mean log pi(chosen) - log pi_ref(chosen).",
-    "rejected_logratio": "DPO: mean log pi(rejected) - log pi_ref(rejected).",
-    "num_examples": "Offline methods: examples (SFT sequences or preference pairs) in the step.",
-    "dropped_examples": "Offline methods: examples dropped so far for not fitting the micro-batch budget.",
+    "rlhf_loss": _g("Training loss of the step (policy loss for RL)."),
+    "rlhf_clip_ratio": _g("Fraction of tokens whose PPO ratio was clipped."),
+    "rlhf_approx_kl": _g("Approximate KL(old policy || policy) per token."),
+    "rlhf_entropy": _g("Mean per-token entropy of the policy."),
+    "rlhf_kl": _g("Mean per-token KL(policy || reference) (NaN without a reference model)."),
+    "rlhf_grad_norm": _g("Gradient norm before clipping."),
+    "rlhf_skipped_optimizer_steps_total": Family("Optimizer steps skipped (non-finite gradients).", "counter_sum"),
+    "rlhf_advantage_mean": _g("Mean advantage over response tokens."),
+    "rlhf_advantage_std": _g("Standard deviation of the advantages over response tokens."),
+    "rlhf_padding_ratio": _g("Padding tokens / token slots of the packed micro-batches."),
+    "rlhf_value_loss": _g("Critic loss (PPO with a critic only)."),
+    "rlhf_critic_grad_norm": _g("Critic gradient norm before clipping (PPO with a critic only)."),
+    "rlhf_explained_variance": _g("Explained variance of the returns by the critic's values (PPO only)."),
+    "rlhf_learning_rate": _g("Learning rate at the step."),
+    # offline methods (sft, rm, dpo)
+    "rlhf_accuracy_ratio": _g("RM and DPO: fraction of pairs whose chosen response scores above the rejected one."),
+    "rlhf_reward_margin": _g("RM and DPO: mean chosen minus rejected reward (RM score; DPO beta x log-ratio)."),
+    "rlhf_chosen_reward": _g("RM and DPO: mean reward of the chosen responses."),
+    "rlhf_rejected_reward": _g("RM and DPO: mean reward of the rejected responses."),
+    "rlhf_chosen_logratio": _g("DPO: mean log pi(chosen) - log pi_ref(chosen)."),
+    "rlhf_rejected_logratio": _g("DPO: mean log pi(rejected) - log pi_ref(rejected)."),
+    "rlhf_examples_total": Family("Offline methods: examples (SFT sequences or preference pairs) trained on.",
+                                  "counter_sum"),
+    "rlhf_dropped_examples_total": Family("Offline methods: examples dropped for not fitting the micro-batch "
+                                          "budget.", "counter"),
     # time and throughput
-    "step_seconds": "Wall time of the RL step.",
-    "rollout_seconds": "Wall time of the rollout phase (generation and rewards).",
-    "train_seconds": "Wall time of the train phase (log-probs, advantages, updates).",
-    "weight_sync_seconds": "Wall time of the weight sync to the rollout servers.",
-    "tokens_per_second": "Prompt + response tokens of the step per second of step time.",
-    "mfu": "Model FLOPs utilization of the train phase (fraction of the GPUs' peak; GPU only).",
-    "peak_gpu_memory_bytes": "Peak GPU memory allocated by a trainer process during the step (GPU only).",
+    "rlhf_step_duration_seconds": Family("Wall time of the last step (phase step) and of its phases: rollout "
+                                         "(generation and rewards), train, weight_sync.", "gauge", ("phase",)),
+    STEPS_TOTAL: Family("Steps completed by this process.", "counter_sum"),
+    "rlhf_tokens_total": Family("Prompt + response tokens trained on (rate() is the throughput).", "counter_sum"),
+    "rlhf_mfu_ratio": _g("Model FLOPs utilization of the train phase (fraction of the GPUs' peak; GPU only)."),
+    "rlhf_peak_gpu_memory_bytes": _g("Peak GPU memory allocated by a trainer process during the step (GPU only)."),
+    LAST_STEP_TIMESTAMP: _g("Unix time at which the last step was recorded."),
+    PASS_AT_K_FAMILY: Family("spec.evaluation: fraction of prompts with a response scoring at least 1 among k.",
+                             "gauge", ("dataset", "k")),
 }
 
+_RENAMED = {"truncated_fraction": "rlhf_truncated_ratio", "zero_std_group_fraction": "rlhf_zero_std_group_ratio",
+            "dropped_group_fraction": "rlhf_dropped_group_ratio", "clip_fraction": "rlhf_clip_ratio",
+            "padding_fraction": "rlhf_padding_ratio", "accuracy": "rlhf_accuracy_ratio", "mfu": "rlhf_mfu_ratio",
+            "dropped_prompts": "rlhf_dropped_prompts_total", "skipped_rows": "rlhf_skipped_rows_total",
+            "skipped_steps": "rlhf_skipped_optimizer_steps_total", "num_examples": "rlhf_examples_total",
+            "dropped_examples": "rlhf_dropped_examples_total", "num_tokens": "rlhf_tokens_total"}
+STEP_KEYS: dict[str, Key] = {
+    **{name.removeprefix("rlhf_"): Key(name) for name, f in FAMILIES.items() if not f.labels
+       and not name.endswith(("_total", "_ratio")) and name != LAST_STEP_TIMESTAMP},
+    **{key: Key(name) for key, name in _RENAMED.items()},
+    **{f"{phase}_seconds": Key("rlhf_step_duration_seconds", {"phase": phase})
+       for phase in ("step", "rollout", "train", "weight_sync")},
+}
+"""Every numeric key of a row that Prometheus exports, and where it goes."""
+JSONL_ONLY = frozenset({"tokens_per_second"})
+"""Row keys kept out of Prometheus on purpose (a rate: Prometheus computes it from a counter)."""
 
-def gauge_names() -> set[str]:
+EVAL_METRICS = ("greedy_score", "mean_score", "loss", "accuracy", "reward_margin", "chosen_reward",
+                "rejected_reward", "chosen_logratio", "rejected_logratio")
+"""`eval/<dataset>/<metric>` keys other than pass@k, each exported as `rlhf_eval_<name>{dataset}`."""
+
+
+def eval_family(metric: str) -> str:
+    return "rlhf_eval_" + STEP_KEYS[metric].family.removeprefix("rlhf_") if metric in STEP_KEYS \
+        else "rlhf_eval_" + metric
+
+
+for _metric in EVAL_METRICS:
+    FAMILIES[eval_family(_metric)] = Family(f"spec.evaluation: {_metric} of each held-out set.", "gauge",
+                                            ("dataset",))
+
+
+def exported_names() -> set[str]:
     """Every Prometheus name a trainer exports (what rules and dashboards may query)."""
-    return {PREFIX + key for key in STEP_GAUGES} | {LAST_STEP_TIMESTAMP, EVAL_GAUGE}
+    return set(FAMILIES)
+
+
+_COMPONENT = re.compile(r"^reward/(.+)_mean$")
+_PASS_AT = re.compile(r"^pass@(\d+)$")
+
+
+def route(key: str) -> tuple[str, dict[str, str]] | None:
+    """(family, labels) of a row key, or None if Prometheus does not export it."""
+    if key in STEP_KEYS:
+        return STEP_KEYS[key].family, STEP_KEYS[key].labels
+    if (m := _COMPONENT.match(key)) is not None:
+        return COMPONENT_FAMILY, {"component": m.group(1)}
+    if key.startswith("eval/") and key.count("/") >= 2:
+        _, dataset, metric = key.split("/", 2)
+        if (m := _PASS_AT.match(metric)) is not None:
+            return PASS_AT_K_FAMILY, {"dataset": dataset, "k": m.group(1)}
+        if metric in EVAL_METRICS:
+            return eval_family(metric), {"dataset": dataset}
+    return None
 
 
 class MetricsWriter:
-    """Appends each step's row to `metrics.jsonl` and sets the declared gauges.
+    """Appends each step's row to `metrics.jsonl` and sets the declared families.
 
     `port`: serve `/metrics` there (default: RLHF_METRICS_PORT; 0 or unset: no endpoint).
     """
@@ -104,21 +198,15 @@ class MetricsWriter:
         if port is None:
             port = int(os.environ.get(ENV_METRICS_PORT) or 0)
         self.registry = None
-        self._gauges: dict[str, Any] = {}
+        self._metrics: dict[str, Any] = {}
+        self._counted: dict[tuple[str, tuple[str, ...]], float] = {}
         self._unexported: set[str] = set()
         if port:
-            from prometheus_client import CollectorRegistry, Gauge, start_http_server
+            from prometheus_client import CollectorRegistry, start_http_server
 
             self.registry = CollectorRegistry(auto_describe=True)
-            for key, help_text in STEP_GAUGES.items():
-                self._gauges[key] = Gauge(PREFIX + key, help_text, registry=self.registry)
-                self._gauges[key].set(math.nan)
-            self._last_step = Gauge(LAST_STEP_TIMESTAMP, "Unix time at which the last RL step was recorded.",
-                                    registry=self.registry)
-            self._eval = Gauge(EVAL_GAUGE, "Held-out scores of spec.evaluation (RL datasets: greedy_score, "
-                               "mean_score, pass_at_k; offline methods' held_out: loss, accuracy, ...).",
-                               ["dataset", "metric"], registry=self.registry)
-            self._last_step.set(math.nan)
+            for name, family in FAMILIES.items():
+                self._metrics[name] = _declare(name, family, self.registry)
             start_http_server(port, registry=self.registry)
 
     def truncate_after(self, step: int) -> None:
@@ -134,22 +222,42 @@ class MetricsWriter:
         if self.registry is None:
             return
         for key, value in row.items():
-            if key.startswith("eval/") and isinstance(value, (int, float)):  # eval/<dataset>/<metric>
-                _, dataset, metric = key.split("/", 2)
-                self._eval.labels(dataset, "pass_at_k" if metric.startswith("pass@") else metric).set(float(value))
-                continue
-            gauge = self._gauges.get(key)
-            if gauge is None:
-                if isinstance(value, (int, float)) and key not in self._unexported:
+            where = route(key)
+            if where is None:
+                if isinstance(value, (int, float)) and key not in self._unexported | JSONL_ONLY:
                     self._unexported.add(key)
-                    log.warning("metric %r is not declared in rlhf_trainer.metrics.STEP_GAUGES: written to "
+                    log.warning("metric %r is not declared in rlhf_trainer.metrics.STEP_KEYS: written to "
                                 "metrics.jsonl only, not exported to Prometheus", key)
                 continue
-            if value is None:
-                gauge.set(math.nan)
-            elif isinstance(value, (int, float)):
-                gauge.set(float(value))
-        self._last_step.set(time.time())
+            if value is None or isinstance(value, (int, float)):
+                self._set(*where, value)
+        self._metrics[STEPS_TOTAL].inc()
+        self._metrics[LAST_STEP_TIMESTAMP].set(time.time())
+
+    def _set(self, name: str, labels: dict[str, str], value: float | None) -> None:
+        family, metric = FAMILIES[name], self._metrics[name]
+        if labels:
+            metric = metric.labels(**labels)
+        if family.kind == "gauge":
+            metric.set(math.nan if value is None else float(value))
+        elif value is not None and math.isfinite(value):
+            if family.kind == "counter_sum":
+                metric.inc(max(0.0, float(value)))
+            else:  # a count so far: the counter follows it (from 0 in a new process)
+                seen = (name, tuple(labels.values()))
+                metric.inc(max(0.0, float(value) - self._counted.get(seen, 0.0)))
+                self._counted[seen] = max(float(value), self._counted.get(seen, 0.0))
+
+
+def _declare(name: str, family: Family, registry: Any) -> Any:
+    from prometheus_client import Counter, Gauge
+
+    if family.kind == "gauge":
+        gauge = Gauge(name, family.help, list(family.labels), registry=registry)
+        if not family.labels:
+            gauge.set(math.nan)
+        return gauge
+    return Counter(name.removesuffix("_total"), family.help, list(family.labels), registry=registry)
 
 
 # ---- values the run loop puts into the row (the new dashboard keys) ---------------------
