@@ -70,8 +70,7 @@ def test_each_writer_has_its_own_registry_and_only_declared_names(tmp_path):
     from prometheus_client import generate_latest
     text_a, text_b = generate_latest(a.registry).decode(), generate_latest(b.registry).decode()
     assert "rlhf_step 1.0" in text_a and "rlhf_step 7.0" in text_b  # no shared global registry
-    types = [line.split()[2:] for line in text_a.splitlines() if line.startswith("# TYPE")]
-    exported = {name + "_total" if kind == "counter" else name for name, kind in types}
+    exported = {line.split()[2] for line in text_a.splitlines() if line.startswith("# TYPE")}
     assert exported == exported_names()  # stable names: a row key never creates a new metric
     assert "not_declared" in (tmp_path / "a" / "metrics.jsonl").read_text()  # still in the jsonl
 

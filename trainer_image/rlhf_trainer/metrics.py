@@ -202,8 +202,9 @@ class MetricsWriter:
         self._counted: dict[tuple[str, tuple[str, ...]], float] = {}
         self._unexported: set[str] = set()
         if port:
-            from prometheus_client import CollectorRegistry, start_http_server
+            from prometheus_client import CollectorRegistry, disable_created_metrics, start_http_server
 
+            disable_created_metrics()  # no `_created` series beside each counter
             self.registry = CollectorRegistry(auto_describe=True)
             for name, family in FAMILIES.items():
                 self._metrics[name] = _declare(name, family, self.registry)
