@@ -9,8 +9,11 @@ MASTER_ADDR, MASTER_PORT, LOCAL_RANK): RLHF_TRAINER_CONFIG (the trainer config,
 trainer_config.py), RLHF_ROLLOUT_ENDPOINTS,
 RLHF_WEIGHT_SYNC_ADDR, RLHF_OUTPUT_DIR, RLHF_RESUME ("1": continue from the newest
 complete checkpoint in the output directory), and RLHF_METRICS_PORT (rank 0 serves
-Prometheus metrics on it; unset: no endpoint). Rank 0 also writes the job's
-`status.progress` with the pod's service-account token (rlhf_trainer.progress).
+Prometheus metrics on it; unset: no endpoint; every other node's pod answers there with no
+step series). Rank 0 also writes the job's `status.progress` with the pod's service-account
+token (rlhf_trainer.progress). Beside the trainer config lies `job.json` (JOB_FILE,
+`run_config`): the job's name and resolved spec, which rank 0 logs as the trackers' run
+config.
 """
 
 from __future__ import annotations
@@ -27,11 +30,19 @@ ENV_OUTPUT_DIR = "RLHF_OUTPUT_DIR"
 ENV_RESUME = "RLHF_RESUME"
 ENV_METRICS_PORT = "RLHF_METRICS_PORT"
 
+JOB_FILE = "job.json"
+"""Beside the trainer config: `run_config(job)` (what the trackers log as the run's config)."""
+
 ROLLOUT_PORT = 8000
 ROLLOUT_STARTUP_PROBE_PERIOD_S = 10
 TRAINER_MASTER_PORT = 29500
 WEIGHT_SYNC_PORT = 29600
 TRAINER_METRICS_PORT = 9400
+
+
+def run_config(job: RLHFJob) -> dict:
+    """The job's name, namespace and resolved spec (presets applied; camelCase)."""
+    return {"name": job.metadata.name, "namespace": job.metadata.namespace, "spec": job.to_config()["spec"]}
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 from .api.models import (AlgorithmSpec, DataSpec, EnvironmentSpec, EvaluationSpec, Method, ParallelismSpec, PreferenceSpec, RewardSpec,
-                         RLHFJob, ScheduleSpec)
+                         RLHFJob, ScheduleSpec, TrackingSpec)
 
 
 class _Config(BaseModel):
@@ -115,6 +115,8 @@ class TrainerConfig(_Config):
     """Outputs."""
     rollout_startup_timeout_seconds: int = Field(default=1800, ge=1)
     """How long to wait for the rollout servers to start (`rollout.startupTimeoutSeconds`)."""
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec)
+    """Experiment trackers (`spec.tracking`)."""
 
     @model_validator(mode="after")
     def _algorithm_resolved(self) -> "TrainerConfig":
@@ -145,6 +147,7 @@ class TrainerConfig(_Config):
             schedule=s.schedule,
             output=OutputConfig(dir=o.dir, keep_checkpoints=o.keep_checkpoints, save_rollouts=o.save_rollouts),
             rollout_startup_timeout_seconds=r.startup_timeout_seconds,
+            tracking=s.tracking,
         )
 
     def to_json(self) -> str:

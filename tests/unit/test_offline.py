@@ -191,4 +191,5 @@ def test_model_reward_adds_weighted_scores_and_reports_the_step_reward():
     assert model_rewards.total(rewards) == [2.0, -0.5]
     assert rewards == [1.0, 0.0]  # returned, never written back
     assert model_rewards.metrics(rewards) == {"rm_score_mean": 0.5, "rm_score_std": 1.5,
-                                              "reward_mean": pytest.approx(0.75)}
+                                              "reward_mean": pytest.approx(0.75), "reward_std": pytest.approx(1.25),
+                                              "reward_min": -0.5, "reward_max": 2.0}

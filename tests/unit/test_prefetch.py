@@ -32,7 +32,7 @@ class Orchestrator:
         self.started.append(step)
         time.sleep(0.01)
         self.data.position += 4
-        return RolloutBatch([], 1, RolloutStats(0, 0, 0, 0, 0, 0), {"step": step})
+        return RolloutBatch([], 1, RolloutStats(*[0] * 12), {"step": step})
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])

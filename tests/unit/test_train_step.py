@@ -97,7 +97,7 @@ def test_chunking_does_not_change_values():
 def test_temperature_gives_ratio_one_for_an_unchanged_policy():
     # TIS needs the old log-probs: they are taken at the sampling temperature, as the step's
     a = algorithm(tis_cap=2.0)
-    batch = RolloutBatch(rows(), 4, RolloutStats(0, 0, 0, 0, 0, 0))
+    batch = RolloutBatch(rows(), 4, RolloutStats(*[0] * 12))
     step = step_for(a, temperature=0.5)
     tensors = step.prepare(batch)
     metrics = step(batch, tensors)
@@ -108,7 +108,7 @@ def test_temperature_gives_ratio_one_for_an_unchanged_policy():
 
 
 def test_non_finite_gradient_skips_the_step():
-    batch = RolloutBatch(rows(), 4, RolloutStats(0, 0, 0, 0, 0, 0))
+    batch = RolloutBatch(rows(), 4, RolloutStats(*[0] * 12))
     step = step_for(algorithm())
     before = {n: p.detach().clone() for n, p in step.m.policy.named_parameters()}
     step.m.policy.model.norm.weight.register_hook(lambda g: g * float("nan"))
@@ -119,7 +119,7 @@ def test_non_finite_gradient_skips_the_step():
 
 
 def test_finite_step_moves_the_weights_and_counts_no_skip():
-    batch = RolloutBatch(rows(), 4, RolloutStats(0, 0, 0, 0, 0, 0))
+    batch = RolloutBatch(rows(), 4, RolloutStats(*[0] * 12))
     step = step_for(algorithm())
     before = step.m.policy.lm_head.weight.detach().clone()
     metrics = step(batch, step.prepare(batch))

@@ -7,7 +7,8 @@ when the config cannot work; otherwise it runs `python -m torch.distributed.run 
 -m rlhf_trainer` as its child (forwarding SIGTERM / SIGINT) and exits with torchrun's code,
 except that a worker which found a config error only it could see (e.g. a rollout server
 image without weight transfer) leaves a marker file, and the launcher then exits 2:
-torchrun itself turns every worker failure into 1.
+torchrun itself turns every worker failure into 1. On nodes other than the first it also
+answers Prometheus (`serve_node_endpoint`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rlhf_contract.pod import ENV_TRAINER_CONFIG
+from rlhf_contract.pod import ENV_METRICS_PORT, ENV_TRAINER_CONFIG
 from rlhf_contract.trainer_config import TrainerConfig
 
 from .preflight import ENV_CONFIG_ERROR_FILE, EXIT_CONFIG_ERROR, check, write_termination_message
@@ -32,6 +33,20 @@ def _option(args: list[str], name: str, default: int) -> int:
         if arg == name and i + 1 < len(args):
             return int(args[i + 1].split(":")[-1])
     return default
+
+
+def serve_node_endpoint(args: list[str]) -> int | None:
+    """On every node but the first: answer Prometheus on RLHF_METRICS_PORT with no step
+    series, so a monitor that selects every trainer pod finds none "down" (node 0's rank-0
+    process serves the step metrics there). Returns the port served, or None."""
+    port = int(os.environ.get(ENV_METRICS_PORT) or 0)
+    node_rank = int(os.environ.get("PET_NODE_RANK") or _option(args, "--node-rank", 0))
+    if not port or node_rank == 0:
+        return None
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    start_http_server(port, registry=CollectorRegistry())
+    return port
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         print(message, file=sys.stderr, flush=True)
         write_termination_message(message)
         return EXIT_CONFIG_ERROR
+    serve_node_endpoint(args)
     command = [sys.executable, "-m", "torch.distributed.run", *args, "-m", "rlhf_trainer"]
     marker = Path(tempfile.mkdtemp(prefix="rlhf-launch-")) / "config-error"
     child = subprocess.Popen(command, env={**os.environ, ENV_CONFIG_ERROR_FILE: str(marker)})

@@ -1,8 +1,8 @@
 """What every method's run loop shares, on every trainer process: the tokenizer and the
 seed, resume from the newest complete checkpoint, checkpoints every `schedule.saveEvery`
 steps and at the end, evaluation (before the first step, every `evaluation.everySteps`
-and after the last), the step's row in `metrics.jsonl` / Prometheus and on the job's
-status (rank 0), the final export, and clean-up in `finally`.
+and after the last), the step's row in `metrics.jsonl` / Prometheus / the trackers
+(tracking.py) and on the job's status (rank 0), the final export, and clean-up in `finally`.
 
 A method is a subclass (rl/loop.py, offline/loop.py) that provides `parts()` (the trained
 models and optimizers a checkpoint holds), `run_step()` (one step; its metrics row on the
@@ -39,7 +39,7 @@ class LoopBase(ABC):
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
         torch.manual_seed(config.schedule.seed)
         self.step = 0
-        self.metrics = self.progress = None
+        self.metrics = self.progress = self.trackers = None
         self.last_row: dict[str, Any] = {}
         if info.is_main:
             from .metrics import MetricsWriter
@@ -113,8 +113,11 @@ class LoopBase(ABC):
                              last_checkpoint=str(newest) if newest is not None else None)
 
     def record(self, row: dict[str, Any]) -> None:
-        """Rank 0: the step's row into metrics.jsonl and Prometheus, the job's status, the log."""
+        """Rank 0: the step's row into metrics.jsonl, Prometheus and the trackers, the job's
+        status, the log."""
         self.metrics.write(row)
+        if self.trackers is not None:
+            self.trackers.log(self.step, row)
         self.last_row = row
         self.report(row)
         shown = " ".join(f"{k.removesuffix('_mean')} {row[k]:.4f}" for k in LOGGED_KEYS if row.get(k) is not None)
@@ -122,7 +125,13 @@ class LoopBase(ABC):
 
     def run(self) -> None:
         s = self.config.schedule
+        finished = False
         try:
+            if self.info.is_main:
+                from .tracking import Trackers
+
+                self.trackers = Trackers(self.config.tracking, self.output_dir, job_name=self.config.job_name,
+                                         resume_step=self.step)
             self.start()
             before = self.evaluate(0) if self.step == 0 else {}
             while self.step < s.total_steps:
@@ -144,7 +153,10 @@ class LoopBase(ABC):
             if self.progress is not None:
                 self.report(self.last_row)  # the final checkpoint
             self.finish()
+            finished = True
         finally:
+            if self.trackers is not None:
+                self.trackers.close(success=finished)
             self.close()
             if self.progress is not None:
                 self.progress.close()

@@ -73,6 +73,29 @@ def _data_problems(config: TrainerConfig, model_ok: bool) -> list[str]:
     return report.problems
 
 
+def tracking_problems(config: TrainerConfig) -> list[str]:
+    """What keeps `spec.tracking`'s trackers from starting, found before any model loads."""
+    wandb, problems = config.tracking.wandb, []
+    if wandb is not None and wandb.mode == "online" and not os.environ.get("WANDB_API_KEY"):
+        import netrc
+
+        host = (wandb.base_url or "https://api.wandb.ai").split("://", 1)[1].split("/")[0]
+        try:
+            known = netrc.netrc().authenticators(host) is not None
+        except (OSError, netrc.NetrcParseError):
+            known = False
+        if not known:
+            problems.append("spec.tracking.wandb.apiKeySecret: Weights & Biases online needs an API key and none "
+                            "is set (WANDB_API_KEY); name the Secret key that holds it in tracking.wandb.apiKeySecret "
+                            "(locally: export WANDB_API_KEY), or set tracking.wandb.mode: offline")
+    for module, field in (("wandb", "wandb"), ("mlflow", "mlflow")):
+        import importlib.util
+
+        if getattr(config.tracking, field) is not None and importlib.util.find_spec(module) is None:
+            problems.append(f"spec.tracking.{field}: the {module} package is not installed in the trainer image")
+    return problems
+
+
 def check(config: TrainerConfig, world_size: int) -> list[str]:
     """The problems of `config` for a trainer world of `world_size` processes."""
     problems = []
@@ -82,6 +105,7 @@ def check(config: TrainerConfig, world_size: int) -> list[str]:
         problems.append(error)
     data = config.data.path
     problems += _data_problems(config, model_ok=error is None)
+    problems += tracking_problems(config)
     if config.method != "rl":
         if data.startswith("builtin://"):
             from .offline.data import BUILTIN_OFFLINE
@@ -125,6 +149,9 @@ def check(config: TrainerConfig, world_size: int) -> list[str]:
             problems.append("spec.trainer.parallelism.tensorParallel: > 1 is not supported with reward.model; use 1")
     if config.reward.type == "python":
         problems += filter(None, [_readable_python(config.reward.file, "spec.reward.file")])
+    for i, c in enumerate(config.reward.components):
+        if c.type == "python":
+            problems += filter(None, [_readable_python(c.file, f"spec.reward.components[{i}].file")])
     if config.environment is not None and config.environment.file is not None:
         problems += filter(None, [_readable_python(config.environment.file, "spec.environment.file")])
     if config.environment is not None and config.environment.gem is not None:

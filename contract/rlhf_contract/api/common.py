@@ -86,6 +86,10 @@ class VolumeMount(SpecModel):
     """Mount read-only (the output directory cannot be on such a mount)."""
 
 
+RESERVED_ENV_PREFIXES = ("RLHF_", "PET_")
+"""Environment names the operator sets in the job's containers."""
+
+
 class PodTemplateSpec(SpecModel):
     """What every pod of the job (trainer and rollout servers) gets on a real cluster:
     where it may run and what it mounts."""
@@ -105,6 +109,25 @@ class PodTemplateSpec(SpecModel):
     the model, the data and the output directory must be on one of them."""
     volume_mounts: list[VolumeMount] = []
     """Mounts of `volumes` into every container."""
+    env: list[KubeObject] = []
+    """Environment variables of the trainer and rollout containers (Kubernetes EnvVar:
+    {name, value} or {name, valueFrom: {secretKeyRef: ...}}), e.g. NCCL settings or a
+    tracker's credentials. Not given to the code sandbox."""
+    env_from: list[KubeObject] = []
+    """Kubernetes EnvFromSource of the trainer and rollout containers, e.g.
+    [{secretRef: {name: mlflow-credentials}}]."""
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for i, v in enumerate(value):
+            name = v.get("name")
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"env[{i}] needs a name")
+            if name.startswith(RESERVED_ENV_PREFIXES):
+                raise ValueError(f"env[{i}].name: {name} is set by the operator (names starting with "
+                                 f"{', '.join(RESERVED_ENV_PREFIXES)} are reserved); use another name")
+        return value
 
     @field_validator("volumes")
     @classmethod

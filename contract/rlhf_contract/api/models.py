@@ -19,10 +19,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .common import MAX_NAME_LENGTH, SpecModel, PodTemplateSpec
 from .task import ModelSpec, DataSpec, SandboxServiceSpec, RewardSpec, EnvironmentSpec, AlgorithmSpec
-from .training import RolloutSpec, TrainerSpec, ScheduleSpec, OutputSpec, RunPolicy, EvaluationSpec, PreferenceSpec
+from .training import RolloutSpec, TrainerSpec, ScheduleSpec, OutputSpec, RunPolicy, EvaluationSpec, PreferenceSpec, TrackingSpec
 from .common import API_GROUP, API_VERSION, KIND, PLURAL, SHORT_NAME, KubeObject, GPU_RESOURCE, Quantity, Resources, VolumeMount  # noqa: F401  (re-exported)
-from .task import CodeSandboxSpec, RewardModelSpec, Estimator, ESTIMATORS, LossAgg  # noqa: F401  (re-exported)
-from .training import ParallelismSpec, EvalDatasetSpec  # noqa: F401  (re-exported)
+from .task import CodeSandboxSpec, RewardModelSpec, RewardComponentSpec, Estimator, ESTIMATORS, LossAgg  # noqa: F401  (re-exported)
+from .training import ParallelismSpec, EvalDatasetSpec, WandbSpec, MlflowSpec, SecretKeyRef  # noqa: F401  (re-exported)
 
 __all__ = [
     "API_GROUP",
@@ -55,6 +55,7 @@ __all__ = [
     "RLHFJobSpec",
     "RLHFJobStatus",
     "Resources",
+    "RewardComponentSpec",
     "RewardModelSpec",
     "RewardSpec",
     "RolloutSpec",
@@ -63,6 +64,7 @@ __all__ = [
     "SandboxServiceSpec",
     "ScheduleSpec",
     "SpecModel",
+    "TrackingSpec",
     "TrainerSpec",
     "VolumeMount",
 ]
@@ -114,6 +116,8 @@ class RLHFJobSpec(SpecModel):
     """`method: dpo` / `rm`: the preference loss."""
     evaluation: EvaluationSpec | None = None
     """`method: rl`: held-out prompt sets scored before training, every `everySteps` and at the end."""
+    tracking: TrackingSpec = TrackingSpec()
+    """Experiment trackers (TensorBoard by default, Weights & Biases, MLflow) and sample tables."""
 
     @property
     def offline(self) -> bool:

@@ -47,6 +47,21 @@ def required_for_reward(reward_type: str, field: str, what: str) -> Rule:
     )
 
 
+def required_for_component(reward_type: str, field: str, what: str) -> Rule:
+    """`reward.components[*].<field>` must be set on each component of type `reward_type`."""
+    return Rule(
+        field_path="reward.components",
+        cel=f"!has(self.reward.components) || self.reward.components.all(c, c.type != '{reward_type}' || has(c.{field}))",
+        message=f"each component of type {reward_type} needs {field} ({what})",
+        check=lambda s: all(c.type != reward_type or bool(getattr(c, field)) for c in s.reward.components),
+        detail=lambda s: "missing on " + ", ".join(c.name for c in s.reward.components
+                                                  if c.type == reward_type and not getattr(c, field)),
+    )
+
+
+_MAIN_NAME = "(has(self.reward.name) ? self.reward.name : self.reward.type)"
+
+
 RULES: tuple[Rule, ...] = (
     Rule(
         field_path="rollout.samplesPerPrompt",
@@ -88,6 +103,24 @@ RULES: tuple[Rule, ...] = (
         check=lambda s: (s.data.path == "builtin://gem") == (s.environment is not None and s.environment.gem is not None),
     ),
     required_for_reward("http", "url", "the reward service endpoint"),
+    required_for_component("python", "file", "the file defining the reward function"),
+    required_for_component("http", "url", "the reward service endpoint"),
+    Rule(
+        field_path="reward.components",
+        cel="!has(self.reward.components) || self.reward.components.all(c, c.name != "
+        f"{_MAIN_NAME} && self.reward.components.exists_one(d, d.name == c.name))",
+        message="names must be unique and differ from the main reward's name (reward.name, default "
+        "reward.type): they name the logged reward/<name>_mean",
+        check=lambda s: len({c.name for c in s.reward.components} | {s.reward.main_name})
+        == len(s.reward.components) + 1,
+        detail=lambda s: f"names {[s.reward.main_name] + [c.name for c in s.reward.components]}",
+    ),
+    Rule(
+        field_path="reward.components",
+        cel="!has(self.environment) || !has(self.reward.components) || size(self.reward.components) == 0",
+        message="cannot be used with environment: a multi-turn environment gives the rewards",
+        check=lambda s: s.environment is None or not s.reward.components,
+    ),
     Rule(
         field_path="algorithm.overlongBuffer",
         cel=f"{OVERLONG} < self.rollout.maxTokens",
@@ -168,7 +201,7 @@ everything to zero; runPolicy's budget, deadline and TTL are read on every recon
 
 IMMUTABLE_FIELDS: tuple[str, ...] = ("method", "model", "data", "reward", "environment", "algorithm", "rollout",
                                      "trainer", "schedule", "output", "pod", "sandboxService", "preference",
-                                     "evaluation", "backend")
+                                     "evaluation", "backend", "tracking")
 """Spec fields (YAML names under spec) that an update may not change. Each is read once,
 when the pods start (the config file, the trainer's world and endpoints, the servers'
 command line), so a change on a running job would be half-applied. The CRD carries one

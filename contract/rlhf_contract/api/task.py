@@ -94,19 +94,13 @@ class RewardModelSpec(SpecModel):
     """The step reward is the verifiable reward (0 for `type: model`) + weight x score."""
 
 
-class RewardSpec(SpecModel):
-    """How a response is scored. A reward function returns `reward` (used for advantages)
+RewardType = Literal["exact_match", "prefix_match", "math", "code", "python", "http"]
+
+
+class RewardFunctionSpec(SpecModel):
+    """One reward function: how a response is scored into `reward` (used for advantages)
     and `score` (logged); the built-in ones return the same number for both."""
 
-    type: Literal["exact_match", "prefix_match", "math", "code", "python", "http", "model"] = "exact_match"
-    """`exact_match` / `prefix_match`: the stripped response equals / starts with the answer;
-    `math`: the final boxed or <answer> answer is equivalent to the answer (math-verify);
-    `code`: the last fenced Python block passes the row's `test_cases` in a sandbox;
-    `python`: `function` from the user file `file`; `http`: POST to `url`; `model`: the
-    reward model `model` alone."""
-    model: RewardModelSpec | None = None
-    """A reward model whose weighted score is added to the reward (required by `type: model`;
-    with another type the two are combined)."""
     file: str | None = None
     """`python`: path of the file defining the reward function."""
     function: str = "reward_fn"
@@ -125,6 +119,52 @@ class RewardSpec(SpecModel):
     profile, which forbids user namespaces."""
     sandbox: CodeSandboxSpec = CodeSandboxSpec()
     """`code`: where and within which limits model-written programs run."""
+
+
+class RewardComponentSpec(RewardFunctionSpec):
+    """A further reward function whose weighted reward is added to the main one (a format
+    reward beside a correctness reward, a service's score, ...)."""
+
+    name: str = Field(pattern=r"^[a-z][a-z0-9_]{0,39}$")
+    """Its name in the metrics: `reward/<name>_mean` (before weighting), Prometheus
+    `rlhf_reward_component_mean{component="<name>"}`."""
+    type: RewardType
+    """As `reward.type` (not `model`: a reward model is `reward.model`)."""
+    weight: float = 1.0
+    """The trained reward adds weight x this component's reward."""
+
+
+class RewardSpec(RewardFunctionSpec):
+    """How a response is scored: the main reward function (`type` and its fields), optional
+    weighted `components`, and an optional learned reward `model`. The trained reward is the
+    main reward + each component's weight x its reward + model.weight x the model's score;
+    the logged `score` is the main function's."""
+
+    type: Literal["exact_match", "prefix_match", "math", "code", "python", "http", "model"] = "exact_match"
+    """`exact_match` / `prefix_match`: the stripped response equals / starts with the answer;
+    `math`: the final boxed or <answer> answer is equivalent to the answer (math-verify);
+    `code`: the last fenced Python block passes the row's `test_cases` in a sandbox;
+    `python`: `function` from the user file `file`; `http`: POST to `url`; `model`: the
+    reward model `model` alone."""
+    name: str | None = Field(default=None, pattern=r"^[a-z][a-z0-9_]{0,39}$")
+    """The main function's name in the metrics when there are `components` (default: its type)."""
+    components: list[RewardComponentSpec] = Field(default=[], max_length=8)
+    """Further reward functions, weighted and added to the main one; each is logged."""
+    model: RewardModelSpec | None = None
+    """A reward model whose weighted score is added to the reward (required by `type: model`;
+    with another type the two are combined)."""
+
+    @property
+    def main_name(self) -> str:
+        return self.name or self.type
+
+    def functions(self) -> list[RewardFunctionSpec]:
+        """The main function (unless `type: model`) and the components."""
+        return ([self] if self.type != "model" else []) + list(self.components)
+
+    def uses(self, reward_type: str) -> bool:
+        """Whether the main function or a component is of this type."""
+        return self.type == reward_type or any(c.type == reward_type for c in self.components)
 
 
 class EnvironmentSpec(SpecModel):

@@ -122,6 +122,67 @@ class OutputSpec(SpecModel):
     `rollouts/step-N.jsonl` for inspection."""
 
 
+class SecretKeyRef(SpecModel):
+    """A key of a Secret in the job's namespace."""
+
+    name: str = Field(min_length=1)
+    """The Secret's name."""
+    key: str = Field(min_length=1)
+    """The key holding the value."""
+
+
+class WandbSpec(SpecModel):
+    """Weights & Biases: rank 0 logs every metrics.jsonl key, the resolved job spec as the
+    run's config, and tables of samples."""
+
+    project: str = Field(min_length=1)
+    """W&B project."""
+    entity: str | None = None
+    """W&B entity (team or user); null: the key's default entity."""
+    name: str | None = None
+    """Run name; null: the job's name."""
+    tags: list[str] = []
+    """Run tags."""
+    mode: Literal["online", "offline"] = "online"
+    """`offline` writes the run under `<output>/wandb` for `wandb sync` later (no network, no key)."""
+    api_key_secret: SecretKeyRef | None = None
+    """The Secret key holding the API key (becomes WANDB_API_KEY in the trainer pods; locally
+    the environment's WANDB_API_KEY is used)."""
+    base_url: str | None = Field(default=None, pattern=r"^https?://")
+    """A self-hosted W&B server (WANDB_BASE_URL)."""
+
+
+class MlflowSpec(SpecModel):
+    """MLflow: rank 0 logs every metrics.jsonl key, the resolved job spec as parameters and
+    an artifact, and tables of samples."""
+
+    tracking_uri: str = Field(min_length=1)
+    """`http(s)://` tracking server, or a store the trainer can write: `file:///...` or
+    `sqlite:///...` on the output volume. Credentials (MLFLOW_TRACKING_TOKEN, ...) through
+    `pod.env` / `pod.envFrom`."""
+    experiment: str | None = None
+    """Experiment name; null: the job's name."""
+    run_name: str | None = None
+    """Run name; null: the job's name."""
+
+
+class TrackingSpec(SpecModel):
+    """Where rank 0 logs the run besides metrics.jsonl and Prometheus. A resumed run logs
+    into the same TensorBoard directory, W&B run and MLflow run (no duplicate steps)."""
+
+    tensorboard: bool = True
+    """TensorBoard event files under `<output>/tensorboard`."""
+    wandb: WandbSpec | None = None
+    """Weights & Biases."""
+    mlflow: MlflowSpec | None = None
+    """MLflow."""
+    samples_every: int = Field(default=10, ge=0)
+    """`method: rl`: every this many steps (and at the first), a table of sampled prompts,
+    completions and rewards goes to each tracker; 0: never."""
+    samples_per_table: int = Field(default=8, ge=1, le=1024)
+    """Rows of that table (the step's first samples)."""
+
+
 class RunPolicy(SpecModel):
     """Restarts and lifetime, as for a Kubernetes Job."""
 

@@ -1,12 +1,15 @@
 """The ConfigMap `<job>-config`: the trainer's config (`rlhf_contract.trainer_config`,
 presets resolved) as JSON, mounted at `/etc/rlhf/trainer.json` in every pod
-(RLHF_TRAINER_CONFIG). The rollout servers take everything from their command line."""
+(RLHF_TRAINER_CONFIG), and beside it `job.json`, the resolved job spec the trackers log.
+The rollout servers take everything from their command line."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from rlhf_contract.api.models import RLHFJob
+from rlhf_contract.pod import JOB_FILE, run_config
 from rlhf_contract.trainer_config import TrainerConfig
 
 from .meta import config_map_name, metadata
@@ -23,5 +26,5 @@ def build_config_map(job: RLHFJob) -> dict[str, Any]:
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": metadata(job, config_map_name(job.metadata.name)),
-        "data": {CONFIG_FILE: trainer_config(job).to_json()},
+        "data": {CONFIG_FILE: trainer_config(job).to_json(), JOB_FILE: json.dumps(run_config(job), indent=1)},
     }

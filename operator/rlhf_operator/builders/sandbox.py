@@ -40,10 +40,14 @@ TMP_SIZE_LIMIT = "2Gi"
 """emptyDir at /tmp: the service's per-run stdin/stdout files."""
 
 
+def code_rewards(job: RLHFJob) -> list:
+    """The job's code reward functions (main or components) that use the operator's sandbox."""
+    return [f for f in job.spec.reward.functions() if f.type == "code" and f.sandbox.url is None]
+
+
 def wants_sandbox(job: RLHFJob) -> bool:
     """The operator runs a sandbox service for this job."""
-    reward = job.spec.reward
-    return reward.type == "code" and reward.sandbox.url is None
+    return bool(code_rewards(job))
 
 
 def sandbox_pod_labels(job: RLHFJob) -> dict[str, str]:
@@ -56,14 +60,14 @@ def _seccomp(job: RLHFJob) -> dict[str, str]:
 
 
 def build_sandbox_statefulset(job: RLHFJob) -> dict[str, Any]:
-    reward = job.spec.reward
     s = job.spec.sandbox_service
     name = contract.sandbox_name(job.metadata.name)
     probe = {"httpGet": {"path": "/healthz", "port": "http"}, "periodSeconds": 10, "timeoutSeconds": 5}
     container = {
         "name": "sandbox",
         "image": job.spec.trainer.image,
-        "command": contract.sandbox_command(require_isolation=reward.require_sandbox_isolation),
+        "command": contract.sandbox_command(
+            require_isolation=all(f.require_sandbox_isolation for f in code_rewards(job))),
         "env": [{"name": "HOME", "value": "/tmp"}, {"name": "TMPDIR", "value": "/tmp"}],
         "ports": [{"name": "http", "containerPort": contract.SANDBOX_PORT, "protocol": "TCP"}],
         "resources": {"requests": {"cpu": s.cpu, "memory": s.memory},

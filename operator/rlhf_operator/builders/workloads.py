@@ -62,7 +62,7 @@ def rollout_container(job: RLHFJob, settings: PodSettings) -> dict[str, Any]:
         "name": "server",
         "image": r.image,
         "command": proc.command,
-        "env": env_list(proc.env),
+        "env": env_list(proc.env) + list(job.spec.pod.env),
         "ports": [{"name": "http", "containerPort": contract.ROLLOUT_PORT, "protocol": "TCP"}],
         "resources": container_resources(r.tensor_parallel_size, r.resources),
         "securityContext": container_security_context(),
@@ -75,7 +75,21 @@ def rollout_container(job: RLHFJob, settings: PodSettings) -> dict[str, Any]:
         "livenessProbe": _probe(period=30, failures=4, timeout=10),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
+    if job.spec.pod.env_from:
+        container["envFrom"] = list(job.spec.pod.env_from)
     return container
+
+
+def tracking_env(job: RLHFJob) -> list[dict[str, Any]]:
+    """The trackers' settings that come from the cluster: W&B's key from its Secret."""
+    wandb = job.spec.tracking.wandb
+    env: list[dict[str, Any]] = []
+    if wandb is not None and wandb.api_key_secret is not None:
+        ref = wandb.api_key_secret
+        env.append({"name": "WANDB_API_KEY", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    if wandb is not None and wandb.base_url:
+        env.append({"name": "WANDB_BASE_URL", "value": wandb.base_url})
+    return env
 
 
 def build_rollout_statefulset(job: RLHFJob, attempt: int, settings: PodSettings) -> dict[str, Any]:
@@ -115,11 +129,11 @@ def trainer_container(job: RLHFJob, settings: PodSettings, *, rollout_endpoints:
         "name": name,
         "image": t.image,
         "command": proc.command,
-        "env": env_list(proc.env) + list(extra_env),
+        "env": env_list(proc.env) + list(extra_env) + tracking_env(job) + list(job.spec.pod.env),
         "ports": [
             {"name": "pytorchjob-port", "containerPort": contract.TRAINER_MASTER_PORT, "protocol": "TCP"},
             {"name": "weight-sync", "containerPort": contract.WEIGHT_SYNC_PORT, "protocol": "TCP"},
-            # Prometheus scrapes rank 0 (the Master pod) here; other ranks serve nothing.
+            # every trainer pod answers here; node 0's rank 0 serves the step metrics
             {"name": "metrics", "containerPort": contract.TRAINER_METRICS_PORT, "protocol": "TCP"},
         ],
         "resources": container_resources(t.nproc_per_node, t.resources),
@@ -127,6 +141,8 @@ def trainer_container(job: RLHFJob, settings: PodSettings, *, rollout_endpoints:
         "volumeMounts": volume_mounts(settings, trainer=True),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
+    if job.spec.pod.env_from:
+        container["envFrom"] = list(job.spec.pod.env_from)
     return container
 
 

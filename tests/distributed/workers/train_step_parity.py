@@ -138,7 +138,7 @@ def run(layout: tuple[int, int, int], variant: str, temperature: float,
     models = Models(policy, torch.optim.AdamW(policy.parameters(), lr=1e-2), ref, reward_model=reward_model)
     step = TrainStep(a, models, lay, max_tokens_per_micro_batch=24, max_grad_norm=0.3, temperature=temperature,
                      device=device, reward_model_weight=0.5)
-    batch = RolloutBatch(rows(), GROUP, RolloutStats(0, 0, 0, 0, 0, 0))
+    batch = RolloutBatch(rows(), GROUP, RolloutStats(*[0] * 12))
     tensors = step.prepare(batch)
     metrics = step(batch, tensors)
     metrics.update(tensors.reward_metrics)

@@ -178,15 +178,17 @@ def _missing_columns(config: TrainerConfig, s: _Set, sample: DataSample) -> list
         if config.method in PAIR_METHODS and key not in present:
             problems.append(f"spec.data.{name}: method {config.method} needs a {key!r} column (data.{name}) in every "
                             f"row, but {label} has none; {found}: set data.{name} to its column")
-    reward = config.reward.type if config.method == "rl" and config.environment is None else None
-    if reward == "code" and "test_cases" not in present:
-        problems.append(f"spec.reward.type: code runs each response against the row's 'test_cases' "
-                        f"({{inputs, outputs}}), but {label} has no 'test_cases' column; {found}")
-    if reward in ANSWER_REWARDS and d.answer_key not in present and "gt_answer" not in present:
-        problems.append(f"spec.data.answerKey: reward.type {reward} compares each response with the row's answer, but "
-                        f"{label} has no {d.answer_key!r} column (data.answerKey), nor 'gt_answer'; {found}: "
-                        "set data.answerKey to the column that holds the answer")
-    return problems
+    rewards = [("reward.type", config.reward.type)] + [
+        (f"reward.components[{i}].type", c.type) for i, c in enumerate(config.reward.components)]
+    for field, reward in rewards if config.method == "rl" and config.environment is None else ():
+        if reward == "code" and "test_cases" not in present:
+            problems.append(f"spec.{field}: code runs each response against the row's 'test_cases' "
+                            f"({{inputs, outputs}}), but {label} has no 'test_cases' column; {found}")
+        if reward in ANSWER_REWARDS and d.answer_key not in present and "gt_answer" not in present:
+            problems.append(f"spec.data.answerKey: {field} {reward} compares each response with the row's answer, "
+                            f"but {label} has no {d.answer_key!r} column (data.answerKey), nor 'gt_answer'; "
+                            f"{found}: set data.answerKey to the column that holds the answer")
+    return list(dict.fromkeys(problems))
 
 
 def _prompt_lengths(rows: list, d: DataSpec, tok: Any) -> tuple[list[int], list[str]]:

@@ -26,6 +26,8 @@ class Row:
     loss_mask: list[int] | None = None
     """1 on tokens to train on; None means every response token (single turn). Multi-turn
     rows hold environment tokens with 0."""
+    components: dict[str, float] | None = None
+    """Each reward function's own reward, by name, when `reward.components` is set."""
 
     def mask(self) -> list[float]:
         return [float(m) for m in self.loss_mask] if self.loss_mask is not None else [1.0] * len(self.response_ids)

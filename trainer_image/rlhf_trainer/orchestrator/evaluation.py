@@ -56,7 +56,7 @@ class Evaluator:
                                                          sampling={"temperature": 0.0, "top_p": 1.0, "top_k": -1})
                 out[f"eval/{name}/greedy_score"] = sum(g[0][1] for g in scored) / len(scored)
             _, scored = self.sampler.generate_scored(prompts, n=k, seed=seed)
-            scores = [[score for _, score in g] for g in scored]
+            scores = [[result[1] for result in g] for g in scored]
             out[f"eval/{name}/mean_score"] = sum(sum(s) for s in scores) / (k * len(scores))
             out[f"eval/{name}/pass@{k}"] = sum(max(s) >= 1.0 for s in scores) / len(scores)
         log.info("eval after step %d: %s", step, ", ".join(f"{key} {v:.3f}" for key, v in out.items()))

@@ -87,17 +87,8 @@ class Orchestrator:
         rows = [row for g in groups for row in g]
         if self.config.output.save_rollouts:
             self._save_rollouts(step, rows)
-        n = len(rows)
-        stats = RolloutStats(
-            reward_mean=sum(r.reward for r in rows) / n,
-            score_mean=sum(r.score for r in rows) / n,
-            response_length_mean=sum(len(r.response_ids) for r in rows) / n,
-            truncated_fraction=sum(r.truncated for r in rows) / n,
-            dropped_group_fraction=dropped / sampled,
-            num_tokens=sum(len(r.prompt_ids) + len(r.response_ids) for r in rows),
-            dropped_prompts=getattr(self.data, "num_dropped", 0),
-            skipped_rows=getattr(self.data, "num_skipped", 0),
-        )
+        stats = rollout_stats(groups, sampled=sampled, dropped=dropped, dropped_prompts=getattr(self.data, "num_dropped", 0),
+                              skipped_rows=getattr(self.data, "num_skipped", 0))
         return RolloutBatch(rows, self.config.sampling.samples_per_prompt, stats)
 
     def _save_rollouts(self, step: int, rows: list[Row]) -> None:
@@ -117,3 +108,30 @@ class Orchestrator:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.data.load_state_dict(state["data"])
+
+
+def rollout_stats(groups: list[list[Row]], *, sampled: int, dropped: int, dropped_prompts: int = 0,
+                  skipped_rows: int = 0) -> RolloutStats:
+    """The statistics of a step's groups (`sampled` groups generated, `dropped` of them by
+    dynamic sampling)."""
+    rows = [row for g in groups for row in g]
+    n = len(rows)
+    rewards = [r.reward for r in rows]
+    lengths = [len(r.response_ids) for r in rows]
+    mean = sum(rewards) / n
+    names = list(rows[0].components or {}) if rows else []
+    return RolloutStats(
+        reward_mean=mean,
+        reward_std=(sum((x - mean) ** 2 for x in rewards) / n) ** 0.5,
+        reward_min=min(rewards), reward_max=max(rewards),
+        score_mean=sum(r.score for r in rows) / n,
+        response_length_mean=sum(lengths) / n, response_length_min=min(lengths), response_length_max=max(lengths),
+        truncated_fraction=sum(r.truncated for r in rows) / n,
+        zero_std_group_fraction=sum(max(r.reward for r in g) - min(r.reward for r in g) <= 1e-9
+                                    for g in groups) / len(groups),
+        dropped_group_fraction=dropped / sampled,
+        num_tokens=sum(len(r.prompt_ids) + len(r.response_ids) for r in rows),
+        dropped_prompts=dropped_prompts,
+        skipped_rows=skipped_rows,
+        components={name: sum(r.components[name] for r in rows) / n for name in names},
+    )

@@ -74,10 +74,10 @@ class Sampler:
         for samples in groups:
             rows = []
             for x in samples:
-                reward, score = next(results)
+                reward, score, *parts = next(results)  # CombinedReward: and each function's reward
                 if buffer:
                     reward += float(overlong_penalty(torch.tensor([len(x.token_ids)]), s.max_tokens, buffer)[0])
                 rows.append(Row(list(x.prompt_token_ids), list(x.token_ids), list(x.logprobs), reward, score,
-                                x.finish_reason == "length"))
+                                x.finish_reason == "length", components=parts[0] if parts else None))
             out.append(rows)
         return out

@@ -13,9 +13,17 @@ class RolloutStats:
     """Rank 0's statistics of one step's rollout (logged as they are)."""
 
     reward_mean: float
+    reward_std: float
+    reward_min: float
+    reward_max: float
     score_mean: float
     response_length_mean: float
+    response_length_min: int
+    response_length_max: int
     truncated_fraction: float
+    """Responses cut at rollout.maxTokens (the clipped-response ratio)."""
+    zero_std_group_fraction: float
+    """Groups whose rewards are all equal, before dynamic sampling drops them."""
     dropped_group_fraction: float
     num_tokens: int
     """Prompt + response tokens of the step."""
@@ -23,6 +31,8 @@ class RolloutStats:
     """Prompts skipped by the data source so far (too long or empty)."""
     skipped_rows: int = 0
     """Malformed rows of the dataset skipped when it was read."""
+    components: dict[str, float] = field(default_factory=dict)
+    """`reward/<name>_mean` of each reward function with `reward.components`."""
 
 
 @dataclass

@@ -11,6 +11,10 @@
                                both `rlhf_trainer.sandbox`
   python                       custom.load_reward_function: a user file's function
   http                         custom.RemoteReward: a reward service
+
+`reward.components` adds weighted further functions (`CombinedReward`): the trained reward
+is the main reward + sum of weight x component reward, the score is the main function's,
+and each function's reward is kept by name (`reward/<name>_mean` in the metrics).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     from rlhf_contract.api.models import RewardSpec
+    from rlhf_contract.api.task import RewardFunctionSpec
 
 Item = tuple[str, str, dict]
 Result = tuple[float, float]
@@ -53,11 +58,28 @@ class RewardFunction:
             return list(pool.map(lambda item: self._fn(*item), items))
 
 
+class CombinedReward:
+    """The main function and weighted components: each item's result is (total reward, main
+    score, {name: that function's reward})."""
+
+    def __init__(self, parts: list[tuple[str, float, RewardFunction]], main: str | None):
+        self.parts, self.main = parts, main
+
+    def score_batch(self, items: list[Item]) -> list[tuple[float, float, dict[str, float]]]:
+        results = {name: fn.score_batch(items) for name, _, fn in self.parts}
+        out = []
+        for i in range(len(items)):
+            total = sum(weight * results[name][i][0] for name, weight, _ in self.parts)
+            score = results[self.main][i][1] if self.main is not None else 0.0
+            out.append((total, score, {name: results[name][i][0] for name, _, _ in self.parts}))
+        return out
+
+
 def _same(value: float) -> Result:
     return value, value
 
 
-def sandbox_url_for(spec: "RewardSpec", sandbox_url: str | None = None, *,
+def sandbox_url_for(spec: "RewardFunctionSpec", sandbox_url: str | None = None, *,
                     job_name: str | None = None, namespace: str | None = None) -> str | None:
     """Where model code runs, first that applies: `sandbox_url`, `reward.sandbox.url`,
     `$RLHF_SANDBOX_URL`, and in a Kubernetes pod (`$KUBERNETES_SERVICE_HOST` set) of a job with
@@ -77,7 +99,7 @@ def sandbox_url_for(spec: "RewardSpec", sandbox_url: str | None = None, *,
     return None
 
 
-def sandbox_runner(spec: "RewardSpec", sandbox_url: str | None = None, *,
+def sandbox_runner(spec: "RewardFunctionSpec", sandbox_url: str | None = None, *,
                    job_name: str | None = None, namespace: str | None = None):
     """The sandbox service client for `sandbox_url_for(...)`, or None (run here)."""
     url = sandbox_url_for(spec, sandbox_url, job_name=job_name, namespace=namespace)
@@ -89,10 +111,25 @@ def sandbox_runner(spec: "RewardSpec", sandbox_url: str | None = None, *,
 
 
 def build_reward(spec: "RewardSpec", *, job_name: str | None = None, namespace: str | None = None,
-                 sandbox_url: str | None = None) -> RewardFunction:
-    """The reward function of `spec`. Code only: `job_name` and `namespace` are the job's (the trainer
-    config's; no namespace in local mode), which name its sandbox service on a cluster;
-    `sandbox_url` is a sandbox service to use instead. See `sandbox_url_for`."""
+                 sandbox_url: str | None = None) -> RewardFunction | CombinedReward:
+    """The reward function of `spec` (a `CombinedReward` when it has components). Code only:
+    `job_name` and `namespace` are the job's (the trainer config's; no namespace in local
+    mode), which name its sandbox service on a cluster; `sandbox_url` is a sandbox service
+    to use instead. See `sandbox_url_for`."""
+    components = getattr(spec, "components", [])
+    if not components:
+        return build_function(spec, job_name=job_name, namespace=namespace, sandbox_url=sandbox_url)
+    main = None if spec.type == "model" else spec.main_name
+    parts = [(main, 1.0, build_function(spec, job_name=job_name, namespace=namespace, sandbox_url=sandbox_url))] \
+        if main is not None else []
+    parts += [(c.name, c.weight, build_function(c, job_name=job_name, namespace=namespace, sandbox_url=sandbox_url))
+              for c in components]
+    return CombinedReward(parts, main)
+
+
+def build_function(spec: "RewardFunctionSpec", *, job_name: str | None = None, namespace: str | None = None,
+                   sandbox_url: str | None = None) -> RewardFunction:
+    """One reward function (`reward` or one of its components)."""
     t = spec.type
     if t == "exact_match":
         return RewardFunction(lambda r, a, e: _same(exact_match(r, a)))

@@ -170,7 +170,8 @@ class RunLoop(LoopBase):
     def _row(self, batch, tensors, train: dict[str, Any], timings: dict[str, float]) -> dict[str, Any]:
         """Rank 0: the step's metrics row."""
         stats = vars(batch.stats).copy()
-        num_tokens = stats.pop("num_tokens")
+        num_tokens = stats["num_tokens"]
+        stats.update({f"reward/{name}_mean": value for name, value in stats.pop("components").items()})
         lr = self.config.optim.learning_rate * self.lr_factor(self.config.algorithm.num_mini_batches - 1)
         extra = {}
         if tensors.old_logprobs is not None:  # same weights, two engines: how far they disagree
@@ -183,6 +184,8 @@ class RunLoop(LoopBase):
                                      device_peak_flops=peak_flops(torch.cuda.get_device_name(dev)), passes=passes)
             extra["peak_gpu_memory_bytes"] = peak_gpu_memory_bytes()
         extra.update(tensors.reward_metrics)  # the learned reward's scores and the total reward mean
+        if self.trackers is not None and self.trackers.samples_due(self.step):
+            self.trackers.log_samples(self.step, self.trackers.sample_table(self.step, batch.rows, self.tokenizer.decode))
         if "staleness" in batch.extra:
             extra["staleness_mean"] = extra["staleness_max"] = batch.extra["staleness"]
         return {"step": self.step, **stats, **train, **extra, "learning_rate": lr, **timings,

@@ -30,12 +30,13 @@ class ModelRewards:
         return [r + self.weight * s for r, s in zip(rewards, self.scores.tolist())]
 
     def metrics(self, rewards: list[float]) -> dict[str, float]:
-        """The scores' mean and std, and the total reward's mean (what trains)."""
-        values = self.scores.tolist()
+        """The scores' mean and std, and the total reward's (what trains) mean, std, min, max."""
+        values, totals = self.scores.tolist(), self.total(rewards)
         n = max(len(values), 1)
-        mean = sum(values) / n
+        mean, total_mean = sum(values) / n, sum(totals) / n
         return {"rm_score_mean": mean, "rm_score_std": (sum((v - mean) ** 2 for v in values) / n) ** 0.5,
-                "reward_mean": sum(self.total(rewards)) / n}
+                "reward_mean": total_mean, "reward_std": (sum((v - total_mean) ** 2 for v in totals) / n) ** 0.5,
+                "reward_min": min(totals, default=0.0), "reward_max": max(totals, default=0.0)}
 
 
 @torch.no_grad()
