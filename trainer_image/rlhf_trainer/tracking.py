@@ -22,6 +22,7 @@ import logging
 import math
 import os
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -82,10 +83,10 @@ class WandbTracker:
     def __init__(self, spec: Any, output_dir: Path, config: dict[str, Any], job_name: str, state: dict[str, Any]):
         import wandb
 
-        state.setdefault("wandb_run_id", wandb.util.generate_id())
+        state.setdefault("wandb_run_id", uuid.uuid4().hex[:12])
         self.run = wandb.init(project=spec.project, entity=spec.entity, name=spec.name or job_name, tags=spec.tags,
                               mode=spec.mode, dir=str(output_dir), id=state["wandb_run_id"], resume="allow",
-                              config=config)
+                              config=config, settings=wandb.Settings(console="off", quiet=True))
         self.wandb = wandb
 
     def log(self, step: int, values: dict[str, float]) -> None:
