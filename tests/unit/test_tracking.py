@@ -105,6 +105,7 @@ def test_three_trackers_log_every_key_config_samples_and_resume_without_duplicat
     assert len(client.get_metric_history(run.info.run_id, "eval/gsm/pass_at_4")) == 4
     assert run.data.params["reward.type"] == job_json["spec"]["reward"]["type"]
     assert run.data.params["rollout.samplesPerPrompt"] == str(job_json["spec"]["rollout"]["samplesPerPrompt"])
+    assert (out / "mlflow-artifacts").is_dir()  # a local store keeps artifacts with the run, not in the cwd
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "samples")}
     assert artifacts == {"samples/step-1.json", "samples/step-2.json", "samples/step-4.json"}  # the first and every 2nd
     table = json.loads(Path(client.download_artifacts(run.info.run_id, "samples/step-2.json", str(tmp_path))).read_text())

@@ -108,7 +108,7 @@ def mlflow_key(key: str) -> str:
 class MlflowTracker:
     name = "mlflow"
 
-    def __init__(self, spec: Any, config: dict[str, Any], job_name: str, state: dict[str, Any]):
+    def __init__(self, spec: Any, output_dir: Path, config: dict[str, Any], job_name: str, state: dict[str, Any]):
         from mlflow import MlflowClient
 
         self.client = MlflowClient(tracking_uri=spec.tracking_uri)
@@ -118,7 +118,10 @@ class MlflowTracker:
             return
         name = spec.experiment or job_name
         experiment = self.client.get_experiment_by_name(name)
-        experiment_id = experiment.experiment_id if experiment is not None else self.client.create_experiment(name)
+        # a local store keeps artifacts beside the run's output, not in the process's working directory
+        local = not spec.tracking_uri.startswith(("http://", "https://", "databricks"))
+        experiment_id = experiment.experiment_id if experiment is not None else self.client.create_experiment(
+            name, artifact_location=(output_dir / "mlflow-artifacts").resolve().as_uri() if local else None)
         self.run_id = self.client.create_run(experiment_id, run_name=spec.run_name or job_name).info.run_id
         state["mlflow_run_id"] = self.run_id
         from mlflow.entities import Param
@@ -164,7 +167,7 @@ class Trackers:
         starts = [(spec.tensorboard, "tensorboard", lambda: TensorBoardTracker(self.output_dir, config, resume_step)),
                   (spec.wandb is not None, "wandb",
                    lambda: WandbTracker(spec.wandb, self.output_dir, config, job_name, self.state)),
-                  (spec.mlflow is not None, "mlflow", lambda: MlflowTracker(spec.mlflow, config, job_name, self.state))]
+                  (spec.mlflow is not None, "mlflow", lambda: MlflowTracker(spec.mlflow, self.output_dir, config, job_name, self.state))]
         for wanted, name, start in starts:
             if not wanted:
                 continue
