@@ -23,11 +23,31 @@ def test_jsonl_data_and_a_user_reward_file(run_trainer, tiny_model_dir, tmp_path
     rows = run_trainer(small_job(
         tiny_model_dir, out,
         data={"path": str(data), "promptKey": "question", "answerKey": "label", "maxPromptLength": 5},
-        reward={"type": "python", "file": str(reward_file), "function": "grade"},
-        schedule={"totalSteps": 2, "promptsPerStep": 4, "saveEvery": 1}))
+        reward={"type": "python", "file": str(reward_file), "function": "grade", "name": "grade",
+                "components": [{"name": "correct", "type": "exact_match", "weight": 2.0}]},
+        schedule={"totalSteps": 2, "promptsPerStep": 4, "saveEvery": 1},
+        tracking={"samplesEvery": 1, "samplesPerTable": 3}))
     # the 5th row is 7 tokens long and dropped; the other 4 are all seen each step
-    for r in rows:
-        assert r["reward_mean"] == pytest.approx(r["score_mean"] + 0.5 * (1 + 4 + 7 + 3) / 4)
+    for r in rows:  # the main reward + 2 x the exact-match component; the score is the main function's
+        assert r["reward/grade_mean"] == pytest.approx(r["score_mean"] + 0.5 * (1 + 4 + 7 + 3) / 4)
+        assert r["reward/correct_mean"] == pytest.approx(r["score_mean"])
+        assert r["reward_mean"] == pytest.approx(r["reward/grade_mean"] + 2 * r["reward/correct_mean"])
+        assert r["reward_min"] <= r["reward_mean"] <= r["reward_max"] and r["reward_std"] > 0  # levels differ
+        assert r["reward_min"] >= 0.5 and r["reward_max"] <= 2 + 1 + 0.5 * 7
+        assert r["response_length_min"] <= r["response_length_mean"] <= r["response_length_max"]
+        assert 0.0 <= r["zero_std_group_fraction"] <= 1.0
+    # TensorBoard (on by default): every number of every row, and the sample tables
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    for key in ("reward_mean", "reward/correct_mean", "reward_std", "loss", "response_length_max"):
+        assert [(e.step, pytest.approx(e.value, rel=1e-6)) for e in events.Scalars(key)] == [
+            (r["step"], r[key]) for r in rows]
+    samples = [t for t in events.Tags()["tensors"] if t.startswith("samples")]
+    assert samples and [e.step for e in events.Tensors(samples[0])] == [1, 2]
+    table = events.Tensors(samples[0])[0].tensor_proto.string_val[0].decode()
+    assert table.count("\n") == 1 + 3  # header, rule, 3 rows
     assert json.loads((out / "checkpoints" / "step-2" / "trainer_state.json").read_text())["orchestrator"]["data"]["position"] == 8
     log_text = (out / "metrics.jsonl").read_text()
     assert log_text.count("\n") == 2
