@@ -71,6 +71,13 @@ def test_valid_specs_are_accepted(cluster: Cluster, ns: str):
                 with_("spec.algorithm", {"preset": "ppo"}),
                 with_("spec.algorithm", {"preset": "dapo"}, with_("spec.rollout", {"maxTokens": 4096})),
                 with_("spec.reward", {"type": "python", "file": "/work/reward.py"}),
+                with_("spec.reward", {"type": "math", "components": [
+                    {"name": "fmt", "type": "python", "file": "/work/fmt.py", "weight": 0.2},
+                    {"name": "judge", "type": "http", "url": "http://judge:8000/score"}]}),
+                with_("spec.tracking", {"wandb": {"project": "rl", "apiKeySecret": {"name": "w", "key": "k"}},
+                                        "mlflow": {"trackingUri": "http://mlflow:5000"}, "samplesEvery": 5}),
+                with_("spec.pod", {"env": [{"name": "NCCL_DEBUG", "value": "INFO"}],
+                                   "envFrom": [{"secretRef": {"name": "creds"}}]}),
                 yaml.safe_load((REPO / "examples" / "local-grpo.yaml").read_text()),
                 yaml.safe_load((REPO / "examples" / "rlhfjob.yaml").read_text())):
         validate_job(copy.deepcopy(doc))
@@ -112,6 +119,13 @@ INVALID = [
      ["spec.algorithm.numMiniBatches", "must divide"]),
     ("model reward without a model", with_("spec.reward", {"type": "model"}),
      ["spec.reward.model", "is required when reward.type is model"]),
+    ("python component without file", with_("spec.reward", {"type": "math", "components": [
+        {"name": "fmt", "type": "python"}]}), ["spec.reward.components", "each component of type python needs file"]),
+    ("component named like the main reward", with_("spec.reward", {"type": "math", "components": [
+        {"name": "math", "type": "exact_match"}]}), ["spec.reward.components", "names must be unique"]),
+    ("two components of one name", with_("spec.reward", {"type": "math", "components": [
+        {"name": "a", "type": "exact_match"}, {"name": "a", "type": "prefix_match"}]}),
+     ["spec.reward.components", "names must be unique"]),
     ("sft with context parallel",
      with_("spec.method", "sft", with_("spec.trainer", {"nprocPerNode": 2, "parallelism": {"contextParallel": 2}})),
      ["spec.trainer.parallelism.contextParallel", "must be 1 for method sft"]),

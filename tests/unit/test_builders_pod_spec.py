@@ -139,3 +139,39 @@ class TestVolumes:
         data["metadata"]["annotations"] = {"rlhf.dev/pod-settings": '{"nodeSelector": {}}'}
         with pytest.raises(PodSettingsError, match=r"no longer read: move its keys to spec.pod"):
             PodSettings.from_job(validate_job(data))
+
+
+class TestEnvironment:
+    ENV = [{"name": "NCCL_DEBUG", "value": "INFO"},
+           {"name": "MLFLOW_TRACKING_TOKEN", "valueFrom": {"secretKeyRef": {"name": "mlflow", "key": "token"}}}]
+
+    def test_pod_env_env_from_and_the_wandb_key_reach_trainers_and_servers_not_the_sandbox(self):
+        pod = {**POD, "env": self.ENV, "envFrom": [{"secretRef": {"name": "nccl-settings"}}]}
+        data = job_data(pod=pod, reward={"type": "code"},
+                        tracking={"wandb": {"project": "rl", "apiKeySecret": {"name": "wandb", "key": "api-key"},
+                                            "baseUrl": "https://wandb.example.com"}})
+        rollout, trainers, _ = pods_of(data)
+        for spec in [rollout, *trainers]:
+            [c] = spec["containers"]
+            assert all(e in c["env"] for e in self.ENV) and c["envFrom"] == [{"secretRef": {"name": "nccl-settings"}}]
+        for spec in trainers:  # the key only where rank 0 logs
+            env = {e["name"]: e for e in spec["containers"][0]["env"]}
+            assert env["WANDB_API_KEY"]["valueFrom"] == {"secretKeyRef": {"name": "wandb", "key": "api-key"}}
+            assert env["WANDB_BASE_URL"]["value"] == "https://wandb.example.com"
+        assert "WANDB_API_KEY" not in {e["name"] for e in rollout["containers"][0]["env"]}
+        sandbox = next(c for c in build_children(validate_job(data), 0) if c["kind"] == "StatefulSet"
+                       and c["metadata"]["name"].endswith("-sandbox"))
+        [box] = sandbox["spec"]["template"]["spec"]["containers"]
+        assert "envFrom" not in box and not {"NCCL_DEBUG", "MLFLOW_TRACKING_TOKEN"} & {e["name"] for e in box["env"]}
+        api = ApiClient()  # real Kubernetes objects
+        for spec in [rollout, *trainers]:
+            assert api.sanitize_for_serialization(api._ApiClient__deserialize(copy.deepcopy(spec), "V1PodSpec")) == spec
+
+    def test_env_names_the_operator_sets_are_refused(self):
+        with pytest.raises(JobError, match=r"env\[0\]\.name: RLHF_OUTPUT_DIR is set by the operator"):
+            validate_job(job_data(pod={**POD, "env": [{"name": "RLHF_OUTPUT_DIR", "value": "/x"}]}))
+
+    def test_a_code_component_gets_the_sandbox_service(self):
+        data = job_data(reward={"type": "math", "components": [{"name": "tests", "type": "code", "weight": 0.5}]})
+        names = {c["metadata"]["name"] for c in build_children(validate_job(data), 0)}
+        assert "demo-sandbox" in names
