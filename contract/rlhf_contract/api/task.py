@@ -125,7 +125,7 @@ class RewardComponentSpec(RewardFunctionSpec):
     """A further reward function whose weighted reward is added to the main one (a format
     reward beside a correctness reward, a service's score, ...)."""
 
-    name: str = Field(pattern=r"^[a-z][a-z0-9_]{0,39}$")
+    name: str = Field(max_length=40, pattern=r"^[a-z][a-z0-9_]{0,39}$")
     """Its name in the metrics: `reward/<name>_mean` (before weighting), Prometheus
     `rlhf_reward_component_mean{component="<name>"}`."""
     type: RewardType
@@ -146,7 +146,7 @@ class RewardSpec(RewardFunctionSpec):
     `code`: the last fenced Python block passes the row's `test_cases` in a sandbox;
     `python`: `function` from the user file `file`; `http`: POST to `url`; `model`: the
     reward model `model` alone."""
-    name: str | None = Field(default=None, pattern=r"^[a-z][a-z0-9_]{0,39}$")
+    name: str | None = Field(default=None, max_length=40, pattern=r"^[a-z][a-z0-9_]{0,39}$")
     """The main function's name in the metrics when there are `components` (default: its type)."""
     components: list[RewardComponentSpec] = Field(default=[], max_length=8)
     """Further reward functions, weighted and added to the main one; each is logged."""
