@@ -93,3 +93,19 @@ def test_mfu_peak_flops_and_logprob_mismatch():
     assert logprob_mismatch(lp, rollout, mask) == (0.5 + 0 + 0 + 1.0) / 4
     if not torch.cuda.is_available():
         assert peak_gpu_memory_bytes() is None
+
+
+def test_pods_of_other_nodes_answer_prometheus_without_step_series(monkeypatch):
+    from rlhf_trainer.launch import serve_node_endpoint
+
+    port = free_port()
+    monkeypatch.setenv("RLHF_METRICS_PORT", str(port))
+    monkeypatch.setenv("PET_NODE_RANK", "0")
+    assert serve_node_endpoint([]) is None  # node 0: its rank-0 process serves the step metrics there
+    monkeypatch.setenv("PET_NODE_RANK", "1")
+    assert serve_node_endpoint(["--nnodes=2"]) == port
+    res = httpx.get(f"http://127.0.0.1:{port}/metrics")
+    assert res.status_code == 200 and "rlhf_" not in res.text  # up, and no series to double-count
+    monkeypatch.delenv("PET_NODE_RANK")
+    monkeypatch.setenv("RLHF_METRICS_PORT", str(free_port()))
+    assert serve_node_endpoint(["--node-rank", "0"]) is None
