@@ -3,13 +3,16 @@ the operator's users (which read it):
 
   metrics.jsonl            one JSON object per step
   checkpoints/step-N/      a checkpoint; it counts only once `step-N/COMPLETE` exists
-                           (written last, after every rank finished)
+                           (written last, after every rank finished; it lists every file
+                           with its size, so a shard damaged later is found: `damage`)
+  checkpoints/damaged-step-N/  a complete checkpoint found damaged at resume, set aside
   final/                   the Hugging Face model, renamed into place when complete
   rollouts/step-N.jsonl    samples, with `output.saveRollouts`
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 CHECKPOINTS = "checkpoints"
@@ -29,6 +32,27 @@ def complete_checkpoints(output_dir: str | Path) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted((p for p in root.glob("step-*") if (p / MARKER).exists()), key=checkpoint_step)
+
+
+def manifest(path: Path) -> dict[str, int]:
+    """{relative path: size} of every file of a checkpoint directory (what COMPLETE holds)."""
+    return {str(f.relative_to(path)): f.stat().st_size for f in sorted(path.rglob("*"))
+            if f.is_file() and f.name != MARKER}
+
+
+def damage(path: Path) -> str | None:
+    """What is wrong with a complete checkpoint: a file its COMPLETE lists that is missing
+    or of another size; None when it is whole (or its COMPLETE predates the listing)."""
+    text = (path / MARKER).read_text()
+    if not text.strip():
+        return None
+    for name, size in json.loads(text)["files"].items():
+        f = path / name
+        if not f.is_file():
+            return f"{f} is missing"
+        if f.stat().st_size != size:
+            return f"{f} has {f.stat().st_size} bytes, {size} were written"
+    return None
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:

@@ -26,6 +26,7 @@ def test_normalize_result(value, expected):
 @pytest.mark.parametrize("value, message", [
     (None, "reward must be a number"), ("1.0", "reward must be a number"),
     ({"score": 1.0}, "needs a 'reward' key"), ({"reward": float("nan")}, "must be finite"),
+    ({"reward": 1e308}, r"must be within \+-3.4e\+38 \(float32\), got 1e\+308"),
     ({"reward": 1.0, "score": "high"}, "score must be a number"), ([1.0], "reward must be"),
 ])
 def test_normalize_result_rejects(value, message):

@@ -13,7 +13,9 @@ directory and renamed, so `final/` is never half-written).
 from __future__ import annotations
 
 import copy
+import errno
 import json
+import logging
 import random
 import shutil
 from pathlib import Path
@@ -22,16 +24,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
     set_state_dict,
 )
 
-from rlhf_contract.outputs import MARKER, checkpoint_step as _step_of, complete_checkpoints, latest_checkpoint
+from rlhf_contract.outputs import (MARKER, checkpoint_step as _step_of, complete_checkpoints, damage, latest_checkpoint,
+                                   manifest)
 
-__all__ = ["complete_checkpoints", "latest_checkpoint", "load_checkpoint", "save_checkpoint", "save_final"]
+__all__ = ["complete_checkpoints", "latest_checkpoint", "load_checkpoint", "resume_checkpoint", "save_checkpoint",
+           "save_final"]
 
+
+log = logging.getLogger(__name__)
 
 Parts = dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]
 
@@ -54,18 +61,57 @@ def save_checkpoint(output_dir: str | Path, step: int, parts: Parts, trainer_sta
     if rank == 0 and path.exists():
         shutil.rmtree(path)  # a partial one left by a crash
     dist.barrier()
-    dcp.save(_state(parts), checkpoint_id=str(path))
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state()
-    torch.save(rng, path / f"rng-rank{rank}.pt")
-    dist.barrier()
+    try:
+        dcp.save(_state(parts), checkpoint_id=str(path))
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        torch.save(rng, path / f"rng-rank{rank}.pt")
+        dist.barrier()
+        if rank == 0:
+            (path / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}))
+            (path / MARKER).write_text(json.dumps({"files": manifest(path)}))
+    except (Exception, CheckpointException) as err:  # DCP's is a BaseException
+        usage = shutil.disk_usage(root)
+        # torch.save reports a full disk as a short write ("unexpected pos"), not ENOSPC
+        if _out_of_space(err) or usage.free < LOW_SPACE_BYTES:
+            raise CheckpointError(
+                f"checkpoint {path}: no space left on the output volume ({_size(usage.free)} free of "
+                f"{_size(usage.total)}); the partial checkpoint is not used (it has no {MARKER}): free space "
+                "or give output.claimName a larger volume, and lower output.keepCheckpoints") from err
+        raise
     if rank == 0:
-        (path / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}))
-        (path / MARKER).write_text("")
         _prune(root, keep)
     dist.barrier()
     return path
+
+
+LOW_SPACE_BYTES = 16 << 20
+"""A checkpoint write that fails with less than this free on the volume failed for space."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (it is not used; the run's earlier ones are kept)."""
+
+
+def _size(n: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _out_of_space(err: BaseException | None, depth: int = 0) -> bool:
+    """Whether ENOSPC is behind `err` (DCP wraps each rank's failure; torch.save a C++ error)."""
+    if err is None or depth > 8:
+        return False
+    if getattr(err, "errno", None) == errno.ENOSPC or "No space left on device" in str(err):
+        return True
+    failures = getattr(err, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+    nested = list(failures.values()) if isinstance(failures, dict) else []
+    return any(_out_of_space(e, depth + 1) for e in [err.__cause__, err.__context__, *nested]
+               if isinstance(e, BaseException))
 
 
 def _prune(root: Path, keep: int) -> None:
@@ -76,6 +122,22 @@ def _prune(root: Path, keep: int) -> None:
     for partial in root.glob("step-*"):
         if not (partial / MARKER).exists() and _step_of(partial) < newest:
             shutil.rmtree(partial, ignore_errors=True)
+
+
+def resume_checkpoint(output_dir: str | Path) -> Path | None:
+    """Rank 0: the newest complete checkpoint that is whole. A damaged one (a shard truncated
+    or missing since it was written) is renamed `damaged-step-N`, kept for inspection, and the
+    one before it is used, saying so."""
+    for path in reversed(complete_checkpoints(output_dir)):
+        problem = damage(path)
+        if problem is None:
+            return path
+        aside = path.with_name(f"damaged-{path.name}")
+        shutil.rmtree(aside, ignore_errors=True)
+        path.rename(aside)
+        log.warning("checkpoint %s is damaged (%s): set aside as %s; resuming from an earlier one",
+                    path, problem, aside.name)
+    return None
 
 
 def load_checkpoint(path: Path, parts: Parts) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import torch
 
 from rlhf_contract.trainer_config import TrainerConfig
 
-from .checkpoint import Parts, latest_checkpoint, load_checkpoint, save_checkpoint, save_final
+from .checkpoint import Parts, latest_checkpoint, load_checkpoint, resume_checkpoint, save_checkpoint, save_final
 from .distributed import DistInfo, broadcast_object
 
 log = logging.getLogger("rlhf_trainer")
@@ -91,7 +91,7 @@ class LoopBase(ABC):
         return step == 0 or step == total or bool(every and step % every == 0)
 
     def resume_if_possible(self) -> None:
-        path = latest_checkpoint(self.output_dir)
+        path = broadcast_object(resume_checkpoint(self.output_dir) if self.info.is_main else None)
         if path is None:
             return
         state = load_checkpoint(path, self.parts())

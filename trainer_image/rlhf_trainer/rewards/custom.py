@@ -38,6 +38,9 @@ from rlhf_trainer.retry import Retry, TryAgain
 RewardResult = tuple[float, float]
 """(reward used for advantages, score that is logged)."""
 
+FLOAT32_MAX = 3.4028234663852886e38
+"""Largest reward a function may return: the trainer computes in float32."""
+
 
 class RewardError(RuntimeError):
     """A custom reward failed: the user function raised, or the service failed or misbehaved."""
@@ -68,6 +71,8 @@ def _number(value: Any, what: str) -> float:
                          f"{value!r:.100}") from None
     if not math.isfinite(number):
         raise ValueError(f"{what} must be finite, got {number}")
+    if abs(number) > FLOAT32_MAX:  # the trainer's tensors are float32
+        raise ValueError(f"{what} must be within +-{FLOAT32_MAX:.3g} (float32), got {number:.3g}")
     return number
 
 
