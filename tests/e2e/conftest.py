@@ -24,7 +24,8 @@ def engine(start_engines, tiny_model_dir):
 def run_trainer(engine, tmp_path):
     """Run one trainer process with `config`; return its metrics rows."""
 
-    def run(config: dict, timeout: float = 300) -> list[dict]:
+    def run(config: dict, timeout: float = 300, expect_failure: bool = False):
+        """The run's metrics rows; with `expect_failure`, its CompletedProcess (it must fail)."""
         out = Path(config["spec"]["output"]["dir"])
         path = tmp_path / "trainer.json"
         path.write_text(TrainerConfig.from_job(RLHFJob.model_validate(config)).to_json())
@@ -33,6 +34,9 @@ def run_trainer(engine, tmp_path):
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
         res = subprocess.run([sys.executable, "-m", "rlhf_trainer"], env=env, capture_output=True, text=True,
                              timeout=timeout)
+        if expect_failure:
+            assert res.returncode != 0, res.stderr[-4000:]
+            return res
         assert res.returncode == 0, res.stderr[-4000:]
         return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 

@@ -91,3 +91,65 @@ def test_a_full_output_volume_fails_the_checkpoint_cleanly_and_the_next_attempt_
     assert (tmp_path / "rc-2").read_text().strip() == "0", (tmp_path / "attempt-2.log").read_text()[-3000:]
     assert _steps(kept / "after-2") == [1, 2]  # step 1 re-run (its checkpoint never completed), once each
     assert (kept / "after-2" / "checkpoints" / "step-2" / "COMPLETE").exists()
+
+
+class _RewardService:
+    """An HTTP reward service on a thread: `down` requests answered 503 first, then each
+    request answered after `delay_s` (exact match as the reward)."""
+
+    def __init__(self, down: int = 0, delay_s: float = 0.0):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        service = self
+        self.down, self.delay_s, self.requests, self.lock = down, delay_s, 0, threading.Lock()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                import time
+
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with service.lock:
+                    service.requests += 1
+                    failing = service.requests <= service.down
+                time.sleep(0 if failing else service.delay_s)
+                reply = b"down" if failing else json.dumps(
+                    {"reward": float(body["response"].strip() == body["answer"])}).encode()
+                self.send_response(503 if failing else 200)
+                self.send_header("Content-Length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/score"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_reward_service_down_then_back_is_retried_and_a_slow_one_fails_the_run_naming_it(
+        run_trainer, tiny_model_dir, tmp_path):
+    """Our choice: bounded retries (connection errors, timeouts, 429 and 5xx: 3 more attempts,
+    0.5 s then doubling), then the step fails naming the service, never a silent reward of 0,
+    which would train the policy on a signal that is not there (a restart retries the step)."""
+    flaky = _RewardService(down=3)  # each of the step's first 3 requests fails once
+    try:
+        rows = run_trainer(small_job(tiny_model_dir, tmp_path / "a", reward={"type": "http", "url": flaky.url},
+                                     schedule={"totalSteps": 2, "saveEvery": 0}))
+        assert [r["step"] for r in rows] == [1, 2] and flaky.requests == 3 + 2 * 16
+    finally:
+        flaky.close()
+    slow = _RewardService(delay_s=3.0)
+    try:
+        res = run_trainer(small_job(tiny_model_dir, tmp_path / "b", schedule={"totalSteps": 2, "saveEvery": 0},
+                                    reward={"type": "http", "url": slow.url, "timeoutSeconds": 0.5}),
+                          expect_failure=True, timeout=120)
+        assert f"reward service {slow.url} failed 4 times; last: ReadTimeout" in res.stderr
+        assert not (tmp_path / "b" / "metrics.jsonl").exists() or not (tmp_path / "b" / "metrics.jsonl").read_text()
+    finally:
+        slow.close()
