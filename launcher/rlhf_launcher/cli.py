@@ -1,4 +1,4 @@
-"""`rlhfctl`: run a job locally, validate a job file, print the CRD."""
+"""`rlhfctl`: run a job locally, validate a job file, plot runs' metrics, print the CRD."""
 
 from __future__ import annotations
 
@@ -75,6 +75,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 2 if isinstance(err, LocalConfigError) else 1
 
 
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from .plot import PlotError, plot_runs
+
+    try:
+        path = plot_runs(args.run_dirs, args.output)
+    except PlotError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlhfctl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -96,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     validate = sub.add_parser("validate", help="check a job file and report every problem")
     add_job_args(validate)
     validate.set_defaults(func=_cmd_validate)
+
+    plot = sub.add_parser("plot", help="draw the metrics of one or more runs (overlaid) into one PNG")
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="output directory of a run (holds metrics.jsonl)")
+    plot.add_argument("--output", help="PNG to write (default: <first RUN_DIR>/plot.png)")
+    plot.set_defaults(func=_cmd_plot)
 
     op = sub.add_parser("operator", help="run the Kubernetes operator (kopf) against the current kubeconfig")
     op.add_argument("--namespace", action="append", default=[], help="watch only this namespace (repeatable; default: all)")

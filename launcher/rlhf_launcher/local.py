@@ -4,7 +4,8 @@ Starts `rollout.replicas` rollout servers (always the CPU engine: vLLM needs GPU
 torchrun trainer node with `trainer.nprocPerNode` processes, using the same commands and
 environment as the pods (`contract.py`), on 127.0.0.1 ports. Shows progress from
 `metrics.jsonl`; Ctrl-C stops everything and keeps the last complete checkpoint; a
-crashed process stops the run and its log tail is shown.
+crashed process stops the run and its log tail is shown. A finished run's curves are
+drawn to `<output>/plot.png` (`rlhfctl plot`).
 
 Simplification: local mode runs one trainer node; `trainer.numNodes` > 1 is refused.
 """
@@ -29,6 +30,8 @@ from rlhf_contract.api.models import RLHFJob
 from rlhf_contract.outputs import complete_checkpoints
 from rlhf_contract.trainer_config import TrainerConfig
 from rlhf_contract.pod import Process, rollout_process, trainer_process
+
+from .plot import plot_runs
 
 _ERROR_LINE = re.compile(r"^(\[rank\d+\]: )?[A-Za-z_.]*(Error|Exception|Exit): ")
 
@@ -97,7 +100,7 @@ def _prepare_output(job: RLHFJob, output: Path, resume: bool, overwrite: bool) -
             "continue from it, --overwrite to start afresh, or choose another --output"
         )
     if overwrite:
-        for name in ("checkpoints", "final", "logs", "metrics.jsonl"):
+        for name in ("checkpoints", "final", "logs", "metrics.jsonl", "plot.png"):
             target = output / name
             if target.is_dir():
                 shutil.rmtree(target)
@@ -151,6 +154,18 @@ def summarize(rows: list[dict]) -> str:
     first, last = mean(rewards[:10]), mean(rewards[-10:])
     ratio = f" ({last / first:.1f}x)" if first > 0 else ""
     return f"reward_mean: first 10 steps {first:.3f}, last 10 steps {last:.3f}{ratio}"
+
+
+def save_plot(out: Path, console) -> Path | None:
+    """Draw the run's curves to `out/plot.png` and print where; a failure only warns (the
+    run itself succeeded): None then."""
+    try:
+        path = plot_runs([out], out / "plot.png")
+    except Exception as err:  # noqa: BLE001 - a picture must never fail a finished run
+        console.print(f"warning: could not draw {out / 'plot.png'}: {err}", markup=False)
+        return None
+    console.print(f"plot: {path}", markup=False)
+    return path
 
 
 def _overlap_threads(spec) -> dict[str, int] | None:
@@ -243,4 +258,5 @@ def run_local(job: RLHFJob, *, output: str | None = None, resume: bool = False, 
             return 130
     console.print(summarize(_read_metrics(metrics_path)))
     console.print(f"final model: {out / 'final'}")
+    save_plot(out, console)
     return 0
