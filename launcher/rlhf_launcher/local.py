@@ -3,8 +3,11 @@
 Starts `rollout.replicas` rollout servers (always the CPU engine: vLLM needs GPUs) and one
 torchrun trainer node with `trainer.nprocPerNode` processes, using the same commands and
 environment as the pods (`contract.py`), on 127.0.0.1 ports. Shows progress from
-`metrics.jsonl`; Ctrl-C stops everything and keeps the last complete checkpoint; a
-crashed process stops the run and its log tail is shown. A finished run's curves are
+`metrics.jsonl`; Ctrl-C stops everything and keeps the last complete checkpoint. Restarts
+as the operator's: any process failing stops all of them, and up to
+`runPolicy.maxRestarts` more attempts each resume from the newest complete checkpoint;
+exit codes 2, 126 and 127 (`PERMANENT_EXIT_CODES`) end the run at once, showing the log
+tail. Attempts and restarts are shown and kept in `logs/attempts.log`. A finished run's curves are
 drawn to `<output>/plot.png` (`rlhfctl plot`).
 
 Simplification: local mode runs one trainer node; `trainer.numNodes` > 1 is refused.
@@ -29,7 +32,8 @@ from statistics import mean
 from rlhf_contract.api.models import RLHFJob
 from rlhf_contract.outputs import complete_checkpoints
 from rlhf_contract.trainer_config import TrainerConfig
-from rlhf_contract.pod import Process, rollout_process, trainer_process
+from rlhf_contract.pod import JOB_FILE, Process, rollout_process, run_config, trainer_process
+from rlhf_operator.failures import PERMANENT_EXIT_CODES
 
 from .plot import plot_runs
 
@@ -51,10 +55,13 @@ def free_port() -> int:
 
 
 class _Child:
-    def __init__(self, name: str, proc: Process, log_path: Path):
+    def __init__(self, name: str, proc: Process, log_path: Path, attempt: int = 1):
         self.name = name
         self.log_path = log_path
         self._log = open(log_path, "ab")
+        if attempt > 1:
+            self._log.write(f"==== attempt {attempt} ====\n".encode())
+            self._log.flush()
         env = {**os.environ, **proc.env, "PYTHONUNBUFFERED": "1"}
         self.popen = subprocess.Popen(
             proc.command, env=env, stdout=self._log, stderr=subprocess.STDOUT,
@@ -182,8 +189,10 @@ def _overlap_threads(spec) -> dict[str, int] | None:
 
 
 def run_local(job: RLHFJob, *, output: str | None = None, resume: bool = False, overwrite: bool = False) -> int:
+    """Run the job here; returns the exit code (0 done, 130 Ctrl-C). A failed attempt stops
+    every process; `runPolicy.maxRestarts` more attempts each resume from the newest complete
+    checkpoint, as the operator's restarts do; a permanent exit code ends the run at once."""
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     console = Console(stderr=True)
     spec = job.spec
@@ -198,29 +207,78 @@ def run_local(job: RLHFJob, *, output: str | None = None, resume: bool = False, 
     resolved.spec.rollout.engine = "cpu"
     resolved.spec.output.dir = str(out)
     trainer_config = TrainerConfig.from_job(resolved)
-    from rlhf_trainer.preflight import check
+    from rlhf_trainer.preflight import EXIT_CONFIG_ERROR, check
 
     problems = check(trainer_config, spec.trainer.nproc_per_node)
     if problems:  # the trainer pod's own check, before any server or model starts
         raise LocalConfigError("config error: " + "; ".join(problems))
     config_path = out / "trainer.json"
     config_path.write_text(trainer_config.to_json())
+    (out / JOB_FILE).write_text(json.dumps(run_config(resolved), indent=1))  # what the trackers log
 
+    budget = spec.run_policy.max_restarts
+    for restarts in range(budget + 1):
+        if restarts:
+            newest = complete_checkpoints(out)
+            _log_attempt(out, console, f"restart {restarts} of {budget}: attempt {restarts + 1} resumes from "
+                                       f"{newest[-1].name if newest else 'the start (no complete checkpoint)'}")
+        failure = _attempt(resolved, out, config_path, console, resume=resume or restarts > 0, attempt=restarts + 1)
+        if failure is None:
+            break
+        if failure.code == 130:
+            return 130
+        if failure.code in PERMANENT_EXIT_CODES or restarts == budget:
+            why = (f"exit code {failure.code} is permanent ({PERMANENT_EXIT_CODES[failure.code]}): no restart"
+                   if failure.code in PERMANENT_EXIT_CODES else f"the restart budget (runPolicy.maxRestarts {budget}) "
+                   "is spent")
+            _log_attempt(out, console, f"attempt {restarts + 1} failed: {failure.summary}; {why}")
+            error = LocalConfigError if failure.code == EXIT_CONFIG_ERROR else LocalRunError
+            raise error(f"{failure.message}\n({why}; {restarts} restart(s))")
+        _log_attempt(out, console, f"attempt {restarts + 1} failed: {failure.summary}")
+    console.print(summarize(_read_metrics(out / "metrics.jsonl")))
+    console.print(f"final model: {out / 'final'}")
+    save_plot(out, console)
+    return 0
+
+
+@dataclasses.dataclass
+class _Failure:
+    name: str
+    code: int
+    message: str
+
+    @property
+    def summary(self) -> str:
+        return f"{self.name} exited with code {self.code}"
+
+
+def _log_attempt(out: Path, console, line: str) -> None:
+    """Say it, and keep it in `logs/attempts.log`."""
+    console.print(line, markup=False)
+    with open(out / "logs" / "attempts.log", "a") as f:
+        f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
+
+
+def _attempt(resolved: RLHFJob, out: Path, config_path: Path, console, *, resume: bool, attempt: int) -> _Failure | None:
+    """One attempt: every process of the run, watched until the trainer finishes (None) or a
+    process fails (that failure, after stopping all of them); Ctrl-C is code 130."""
+    spec = resolved.spec
     ports = [free_port() for _ in range(0 if spec.offline else spec.rollout.replicas)]  # sft, rm, dpo: no servers
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     children: list[_Child] = []
-    metrics_path = out / "metrics.jsonl"
-    total = spec.schedule.total_steps
     with ExitStack() as stack:
         stack.callback(lambda: [c.stop() for c in reversed(children)])
         try:
             threads = _overlap_threads(spec)
             for i, port in enumerate(ports):
-                proc = rollout_process(resolved, model_path=model_path, host="127.0.0.1", port=port, python=sys.executable)
+                proc = rollout_process(resolved, model_path=spec.model.path, host="127.0.0.1", port=port,
+                                       python=sys.executable)
                 if threads:
                     proc = dataclasses.replace(proc, command=[*proc.command, "--num-threads", str(threads["rollout"])])
-                children.append(_Child(f"rollout-{i}", proc, out / "logs" / f"rollout-{i}.log"))
-            console.print(f"[bold]{job.metadata.name}[/] ({spec.method}): {len(ports)} rollout server(s), {spec.trainer.nproc_per_node} trainer process(es); output in {out}")
+                children.append(_Child(f"rollout-{i}", proc, out / "logs" / f"rollout-{i}.log", attempt))
+            console.print(f"[bold]{resolved.metadata.name}[/] ({spec.method}): {len(ports)} rollout server(s), "
+                          f"{spec.trainer.nproc_per_node} trainer process(es); output in {out}"
+                          + (f"; attempt {attempt}" if attempt > 1 else ""))
             # the trainer starts now, while the servers load: it builds its models and then waits
             # for them (check_rollout_servers); a server that dies is caught by the loop below
             trainer = trainer_process(
@@ -230,33 +288,37 @@ def run_local(job: RLHFJob, *, output: str | None = None, resume: bool = False, 
             )
             if threads:
                 trainer = dataclasses.replace(trainer, env={**trainer.env, "OMP_NUM_THREADS": str(threads["trainer"])})
-            trainer_child = _Child("trainer", trainer, out / "logs" / "trainer.log")
-            children.append(trainer_child)
-
-            columns = [
-                TextColumn("step {task.completed}/{task.total}"), BarColumn(),
-                TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-            ]
-            with Progress(*columns, console=console, transient=False) as progress:
-                task = progress.add_task("train", total=total, info="starting")
-                while True:
-                    rows = _read_metrics(metrics_path)
-                    if rows:
-                        last = rows[-1]
-                        shown = f"reward {last['reward_mean']:.3f}" if "reward_mean" in last else f"loss {last['loss']:.4f}"
-                        progress.update(task, completed=last["step"], info=f"{shown}  {last['tokens_per_second']:.0f} tok/s")
-                    for child in children:
-                        code = child.poll()
-                        if code is not None and (child is not trainer_child or code != 0):
-                            raise LocalRunError(f"{child.name} exited with code {code}; last lines of {child.log_path}:\n{child.log_tail()}")
-                    if trainer_child.poll() == 0:
-                        break
-                    time.sleep(0.5)
+            children.append(_Child("trainer", trainer, out / "logs" / "trainer.log", attempt))
+            return _watch(children, out / "metrics.jsonl", spec.schedule.total_steps, console)
         except KeyboardInterrupt:
             kept = complete_checkpoints(out)
             console.print(f"\nstopped; last complete checkpoint: {kept[-1] if kept else 'none'}")
-            return 130
-    console.print(summarize(_read_metrics(metrics_path)))
-    console.print(f"final model: {out / 'final'}")
-    save_plot(out, console)
-    return 0
+            return _Failure("you", 130, "interrupted")
+
+
+def _watch(children: list[_Child], metrics_path: Path, total: int, console) -> _Failure | None:
+    """Show progress until the trainer (the last child) exits 0, or any child fails."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    trainer_child = children[-1]
+    columns = [
+        TextColumn("step {task.completed}/{task.total}"), BarColumn(),
+        TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+    ]
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("train", total=total, info="starting")
+        while True:
+            rows = _read_metrics(metrics_path)
+            if rows:
+                last = rows[-1]
+                shown = f"reward {last['reward_mean']:.3f}" if "reward_mean" in last else f"loss {last['loss']:.4f}"
+                progress.update(task, completed=last["step"], info=f"{shown}  {last['tokens_per_second']:.0f} tok/s")
+            for child in children:
+                code = child.poll()
+                if code is not None and (child is not trainer_child or code != 0):
+                    code = 128 - code if code < 0 else code  # killed by a signal: as a shell reports it
+                    return _Failure(child.name, code, f"{child.name} exited with code {code}; last lines of "
+                                                      f"{child.log_path}:\n{child.log_tail()}")
+            if trainer_child.poll() == 0:
+                return None
+            time.sleep(0.5)

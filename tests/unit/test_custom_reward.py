@@ -185,3 +185,11 @@ def test_remote_reward_errors_name_the_url(server_url):
             [("1", "1", {})])
     with pytest.raises(ValueError, match="must start with http"):
         RemoteReward("localhost:8000")
+
+
+def test_a_reward_function_that_calls_exit_is_an_error_not_a_hang(tmp_path):
+    """exit() in a scoring thread would end the rollout client's event loop and leave the
+    trainer waiting forever: it is a RewardError like any other raise."""
+    (tmp_path / "quits.py").write_text("import sys\ndef reward_fn(response, answer, extra_info):\n    sys.exit(2)\n")
+    with pytest.raises(RewardError, match=r"raised SystemExit: 2"):
+        load_reward_function(str(tmp_path / "quits.py"))("x", "y", {})

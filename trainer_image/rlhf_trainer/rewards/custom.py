@@ -114,7 +114,7 @@ def load_reward_function(path: str, name: str = "reward_fn"
             value = fn(response, answer, extra_info)
             if is_async or inspect.isawaitable(value):
                 value = asyncio.run(_await(value))
-        except Exception as err:
+        except (Exception, SystemExit) as err:  # exit() in a scoring thread would hang the rollout loop
             raise RewardError(f"{where} raised {type(err).__name__}: {err}") from err
         try:
             return normalize_result(value)

@@ -1,0 +1,110 @@
+"""Local mode restarts as the operator does (`runPolicy.maxRestarts`): processes of a real
+`rlhfctl run` killed mid-run, the run resumed from its newest complete checkpoint."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rlhf_operator.failures import PERMANENT_EXIT_CODES
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "local-grpo.yaml"
+SMALL = ["schedule.promptsPerStep=4", "rollout.samplesPerPrompt=4", "trainer.maxTokensPerMicroBatch=40",
+         "rollout.replicas=1"]
+
+SERVER = "-m rlhf_inference"
+"""In the CPU engine's command line (rlhf_contract.pod.rollout_process)."""
+
+pytestmark = pytest.mark.slow
+
+
+def _start(out: Path, *overrides: str) -> subprocess.Popen:
+    args = [a for item in (*SMALL, *overrides) for a in ("--set", item)]
+    return subprocess.Popen([sys.executable, "-m", "rlhf_launcher.cli", "run", str(EXAMPLE), "--output", str(out),
+                             *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _steps(out: Path) -> list[int]:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def _pids(pattern: str, out: Path) -> list[int]:
+    """Processes of this run (their command line names its output directory) matching `pattern`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+            if pattern.encode() in cmdline and str(out).encode() in cmdline + environ:
+                found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def _wait(predicate, run: subprocess.Popen, timeout: float = 240.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        assert run.poll() is None, run.communicate()[1][-3000:]
+        time.sleep(0.2)
+    raise AssertionError("timed out")
+
+
+def test_killed_server_and_killed_trainer_each_cost_one_restart_and_lose_no_rows(tmp_path):
+    out = tmp_path / "run"
+    run = _start(out, "schedule.totalSteps=6", "schedule.saveEvery=2", "runPolicy.maxRestarts=2")
+    try:
+        _wait(lambda: len(_steps(out)) >= 3, run)
+        servers_1 = set(_pids(SERVER, out))
+        assert servers_1
+        for pid in servers_1:  # 1. the rollout server SIGKILLed mid-run
+            os.kill(pid, signal.SIGKILL)
+        _wait(lambda: "attempt 2" in (out / "logs" / "attempts.log").read_text()
+              if (out / "logs" / "attempts.log").exists() else False, run)
+        _wait(lambda: len(_steps(out)) >= 5, run)  # attempt 2 resumed from step 2 and went on
+        servers_2 = set(_pids(SERVER, out))
+        assert servers_2 and not servers_2 & servers_1
+        workers = [p for p in _pids("-m rlhf_trainer", out) if b"launch" not in Path(f"/proc/{p}/cmdline").read_bytes()
+                   and b"torch.distributed.run" not in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert workers
+        for pid in workers:  # 3. the training process SIGKILLed (as by the OOM killer)
+            os.kill(pid, signal.SIGKILL)
+        stdout, stderr = run.communicate(timeout=400)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 0, stderr[-3000:]
+    assert _steps(out) == [1, 2, 3, 4, 5, 6]  # re-run steps replaced their rows: none missing, none twice
+    log = (out / "logs" / "attempts.log").read_text()
+    assert "restart 1 of 2: attempt 2 resumes from step-2" in log and "restart 2 of 2: attempt 3 resumes from step-4" in log
+    assert "attempt 1 failed: rollout-0 exited with code 137" in log and "attempt 2 failed: trainer exited" in log
+    assert "restart 2 of 2" in stderr
+    assert not set(_pids(SERVER, out)) & (servers_1 | servers_2)  # attempt 3 had servers of its own
+
+
+def test_a_permanent_exit_code_ends_the_run_without_a_restart(tmp_path):
+    """Malformed rows past the preflight's sample (the first rows), found by the trainer's full
+    read: a data error, exit code 2, which no restart can fix."""
+    data = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": f"{i}:", "answer": str(i % 10)} for i in range(300)] + [{"answer": "1"}] * 100
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    run = _start(out, "schedule.totalSteps=4", "runPolicy.maxRestarts=3", f"data.path={data}")
+    _, stderr = run.communicate(timeout=400)
+    assert run.returncode == 2, stderr[-3000:]
+    assert PERMANENT_EXIT_CODES[2] in stderr and "100 of the 400 rows" in stderr
+    log = (out / "logs" / "attempts.log").read_text()
+    assert "attempt 1 failed: trainer exited with code 2" in log and "is permanent" in log
+    assert "attempt 2" not in log and "restart 1" not in log and "0 restart(s)" in stderr
