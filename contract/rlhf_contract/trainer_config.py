@@ -115,6 +115,10 @@ class TrainerConfig(_Config):
     """Outputs."""
     rollout_startup_timeout_seconds: int = Field(default=1800, ge=1)
     """How long to wait for the rollout servers to start (`rollout.startupTimeoutSeconds`)."""
+    rollout_request_timeout_seconds: float = Field(default=600.0, gt=0)
+    """How long a generation request may go unanswered (`rollout.requestTimeoutSeconds`)."""
+    rollout_weight_sync_timeout_seconds: float = Field(default=600.0, gt=0)
+    """How long a weight-sync round may take (`rollout.weightSyncTimeoutSeconds`)."""
     tracking: TrackingSpec = Field(default_factory=TrackingSpec)
     """Experiment trackers (`spec.tracking`)."""
 
@@ -147,6 +151,8 @@ class TrainerConfig(_Config):
             schedule=s.schedule,
             output=OutputConfig(dir=o.dir, keep_checkpoints=o.keep_checkpoints, save_rollouts=o.save_rollouts),
             rollout_startup_timeout_seconds=r.startup_timeout_seconds,
+            rollout_request_timeout_seconds=r.request_timeout_seconds,
+            rollout_weight_sync_timeout_seconds=r.weight_sync_timeout_seconds,
             tracking=s.tracking,
         )
 

@@ -86,6 +86,7 @@ class _Child:
         if self.popen.poll() is None:
             try:
                 os.killpg(self.popen.pid, signal.SIGTERM)
+                os.killpg(self.popen.pid, signal.SIGCONT)  # a stopped process acts on SIGTERM only once continued
             except ProcessLookupError:
                 pass
             try:

@@ -30,6 +30,17 @@ def _start(out: Path, *overrides: str) -> subprocess.Popen:
                              *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def _stop(run: subprocess.Popen) -> None:
+    """Ctrl-C the run (it stops its processes, each in its own session), then kill it."""
+    if run.poll() is None:
+        run.send_signal(signal.SIGINT)
+        try:
+            run.wait(60)
+        except subprocess.TimeoutExpired:
+            run.kill()
+            run.wait()
+
+
 def _steps(out: Path) -> list[int]:
     path = out / "metrics.jsonl"
     if not path.exists():
@@ -83,8 +94,7 @@ def test_killed_server_and_killed_trainer_each_cost_one_restart_and_lose_no_rows
             os.kill(pid, signal.SIGKILL)
         stdout, stderr = run.communicate(timeout=400)
     finally:
-        if run.poll() is None:
-            run.kill()
+        _stop(run)
     assert run.returncode == 0, stderr[-3000:]
     assert _steps(out) == [1, 2, 3, 4, 5, 6]  # re-run steps replaced their rows: none missing, none twice
     log = (out / "logs" / "attempts.log").read_text()
@@ -102,9 +112,42 @@ def test_a_permanent_exit_code_ends_the_run_without_a_restart(tmp_path):
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "run"
     run = _start(out, "schedule.totalSteps=4", "runPolicy.maxRestarts=3", f"data.path={data}")
-    _, stderr = run.communicate(timeout=400)
+    try:
+        _, stderr = run.communicate(timeout=400)
+    finally:
+        _stop(run)
     assert run.returncode == 2, stderr[-3000:]
     assert PERMANENT_EXIT_CODES[2] in stderr and "100 of the 400 rows" in stderr
     log = (out / "logs" / "attempts.log").read_text()
     assert "attempt 1 failed: trainer exited with code 2" in log and "is permanent" in log
     assert "attempt 2" not in log and "restart 1" not in log and "0 restart(s)" in stderr
+
+
+def test_a_stopped_server_times_out_the_attempt_instead_of_hanging_it(tmp_path):
+    """2. SIGSTOP (a hung server: its socket open, no answer), mid-rollout or mid weight
+    update: the client's request timeout (rollout.requestTimeoutSeconds) or the weight sync's
+    (rollout.weightSyncTimeoutSeconds, then its watchdog) fails the step, the attempt ends,
+    the next one resumes."""
+    out = tmp_path / "run"
+    run = _start(out, "schedule.totalSteps=4", "schedule.saveEvery=2", "runPolicy.maxRestarts=1",
+                 "rollout.requestTimeoutSeconds=5", "rollout.weightSyncTimeoutSeconds=5")
+    try:
+        _wait(lambda: (out / "checkpoints" / "step-2" / "COMPLETE").exists(), run)
+        stopped = set(_pids(SERVER, out))
+        for pid in stopped:
+            os.kill(pid, signal.SIGSTOP)
+        since = time.monotonic()
+        _wait(lambda: "attempt 2" in (out / "logs" / "attempts.log").read_text()
+              if (out / "logs" / "attempts.log").exists() else False, run, timeout=200)
+        waited = time.monotonic() - since
+        _, stderr = run.communicate(timeout=400)
+    finally:
+        _stop(run)
+    assert run.returncode == 0, stderr[-3000:]
+    assert waited < 150  # 5 s timeouts (+ the watchdog's minute at worst), never the 600 s defaults
+    assert _steps(out) == [1, 2, 3, 4]
+    assert not any(Path(f"/proc/{pid}").exists() for pid in stopped)  # the stopped servers were ended
+    trainer_log = (out / "logs" / "trainer.log").read_text()
+    assert "==== attempt 2 ====" in trainer_log
+    assert "did not answer a generation request within 5 s (rollout.requestTimeoutSeconds)" in trainer_log \
+        or "weight" in (out / "logs" / "attempts.log").read_text() or "WeightSyncError" in trainer_log

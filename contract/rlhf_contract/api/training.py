@@ -39,6 +39,13 @@ class RolloutSpec(SpecModel):
     startup_timeout_seconds: int = Field(default=1800, ge=60)
     """How long a rollout server may take to start (model load, CUDA graph capture): its
     startup probe allows this long, and the trainer waits this long for it."""
+    request_timeout_seconds: float = Field(default=600.0, gt=0)
+    """A generation request (one prompt's samples) unanswered this long fails the step: a
+    server that hangs (stopped, deadlocked) ends the attempt and the job restarts."""
+    weight_sync_timeout_seconds: float = Field(default=600.0, gt=0)
+    """A weight-sync round (every server loading the new weights) not over in this long fails
+    the step, and the attempt restarts; a trainer stuck in the transfer itself is ended a
+    minute later by the sync's watchdog (exit code 75, retried)."""
     max_staleness: int = Field(default=0, ge=0)
     """Policy versions a sample may lag behind the trainer. 0: synchronous (generate, then
     train). k >= 1: the rollouts of the next k steps are generated while the trainer trains

@@ -49,7 +49,7 @@ class Orchestrator:
             env_step = load_environment(config.environment.file)
         data = PromptSource(config.data, tokenizer, seed=config.schedule.seed, gem_id=gem_id)
         reward = build_reward(config.reward, job_name=config.job_name, namespace=config.namespace)
-        return cls(config, data=data, sampler=Sampler(config, RolloutClient(endpoints), reward, tokenizer, env_step),
+        return cls(config, data=data, sampler=Sampler(config, RolloutClient(endpoints, timeout_s=config.rollout_request_timeout_seconds), reward, tokenizer, env_step),
                    output_dir=output_dir)
 
     # ---- the rollout client's lifecycle -------------------------------------------

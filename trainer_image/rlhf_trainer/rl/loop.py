@@ -73,7 +73,8 @@ class RunLoop(LoopBase):
 
             self.orchestrator = Orchestrator.build(config, self.tokenizer, endpoints, self.output_dir)
             host, port = weight_sync_addr.rsplit(":", 1)
-            self.sender = WeightSyncSender(endpoints, host, int(port))
+            self.sender = WeightSyncSender(endpoints, host, int(port),
+                                           timeout_s=config.rollout_weight_sync_timeout_seconds)
 
     def parts(self) -> Parts:
         return self.models.parts()

@@ -210,6 +210,9 @@ class RolloutClient:
             except RETRY_ERRORS as exc:
                 failed.add(endpoint)
                 raise TryAgain(f"{endpoint}: {exc!r}") from exc
+            except httpx.ReadTimeout:
+                raise RolloutError(f"{endpoint} did not answer a generation request within {self.timeout_s:g} s "
+                                   "(rollout.requestTimeoutSeconds): the server hangs or is overloaded") from None
             if response.status_code == 200:
                 return response.json()
             if response.status_code not in RETRY_STATUS:
