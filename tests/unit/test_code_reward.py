@@ -244,6 +244,69 @@ def test_service_as_pid_1_with_rlimits_only_survives_its_programs(world_readable
         proc.wait()
 
 
+def _stop_in_namespace(proc: subprocess.Popen) -> None:
+    """Kill the service (unshare's child, the namespace's init), then unshare."""
+    try:
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    except OSError:
+        children = []
+    for child in children:
+        os.kill(int(child), signal.SIGKILL)
+    proc.kill()
+    proc.wait()
+
+
+FORKS = ("import subprocess, sys\n"
+         "print(subprocess.run([sys.executable, '-c', 'print(6 * 7)'], capture_output=True, text=True).stdout.strip())")
+HOG = ("import threading, time\n"
+       "for _ in range(200):\n    threading.Thread(target=time.sleep, args=(300,), daemon=True).start()\n"
+       "print('ready', flush=True)\ntime.sleep(300)")
+
+
+@needs_root
+def test_rlimits_only_runs_fork_beside_another_workload_of_uid_1000(world_readable_tmp):
+    """RLIMIT_NPROC is counted per uid across the node. Another workload of uid 1000 (a
+    trainer's 200 threads) leaves a service of the same uid unable to let a correct program
+    fork; the uid the operator gives each job's sandbox pods is its own, and the run's limit
+    counts the service's own tasks, so the program forks, and a fork bomb is still bounded."""
+    if not shutil.which("unshare"):
+        pytest.skip("no unshare")
+    from rlhf_contract.api import validate_job
+    from rlhf_operator.builders.sandbox import sandbox_uid
+
+    job = validate_job({"apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob",
+                        "metadata": {"name": "coder", "namespace": "team-a", "uid": "5f0c3c1e-aaaa"},
+                        "spec": {"model": {"path": "m"}, "data": {"path": "d"}, "reward": {"type": "code"}}})
+    own = sandbox_uid(job)
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO / "trainer_image"),
+           "RLHF_BWRAP": "/nonexistent", "HOME": str(world_readable_tmp)}
+    hog = subprocess.Popen([*UNPRIVILEGED, "/usr/bin/python3", "-c", HOG], stdout=subprocess.PIPE, text=True)
+    printed = {}
+    try:
+        assert hog.stdout.readline().strip() == "ready"
+        for uid in (1000, own):
+            become = ["setpriv", f"--reuid={uid}", f"--regid={uid}", *UNPRIVILEGED[3:]]
+            proc, url, health = _start_service(["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", *become],
+                                               env, require_isolation=False, python="/usr/bin/python3")
+            try:
+                assert health["backend"] == "rlimits"
+                client = SandboxClient(url, retries=0)
+                [result] = client.run_many([(FORKS, "")], Limits(timeout_s=20), require_isolation=False)
+                printed[uid] = result.stdout.strip() or result.stderr.strip().splitlines()[-1:]
+                if uid == own:
+                    bomb = "import os\nwhile True:\n    os.fork()"
+                    [bombed] = client.run_many([(bomb, "")], Limits(timeout_s=5), require_isolation=False)
+                    assert "BlockingIOError" in bombed.stderr  # fork refused past the run's own processes
+                    assert httpx.get(f"{url}/healthz", timeout=10).status_code == 200
+            finally:
+                _stop_in_namespace(proc)
+    finally:
+        hog.kill()
+        hog.wait()
+    assert printed[own] == "42", printed
+    assert printed[1000] != "42", printed  # why the sandbox pods do not run as the trainers' uid
+
+
 def test_where_model_code_runs(monkeypatch):
     """The caller says which job and namespace the trainer serves (its config); the rewards
     package reads no config file."""

@@ -29,6 +29,7 @@ is allowed to; its pods are interchangeable (`podManagementPolicy: Parallel`).
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 from rlhf_contract import sandbox as contract
@@ -59,6 +60,24 @@ def _seccomp(job: RLHFJob) -> dict[str, str]:
     return {"type": "Localhost", "localhostProfile": profile} if profile else {"type": "RuntimeDefault"}
 
 
+SANDBOX_UID_BASE = 1_000_000_000
+SANDBOX_UID_RANGE = 1_000_000_000
+"""A job's sandbox pods run as a uid of this range derived from the job's uid: processes of
+one uid are counted together by the kernel (RLIMIT_NPROC) across every pod of the node, so a
+uid shared with other workloads (the trainers' 1000 with their many threads) would leave
+model-written programs unable to fork."""
+
+
+def sandbox_uid(job: RLHFJob) -> int:
+    key = (job.metadata.model_extra or {}).get("uid") or f"{job.metadata.namespace}/{job.metadata.name}"
+    return SANDBOX_UID_BASE + int(hashlib.sha256(key.encode()).hexdigest(), 16) % SANDBOX_UID_RANGE
+
+
+def _own_uid(job: RLHFJob) -> dict[str, int]:
+    uid = sandbox_uid(job)
+    return {"runAsUser": uid, "runAsGroup": uid, "fsGroup": uid}
+
+
 def build_sandbox_statefulset(job: RLHFJob) -> dict[str, Any]:
     s = job.spec.sandbox_service
     name = contract.sandbox_name(job.metadata.name)
@@ -80,7 +99,7 @@ def build_sandbox_statefulset(job: RLHFJob) -> dict[str, Any]:
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     pod_spec = {
-        "securityContext": {**pod_security_context(), "seccompProfile": _seccomp(job)},
+        "securityContext": {**pod_security_context(), **_own_uid(job), "seccompProfile": _seccomp(job)},
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "containers": [container],

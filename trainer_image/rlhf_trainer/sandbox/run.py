@@ -47,6 +47,30 @@ LIVE_PIDS: set[int] = set()
 that reaps orphans must leave these to their Popen)."""
 
 
+NPROC_SLACK = 2
+"""Tasks the service may start between counting its own and the run's fork (a request thread)."""
+
+
+def uid_tasks(uid: int | None = None) -> int:
+    """Processes and threads of `uid` (default ours) that this process can see: what the
+    kernel counts against a run's RLIMIT_NPROC besides the run itself. The rlimits backend
+    runs as PID 1 of a pod whose uid is its own (the operator gives each job's sandbox pods a
+    uid no other workload has), so what it sees is all there is."""
+    uid = os.getuid() if uid is None else uid
+    tasks = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        if int(fields["Uid"].split()[0]) == uid:
+            tasks += int(fields["Threads"])
+    return tasks
+
+
 def set_rlimits_only_allowed(allowed: bool = True) -> None:
     """Let `run_python(..., require_isolation=False)` use the rlimits backend in this process:
     for the sandbox service alone, whose pod is the barrier."""
@@ -75,7 +99,9 @@ def _launch(iso: Isolation, code: str, limits: Limits, io: Path, started_w: int,
         scratch = io / "scratch"
         scratch.mkdir()
         (scratch / "main.py").write_text(code, encoding="utf-8")
-        return rlimits_argv(iso, limits.rlimits(), started_w), str(scratch), (started_w,), {}
+        # RLIMIT_NPROC counts every task of the uid, ours included: the run gets its own on top
+        rlimits = limits.rlimits(extra_processes=uid_tasks() + NPROC_SLACK)
+        return rlimits_argv(iso, rlimits, started_w), str(scratch), (started_w,), {}
     code_fd = os.memfd_create("main.py")
     fds.append(code_fd)
     os.write(code_fd, code.encode("utf-8"))
@@ -231,10 +257,13 @@ def run_python(code: str, stdin: str = "", limits: Limits | None = None, *,
     if iso.backend != "bwrap":
         # Without namespaces, runs of one uid could read each other's files and /proc (a
         # program could copy a sibling sample's correct output): one run at a time, and as the
-        # pod's PID 1 every leftover process of earlier runs is killed before the next starts.
+        # pod's PID 1 every leftover process of a run is killed after it and before the next.
         with _Queue.slot(limits), _RLIMITS_ONE_AT_A_TIME:
             _kill_leftovers()
-            return _run_once(iso, code, stdin, limits)
+            try:
+                return _run_once(iso, code, stdin, limits)
+            finally:  # and after it: a fork bomb's survivors would refill the uid's process count
+                _kill_leftovers()
     with _Queue.slot(limits):
         return START_RETRY.call(lambda: _run_once(iso, code, stdin, limits))
 
