@@ -230,8 +230,7 @@ def run_local(job: RLHFJob, *, output: str | None = None, resume: bool = False, 
             return 130
         if failure.code in PERMANENT_EXIT_CODES or restarts == budget:
             why = (f"exit code {failure.code} is permanent ({PERMANENT_EXIT_CODES[failure.code]}): no restart"
-                   if failure.code in PERMANENT_EXIT_CODES else f"the restart budget (runPolicy.maxRestarts {budget}) "
-                   "is spent")
+                   if failure.code in PERMANENT_EXIT_CODES else f"no restarts left (runPolicy.maxRestarts={budget})")
             _log_attempt(out, console, f"attempt {restarts + 1} failed: {failure.summary}; {why}")
             error = LocalConfigError if failure.code == EXIT_CONFIG_ERROR else LocalRunError
             raise error(f"{failure.message}\n({why}; {restarts} restart(s))")

@@ -151,3 +151,25 @@ def test_a_stopped_server_times_out_the_attempt_instead_of_hanging_it(tmp_path):
     assert "==== attempt 2 ====" in trainer_log
     assert "did not answer a generation request within 5 s (rollout.requestTimeoutSeconds)" in trainer_log \
         or "weight" in (out / "logs" / "attempts.log").read_text() or "WeightSyncError" in trainer_log
+
+
+def test_the_restart_budget_spent_ends_the_run_as_the_operator_fails_the_job(tmp_path):
+    """Every attempt fails (the reward service never answers): attempt 1 and maxRestarts more,
+    then the run fails with the operator's words for it (status.py: "restart i of N", then
+    "no restarts left (runPolicy.maxRestarts=N)")."""
+    from rlhf_launcher.local import free_port
+
+    out = tmp_path / "run"
+    run = _start(out, "schedule.totalSteps=2", "runPolicy.maxRestarts=1", "reward.type=http",
+                 f"reward.url=http://127.0.0.1:{free_port()}/score")
+    try:
+        _, stderr = run.communicate(timeout=400)
+    finally:
+        _stop(run)
+    assert run.returncode == 1, stderr[-3000:]
+    log = (out / "logs" / "attempts.log").read_text().splitlines()
+    assert [line.split(" ", 1)[1].split(":")[0] for line in log] == [
+        "attempt 1 failed", "restart 1 of 1", "attempt 2 failed"]
+    assert log[-1].endswith("no restarts left (runPolicy.maxRestarts=1)")
+    assert "reward service" in stderr and "1 restart(s)" in stderr
+    assert (out / "logs" / "trainer.log").read_text().count("==== attempt 2 ====") == 1
