@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import yaml
 
@@ -85,9 +86,29 @@ def _declared(module: str, function: str) -> set[str]:
 
 
 def test_every_queried_metric_is_declared():
-    declared = _declared("rlhf_trainer.metrics", "gauge_names") | _declared("rlhf_operator.metrics", "exported_names")
+    declared = _declared("rlhf_trainer.metrics", "exported_names") | _declared("rlhf_operator.metrics", "exported_names")
     assert "rlhf_last_step_timestamp_seconds" in declared and "rlhf_operator_reconciles_total" in declared
     used = _queried_names()
     assert used["training-run.json"] and used["operator.json"] and used["prometheusrule.yaml"]
     for where, names in used.items():
         assert names <= declared, f"{where} queries undeclared metrics {sorted(names - declared)}"
+
+
+_VLLM_METRIC = re.compile(r"\b(vllm:[a-z0-9_:]+)\b")
+
+
+def test_every_queried_vllm_metric_is_one_vllm_exports():
+    """The vLLM panels' names against what the pinned vLLM release's own source declares
+    (tests/protocol/vllm_facts.json, from its v1/metrics/*.py): a counter is exported with
+    `_total`, a histogram as `_bucket`, `_sum` and `_count`."""
+    facts = json.loads((Path(__file__).resolve().parents[1] / "protocol" / "vllm_facts.json").read_text())
+    suffixes = {"counter": ["_total"], "gauge": [""], "histogram": ["_bucket", "_sum", "_count"]}
+    exported = {name + end for name, kind in facts["prometheus_metrics"].items() for end in suffixes[kind]}
+    assert {"vllm:num_requests_running", "vllm:generation_tokens_total"} <= exported
+    used = set()
+    for path in sorted((CHART / "dashboards").glob("*.json")):
+        for panel in json.loads(path.read_text())["panels"]:
+            for t in panel["targets"]:
+                used |= set(_VLLM_METRIC.findall(t["expr"]))
+    assert {"vllm:kv_cache_usage_perc", "vllm:num_requests_waiting"} <= used  # the dashboard has its vLLM panels
+    assert used <= exported, f"not exported by vLLM {facts['vllm_version']}: {sorted(used - exported)}"

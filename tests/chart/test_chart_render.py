@@ -20,6 +20,7 @@ MODELS = {"Deployment": "V1Deployment", "ServiceAccount": "V1ServiceAccount", "C
           "ClusterRoleBinding": "V1ClusterRoleBinding", "Role": "V1Role", "RoleBinding": "V1RoleBinding",
           "Service": "V1Service", "ConfigMap": "V1ConfigMap", "NetworkPolicy": "V1NetworkPolicy"}
 ALL_ON = ["metrics.serviceMonitor.enabled=true", "trainerMetrics.podMonitor.enabled=true",
+          "trainerMetrics.rolloutPodMonitor.enabled=true",
           "prometheusRule.enabled=true", "grafana.dashboards.enabled=true"]
 
 
@@ -108,7 +109,10 @@ def test_monitoring_objects_when_enabled(render):
     assert sm["metadata"]["labels"]["release"] == "kps" and sm["spec"]["endpoints"][0]["port"] == "metrics"
     pm = docs[("PodMonitor", "rel-rlhf-operator-trainers")]["spec"]
     assert pm["selector"]["matchLabels"] == {"app.kubernetes.io/managed-by": "rlhf-operator",
-                                             "rlhf.dev/role": "trainer", "training.kubeflow.org/replica-type": "master"}
+                                             "rlhf.dev/role": "trainer"}  # both backends' trainer pods
+    servers = docs[("PodMonitor", "rel-rlhf-operator-rollout-servers")]["spec"]
+    assert servers["selector"]["matchLabels"]["rlhf.dev/role"] == "rollout"
+    assert servers["podMetricsEndpoints"][0]["port"] == "http"
     assert pm["podMetricsEndpoints"][0]["port"] == "metrics" and pm["namespaceSelector"] == {"any": True}
     assert {"sourceLabels": ["__meta_kubernetes_pod_label_rlhf_dev_job"], "targetLabel": "rlhf_job"} in \
         pm["podMetricsEndpoints"][0]["relabelings"]

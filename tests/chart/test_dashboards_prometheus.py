@@ -1,7 +1,9 @@
 """A real Prometheus (Debian's package, unpacked by `make prometheus-tools`) scrapes a
 trainer's MetricsWriter and the operator's metrics endpoint, each in its own process; then
 every query of the chart's Grafana dashboards must return finite data for them, except the
-panels marked "(GPU only)", which must still parse and run."""
+panels marked "(GPU only)" or "(vLLM servers)" (no GPU, no vLLM here), which must still
+parse and run; the vLLM names they query are checked against vLLM's own source
+(tests/chart/test_chart_files.py)."""
 
 from __future__ import annotations
 
@@ -37,7 +39,10 @@ TRAINER = textwrap.dedent("""
                  "rollout_seconds": 0.3, "train_seconds": 0.15, "weight_sync_seconds": 0.05,
                  "tokens_per_second": 900.0, "mfu": None, "peak_gpu_memory_bytes": None,
                  # spec.evaluation, and an offline (rm / dpo) job's pair metrics
-                 "eval/held-out/greedy_score": 0.2, "eval/held-out/pass@4": 0.5,
+                 "eval/held-out/greedy_score": 0.2, "eval/held-out/mean_score": 0.1, "eval/held-out/pass@4": 0.5,
+                 "num_tokens": 450, "reward_std": 0.3, "reward_min": 0.0, "reward_max": 1.0,
+                 "response_length_min": 3, "response_length_max": 20, "zero_std_group_fraction": 0.25,
+                 "reward/correct_mean": 0.5, "reward/format_mean": 0.9,
                  "accuracy": 0.7, "reward_margin": 0.4, "eval/held_out/accuracy": 0.65,
                  "eval/held_out/reward_margin": 0.3})
         time.sleep(0.5)
@@ -127,8 +132,8 @@ def prometheus(tmp_path_factory):
 def test_dashboard_query_returns_data(prometheus, dashboard, title, expr):
     body = httpx.get(f"{prometheus}/api/v1/query", params={"query": _concrete(expr)}, timeout=10).json()
     assert body["status"] == "success", f"{dashboard} / {title}: {expr}: {body}"
-    if "(GPU only)" in title:
-        return  # parses and runs; only a GPU trainer reports a value
+    if "(GPU only)" in title or "(vLLM servers)" in title:
+        return  # parses and runs; only a GPU trainer, or a vLLM server, reports a value
     values = [float(r["value"][1]) for r in body["data"]["result"]]
     assert values and all(math.isfinite(v) for v in values), f"{dashboard} / {title}: {expr} returned {values}"
 

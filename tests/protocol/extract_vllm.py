@@ -22,7 +22,10 @@ What it records:
   `packed_nccl_broadcast_consumer` (run on the CPU with the CUDA stream calls stubbed):
   for tensors of given byte sizes and a buffer size, the indices in each chunk;
 - `serve_options`: every option string of the real `vllm serve` argument parser
-  (`make_arg_parser`), with its choices where it has any.
+  (`make_arg_parser`), with its choices where it has any;
+- `prometheus_metrics`: every `vllm:*` metric the V1 engine's Prometheus logger declares
+  (`v1/metrics/loggers.py`, `perf.py`), with its kind (counter, gauge, histogram), read from
+  the source's AST (`--metrics-only` refreshes just these, without importing vLLM).
 """
 
 from __future__ import annotations
@@ -172,8 +175,33 @@ def serve_options() -> dict:
             for opt, action in sorted(parser._option_string_actions.items())}
 
 
+METRIC_FILES = ["vllm/v1/metrics/loggers.py", "vllm/v1/metrics/perf.py"]
+
+
+def prometheus_metrics(root: Path) -> dict[str, str]:
+    """{name as declared: counter | gauge | histogram} of the engine's `vllm:*` metrics (a
+    counter is exported with `_total`, a histogram as `_bucket`, `_sum`, `_count`)."""
+    kinds = {"_counter_cls": "counter", "_gauge_cls": "gauge", "_histogram_cls": "histogram"}
+    found = {}
+    for rel in METRIC_FILES:
+        for node in ast.walk(ast.parse((root / rel).read_text())):
+            if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+                continue
+            kind = kinds.get(node.func.attr)
+            names = [k.value.value for k in node.keywords if k.arg == "name" and isinstance(k.value, ast.Constant)]
+            if kind and names and str(names[0]).startswith("vllm:"):
+                found[names[0]] = kind
+    return dict(sorted(found.items()))
+
+
 def main() -> None:
     root = Path(sys.argv[1])
+    if sys.argv[2:] == ["--metrics-only"]:
+        facts = json.loads(OUT.read_text())
+        facts["prometheus_metrics"] = prometheus_metrics(root)
+        OUT.write_text(json.dumps(facts, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {OUT}: {len(facts['prometheus_metrics'])} Prometheus metrics")
+        return
     sys.path.insert(0, str(root))
     import vllm
     from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
@@ -189,6 +217,7 @@ def main() -> None:
         "update_info": dataclass_fields(NCCLWeightTransferUpdateInfo),
         "packed_layout": packed_layout_cases(),
         "serve_options": serve_options(),
+        "prometheus_metrics": prometheus_metrics(root),
     }
     OUT.write_text(json.dumps(facts, indent=1, sort_keys=True) + "\n")
     print(f"wrote {OUT}: {len(facts['routes'])} routes, {len(facts['serve_options'])} serve options, "
