@@ -4,9 +4,10 @@ and the examples name these tags (tests/unit/test_images.py keeps them equal).
 vLLM is pinned to 0.33.0, the newest release, and the weight-transfer protocol we speak
 is that release's (tests/protocol/ checks our sender, the CPU engine and the launcher's
 flags against an extract of its source): `update_info` carries only names, dtype_names
-and shapes while the packed settings travel in `init_info` (since 0.28), and its NCCL
-engine accepts `nccl_unique_id_b64` (0.32 and newer), the torch-only rendezvous that keeps
-vLLM, which pins another torch (2.14.0 for 0.33.0), out of the trainer image.
+and shapes while the packed settings travel in `init_info` (since 0.28), its NCCL engine
+accepts `nccl_unique_id_b64` (0.32 and newer; the trainer joins through its own libnccl
+binding), and empty metadata means "as last round" (0.33 and newer, the trainer's
+minimum). The trainer pins vLLM's torch (2.14.0), so both sides load NCCL 2.30.7.
 """
 
 VERSION = "0.1.0"

@@ -93,6 +93,7 @@ INVALID = [
     ("unknown dtype", with_("spec.model.dtype", "int3"), ["spec.model.dtype", "Unsupported value", "bfloat16"]),
     ("zero replicas", with_("spec.rollout", {"replicas": 0}), ["spec.rollout.replicas", "greater than or equal to 1"]),
     ("top_p above 1", with_("spec.rollout", {"topP": 1.5}), ["spec.rollout.topP", "less than or equal to 1"]),
+    ("nucleus sampling in RL", with_("spec.rollout", {"topP": 0.9}), ["spec.rollout.topP", "importance ratio"]),
     ("learning rate 0", with_("spec.trainer", {"learningRate": 0}), ["spec.trainer.learningRate", "greater than 0"]),
     ("dual clip <= 1", with_("spec.algorithm", {"dualClip": 1.0}), ["spec.algorithm.dualClip", "greater than 1"]),
     ("wrong type", with_("spec.schedule", {"totalSteps": "many"}), ["spec.schedule.totalSteps", "must be of type integer"]),

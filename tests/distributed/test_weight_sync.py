@@ -223,3 +223,25 @@ def test_stuck_round_times_out_and_the_watchdog_fires(engines, tiny_model_dir):
     finally:
         httpx.post(url + "/resume")
         sender.close()
+
+
+def test_weights_travel_in_the_servers_dtype_cast_from_the_fp32_masters(tiny_model_dir, start_engines):
+    """A bf16 server (vLLM's model_config.dtype, in /server_info) receives bf16: half the
+    bytes of the trainer's fp32 weights, each the round-to-nearest cast of the master."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    new = perturbed(model, 7)
+    assert all(t.dtype == torch.float32 for t in new.values())
+    meta = [(n, list(t.shape), t.dtype) for n, t in new.items()]
+    with start_engines(tiny_model_dir, 1, "--dtype", "bfloat16") as (url,):
+        info = httpx.get(url + "/server_info", params={"config_format": "json"}).json()
+        assert info["vllm_config"]["model_config"]["dtype"] == "torch.bfloat16"
+        sender = WeightSyncSender([url], "127.0.0.1", free_port(), bucket_bytes=16 * 1024, timeout_s=60)
+        try:
+            sender.init()
+            assert sender.serving_dtype == torch.bfloat16
+            stats = sender.send(meta, iter(new.values()), weight_version="bf16")
+        finally:
+            sender.close()
+        assert stats["bytes"] == sum(t.numel() * 2 for t in new.values())  # bf16: 2 bytes per value
+        checksums = httpx.post(url + "/weight_checker", json={"action": "checksum"}).json()["checksums"]
+        assert checksums == {n: sha256(t.to(torch.bfloat16)) for n, t in new.items()}

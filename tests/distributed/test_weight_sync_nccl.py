@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -24,13 +25,18 @@ import pytest
 import torch
 from helpers import free_port
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                 reason="needs two CUDA GPUs"),
+              pytest.mark.skipif(not os.environ.get("RLHF_VLLM_SOURCE"),
+                                 reason="needs vLLM 0.33.0's source in RLHF_VLLM_SOURCE (its receiver)")]
 
 RECEIVER = textwrap.dedent('''
-    import base64, hashlib, http.server, json, math, sys, threading
+    import base64, hashlib, http.server, json, math, os, sys, threading
     import torch
     from rlhf_trainer.weight_sync.buckets import bucket_ranges
+    sys.path.insert(0, os.environ["RLHF_VLLM_SOURCE"])
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
 
     port = int(sys.argv[1])
     device = torch.device("cuda", 1)
@@ -40,9 +46,8 @@ RECEIVER = textwrap.dedent('''
     def init(info):
         uid = base64.b64decode(info["nccl_unique_id_b64"], validate=True)
         assert len(uid) == 128 and "master_address" not in info
-        comm = torch.cuda.nccl.init_rank(info["world_size"], uid, info["rank_offset"])
-        warm = torch.zeros(1, dtype=torch.float32, device=device)
-        torch.cuda.nccl.all_reduce([warm], comms=[comm])
+        # vLLM's worker: ncclCommInitRank at rank_offset, then its one-element all_reduce warm-up
+        comm = PyNcclCommunicator.from_unique_id_bytes(uid, info["rank_offset"], info["world_size"], device)
         torch.cuda.synchronize(device)
         state["comm"], state["init"] = comm, info
 
@@ -57,7 +62,7 @@ RECEIVER = textwrap.dedent('''
         assert state["init"]["packed"] is True
         for bucket in bucket_ranges(sizes, state["init"]["packed_buffer_size_bytes"]):
             buf = torch.empty(sum(sizes[i] for i in bucket), dtype=torch.uint8, device=device)
-            torch.cuda.nccl.broadcast([buf], root=0, comms=[state["comm"]])
+            state["comm"].broadcast(buf, src=0)
             for i, part in zip(bucket, buf.split([sizes[i] for i in bucket])):
                 t = part.contiguous().view(dtypes[i]).view(meta["shapes"][i]).cpu()
                 state["checksums"][meta["names"][i]] = hashlib.sha256(

@@ -1,10 +1,11 @@
 """The pod's exit-code contract end to end: a config error that only a worker can see (a
 rollout server without vLLM's weight-transfer API) makes the trainer pod's own command
 exit 2, although torchrun turns every worker failure into 1, and the termination message
-names `rollout.image`."""
+names `rollout.image`; a failed weight sync exits 75 the same way (restart)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -17,6 +18,8 @@ from rlhf_contract.api import validate_job
 from rlhf_contract.pod import trainer_process
 from rlhf_contract.trainer_config import TrainerConfig
 from rlhf_launcher.local import free_port
+from rlhf_operator.failures import PERMANENT_EXIT_CODES
+from rlhf_trainer.weight_sync import WEIGHT_SYNC_EXIT_CODE
 
 pytestmark = pytest.mark.slow
 
@@ -54,3 +57,61 @@ def test_a_server_without_weight_transfer_exits_2_naming_rollout_image(tmp_path,
         server.shutdown()
     assert res.returncode == 2, res.stderr[-3000:]
     assert "rollout.image" in termination.read_text()
+
+
+class RefusingServer(BaseHTTPRequestHandler):
+    """Passes the start-up check as vLLM 0.33 would, then refuses to join the weight-sync
+    group (as vLLM answers when its transfer engine is not configured)."""
+
+    def _reply(self, code: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        path = self.path.split("?")[0]
+        replies = {"/health": {}, "/version": {"version": "0.33.0"}, "/get_world_size": {"world_size": 1},
+                   "/server_info": {"vllm_config": {"weight_transfer_config": {"backend": "gloo"},
+                                                    "model_config": {"dtype": "torch.float32"}}}}
+        self._reply(200, replies[path]) if path in replies else self._reply(404, {})
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("content-length") or 0))
+        if self.path.startswith("/init_weight_transfer_engine"):
+            return self._reply(500, {"error": {"message": "Weight transfer not configured"}})
+        self._reply(200, {})
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_failed_weight_sync_exits_75_through_torchrun_so_the_job_restarts(tmp_path, tiny_model_dir):
+    """torchrun turns the worker's exit into 1; the launcher passes the weight sync's own code
+    on (75: not permanent, so the operator restarts the job, its servers included)."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), RefusingServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        job = validate_job({"apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob", "metadata": {"name": "sync"},
+                            "spec": {"model": {"path": str(tiny_model_dir)},
+                                     "data": {"path": "builtin://last-digit", "maxPromptLength": 16},
+                                     "rollout": {"engine": "cpu", "maxTokens": 2}}})
+        config = tmp_path / "trainer.json"
+        config.write_text(TrainerConfig.from_job(job).to_json())
+        proc = trainer_process(job, config_path=str(config), rollout_endpoints=[url],
+                               weight_sync_addr=f"127.0.0.1:{free_port()}", output_dir=str(tmp_path / "out"),
+                               master_addr="127.0.0.1", master_port=free_port(), python=sys.executable)
+        termination = tmp_path / "termination-log"
+        termination.write_text("")
+        res = subprocess.run(proc.command, env={**os.environ, **proc.env, "RLHF_TERMINATION_LOG": str(termination)},
+                             capture_output=True, text=True, timeout=300)
+    finally:
+        server.shutdown()
+    assert res.returncode == WEIGHT_SYNC_EXIT_CODE == 75, res.stderr[-3000:]
+    assert WEIGHT_SYNC_EXIT_CODE not in PERMANENT_EXIT_CODES
+    message = termination.read_text()
+    assert "WeightSyncError" in message and "/init_weight_transfer_engine" in message and "HTTP 500" in message
+    assert "exiting with code 75 so the job restarts" in res.stderr

@@ -7,7 +7,7 @@ vLLM's pure-Python dependencies (whatever `import` asks for), with the release's
 unpacked beside it:
 
     pip download vllm==0.33.0 --no-deps --only-binary :all: -d /tmp/w
-    unzip -q /tmp/w/vllm-0.33.0-*.whl 'vllm/*' -d /tmp/vllm-0.33.0
+    unzip -q /tmp/w/vllm-0.33.0-*.whl 'vllm/*' 'vllm-*.dist-info/*' -d /tmp/vllm-0.33.0
     VLLM_TARGET_DEVICE=cpu PYTHONPATH=/tmp/vllm-0.33.0 python tests/protocol/extract_vllm.py /tmp/vllm-0.33.0
 
 What it records:
@@ -23,6 +23,12 @@ What it records:
   for tensors of given byte sizes and a buffer size, the indices in each chunk;
 - `serve_options`: every option string of the real `vllm serve` argument parser
   (`make_arg_parser`), with its choices where it has any;
+- `nccl`: what vLLM's NCCL side is made of: the torch its wheel requires (`Requires-Dist`)
+  and the NCCL wheel that torch requires (read from the extraction environment's torch,
+  which must be that same version: ours, since the trainer pins vLLM's torch), the
+  ctypes signature of every function its `pynccl_wrapper.NCCLLibrary` declares, its NCCL
+  data-type enum, the unique id's size, and the package patterns `/server_info` lists
+  (`collect_env.DEFAULT_PIP_PATTERNS`; `--nccl-only` refreshes just these);
 - `prometheus_metrics`: every `vllm:*` metric the V1 engine's Prometheus logger declares
   (`v1/metrics/loggers.py`, `perf.py`), with its kind (counter, gauge, histogram), read from
   the source's AST (`--metrics-only` refreshes just these, without importing vLLM).
@@ -194,8 +200,58 @@ def prometheus_metrics(root: Path) -> dict[str, str]:
     return dict(sorted(found.items()))
 
 
+def _ctype_name(t) -> str:
+    """A ctypes type as a comparable string: structures by size (the name is the binding's own)."""
+    import ctypes
+
+    if t is None:
+        return "void"
+    if isinstance(t, type) and issubclass(t, ctypes.Structure):
+        return f"struct[{ctypes.sizeof(t)}]"
+    if isinstance(t, type) and issubclass(t, ctypes._Pointer):
+        return "pointer to " + _ctype_name(t._type_)
+    return {ctypes.c_size_t: "c_size_t"}.get(t, t.__name__)
+
+
+def nccl_facts(root: Path) -> dict:
+    import importlib.metadata
+
+    from packaging.requirements import Requirement
+
+    (dist_info,) = root.glob("vllm-*.dist-info")
+    requires = [Requirement(v) for k, v in (line.split(": ", 1) for line in
+                                            (dist_info / "METADATA").read_text().splitlines() if ": " in line)
+                if k == "Requires-Dist"]
+    (torch_pin,) = [r for r in requires if r.name == "torch" and not r.marker]
+    torch_version = str(torch_pin.specifier).removeprefix("==")
+    if importlib.metadata.version("torch") != torch_version:
+        raise SystemExit(f"vLLM requires torch {torch_version}; run this with that torch "
+                         f"(found {importlib.metadata.version('torch')})")
+    (nccl_pin,) = [Requirement(r) for r in importlib.metadata.requires("torch") if r.startswith("nvidia-nccl")]
+    sys.path.insert(0, str(root))
+    from vllm.collect_env import DEFAULT_PIP_PATTERNS
+    from vllm.distributed.device_communicators import pynccl_wrapper as w
+    from vllm.distributed.weight_transfer.nccl_common import NCCL_UNIQUE_ID_BYTES
+
+    return {
+        "torch_requirement": f"torch{torch_pin.specifier}",
+        "nccl_requirement": f"{nccl_pin.name}{nccl_pin.specifier}",
+        "functions": {f.name: [_ctype_name(f.restype), [_ctype_name(a) for a in f.argtypes]]
+                      for f in w.NCCLLibrary.exported_functions},
+        "datatypes": {k: v for k, v in vars(w.ncclDataTypeEnum).items() if k.startswith("nccl") and isinstance(v, int)},
+        "unique_id_bytes": NCCL_UNIQUE_ID_BYTES,
+        "server_info_pip_patterns": sorted(DEFAULT_PIP_PATTERNS),
+    }
+
+
 def main() -> None:
     root = Path(sys.argv[1])
+    if sys.argv[2:] == ["--nccl-only"]:
+        facts = json.loads(OUT.read_text())
+        facts["nccl"] = nccl_facts(root)
+        OUT.write_text(json.dumps(facts, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {OUT}: NCCL facts, {len(facts['nccl']['functions'])} functions")
+        return
     if sys.argv[2:] == ["--metrics-only"]:
         facts = json.loads(OUT.read_text())
         facts["prometheus_metrics"] = prometheus_metrics(root)
@@ -218,6 +274,7 @@ def main() -> None:
         "packed_layout": packed_layout_cases(),
         "serve_options": serve_options(),
         "prometheus_metrics": prometheus_metrics(root),
+        "nccl": nccl_facts(root),
     }
     OUT.write_text(json.dumps(facts, indent=1, sort_keys=True) + "\n")
     print(f"wrote {OUT}: {len(facts['routes'])} routes, {len(facts['serve_options'])} serve options, "

@@ -53,6 +53,8 @@ def test_example_and_defaults():
     [
         (with_spec(rollout={"replica": 2}), "spec.rollout.replica", "did you mean 'replicas'"),
         (with_spec(rollout={"topP": 1.5}), "spec.rollout.topP", "less than or equal to 1"),
+        (with_spec(rollout={"topP": 0.9}), "spec.rollout.topP", "importance ratio would be biased"),
+        (with_spec(rollout={"topK": 50}), "spec.rollout.topP", "got topP=1.0, topK=50"),
         (with_spec(rollout={"samplesPerPrompt": 0}), "spec.rollout.samplesPerPrompt", "greater than or equal to 1"),
         (with_spec(algorithm={"advantageEstimator": "ppo2"}), "spec.algorithm.advantageEstimator", "'grpo'"),
         (with_spec(algorithm={"dualClip": 0.5}), "spec.algorithm.dualClip", "greater than 1"),

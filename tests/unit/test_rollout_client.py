@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
+from pathlib import Path
 
 import httpx
 import pytest
@@ -12,6 +14,7 @@ from helpers import hf_causal_lm
 
 from rlhf_trainer.rollout import RolloutClient, RolloutError, Sample, prompt_seed
 
+FACTS_NCCL = json.loads((Path(__file__).parents[1] / "protocol" / "vllm_facts.json").read_text())["nccl"]
 EOS = 1
 # different lengths, so a mix-up of prompts would show
 PROMPTS = [[6, 10, 4, 7, 15], [3, 15], [12, 11, 10, 9, 8, 7, 6, 5, 15], [5, 13, 8, 15],
@@ -137,10 +140,17 @@ class _FakeServer:
         self.httpd.shutdown()
 
 
-def vllm_replies(version="0.33.0", transfer={"backend": "nccl"}, dev_mode=True, world_size=2):  # noqa: B006
+def vllm_replies(version="0.33.0", transfer={"backend": "nccl"}, dev_mode=True, world_size=2,  # noqa: B006
+                 nccl_package=None):
+    """What vLLM answers; `system_env.pip_packages` as its collect_env lists them (its own
+    NCCL wheel: by default the one the pinned vLLM's torch requires, as in its image)."""
+    if nccl_package is None:
+        nccl_package = FACTS_NCCL["nccl_requirement"]
     replies = {"/version": {"version": version}}
     if dev_mode:
-        replies["/server_info"] = {"vllm_config": {"weight_transfer_config": transfer}}
+        replies["/server_info"] = {"vllm_config": {"weight_transfer_config": transfer},
+                                   "system_env": {"pip_packages": f"numpy==2.2.6\n{nccl_package}\n"
+                                                                 f"{FACTS_NCCL['torch_requirement']}"}}
         replies["/get_world_size"] = {"world_size": world_size}
     return replies
 
@@ -159,7 +169,11 @@ def test_startup_check_reports_every_servers_capabilities(engines):
 
 
 @pytest.mark.parametrize("replies, says", [
-    (vllm_replies(version="0.11.0"), "runs vLLM 0.11.0, which has no weight-transfer API"),
+    (vllm_replies(version="0.11.0"), "runs vLLM 0.11.0, older than the weight-transfer API this trainer speaks"),
+    # 0.32 has the API but not empty metadata meaning "as last round": its second round would receive nothing
+    (vllm_replies(version="0.32.1"), "runs vLLM 0.32.1, older than the weight-transfer API this trainer speaks (0.33)"),
+    (vllm_replies(nccl_package="nvidia-nccl-cu13==2.29.7"), "runs NCCL 2.29.7, the trainer runs NCCL "
+     + FACTS_NCCL["nccl_requirement"].partition("==")[2]),
     ({}, "runs vLLM (no /version)"),
     (vllm_replies(dev_mode=False), "VLLM_SERVER_DEV_MODE=1"),
     (vllm_replies(transfer=None), "no --weight-transfer-config"),

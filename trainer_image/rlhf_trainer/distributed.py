@@ -23,7 +23,24 @@ class DistInfo:
         return self.rank == 0
 
 
-def init_distributed(timeout_s: float = 1800) -> DistInfo:
+COLLECTIVE_TIMEOUT_FLOOR_S = 1800
+
+
+def collective_timeout_s(config) -> float:
+    """How long the other ranks may wait in a collective for rank 0. They sit in one while
+    rank 0 waits for the rollout servers to start, generates a step's rollouts and pushes
+    weights, each bounded by its own spec field (`rollout.startupTimeoutSeconds`,
+    `rollout.requestTimeoutSeconds` per try, `rollout.weightSyncTimeoutSeconds`): the
+    process group allows all of them plus a margin, so a slow but healthy phase never kills
+    the job, while a hung one is ended by rank 0's own bound (rank 0 then exits and torchrun
+    stops the others)."""
+    rollout_tries = 6  # RolloutClient.max_retries + 1
+    bound = (config.rollout_startup_timeout_seconds + config.rollout_weight_sync_timeout_seconds
+             + rollout_tries * config.rollout_request_timeout_seconds + 600)
+    return max(COLLECTIVE_TIMEOUT_FLOOR_S, bound)
+
+
+def init_distributed(timeout_s: float = COLLECTIVE_TIMEOUT_FLOOR_S) -> DistInfo:
     """Join the torchrun world (or a world of one when not started by torchrun)."""
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))

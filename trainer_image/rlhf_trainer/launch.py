@@ -6,7 +6,8 @@ reads RLHF_TRAINER_CONFIG, runs `preflight.check` and exits with code 2 naming t
 when the config cannot work; otherwise it runs `python -m torch.distributed.run <options>
 -m rlhf_trainer` as its child (forwarding SIGTERM / SIGINT) and exits with torchrun's code,
 except that a worker which found a config error only it could see (e.g. a rollout server
-image without weight transfer) leaves a marker file, and the launcher then exits 2:
+image without weight transfer) or whose weight sync failed leaves its exit code in a marker
+file, and the launcher then exits with it (2, or 75 to restart the job with its servers):
 torchrun itself turns every worker failure into 1. On nodes other than the first it also
 answers Prometheus (`serve_node_endpoint`).
 """
@@ -23,7 +24,7 @@ from pathlib import Path
 from rlhf_contract.pod import ENV_METRICS_PORT, ENV_TRAINER_CONFIG
 from rlhf_contract.trainer_config import TrainerConfig
 
-from .preflight import ENV_CONFIG_ERROR_FILE, EXIT_CONFIG_ERROR, check, write_termination_message
+from .preflight import ENV_CONFIG_ERROR_FILE, EXIT_CONFIG_ERROR, check, marked_exit_code, write_termination_message
 
 
 def _option(args: list[str], name: str, default: int) -> int:
@@ -70,8 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
     code = child.wait()
-    if code != 0 and marker.exists():
-        return EXIT_CONFIG_ERROR
+    if code != 0:
+        marked = marked_exit_code(marker)
+        if marked is not None:
+            return marked
     return code
 
 

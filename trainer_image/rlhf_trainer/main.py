@@ -15,8 +15,9 @@ from rlhf_contract.pod import ENV_OUTPUT_DIR, ENV_RESUME, ENV_ROLLOUT_ENDPOINTS,
 from rlhf_contract.trainer_config import TrainerConfig
 
 from .data.datasets import DataError
-from .distributed import init_distributed
-from .preflight import EXIT_CONFIG_ERROR, mark_config_error, write_termination_message
+from .distributed import collective_timeout_s, init_distributed
+from .preflight import EXIT_CONFIG_ERROR, mark_config_error, mark_exit_code, write_termination_message
+from .weight_sync.sender import WEIGHT_SYNC_EXIT_CODE, WeightSyncError
 
 
 def main() -> None:
@@ -26,7 +27,7 @@ def main() -> None:
     endpoints = [e for e in os.environ.get(ENV_ROLLOUT_ENDPOINTS, "").split(",") if e]
     if not endpoints and config.method == "rl":
         raise SystemExit(f"{ENV_ROLLOUT_ENDPOINTS} is empty: the trainer needs at least one rollout server")
-    info = init_distributed()
+    info = init_distributed(timeout_s=collective_timeout_s(config))
     output_dir = os.environ.get(ENV_OUTPUT_DIR) or config.output.dir or "/output"
     try:
         if config.method == "rl":
@@ -46,6 +47,16 @@ def main() -> None:
             mark_config_error()  # the launcher exits 2: fail the job at once, no restart
         if not isinstance(err, KeyboardInterrupt):
             write_termination_message(f"rank {info.rank}: {type(err).__name__}: {err}".splitlines()[0])
+        if isinstance(err, WeightSyncError):
+            # The weight-sync group is dead and the other ranks wait in a collective for this one:
+            # no teardown (it could hang), exit at once with a code the launcher passes on, so the
+            # job restarts, its servers included (one may be left half-reloaded yet healthy).
+            logging.getLogger("rlhf_trainer").error("weight sync failed: %s", err)
+            print(f"FATAL: {err}; exiting with code {WEIGHT_SYNC_EXIT_CODE} so the job restarts", file=sys.stderr,
+                  flush=True)
+            mark_exit_code(WEIGHT_SYNC_EXIT_CODE)
+            logging.shutdown()
+            os._exit(WEIGHT_SYNC_EXIT_CODE)
         raise
     finally:
         if dist.is_initialized():

@@ -22,17 +22,32 @@ from rlhf_contract.trainer_config import TrainerConfig
 EXIT_CONFIG_ERROR = 2
 TERMINATION_LOG = "/dev/termination-log"
 ENV_CONFIG_ERROR_FILE = "RLHF_CONFIG_ERROR_FILE"
-"""Set by the launcher: a worker that exits 2 (a config error only it could see) creates
-this file, so the launcher exits 2 although torchrun exits 1."""
+"""Set by the launcher: a worker whose exit code must survive torchrun (which turns every
+worker failure into 1) writes that code into this file, and the launcher exits with it:
+2 for a config error only it could see, `WEIGHT_SYNC_EXIT_CODE` for a failed weight sync."""
 
 
-def mark_config_error() -> None:
+def mark_exit_code(code: int) -> None:
+    """Ask the launcher to exit with `code`. A config error (2) wins over any other code."""
     path = os.environ.get(ENV_CONFIG_ERROR_FILE)
     if path:
         try:
-            Path(path).write_text("2")
+            if code == EXIT_CONFIG_ERROR or not Path(path).exists():
+                Path(path).write_text(str(code))
         except OSError:
             pass
+
+
+def mark_config_error() -> None:
+    mark_exit_code(EXIT_CONFIG_ERROR)
+
+
+def marked_exit_code(path: Path) -> int | None:
+    """The code a worker asked for (see `mark_exit_code`), or None."""
+    try:
+        return int(path.read_text().strip() or EXIT_CONFIG_ERROR)
+    except (OSError, ValueError):
+        return None
 
 
 def _model_config(path: str) -> tuple[dict | None, str | None]:

@@ -64,6 +64,15 @@ _MAIN_NAME = "(has(self.reward.name) ? self.reward.name : self.reward.type)"
 
 RULES: tuple[Rule, ...] = (
     Rule(
+        field_path="rollout.topP",
+        cel="self.method != 'rl' || (self.rollout.topP == 1.0 && self.rollout.topK <= 0)",
+        message="must be 1 and rollout.topK -1: the servers return log-probs of the truncated distribution "
+        "they sample from, the trainer computes them over the whole vocabulary (temperature only), so "
+        "their importance ratio would be biased; sample with rollout.temperature alone",
+        check=lambda s: s.method != "rl" or (s.rollout.top_p == 1.0 and s.rollout.top_k <= 0),
+        detail=lambda s: f"got topP={s.rollout.top_p}, topK={s.rollout.top_k}",
+    ),
+    Rule(
         field_path="rollout.samplesPerPrompt",
         cel=f"self.rollout.samplesPerPrompt >= 2 || !({ESTIMATOR} in {list(GROUP_ESTIMATORS)})",
         message="must be at least 2 with a group advantage estimator (grpo, dr_grpo, rloo, "

@@ -19,7 +19,7 @@ class RolloutSpec(SpecModel):
     image: str = INFERENCE_IMAGE
     """Container image of the rollout servers: vLLM 0.33.0 (`vllm/vllm-openai:v0.33.0` plus
     this project's inference package); any image must run a vLLM with the weight-transfer
-    API (0.32 or newer)."""
+    API (0.33 or newer) and the trainer's NCCL release (the trainer checks both at start)."""
     replicas: int = Field(default=1, ge=1)
     """Number of rollout servers."""
     tensor_parallel_size: int = Field(default=1, ge=1)
@@ -31,9 +31,10 @@ class RolloutSpec(SpecModel):
     temperature: float = Field(default=1.0, ge=0)
     """Sampling temperature."""
     top_p: float = Field(default=1.0, gt=0, le=1)
-    """Nucleus sampling probability mass."""
+    """Nucleus sampling probability mass. RL needs 1: the trainer's log-probs are of the whole
+    temperature-scaled distribution, which a truncated sampler does not draw from."""
     top_k: int = Field(default=-1, ge=-1)
-    """Top-k sampling; -1 disables it."""
+    """Top-k sampling; -1 disables it (RL needs it disabled, as topP)."""
     resources: Resources = Field(default_factory=Resources)
     """CPU and memory of each rollout server container (GPUs: `tensorParallelSize`)."""
     startup_timeout_seconds: int = Field(default=1800, ge=60)

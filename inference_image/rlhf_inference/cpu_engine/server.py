@@ -130,7 +130,9 @@ def openai_router(s: ServerState) -> APIRouter:
 
     @router.get("/server_info")
     async def server_info(config_format: str = Query("text")):
+        dtype = next(s.engine.model.parameters()).dtype  # vLLM: model_config.dtype, a torch.dtype dumped as str
         config = {"weight_transfer_config": {"backend": WEIGHT_TRANSFER_BACKEND},
+                  "model_config": {"dtype": str(dtype)},
                   "parallel_config": {"tensor_parallel_size": 1, "pipeline_parallel_size": 1,
                                       "data_parallel_size": 1, "world_size": 1}}
         return {"vllm_config": config if config_format == "json" else json.dumps(config),

@@ -2,7 +2,8 @@
 
 Token in, token out: each prompt goes as token ids to `POST /v1/completions` with
 `return_token_ids: true` and `logprobs: 0`, and the samples come back as the server's
-`token_ids` and `logprobs.token_logprobs` (vLLM's raw logprobs of the sampled tokens).
+`token_ids` and `logprobs.token_logprobs` (vLLM's processed logprobs of the sampled tokens:
+after the temperature; top-p/top-k are refused for RL, so nothing else changes them).
 Text is never re-tokenized.
 
 One request per prompt (with `n` samples), so each server batches whatever is in
@@ -45,7 +46,7 @@ RETRY_STATUS = (502, 503, 504)
 PAUSED_POLL_S = 0.2
 """How often a request answered 503 (a server paused for a weight update) is sent again;
 such retries last until the client timeout and do not count against `max_retries`."""
-MIN_VLLM_VERSION = (0, 32)  # the first release with the weight-transfer API we speak
+MIN_VLLM_VERSION = (0, 33)  # the first release whose /update_weights takes empty metadata as "same as last round"
 EXIT_INCOMPATIBLE = 2  # permanent for the operator: a restart cannot fix the image
 # Errors where the request surely or probably did not run to completion on the server.
 # A read timeout is not retried: the server may still be generating it.
@@ -59,7 +60,7 @@ class Sample:
 
     prompt_token_ids: list[int]
     token_ids: list[int]
-    logprobs: list[float]  # raw logprob of each token in token_ids
+    logprobs: list[float]  # the server's log-prob of each token in token_ids (at the sampling temperature)
     finish_reason: str  # "stop" | "length" | "abort"
 
 
@@ -293,7 +294,7 @@ class RolloutImageError(SystemExit):
 def check_rollout_servers(endpoints: list[str], *, startup_timeout_s: float,
                           request_timeout_s: float = 60.0) -> list[ServerInfo]:
     """Wait up to `startup_timeout_s` for every server's /health, then check each one's
-    version (GET /version, at least 0.32) and weight-transfer engine (GET /server_info:
+    version (GET /version, at least 0.33) and weight-transfer engine (GET /server_info:
     VLLM_SERVER_DEV_MODE=1 routes and `--weight-transfer-config`; GET /get_world_size).
 
     Raises `RolloutImageError` (SystemExit with code 2, after logging the message) when
@@ -326,8 +327,8 @@ def _server_info(http: httpx.Client, endpoint: str) -> ServerInfo:
     parsed = _version_tuple(version)
     if parsed is None or parsed < MIN_VLLM_VERSION:
         raise RolloutImageError(
-            f"rollout.image: the server at {endpoint} runs vLLM {version or '(no /version)'}, which has no "
-            f"weight-transfer API; {image_hint}")
+            f"rollout.image: the server at {endpoint} runs vLLM {version or '(no /version)'}, older than the "
+            f"weight-transfer API this trainer speaks ({MIN_VLLM_VERSION[0]}.{MIN_VLLM_VERSION[1]}); {image_hint}")
     reply = get("/server_info", config_format="json")
     if reply.status_code == 404:
         raise RolloutImageError(
@@ -342,12 +343,35 @@ def _server_info(http: httpx.Client, endpoint: str) -> ServerInfo:
         raise RolloutImageError(
             f"rollout.image: the server at {endpoint} (vLLM {version}) runs without a weight-transfer "
             f"engine (no --weight-transfer-config); {image_hint}")
+    if transfer["backend"] == "nccl":
+        _check_nccl_release(endpoint, version, reply.json().get("system_env"))
     reply = get("/get_world_size")
     if reply.status_code != 200:
         raise RolloutImageError(
             f"rollout.image: the server at {endpoint} (vLLM {version}) has no /get_world_size "
             f"(HTTP {reply.status_code}); {image_hint}")
     return ServerInfo(endpoint, version, str(transfer["backend"]), int(reply.json()["world_size"]))
+
+
+def _check_nccl_release(endpoint: str, version: str, system_env) -> None:
+    """NCCL refuses peers of another release when the weight-sync communicator forms (the
+    servers would sit in ncclCommInitRank): compare the server's NCCL wheel (vLLM's
+    /server_info lists its `pip list`) with the library this trainer opens."""
+    from ..weight_sync import nccl
+
+    ours = nccl.load().version()
+    packages = system_env.get("pip_packages") if isinstance(system_env, dict) else None
+    theirs = nccl.package_version(packages) if isinstance(packages, str) else None
+    if theirs is None:
+        log.warning("%s/server_info names no nvidia-nccl package: cannot check that it runs NCCL %s as the "
+                    "trainer does", endpoint, ".".join(map(str, ours)))
+        return
+    if theirs != ours:
+        raise RolloutImageError(
+            f"rollout.image: the server at {endpoint} (vLLM {version}) runs NCCL {'.'.join(map(str, theirs))}, the "
+            f"trainer runs NCCL {'.'.join(map(str, ours))} ({nccl.load().path}); NCCL refuses peers of another "
+            "release, so the weight sync could never form. Set rollout.image to an image whose torch brings NCCL "
+            f"{'.'.join(map(str, ours))} (the default image does), or the trainer image to one matching the server")
 
 
 def _version_tuple(version: str) -> tuple[int, int] | None:

@@ -5,12 +5,12 @@ sharded policy on every rank and sends it from rank 0."""
 
 from .buckets import DEFAULT_BUCKET_BYTES, bucket_ranges, dtype_name, pack_buckets
 from .push import push_weights
-from .sender import WATCHDOG_EXIT_CODE, WeightSyncError, WeightSyncSender
+from .sender import WEIGHT_SYNC_EXIT_CODE, WeightSyncError, WeightSyncSender
 from .transport import GlooTransport, NcclTransport, make_transport
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
-    "WATCHDOG_EXIT_CODE",
+    "WEIGHT_SYNC_EXIT_CODE",
     "GlooTransport",
     "NcclTransport",
     "WeightSyncError",

@@ -28,13 +28,21 @@ One round, `send()`, in the order vLLM requires:
   6. POST /resume.
 Every parameter is sent every round under its Hugging Face name.
 
+Weights travel in the servers' dtype (vLLM's `model_config.dtype`, read at init): each
+tensor is cast as it is gathered, so a bf16 server receives bf16 (half the bytes of the
+fp32 master weights) and every bucket holds one dtype. The round's pack buffers are freed
+when it ends.
+
 Failure: a server answering an error, a broadcast failing, or the round passing
-`timeout_s` ends the round at once with `WeightSyncError`: the group is then dead (an
-NCCL peer may be stuck in a collective), so the sender calls
-/shutdown_weight_transfer_engine on every server (best effort) and `group` becomes None;
-the trainer should exit so the job restarts as one unit. A watchdog ends the process
-(exit code `WATCHDOG_EXIT_CODE`, which the operator retries) if a round is still not over
-`watchdog_grace_s` after its timeout, e.g. because this thread is stuck in a collective.
+`timeout_s` (`rollout.weightSyncTimeoutSeconds`) ends the round at once with
+`WeightSyncError`: the group is then dead (an NCCL peer may be stuck in a collective), so
+the sender aborts its communicator and calls /shutdown_weight_transfer_engine on every
+server (best effort, bounded, on threads of its own), and `group` becomes None. The
+trainer then exits with `WEIGHT_SYNC_EXIT_CODE` (75), which the launcher passes on, so the
+job restarts with its servers (a server left half-reloaded still answers /health). A
+watchdog, armed until the teardown is over, ends the process with that code if the round
+is still not over `watchdog_grace_s` after its timeout, e.g. because this thread is stuck
+in a collective.
 
 The HTTP calls run on threads. The tensors are consumed and packed on the calling thread
 (a trainer's generator may run collectives such as `full_tensor()`), and the buckets are
@@ -64,7 +72,7 @@ from .transport import BACKENDS, Transport, make_transport
 log = logging.getLogger(__name__)
 
 DEFAULT_NUM_BUFFERS = 2  # vLLM's DEFAULT_PACKED_NUM_BUFFERS (streams on its side; no layout change)
-WATCHDOG_EXIT_CODE = 75  # EX_TEMPFAIL: not in the operator's permanent exit codes, so retried
+WEIGHT_SYNC_EXIT_CODE = 75  # EX_TEMPFAIL: a failed or hung round; not a permanent exit code, so the job restarts
 SHUTDOWN_TIMEOUT_S = 10.0
 
 TensorMeta = tuple[str, list[int], torch.dtype]
@@ -108,7 +116,7 @@ class WeightSyncSender:
         self.calls: list[str] = []  # "POST /path" of every call of the last init / round, in order
         self.phase_seconds: dict[str, float] = {}  # seconds of each step of the last round
         self._sent_metadata: list[TensorMeta] | None = None
-        self._ring: BufferRing | None = None
+        self.serving_dtype: torch.dtype | None = None  # the servers' model dtype, read at init()
         self._http = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=30.0))
         self._pool = cf.ThreadPoolExecutor(max_workers=max(2, len(self.endpoints)),
                                            thread_name_prefix="weight-sync-http")
@@ -149,8 +157,9 @@ class WeightSyncSender:
         self.calls = []
         deadline = time.monotonic() + self.timeout_s
         sizes = [int(self._call("GET", ep, "/get_world_size")["world_size"]) for ep in self.endpoints]
+        backend, self.serving_dtype = self._servers_config()
         if self.backend is None:
-            self.backend = self._servers_backend()
+            self.backend = backend
         self.world_size = 1 + sum(sizes)
         self.rank_offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
         group = make_transport(self.backend, self.world_size, listen_host=self.listen_host,
@@ -167,8 +176,10 @@ class WeightSyncSender:
         self.group = group
         self._sent_metadata = None
 
-    def _servers_backend(self) -> str:
-        backends = set()
+    def _servers_config(self) -> tuple[str, torch.dtype | None]:
+        """The servers' weight-transfer backend and the dtype they serve in (vLLM's
+        `model_config.dtype`); every server must agree on both."""
+        backends, dtypes = set(), set()
         for ep in self.endpoints:
             config = (self._call("GET", ep, "/server_info", params={"config_format": "json"})
                       .get("vllm_config") or {})
@@ -177,10 +188,13 @@ class WeightSyncSender:
                 raise WeightSyncError(f"{ep} runs without --weight-transfer-config: its weight-transfer "
                                       "engine is off")
             backends.add(transfer.get("backend"))
+            dtypes.add(_dtype(((config.get("model_config") or {}).get("dtype"))))
         if len(backends) != 1 or not backends <= set(BACKENDS):
             raise WeightSyncError(f"the rollout servers use weight-transfer backends {sorted(map(str, backends))}; "
                                   f"the trainer needs one of {', '.join(BACKENDS)}, the same on every server")
-        return backends.pop()
+        if len(dtypes) != 1:
+            raise WeightSyncError(f"the rollout servers serve in different dtypes {sorted(map(str, dtypes))}")
+        return backends.pop(), dtypes.pop()
 
     # ---- one round -----------------------------------------------------------------
 
@@ -194,7 +208,10 @@ class WeightSyncSender:
             raise WeightSyncError("the weight-sync group is not formed: call init() first (a failed round "
                                   "ends the group)")
         self.calls, self.phase_seconds = [], {}
-        metadata = [(name, [int(s) for s in shape], dtype) for name, shape, dtype in metadata]
+        source = [(name, [int(s) for s in shape], dtype) for name, shape, dtype in metadata]
+        # sent as the servers hold them (a bf16 server receives bf16, not the fp32 master weights):
+        # one dtype, cast tensor by tensor as it is gathered, and half the bytes
+        metadata = [(name, shape, self._wire_dtype(dtype)) for name, shape, dtype in source]
         start = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s
         watchdog = _Watchdog(self.timeout_s + self.watchdog_grace_s, self.on_watchdog,
@@ -212,7 +229,8 @@ class WeightSyncSender:
                                "shapes": [shape for _, shape, _ in metadata]}
             update_start = time.perf_counter()
             replies = self._call_all("/update_weights", [{"update_info": update_info}] * len(self.endpoints))
-            broadcast = self._broadcast(self.group, metadata, tensors, stats, watch=replies, deadline=deadline)
+            broadcast = self._broadcast(self.group, source, metadata, tensors, stats, watch=replies,
+                                        deadline=deadline)
             _wait_all([*replies, broadcast], deadline)
             self.phase_seconds["/update_weights"] = time.perf_counter() - update_start
             self._sent_metadata = metadata
@@ -234,8 +252,14 @@ class WeightSyncSender:
         stats["seconds"] = time.perf_counter() - start
         return stats
 
-    def _broadcast(self, group: Transport, metadata: list[TensorMeta], tensors: Iterable[torch.Tensor],
-                   stats: dict, watch: list[cf.Future], deadline: float) -> cf.Future:
+    def _wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a parameter travels in: the servers' (floating point only)."""
+        if self.serving_dtype is not None and dtype.is_floating_point:
+            return self.serving_dtype
+        return dtype
+
+    def _broadcast(self, group: Transport, source: list[TensorMeta], metadata: list[TensorMeta],
+                   tensors: Iterable[torch.Tensor], stats: dict, watch: list[cf.Future], deadline: float) -> cf.Future:
         """Pack on this thread (the generator may run collectives of its own) and
         broadcast on a helper thread one bucket behind, so packing overlaps sending and
         a failed server reply is noticed while a broadcast is blocked. Returns the
@@ -252,12 +276,12 @@ class WeightSyncSender:
             group.synchronize()
 
         helper = _run_in_thread(send_buckets)
-        if self._ring is None or self._ring.device != group.device:
-            # 3 buffers: one being broadcast, one in the queue, one being filled
-            self._ring = BufferRing(group.device, count=3)
+        # 3 buffers: one being broadcast, one in the queue, one being filled; this round's
+        # only (freed when it ends: between rounds the memory belongs to training)
+        ring = BufferRing(group.device, count=3)
         try:
-            for bucket in pack_buckets(_checked_bytes(metadata, tensors, group.device), self.bucket_bytes,
-                                       self._ring):
+            for bucket in pack_buckets(_checked_bytes(source, tensors, group.device, metadata), self.bucket_bytes,
+                                       ring):
                 _put_watching(ready, bucket, [*watch, helper], deadline)
         except BaseException:
             with contextlib.suppress(queue.Full):
@@ -275,13 +299,19 @@ class WeightSyncSender:
         self._shutdown_servers()
 
     def _shutdown_servers(self) -> None:
-        futures = [self._pool.submit(self._call, "POST", ep, "/shutdown_weight_transfer_engine",
-                                     timeout=SHUTDOWN_TIMEOUT_S) for ep in self.endpoints]
+        """Best effort, bounded, on threads of its own (the round's HTTP threads may still be
+        blocked in /update_weights). vLLM refuses it during an active update, or queues it
+        behind a worker stuck in NCCL: the job's restart, servers included, is what cleans up."""
+        pool = cf.ThreadPoolExecutor(max_workers=len(self.endpoints), thread_name_prefix="weight-sync-shutdown")
+        futures = [pool.submit(self._call, "POST", ep, "/shutdown_weight_transfer_engine",
+                               timeout=SHUTDOWN_TIMEOUT_S) for ep in self.endpoints]
+        deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S + 5
         for endpoint, future in zip(self.endpoints, futures):
             try:
-                future.result(timeout=SHUTDOWN_TIMEOUT_S + 5)
-            except Exception as exc:  # best effort: the server may be stuck in the failed update
+                future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception as exc:
                 log.warning("could not release the weight-transfer group on %s: %s", endpoint, exc)
+        pool.shutdown(wait=False, cancel_futures=True)
 
     def close(self) -> None:
         if self.group is not None:
@@ -297,11 +327,20 @@ class WeightSyncSender:
         self.close()
 
 
+def _dtype(name) -> torch.dtype | None:
+    """"torch.bfloat16" or "bfloat16" (how /server_info dumps a torch.dtype) as a dtype."""
+    if not isinstance(name, str):
+        return None
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
 def _checked_bytes(metadata: list[TensorMeta], tensors: Iterable[torch.Tensor],
-                   device: torch.device) -> Iterator[torch.Tensor]:
-    """Each tensor's bytes on `device`, after checking it matches its metadata entry."""
+                   device: torch.device, wire: list[TensorMeta] | None = None) -> Iterator[torch.Tensor]:
+    """Each tensor's bytes on `device`, after checking it matches its metadata entry, cast
+    to its `wire` entry's dtype (on `device`, so a GPU casts what it gathered)."""
     iterator = iter(tensors)
-    for name, shape, dtype in metadata:
+    for i, (name, shape, dtype) in enumerate(metadata):
         try:
             tensor = next(iterator)
         except StopIteration:
@@ -311,8 +350,11 @@ def _checked_bytes(metadata: list[TensorMeta], tensors: Iterable[torch.Tensor],
             raise WeightSyncError(
                 f"tensor for {name!r} is {tuple(tensor.shape)} {tensor.dtype}, metadata says "
                 f"{tuple(shape)} {dtype}")
+        target = wire[i][2] if wire is not None else dtype
+        if target != dtype:
+            tensor = tensor.detach().to(device=device, dtype=target)
         flat = as_bytes(tensor, device)
-        assert flat.numel() == math.prod(shape) * dtype.itemsize
+        assert flat.numel() == math.prod(shape) * target.itemsize
         yield flat
     if next(iterator, None) is not None:
         raise WeightSyncError("tensors yielded more tensors than metadata has entries")
@@ -335,9 +377,12 @@ class _Watchdog:
 
 
 def _exit_process(message: str) -> None:
-    print(f"FATAL: {message}; exiting with code {WATCHDOG_EXIT_CODE} so the job restarts "
+    from ..preflight import mark_exit_code
+
+    mark_exit_code(WEIGHT_SYNC_EXIT_CODE)  # torchrun would turn it into 1: the launcher passes it on
+    print(f"FATAL: {message}; exiting with code {WEIGHT_SYNC_EXIT_CODE} so the job restarts "
           "(the weight-sync group cannot be recovered in this process)", file=sys.stderr, flush=True)
-    os._exit(WATCHDOG_EXIT_CODE)
+    os._exit(WEIGHT_SYNC_EXIT_CODE)
 
 
 def _put_watching(q: queue.Queue, item, watch: list[cf.Future], deadline: float) -> None:

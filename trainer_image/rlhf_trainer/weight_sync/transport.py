@@ -2,9 +2,10 @@
 workers}, with the trainer as rank 0. Two transports behind one interface; the sender
 (sender.py) does not know which one it drives.
 
-- `NcclTransport` (vLLM, `--weight-transfer-config '{"backend":"nccl"}'`): the torch-only
-  side of vLLM's unique-id rendezvous. Rank 0 mints an `ncclUniqueId`
-  (`torch.cuda.nccl.unique_id()`), every server gets it as
+- `NcclTransport` (vLLM, `--weight-transfer-config '{"backend":"nccl"}'`): our side of
+  vLLM's unique-id rendezvous, through our own libnccl binding (nccl.py; not
+  `torch.cuda.nccl`, whose `init_rank` fails on Python <= 3.12). Rank 0 mints an
+  `ncclUniqueId`, every server gets it as
   `init_info.nccl_unique_id_b64` (standard base64 of the 128 bytes), and all ranks call
   `ncclCommInitRank` at the same time (there is no store barrier: the sender makes the
   `/init_weight_transfer_engine` calls while `connect()` blocks). Right after init every
@@ -12,9 +13,9 @@ workers}, with the trainer as rank 0. Two transports behind one interface; the s
   warm-up), so `connect()` issues the matching one before anything else. Broadcasts run
   on the trainer's GPU, root = rank 0, on the caller's CUDA stream. No TCP rendezvous
   address is involved: NCCL's bootstrap connects to the trainer pod's own IP, so the
-  weight-sync Service name is not used (vLLM, which pins another torch, stays out of
-  the trainer image). A torch communicator cannot be aborted: after a failed round the
-  process must end (the sender raises; its watchdog ends a hung process).
+  weight-sync Service name is not used. After a failed round the communicator is aborted
+  and the process must still end (a peer may be stuck mid-collective; the servers are
+  restarted with the trainer: the sender raises, its watchdog ends a hung process).
 - `GlooTransport` (the CPU engine): vLLM's TCP rendezvous fields (`master_address`,
   `master_port`); rank 0 hosts a TCPStore there and forms a gloo group on the CPU
   (`ProcessGroupGloo(store, rank, world)`); the CPU engine joins as `rank_offset`.
@@ -29,6 +30,10 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
+
+from . import nccl
+from .buckets import dtype_name
+from .nccl import Nccl
 
 log = logging.getLogger(__name__)
 
@@ -86,33 +91,35 @@ class GlooTransport:
 
 
 class NcclTransport:
-    """Rank 0 of an NCCL communicator made from a unique id this process mints."""
+    """Rank 0 of an NCCL communicator made from a unique id this process mints, through
+    our own libnccl binding (nccl.py)."""
 
     backend = "nccl"
 
-    def __init__(self, world_size: int, *, device: torch.device | int | None = None):
+    def __init__(self, world_size: int, *, device: torch.device | int | None = None, library: Nccl | None = None):
         if not torch.cuda.is_available():
             raise RuntimeError("the NCCL weight transfer needs a CUDA device on trainer rank 0")
         self.world_size = world_size
         if device is None:
             device = torch.cuda.current_device()
         self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-        self.unique_id: bytes = torch.cuda.nccl.unique_id()
-        self.comm = None
+        self.nccl = library or nccl.load()
+        self.unique_id: bytes = self.nccl.unique_id()
+        self.comm: int | None = None
         self.stream: torch.cuda.Stream | None = None
 
     def rendezvous(self) -> dict:
         return {"nccl_unique_id_b64": base64.b64encode(self.unique_id).decode("ascii")}
 
     def connect(self) -> None:
-        # Every rank should run the same NCCL release (the vLLM image brings its own): log ours.
-        log.info("joining the weight-transfer NCCL group as rank 0 of %d on %s (NCCL %s)",
-                 self.world_size, self.device, ".".join(map(str, torch.cuda.nccl.version())))
-        with torch.cuda.device(self.device):
-            self.comm = torch.cuda.nccl.init_rank(self.world_size, self.unique_id, 0)
+        log.info("joining the weight-transfer NCCL group as rank 0 of %d on %s (NCCL %s from %s)",
+                 self.world_size, self.device, ".".join(map(str, self.nccl.version())), self.nccl.path)
+        with torch.cuda.device(self.device):  # ncclCommInitRank binds the current device
+            self.comm = self.nccl.comm_init_rank(self.world_size, self.unique_id, 0)
             warmup = torch.zeros(1, dtype=torch.float32, device=self.device)
-            torch.cuda.nccl.all_reduce([warmup], comms=[self.comm])  # vLLM's warm-up handshake
-            torch.cuda.current_stream(self.device).synchronize()
+            stream = torch.cuda.current_stream(self.device)
+            self.nccl.all_reduce_sum(warmup.data_ptr(), 1, "float32", self.comm, stream.cuda_stream)  # vLLM's warm-up
+            stream.synchronize()
 
     def use_stream(self, stream: torch.cuda.Stream) -> None:
         """Issue the broadcasts on `stream` (the stream the buckets are packed on)."""
@@ -120,13 +127,26 @@ class NcclTransport:
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         stream = self.stream or torch.cuda.current_stream(self.device)
-        torch.cuda.nccl.broadcast([tensor], root=0, streams=[stream], comms=[self.comm])
+        self.nccl.broadcast(tensor.data_ptr(), tensor.numel(), dtype_name(tensor.dtype), 0, self.comm,
+                            stream.cuda_stream)
 
     def synchronize(self) -> None:
         (self.stream or torch.cuda.current_stream(self.device)).synchronize()
+        if self.comm is not None:
+            error = self.nccl.async_error(self.comm)
+            if error not in (0, nccl.NCCL_IN_PROGRESS):
+                raise nccl.NcclError("a weight-sync broadcast", error,
+                                     self.nccl.lib.ncclGetErrorString(error).decode(errors="replace"))
 
     def close(self) -> None:
-        self.comm = None  # torch never destroys a communicator; the process exit does
+        """Abort the communicator: frees it without waiting for peers that may be gone (a
+        thread stuck in one of its collectives returns with an error)."""
+        comm, self.comm = self.comm, None
+        if comm is not None:
+            try:
+                self.nccl.abort(comm)
+            except nccl.NcclError as exc:
+                log.warning("aborting the weight-sync communicator: %s", exc)
 
 
 def make_transport(backend: str, world_size: int, *, listen_host: str, listen_port: int,

@@ -1,0 +1,173 @@
+"""Our own binding to libnccl (ctypes), for the weight-sync communicator.
+
+Why not `torch.cuda.nccl`: its `init_rank` fails on Python <= 3.12 before any CUDA call
+(`SystemError: PY_SSIZE_T_CLEAN macro must be defined for '#' formats`, an unfixed torch
+bug in its argument parsing), and a torch communicator can be neither aborted nor asked
+for its asynchronous error. vLLM's workers drive NCCL the same way (ctypes over the
+library torch loaded, `pynccl_wrapper.py`); `tests/protocol/` checks every function we
+declare against the argument types the pinned vLLM release declares for it.
+
+Which library: `RLHF_NCCL_LIBRARY` (a path) if set, else the `nvidia-nccl-cu13` wheel's
+`nvidia/nccl/lib/libnccl.so.2` (the file torch itself loads, so the process holds one
+NCCL), else `libnccl.so.2` from the loader's path. The trainer pins torch to the pinned
+vLLM's torch, so both sides load the same NCCL release (NCCL refuses peers of another
+version when a communicator forms); `check_versions` compares them before any rank joins.
+
+What works without a GPU: loading, `version()`, `unique_id()` (NCCL's bootstrap only needs
+a network interface). `CommInitRank` and the collectives need CUDA; without it NCCL
+answers an error, raised as `NcclError` with NCCL's own message.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+from pathlib import Path
+
+LIBRARY_ENV = "RLHF_NCCL_LIBRARY"
+UNIQUE_ID_BYTES = 128
+
+
+class NcclUniqueId(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_byte * UNIQUE_ID_BYTES)]
+
+
+_result = ctypes.c_int  # ncclResult_t
+_comm = ctypes.c_void_p  # ncclComm_t
+_stream = ctypes.c_void_p  # cudaStream_t
+_buffer = ctypes.c_void_p
+
+# nccl.h's ncclDataType_t / ncclRedOp_t values (checked against vLLM's ncclDataTypeEnum)
+DATATYPES = {"int8": 0, "uint8": 1, "int32": 2, "uint32": 3, "int64": 4, "uint64": 5, "float16": 6,
+             "float32": 7, "float64": 8, "bfloat16": 9}
+SUM = 0
+
+# name: (restype, argtypes), as nccl.h declares them
+FUNCTIONS: dict[str, tuple[object, list[object]]] = {
+    "ncclGetErrorString": (ctypes.c_char_p, [_result]),
+    "ncclGetLastError": (ctypes.c_char_p, [_comm]),
+    "ncclGetVersion": (_result, [ctypes.POINTER(ctypes.c_int)]),
+    "ncclGetUniqueId": (_result, [ctypes.POINTER(NcclUniqueId)]),
+    "ncclCommInitRank": (_result, [ctypes.POINTER(_comm), ctypes.c_int, NcclUniqueId, ctypes.c_int]),
+    "ncclAllReduce": (_result, [_buffer, _buffer, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, _comm, _stream]),
+    "ncclBroadcast": (_result, [_buffer, _buffer, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, _comm, _stream]),
+    "ncclCommGetAsyncError": (_result, [_comm, ctypes.POINTER(_result)]),
+    "ncclCommAbort": (_result, [_comm]),
+    "ncclCommDestroy": (_result, [_comm]),
+}
+
+NCCL_IN_PROGRESS = 7  # ncclInProgress: a non-blocking operation still running
+
+
+class NcclError(RuntimeError):
+    """An NCCL call answered an error (the message is NCCL's own)."""
+
+    def __init__(self, call: str, code: int, message: str):
+        super().__init__(f"{call} failed: NCCL error {code}: {message}")
+        self.code = code
+
+
+def library_path() -> str:
+    """The libnccl this process loads (see the module docstring)."""
+    if os.environ.get(LIBRARY_ENV):
+        return os.environ[LIBRARY_ENV]
+    try:
+        spec = importlib.util.find_spec("nvidia.nccl")
+    except (ImportError, ValueError):
+        spec = None
+    for root in (spec.submodule_search_locations or []) if spec is not None else []:
+        candidate = Path(root) / "lib" / "libnccl.so.2"
+        if candidate.exists():
+            return str(candidate)
+    return "libnccl.so.2"
+
+
+class Nccl:
+    """The functions of one loaded libnccl."""
+
+    def __init__(self, path: str | None = None):
+        self.path = path or library_path()
+        try:
+            self.lib = ctypes.CDLL(self.path)
+        except OSError as exc:
+            raise OSError(f"cannot load NCCL from {self.path}: {exc} (install nvidia-nccl-cu13, the trainer "
+                          f"image has it, or set {LIBRARY_ENV} to a libnccl.so.2)") from exc
+        for name, (restype, argtypes) in FUNCTIONS.items():
+            fn = getattr(self.lib, name)
+            fn.restype, fn.argtypes = restype, argtypes
+
+    def _check(self, call: str, code: int, comm: int | None = None) -> None:
+        if code != 0:
+            message = self.lib.ncclGetErrorString(code).decode(errors="replace")
+            if comm:
+                last = self.lib.ncclGetLastError(comm)
+                if last:
+                    message += f" ({last.decode(errors='replace')})"
+            raise NcclError(call, code, message)
+
+    def version(self) -> tuple[int, int, int]:
+        value = ctypes.c_int()
+        self._check("ncclGetVersion", self.lib.ncclGetVersion(ctypes.byref(value)))
+        code = value.value  # NCCL_VERSION(X, Y, Z) = X * 10000 + Y * 100 + Z since 2.9
+        return code // 10000, code % 10000 // 100, code % 100
+
+    def unique_id(self) -> bytes:
+        uid = NcclUniqueId()
+        self._check("ncclGetUniqueId", self.lib.ncclGetUniqueId(ctypes.byref(uid)))
+        return bytes(uid.internal)
+
+    def comm_init_rank(self, world_size: int, unique_id: bytes, rank: int) -> int:
+        """A communicator on the calling thread's current CUDA device (blocks until every
+        rank has joined)."""
+        if len(unique_id) != UNIQUE_ID_BYTES:
+            raise ValueError(f"an NCCL unique id is {UNIQUE_ID_BYTES} bytes, got {len(unique_id)}")
+        uid = NcclUniqueId()
+        ctypes.memmove(ctypes.byref(uid), unique_id, UNIQUE_ID_BYTES)
+        comm = _comm()
+        self._check("ncclCommInitRank", self.lib.ncclCommInitRank(ctypes.byref(comm), world_size, uid, rank))
+        return comm.value
+
+    def all_reduce_sum(self, ptr: int, count: int, datatype: str, comm: int, stream: int) -> None:
+        self._check("ncclAllReduce", self.lib.ncclAllReduce(ptr, ptr, count, DATATYPES[datatype], SUM, comm,
+                                                            stream), comm)
+
+    def broadcast(self, ptr: int, count: int, datatype: str, root: int, comm: int, stream: int) -> None:
+        self._check("ncclBroadcast", self.lib.ncclBroadcast(ptr, ptr, count, DATATYPES[datatype], root, comm,
+                                                            stream), comm)
+
+    def async_error(self, comm: int) -> int:
+        """The communicator's asynchronous error code (0: none; NCCL_IN_PROGRESS: busy)."""
+        code = _result()
+        self._check("ncclCommGetAsyncError", self.lib.ncclCommGetAsyncError(comm, ctypes.byref(code)))
+        return code.value
+
+    def abort(self, comm: int) -> None:
+        """Free a communicator without waiting for its peers or its operations."""
+        self._check("ncclCommAbort", self.lib.ncclCommAbort(comm))
+
+    def destroy(self, comm: int) -> None:
+        self._check("ncclCommDestroy", self.lib.ncclCommDestroy(comm))
+
+
+_LOADED: Nccl | None = None
+
+
+def load() -> Nccl:
+    """The process's binding (loaded once)."""
+    global _LOADED
+    if _LOADED is None:
+        _LOADED = Nccl()
+    return _LOADED
+
+
+def package_version(pip_packages: str) -> tuple[int, int, int] | None:
+    """The NCCL release of an `nvidia-nccl-cuXX==X.Y.Z` line in `pip list --format=freeze`
+    output (what vLLM's /server_info reports as `system_env.pip_packages`)."""
+    for line in pip_packages.splitlines():
+        name, _, version = line.strip().partition("==")
+        if name.lower().replace("_", "-").startswith("nvidia-nccl-cu"):
+            parts = version.split(".")[:3]
+            if len(parts) == 3 and all(p.isdigit() for p in parts):
+                return int(parts[0]), int(parts[1]), int(parts[2])
+    return None
