@@ -1,4 +1,5 @@
-"""`rlhfctl`: run a job locally, validate a job file, plot runs' metrics, print the CRD."""
+"""`rlhfctl`: run a job locally, validate a job file, render the manifests the operator
+would create for it, export a checkpoint as a model, plot runs' metrics, print the CRD."""
 
 from __future__ import annotations
 
@@ -87,8 +88,66 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"
+
+
+def _cmd_render(args: argparse.Namespace) -> int:
+    """The children the operator creates for this job (its own builders, attempt 0), as
+    YAML documents: for review before `kubectl apply` (GitOps). The job's uid is only known
+    once the API server has it: `--uid` (owner references, pod labels) or a placeholder."""
+    import yaml
+
+    from rlhf_contract.api import JobError, load_job
+    from rlhf_operator.builders import build_support, build_workloads
+    from rlhf_operator.builders.pods import PodSettings, PodSettingsError
+
+    try:
+        job = load_job(args.job, [*args.set, *([f"backend={args.backend}"] if args.backend else [])])
+    except JobError as err:
+        print(err, file=sys.stderr)
+        return 1
+    extra = dict(job.metadata.model_extra or {})
+    extra["uid"] = args.uid or extra.get("uid") or PLACEHOLDER_UID
+    job = job.model_copy(update={"metadata": job.metadata.model_copy(update={
+        "namespace": args.namespace or job.metadata.namespace or "default"})})
+    job.metadata.__pydantic_extra__.update(extra)
+    try:
+        settings = PodSettings.from_job(job)
+    except PodSettingsError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    objects = [*build_support(job), *build_workloads(job, args.attempt, settings)]
+    sys.stdout.write(yaml.safe_dump_all(objects, sort_keys=False))
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from .export import ExportError, export_checkpoint
+
+    try:
+        path = export_checkpoint(args.checkpoint, args.out, model=args.model, overwrite=args.overwrite)
+    except ExportError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from rlhf_contract.images import TRAINER_IMAGE, VLLM_VERSION
+
+    try:
+        ours = version("rlhf-operator")
+    except PackageNotFoundError:
+        ours = "unknown"
+    return f"rlhfctl {ours} (trainer image {TRAINER_IMAGE}, vLLM {VLLM_VERSION})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlhfctl", description=__doc__)
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
 
     def add_job_args(p: argparse.ArgumentParser) -> None:
@@ -108,6 +167,21 @@ def build_parser() -> argparse.ArgumentParser:
     validate = sub.add_parser("validate", help="check a job file and report every problem")
     add_job_args(validate)
     validate.set_defaults(func=_cmd_validate)
+
+    render = sub.add_parser("render", help="print the manifests the operator would create for a job (YAML)")
+    add_job_args(render)
+    render.add_argument("--backend", choices=["PyTorchJob", "JobSet"], help="override spec.backend")
+    render.add_argument("--namespace", help="the job's namespace (default: metadata.namespace or default)")
+    render.add_argument("--uid", help=f"the job's metadata.uid, once the API server gave it (default {PLACEHOLDER_UID})")
+    render.add_argument("--attempt", type=int, default=0, help="the attempt (status.restarts) to render")
+    render.set_defaults(func=_cmd_render)
+
+    export = sub.add_parser("export", help="write a checkpoint (checkpoints/step-N) as a Hugging Face model directory")
+    export.add_argument("checkpoint", metavar="CHECKPOINT", help="a complete <output>/checkpoints/step-N directory")
+    export.add_argument("out", metavar="OUT", help="the model directory to write")
+    export.add_argument("--model", help="the model the run started from (default: what <output>/job.json names)")
+    export.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    export.set_defaults(func=_cmd_export)
 
     plot = sub.add_parser("plot", help="draw the metrics of one or more runs (overlaid) into one PNG")
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="output directory of a run (holds metrics.jsonl)")

@@ -4,6 +4,8 @@ its PodMonitors and NetworkPolicy, and each one's label selector asked of the AP
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -63,5 +65,31 @@ def test_monitors_and_network_policy_select_the_pods_of_both_backends(cluster: C
         policy = docs[("NetworkPolicy", "rel-rlhf-operator-trainer-metrics")]
         assert policy["metadata"]["namespace"] == ns
         assert selected(policy["spec"]["podSelector"]) == trainers | servers
+        # `rlhfctl render` prints what the operator created: every rendered field is in the live object
+        for name, doc in (("mon-ptj", job_doc("mon-ptj", nodes=2)), ("mon-js", job_doc("mon-js", nodes=2, backend="JobSet"))):
+            path = tmp_path_factory.mktemp("render") / f"{name}.yaml"
+            path.write_text(yaml.safe_dump(doc))
+            uid = cluster.get("rlhfjob", name, namespace=ns)["metadata"]["uid"]
+            out = subprocess.run([sys.executable, "-m", "rlhf_launcher.cli", "render", str(path), "--namespace", ns,
+                                  "--uid", uid], capture_output=True, text=True, timeout=120)
+            assert out.returncode == 0, out.stderr
+            rendered_children = [d for d in yaml.safe_load_all(out.stdout) if d]
+            kinds = {d["kind"] for d in rendered_children}
+            assert {"ConfigMap", "ServiceAccount", "NetworkPolicy"} <= kinds
+            assert ("JobSet" in kinds) == (name == "mon-js") and ("PyTorchJob" in kinds) == (name == "mon-ptj")
+            for child in rendered_children:
+                live = cluster.get(f"{child['kind'].lower()}.{child['apiVersion'].split('/')[0]}"
+                                   if "/" in child["apiVersion"] else child["kind"].lower(),
+                                   child["metadata"]["name"], namespace=ns)
+                assert _within(child, live), f"{name}: rendered {child['kind']} {child['metadata']['name']} differs"
         for name in ("mon-ptj", "mon-js"):
             cluster.kubectl("delete", "rlhfjob", name, "-n", ns, "--wait=false")
+
+
+def _within(rendered, live) -> bool:
+    """Every field of `rendered` has the same value in `live` (which also has the API server's defaults)."""
+    if isinstance(rendered, dict):
+        return isinstance(live, dict) and all(k in live and _within(v, live[k]) for k, v in rendered.items())
+    if isinstance(rendered, list):
+        return isinstance(live, list) and len(rendered) == len(live) and all(map(_within, rendered, live))
+    return rendered == live or str(rendered) == str(live)

@@ -86,6 +86,26 @@ def test_two_trainer_processes_and_two_rollout_servers(tmp_path):
     diffs = [(a - b).abs().max().item() for a, b in zip(final.state_dict().values(), start.state_dict().values())]
     assert max(diffs) > 1e-4
     assert not processes_of(out)
+    assert "plot: " in res.stderr and (out / "plot.png").stat().st_size > 10_000
+
+    # `rlhfctl export`: a checkpoint saved by two FSDP ranks becomes a model; the last step's
+    # is the final model, bit for bit (same writer), and scores as the trainer's final export
+    import torch
+    from safetensors.torch import load_file
+
+    for step in (2, 4):
+        res = rlhfctl("export", str(ckpts / f"step-{step}"), str(tmp_path / f"export-{step}"))
+        assert res.returncode == 0, res.stderr[-3000:]
+    exported, final_tensors = load_file(tmp_path / "export-4" / "model.safetensors"), load_file(out / "final" / "model.safetensors")
+    assert exported.keys() == final_tensors.keys() and all(torch.equal(exported[k], final_tensors[k]) for k in exported)
+    step2 = AutoModelForCausalLM.from_pretrained(tmp_path / "export-2").eval()
+    step4 = AutoModelForCausalLM.from_pretrained(tmp_path / "export-4").eval()
+    ids = torch.tensor([[3, 5, 7, 9, 11]])
+    with torch.no_grad():
+        assert torch.equal(step4(ids).logits, final.eval()(ids).logits)
+        assert not torch.allclose(step2(ids).logits, step4(ids).logits)  # an intermediate step of its own
+    res = rlhfctl("export", str(ckpts / "step-2"), str(tmp_path / "export-4"))
+    assert res.returncode == 2 and "--overwrite" in res.stderr
 
 
 def test_a_crashing_trainer_stops_the_run_with_its_error(tmp_path):

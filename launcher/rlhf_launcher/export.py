@@ -1,0 +1,100 @@
+"""`rlhfctl export CHECKPOINT OUT`: any complete `checkpoints/step-N/` as a Hugging Face
+model directory, as the run's `final/` is written (same code: `save_final`), so an
+intermediate step can be evaluated or served like the final model.
+
+The checkpoint holds the trained weights (DCP, sharded as the trainer saved them); the
+architecture, tokenizer and export dtype come from the model the run started from: the
+`--model` directory, else the run's own record of it (`<output>/job.json`, or
+`trainer.json`; a built-in model is rebuilt from its name and the run's seed, or taken
+from `<output>/builtin-model/` where local mode wrote it). Only the policy is exported; the
+optimizer state is not read.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+
+from rlhf_contract.outputs import MARKER, checkpoint_step
+
+
+class ExportError(RuntimeError):
+    """The checkpoint or the model cannot be exported; the message says what to change."""
+
+
+def _run_model(output_dir: Path) -> tuple[str, int]:
+    """The model path and seed the run recorded."""
+    job_file, trainer_file = output_dir / "job.json", output_dir / "trainer.json"
+    if job_file.exists():
+        spec = json.loads(job_file.read_text())["spec"]
+        return spec["model"]["path"], int(spec.get("schedule", {}).get("seed", 0))
+    if trainer_file.exists():
+        config = json.loads(trainer_file.read_text())
+        return config["modelPath"], int(config.get("schedule", {}).get("seed", 0))
+    raise ExportError(f"{output_dir} has neither job.json nor trainer.json: give the model the run started from "
+                      "with --model DIR")
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path, model: str | None = None,
+                      overwrite: bool = False) -> Path:
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from rlhf_trainer.checkpoint import save_final
+
+    checkpoint, out = Path(checkpoint), Path(out)
+    if not (checkpoint / MARKER).exists():
+        raise ExportError(f"{checkpoint} is not a complete checkpoint (no {MARKER}): give a "
+                          "<output>/checkpoints/step-N directory the trainer finished")
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise ExportError(f"{out} exists and is not empty: choose another directory or pass --overwrite")
+    output_dir = checkpoint.parent.parent
+    with tempfile.TemporaryDirectory(prefix="rlhfctl-export-") as tmp:
+        if model is None:
+            path, seed = _run_model(output_dir)
+            if path.startswith("builtin://"):
+                written = output_dir / "builtin-model"
+                if (written / "config.json").exists():
+                    path = str(written)
+                else:
+                    from rlhf_trainer.models.builtin import materialize
+
+                    path = str(materialize(path, tmp, seed=seed))
+            model = path
+        if not (Path(model) / "config.json").exists():
+            raise ExportError(f"{model} is not a Hugging Face model directory (no config.json): give the model the "
+                              "run started from with --model DIR")
+        config = AutoConfig.from_pretrained(model)
+        net = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        reader = dcp.FileSystemReader(str(checkpoint))
+        prefix = "policy.model."
+        state = {key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
+                 for key, meta in reader.read_metadata().state_dict_metadata.items()
+                 if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
+        if not state:
+            raise ExportError(f"{checkpoint} holds no policy weights (keys {prefix}*)")
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"policy": {"model": state}}, storage_reader=reader)
+        missing, unexpected = net.load_state_dict(state, strict=False)
+        tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+        if set(missing) - tied or unexpected:
+            raise ExportError(f"{checkpoint} does not fit {model}: missing {sorted(set(missing) - tied)[:5]}, "
+                              f"unexpected {sorted(unexpected)[:5]}; give the model the run started from with --model")
+        source_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if isinstance(source_dtype, str):
+            source_dtype = getattr(torch, source_dtype, None)
+        net._rlhf_export_dtype = source_dtype if isinstance(source_dtype, torch.dtype) else torch.float32
+        written = save_final(tmp, net, AutoTokenizer.from_pretrained(model))
+        if out.exists():
+            shutil.rmtree(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(written), str(out))
+    (out / "rlhf-export.json").write_text(json.dumps({"checkpoint": str(checkpoint.resolve()),
+                                                      "step": checkpoint_step(checkpoint), "model": str(model)}) + "\n")
+    return out
