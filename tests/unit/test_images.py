@@ -75,3 +75,19 @@ def test_dockerfiles_are_pinned_and_layered():
     for path in ("operator/Dockerfile", "trainer_image/Dockerfile", "inference_image/Dockerfile"):
         for base in dockerfile_args(path).values():
             assert ":" in base and not base.endswith(":latest"), f"{path}: unpinned base {base}"
+
+
+def test_images_run_as_a_non_root_user_and_the_build_context_leaves_out_the_environment():
+    from rlhf_operator.builders.pods import RUN_AS_USER
+
+    for path in ("operator/Dockerfile", "trainer_image/Dockerfile", "inference_image/Dockerfile"):
+        users = re.findall(r"^USER (\d+)(?::(\d+))?$", (ROOT / path).read_text(), re.M)
+        assert users and int(users[-1][0]) != 0, f"{path}: the last USER must be a non-root uid"
+        if path != "operator/Dockerfile":
+            assert int(users[-1][0]) == RUN_AS_USER  # what the operator's pods run as
+    ignored = {line.strip().rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")}
+    assert {".venv", ".git", "runs"} <= ignored
+    copied = {m for path in ("operator/Dockerfile", "trainer_image/Dockerfile", "inference_image/Dockerfile")
+              for m in re.findall(r"^COPY (\S+)", (ROOT / path).read_text(), re.M)}
+    assert copied and not any(c.split("/")[0] in ignored for c in copied)  # nothing a Dockerfile needs is left out
