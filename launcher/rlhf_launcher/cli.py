@@ -195,12 +195,15 @@ def build_parser() -> argparse.ArgumentParser:
     op.add_argument("--lease-duration", type=int, default=15, help="seconds before another replica may take over")
     op.add_argument("--resync-seconds", type=float, default=15.0, help="reconcile every job at least this often")
     op.add_argument("--verbose", action="store_true")
+    op.add_argument("--log-format", choices=["text", "json"], default="text",
+                    help="json: one object per line (time, level, logger, message)")
 
     def _cmd_operator(a: argparse.Namespace) -> int:
         from rlhf_operator.handlers import run as run_operator
 
         return run_operator(a.namespace, metrics_port=a.metrics_port, lease_namespace=a.lease_namespace,
-                            lease_duration=a.lease_duration, resync_seconds=a.resync_seconds, verbose=a.verbose)
+                            lease_duration=a.lease_duration, resync_seconds=a.resync_seconds, verbose=a.verbose,
+                            log_format=a.log_format)
 
     op.set_defaults(func=_cmd_operator)
 

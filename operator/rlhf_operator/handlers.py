@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import kopf
@@ -109,15 +109,29 @@ def _resync_loop(namespaces: list[str], stop: threading.Event) -> None:
         metrics.set_jobs_by_phase(phases)
 
 
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line (`logFormat: json`): time (UTC, RFC 3339), level, logger,
+    message, and the traceback when there is one."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
+                 "level": record.levelname, "logger": record.name, "message": record.getMessage()}
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
 def run(namespaces: list[str], *, metrics_port: int = 8080, lease_namespace: str | None = None,
         lease_duration: int = 15, resync_seconds: float = 15.0, verbose: bool = False, workers: int | None = None,
-        node_lost_seconds: float | None = None) -> int:
+        node_lost_seconds: float | None = None, log_format: str = "text") -> int:
     """`rlhfctl operator`: wait for the leader lease, then run kopf until stopped.
     `node_lost_seconds` (default $RLHF_OPERATOR_NODE_LOST_SECONDS or 60): how long a node
     may be not Ready before its pods count as failed and are force-deleted. `workers`
     (default $RLHF_OPERATOR_WORKERS or 16): reconciles run at once, on different jobs."""
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if log_format == "json"
+                         else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, handlers=[handler], force=True)
     logging.getLogger("kopf").setLevel(logging.INFO if verbose else logging.WARNING)
     if node_lost_seconds is None:
         env = os.environ.get("RLHF_OPERATOR_NODE_LOST_SECONDS")

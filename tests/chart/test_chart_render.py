@@ -33,14 +33,15 @@ def test_lint_strict(helm_bin):
 def test_defaults_render_the_operator_and_nothing_of_monitoring(render):
     docs = render()
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds == ["ClusterRole", "ClusterRole", "ClusterRoleBinding", "ClusterRoleBinding", "Deployment", "Role",
-                     "RoleBinding", "Service", "ServiceAccount"]
+    # the operator's two ClusterRoles, and two aggregated into view / edit / admin for people
+    assert kinds == ["ClusterRole"] * 4 + ["ClusterRoleBinding", "ClusterRoleBinding", "Deployment", "Role",
+                                           "RoleBinding", "Service", "ServiceAccount"]
     dep = by_kind(docs)[("Deployment", "rel-rlhf-operator")]
     pod = dep["spec"]["template"]["spec"]
     (c,) = pod["containers"]
     assert c["image"] == "ghcr.io/rlhf-operator/operator:0.1.0"  # appVersion when image.tag is empty
     assert c["args"] == ["--metrics-port=8080", "--lease-namespace=rlhf-system", "--lease-duration=15",
-                         "--resync-seconds=15"]
+                         "--resync-seconds=15", "--log-format=text"]
     assert c["securityContext"]["readOnlyRootFilesystem"] and c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     assert c["resources"]["requests"] == {"cpu": "100m", "memory": "256Mi"}
     assert pod["serviceAccountName"] == "rel-rlhf-operator"

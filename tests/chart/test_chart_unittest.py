@@ -17,4 +17,5 @@ def test_every_template_has_a_suite():
 def test_helm_unittest_suites_pass(helm_unittest):
     out = subprocess.run([str(helm_unittest), "--strict", str(CHART)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr
-    assert "Test Suites: 11 passed" in out.stdout, out.stdout[-2000:]
+    suites = len(list((CHART / "tests").glob("*_test.yaml")))
+    assert f"Test Suites: {suites} passed, {suites} total" in out.stdout, out.stdout[-2000:]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .harness import Cluster
+from .harness import Cluster, wait_for
 from .test_operator import create, job_doc, new_namespace, wait_job
 
 pytestmark = pytest.mark.cluster
@@ -56,6 +56,24 @@ def test_helm_install_then_the_operator_with_the_chart_permissions_runs_a_job(cl
         assert can("get", "nodes/n1") == "yes" and can("patch", "nodes/n1") == "no"
         assert can("update", "leases.coordination.k8s.io/rlhf-operator", "-n", release_ns) == "yes"
         assert can("get", "namespaces/default") == "no"  # kopf may list namespace names, not read one
+
+        # people: a user bound to the built-in `edit` role in a namespace may run RLHFJobs there
+        # (the chart's ClusterRoles aggregate into edit, by the controller-manager's aggregation
+        # controller), one bound to `view` may only read them; neither writes a job's status
+        cluster.kubectl("create", "rolebinding", "alice-edit", "--clusterrole=edit", "--user=alice", "-n", jobs_ns)
+        cluster.kubectl("create", "rolebinding", "bob-view", "--clusterrole=view", "--user=bob", "-n", jobs_ns)
+
+        def person_can(user: str, *args: str) -> str:
+            return cluster.kubectl("auth", "can-i", *args, "-n", jobs_ns, f"--as={user}", check=False).stdout.strip()
+        wait_for(lambda: person_can("alice", "create", "rlhfjobs.rlhf.dev") == "yes", 30,
+                 "the edit role aggregates RLHFJob permissions")
+        assert person_can("alice", "delete", "rlhfjobs.rlhf.dev") == "yes"
+        assert person_can("alice", "patch", "rlhfjobs.rlhf.dev", "--subresource=status") == "no"
+        wait_for(lambda: person_can("bob", "list", "rlhfjobs.rlhf.dev") == "yes", 30, "the view role reads RLHFJobs")
+        assert person_can("bob", "create", "rlhfjobs.rlhf.dev") == "no"
+        alice = cluster.kubectl("create", "-n", jobs_ns, "-f", "-", "--as=alice", "--dry-run=server",
+                                input=yaml.safe_dump(job_doc("alices")), check=False)
+        assert alice.returncode == 0, alice.stderr  # the API server admits alice's job
 
         config = sa_kubeconfig(cluster, release_ns, sa, tmp_path / "operator.kubeconfig")
         log = tmp_path / "operator.log"

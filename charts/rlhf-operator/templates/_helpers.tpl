@@ -44,5 +44,9 @@ app.kubernetes.io/part-of: rlhf-operator
 
 {{/* The operator image reference. */}}
 {{- define "rlhf-operator.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
 {{- end }}
