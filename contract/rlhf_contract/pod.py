@@ -85,7 +85,24 @@ def serve_command(spec: RLHFJobSpec, *, model_path: str, host: str, port: int, n
         "--generation-config", "vllm",
         "--weight-transfer-config", json.dumps({"backend": "nccl"}),
         "--logprobs-mode", LOGPROBS_MODE,
+        *vllm_flags(r.vllm),
     ]
+
+
+def vllm_flags(v) -> list[str]:
+    """`rollout.vllm` as `vllm serve` flags (the fields set, then extraArgs as given)."""
+    flags = []
+    if v.gpu_memory_utilization is not None:
+        flags += ["--gpu-memory-utilization", str(v.gpu_memory_utilization)]
+    if v.max_num_seqs is not None:
+        flags += ["--max-num-seqs", str(v.max_num_seqs)]
+    if v.max_num_batched_tokens is not None:
+        flags += ["--max-num-batched-tokens", str(v.max_num_batched_tokens)]
+    if v.enable_prefix_caching is not None:
+        flags.append("--enable-prefix-caching" if v.enable_prefix_caching else "--no-enable-prefix-caching")
+    if v.enforce_eager:
+        flags.append("--enforce-eager")
+    return flags + list(v.extra_args)
 
 
 def startup_probe_failures(spec: RLHFJobSpec) -> int:

@@ -244,6 +244,17 @@ def nccl_facts(root: Path) -> dict:
     }
 
 
+OPTIONS_MODULE = Path(__file__).resolve().parents[2] / "contract" / "rlhf_contract" / "vllm_options.py"
+
+
+def write_options_module(options: dict) -> None:
+    """The option names, where the contract (no test data) can read them."""
+    text = OPTIONS_MODULE.read_text()
+    head = text[:text.index("SERVE_OPTIONS")]
+    body = "\n".join(f"    {name!r}," for name in sorted(options))
+    OPTIONS_MODULE.write_text(head + "SERVE_OPTIONS: frozenset[str] = frozenset({\n" + body + "\n})\n")
+
+
 def main() -> None:
     root = Path(sys.argv[1])
     if sys.argv[2:] == ["--nccl-only"]:
@@ -277,6 +288,7 @@ def main() -> None:
         "nccl": nccl_facts(root),
     }
     OUT.write_text(json.dumps(facts, indent=1, sort_keys=True) + "\n")
+    write_options_module(facts["serve_options"])
     print(f"wrote {OUT}: {len(facts['routes'])} routes, {len(facts['serve_options'])} serve options, "
           f"{len(facts['packed_layout'])} layout cases")
 

@@ -15,6 +15,7 @@ import socket
 from pathlib import Path
 
 import httpx
+import yaml
 import pytest
 import torch
 
@@ -193,7 +194,10 @@ def test_cpu_engine_serves_the_vllm_routes_it_claims(engine):
 def _flags(command: list[str]) -> list[tuple[str, str | None]]:
     out, i = [], 0
     while i < len(command):
-        if command[i].startswith("--"):
+        if command[i].startswith("--") and "=" in command[i]:
+            out.append(tuple(command[i].split("=", 1)))
+            i += 1
+        elif command[i].startswith("--"):
             value = command[i + 1] if i + 1 < len(command) and not command[i + 1].startswith("--") else None
             out.append((command[i], value))
             i += 2 if value is not None else 1
@@ -217,6 +221,32 @@ def test_the_example_jobs_rollout_command_is_accepted_by_vllms_parser(example):
             assert value in options[flag], f"{flag} {value}: vLLM accepts {options[flag]}"
     transfer = json.loads(dict(_flags(command))["--weight-transfer-config"])
     assert transfer == {"backend": "nccl"}
+
+
+def test_the_contracts_option_list_is_the_extracts():
+    from rlhf_contract.vllm_options import SERVE_OPTIONS
+
+    assert SERVE_OPTIONS == set(FACTS["serve_options"])
+
+
+def test_rollout_vllm_settings_become_flags_vllms_parser_accepts():
+    from rlhf_contract.api.load import validate_job
+
+    doc = yaml.safe_load((ROOT / "examples/rlhfjob.yaml").read_text())
+    doc["spec"]["rollout"]["vllm"] = {"gpuMemoryUtilization": 0.85, "maxNumSeqs": 128, "maxNumBatchedTokens": 8192,
+                                      "enablePrefixCaching": False, "enforceEager": True,
+                                      "extraArgs": ["--kv-cache-dtype", "fp8", "--block-size=32"]}
+    job = validate_job(doc)
+    command = serve_command(job.spec, model_path="/m", host="h", port=1, name="n")
+    flags = dict(_flags(command))
+    options = FACTS["serve_options"]
+    for flag, value in _flags(command):
+        assert flag in options, flag
+        if options[flag] is not None and value is not None:
+            assert value in options[flag], f"{flag} {value}: vLLM accepts {options[flag]}"
+    assert flags["--gpu-memory-utilization"] == "0.85" and flags["--max-num-seqs"] == "128"
+    assert "--no-enable-prefix-caching" in command and "--enforce-eager" in command
+    assert command[-3:] == ["--kv-cache-dtype", "fp8", "--block-size=32"]
 
 
 def test_serve_command_for_every_dtype_is_accepted():

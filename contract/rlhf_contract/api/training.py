@@ -3,12 +3,66 @@ outputs, the restart policy, evaluation and the preference loss."""
 
 from __future__ import annotations
 
+import difflib
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from ..images import INFERENCE_IMAGE, TRAINER_IMAGE
 from .common import SpecModel, Resources
+
+
+# Flags the operator sets itself (contract/rlhf_contract/pod.py serve_command), with the
+# spec field that sets each: refused in rollout.vllm.extraArgs.
+OWN_SERVE_FLAGS = {
+    "--host": "(the operator's)", "--port": "(the operator's)", "--served-model-name": "metadata.name",
+    "--tensor-parallel-size": "rollout.tensorParallelSize", "--dtype": "model.dtype", "--seed": "schedule.seed",
+    "--max-model-len": "data.maxPromptLength + rollout.maxTokens", "--generation-config": "(the operator's)",
+    "--weight-transfer-config": "(the operator's)", "--logprobs-mode": "(the operator's)",
+    "--gpu-memory-utilization": "rollout.vllm.gpuMemoryUtilization", "--max-num-seqs": "rollout.vllm.maxNumSeqs",
+    "--max-num-batched-tokens": "rollout.vllm.maxNumBatchedTokens",
+    "--enable-prefix-caching": "rollout.vllm.enablePrefixCaching",
+    "--no-enable-prefix-caching": "rollout.vllm.enablePrefixCaching", "--enforce-eager": "rollout.vllm.enforceEager",
+}
+
+
+class VllmSpec(SpecModel):
+    """Settings of the vLLM rollout servers (`vllm serve` flags); unset keeps vLLM's default."""
+
+    gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
+    """Fraction of each GPU's memory vLLM may use (weights, activations, KV cache):
+    `--gpu-memory-utilization` (vLLM's default 0.9)."""
+    max_num_seqs: int | None = Field(default=None, ge=1)
+    """Sequences a server runs at once: `--max-num-seqs`."""
+    max_num_batched_tokens: int | None = Field(default=None, ge=1)
+    """Tokens per engine step: `--max-num-batched-tokens`."""
+    enable_prefix_caching: bool | None = None
+    """Reuse KV blocks of shared prompt prefixes (the group's samples share their prompt):
+    `--[no-]enable-prefix-caching`. The cache is reset after every weight update."""
+    enforce_eager: bool = False
+    """No CUDA graphs (`--enforce-eager`): faster start-up, slower decoding."""
+    extra_args: list[str] = Field(default_factory=list, max_length=32)
+    """More `vllm serve` arguments, e.g. ["--kv-cache-dtype", "fp8"] or ["--block-size=32"].
+    Each flag must be one the pinned vLLM accepts; flags the operator or the fields above set
+    are refused (set those fields instead)."""
+
+    @field_validator("extra_args")
+    @classmethod
+    def _known_flags(cls, args: list[str]) -> list[str]:
+        from ..images import VLLM_VERSION
+        from ..vllm_options import SERVE_OPTIONS
+
+        for arg in args:
+            if not arg.startswith("-"):
+                continue  # the value of the flag before it
+            flag = arg.split("=", 1)[0]
+            if flag in OWN_SERVE_FLAGS:
+                raise ValueError(f"{flag} is set by the operator; use {OWN_SERVE_FLAGS[flag]} instead")
+            if flag not in SERVE_OPTIONS:
+                close = difflib.get_close_matches(flag, sorted(SERVE_OPTIONS), n=3)
+                raise ValueError(f"{flag} is not an option of vLLM {VLLM_VERSION}'s `vllm serve`"
+                                 + (f" (similar: {', '.join(close)})" if close else ""))
+        return args
 
 
 class RolloutSpec(SpecModel):
@@ -47,6 +101,8 @@ class RolloutSpec(SpecModel):
     """A weight-sync round (every server loading the new weights) not over in this long fails
     the step, and the attempt restarts; a trainer stuck in the transfer itself is ended a
     minute later by the sync's watchdog (exit code 75, retried)."""
+    vllm: VllmSpec = Field(default_factory=VllmSpec)
+    """`vllm serve` settings (memory, batching, prefix caching, extra flags); engine vllm only."""
     max_staleness: int = Field(default=0, ge=0)
     """Policy versions a sample may lag behind the trainer. 0: synchronous (generate, then
     train). k >= 1: the rollouts of the next k steps are generated while the trainer trains
