@@ -44,7 +44,7 @@ test-fast: $(STAMP) sandbox-bin
 
 crd: $(STAMP)
 	$(BIN)/rlhfctl crd > crds/rlhfjobs.yaml
-	cp crds/rlhfjobs.yaml charts/rlhf-operator/crds/rlhfjobs.yaml
+	cp crds/rlhfjobs.yaml charts/rlhf-operator/files/rlhfjobs.crd.yaml
 
 # The three images (tags and the vLLM base: contract/rlhf_contract/images.py; a test keeps
 # these in step). Needs a container builder: docker, podman or nerdctl.

@@ -1,6 +1,6 @@
 # The Helm chart (charts/rlhf-operator/): included from the main Makefile.
 #   make chart-schema      regenerate values.schema.json from values.yaml
-#   make chart-crd         copy the generated CRD into the chart
+#   make chart-crd         copy the generated CRD into the chart (files/, rendered by templates/crd.yaml)
 #   make chart-tools       helm-unittest, built from the Go module in charts/tools/ into
 #                          ~/.cache/rlhf-operator/chart-tools/<hash>/ (charts/tools/build.sh)
 #   make prometheus-tools  promtool and prometheus from Debian's `prometheus` package,
@@ -15,7 +15,7 @@ chart-schema: $(STAMP)
 	$(BIN)/python charts/rlhf-operator/hack/values_schema.py --write
 
 chart-crd: crd
-	cp crds/rlhfjobs.yaml charts/rlhf-operator/crds/rlhfjobs.yaml
+	cp crds/rlhfjobs.yaml charts/rlhf-operator/files/rlhfjobs.crd.yaml
 
 chart-tools:
 	bash charts/tools/build.sh

@@ -25,8 +25,9 @@ def _schema_module():
 
 
 def test_chart_crd_is_the_generated_one():
-    assert (CHART / "crds" / "rlhfjobs.yaml").read_text() == crd_yaml() == (REPO / "crds" / "rlhfjobs.yaml").read_text(), \
-        "the chart's CRD is stale: run `make chart-crd` (rlhfctl crd, copied into charts/rlhf-operator/crds/)"
+    assert (CHART / "files" / "rlhfjobs.crd.yaml").read_text() == crd_yaml() == (REPO / "crds" / "rlhfjobs.yaml").read_text(), \
+        "the chart's CRD is stale: run `make chart-crd` (rlhfctl crd, copied into charts/rlhf-operator/files/)"
+    assert not (CHART / "crds").exists()  # Helm would install it once and never upgrade it (templates/crd.yaml does)
 
 
 def test_values_schema_is_fresh_and_closed():

@@ -12,6 +12,8 @@ import subprocess
 
 import pytest
 import yaml
+
+from rlhf_contract.api.crd import crd_yaml
 from kubernetes.client import ApiClient
 
 from .conftest import CHART, by_kind
@@ -34,8 +36,11 @@ def test_defaults_render_the_operator_and_nothing_of_monitoring(render):
     docs = render()
     kinds = sorted(d["kind"] for d in docs)
     # the operator's two ClusterRoles, and two aggregated into view / edit / admin for people
-    assert kinds == ["ClusterRole"] * 4 + ["ClusterRoleBinding", "ClusterRoleBinding", "Deployment", "Role",
-                                           "RoleBinding", "Service", "ServiceAccount"]
+    assert kinds == ["ClusterRole"] * 4 + ["ClusterRoleBinding", "ClusterRoleBinding", "CustomResourceDefinition",
+                                           "Deployment", "Role", "RoleBinding", "Service", "ServiceAccount"]
+    (crd,) = [d for d in docs if d["kind"] == "CustomResourceDefinition"]
+    assert crd["spec"] == yaml.safe_load(crd_yaml())["spec"]  # the generated CRD, numbers intact
+    assert crd["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}  # uninstall keeps every job
     dep = by_kind(docs)[("Deployment", "rel-rlhf-operator")]
     pod = dep["spec"]["template"]["spec"]
     (c,) = pod["containers"]

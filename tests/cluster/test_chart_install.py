@@ -1,10 +1,12 @@
 """`helm install` of charts/rlhf-operator into the real control plane, then the operator
 running with exactly the chart's ServiceAccount permissions (its token, not the admin's)
 takes a job to Running: the chart's RBAC is enough, and `kubectl auth can-i` shows it is
-no more than it says."""
+no more than it says; people bound to `edit` may run jobs; `helm upgrade` updates the CRD
+and `helm uninstall` keeps it."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import uuid
@@ -38,10 +40,30 @@ def test_helm_install_then_the_operator_with_the_chart_permissions_runs_a_job(cl
     jobs_ns = new_namespace(cluster, "chart")
     release = f"r{uuid.uuid4().hex[:6]}"
     try:
+        # --take-ownership: other tests of this cluster applied the CRD without Helm (as an
+        # administrator would have before this chart managed it)
         out = cluster.helm("install", release, str(CHART), "--namespace", release_ns, "--create-namespace",
-                           "--set", f"watchNamespaces={{{jobs_ns}}}", "--wait=false")
+                           "--set", f"watchNamespaces={{{jobs_ns}}}", "--wait=false", "--take-ownership")
         assert out.returncode == 0, out.stderr
-        assert cluster.get("crd", "rlhfjobs.rlhf.dev")["spec"]["names"]["shortNames"] == ["rlj"]
+        crd = cluster.get("crd", "rlhfjobs.rlhf.dev")
+        assert crd["spec"]["names"]["shortNames"] == ["rlj"]
+        assert crd["metadata"]["annotations"]["meta.helm.sh/release-name"] == release  # the release's now
+
+        # `helm upgrade` installs a changed CRD (a new release's schema), and the next upgrade changes it back
+        changed = tmp_path / "chart"
+        shutil.copytree(CHART, changed)
+        crd_file = changed / "files" / "rlhfjobs.crd.yaml"
+        assert "description: Sampling temperature." in crd_file.read_text()
+        crd_file.write_text(crd_file.read_text().replace("description: Sampling temperature.",
+                                                         "description: Sampling temperature (changed by an upgrade)."))
+        for chart, expected in ((changed, "Sampling temperature (changed by an upgrade)."),
+                                (CHART, "Sampling temperature.")):
+            out = cluster.helm("upgrade", release, str(chart), "--namespace", release_ns,
+                               "--set", f"watchNamespaces={{{jobs_ns}}}", "--wait=false")
+            assert out.returncode == 0, out.stderr
+            live = cluster.get("crd", "rlhfjobs.rlhf.dev")["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+            assert live["properties"]["spec"]["properties"]["rollout"]["properties"]["temperature"]["description"] \
+                == expected
         sa = f"{release}-rlhf-operator"
         who = f"--as=system:serviceaccount:{release_ns}:{sa}"
 
