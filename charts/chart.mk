@@ -1,5 +1,6 @@
 # The Helm chart (charts/rlhf-operator/): included from the main Makefile.
 #   make chart-schema      regenerate values.schema.json from values.yaml
+#   make chart-readme      regenerate the chart's README.md (its values table) from values.yaml
 #   make chart-crd         copy the generated CRD into the chart (files/, rendered by templates/crd.yaml)
 #   make chart-tools       helm-unittest, built from the Go module in charts/tools/ into
 #                          ~/.cache/rlhf-operator/chart-tools/<hash>/ (charts/tools/build.sh)
@@ -10,9 +11,12 @@ PROMETHEUS_DEB_VERSION := 2.42.0+ds-5+deb12u1
 PROMETHEUS_CACHE := $(HOME)/.cache/rlhf-operator/prometheus-$(PROMETHEUS_DEB_VERSION)
 export RLHF_PROMETHEUS_BIN := $(PROMETHEUS_CACHE)/usr/bin
 
-.PHONY: chart-schema chart-crd chart-tools prometheus-tools
+.PHONY: chart-schema chart-readme chart-crd chart-tools prometheus-tools
 chart-schema: $(STAMP)
 	$(BIN)/python charts/rlhf-operator/hack/values_schema.py --write
+
+chart-readme: $(STAMP)
+	$(BIN)/python charts/rlhf-operator/hack/chart_readme.py --write
 
 chart-crd: crd
 	cp crds/rlhfjobs.yaml charts/rlhf-operator/files/rlhfjobs.crd.yaml

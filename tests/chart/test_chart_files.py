@@ -30,6 +30,17 @@ def test_chart_crd_is_the_generated_one():
     assert not (CHART / "crds").exists()  # Helm would install it once and never upgrade it (templates/crd.yaml does)
 
 
+def test_chart_readme_is_fresh_and_lists_every_value():
+    spec = importlib.util.spec_from_file_location("chart_readme", CHART / "hack" / "chart_readme.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    readme = (CHART / "README.md").read_text()
+    assert readme == mod.generate(), "the chart's README.md is stale: run `make chart-readme`"
+    for key in ("crds.keep", "image.digest", "extraEnv", "rbac.aggregateToDefaultRoles", "podDisruptionBudget.enabled",
+                "prometheusRule.thresholds.klMax"):
+        assert f"| `{key}` |" in readme, key
+
+
 def test_values_schema_is_fresh_and_closed():
     assert (CHART / "values.schema.json").read_text() == _schema_module().generate(), \
         "values.schema.json is stale: run `make chart-schema`"
