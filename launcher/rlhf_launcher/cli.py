@@ -195,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     op.add_argument("--lease-duration", type=int, default=15, help="seconds before another replica may take over")
     op.add_argument("--resync-seconds", type=float, default=15.0, help="reconcile every job at least this often")
     op.add_argument("--verbose", action="store_true")
+    op.add_argument("--health-port", type=int, default=0,
+                    help="serve /healthz (liveness: fails when the operator stops making progress) and /readyz (0: off)")
     op.add_argument("--log-format", choices=["text", "json"], default="text",
                     help="json: one object per line (time, level, logger, message)")
 
@@ -203,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
 
         return run_operator(a.namespace, metrics_port=a.metrics_port, lease_namespace=a.lease_namespace,
                             lease_duration=a.lease_duration, resync_seconds=a.resync_seconds, verbose=a.verbose,
-                            log_format=a.log_format)
+                            log_format=a.log_format, health_port=a.health_port)
 
     op.set_defaults(func=_cmd_operator)
 

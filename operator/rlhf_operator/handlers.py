@@ -9,6 +9,7 @@ cluster's other pods. A resync thread queues every job every `resync_seconds`
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -22,7 +23,8 @@ import kopf
 
 from rlhf_contract.api.models import API_GROUP, API_VERSION, PLURAL
 
-from . import metrics
+from . import health, metrics
+from .health import Heartbeat
 from .builders import LABEL_JOB
 from .kube import Kube
 from .leader import Lease
@@ -35,6 +37,7 @@ log = logging.getLogger("rlhf_operator")
 
 @dataclass
 class _State:
+    heartbeat: Heartbeat = Heartbeat()
     reconciler: Reconciler | None = None
     queue: WorkQueue | None = None
     resync_seconds: float = 15.0
@@ -48,6 +51,17 @@ TRIGGER_PRIORITY = {"resync": 0, "job": 1, "pytorchjob": 2, "jobset": 2, "pod": 
 def _enqueue(namespace: str, name: str, trigger: str, urgent: bool = False) -> None:
     assert STATE.queue is not None, "operator not started"
     STATE.queue.add((namespace, name), trigger, urgent=urgent)
+
+
+@kopf.on.startup()
+async def _beat_from_kopfs_loop(**_: Any) -> None:
+    """The leader's liveness: a beat every few seconds from kopf's event loop itself."""
+    async def beat() -> None:
+        while True:
+            STATE.heartbeat.beat("leading (kopf's event loop)")
+            await asyncio.sleep(health.BEAT_S)
+
+    STATE.beat_task = asyncio.get_running_loop().create_task(beat())
 
 
 @kopf.on.startup()
@@ -123,7 +137,7 @@ class JsonFormatter(logging.Formatter):
 
 def run(namespaces: list[str], *, metrics_port: int = 8080, lease_namespace: str | None = None,
         lease_duration: int = 15, resync_seconds: float = 15.0, verbose: bool = False, workers: int | None = None,
-        node_lost_seconds: float | None = None, log_format: str = "text") -> int:
+        node_lost_seconds: float | None = None, log_format: str = "text", health_port: int = 0) -> int:
     """`rlhfctl operator`: wait for the leader lease, then run kopf until stopped.
     `node_lost_seconds` (default $RLHF_OPERATOR_NODE_LOST_SECONDS or 60): how long a node
     may be not Ready before its pods count as failed and are force-deleted. `workers`
@@ -143,12 +157,21 @@ def run(namespaces: list[str], *, metrics_port: int = 8080, lease_namespace: str
     STATE.resync_seconds = resync_seconds
     lease_ns = lease_namespace or os.environ.get("POD_NAMESPACE") or (namespaces[0] if namespaces else "default")
     lease = Lease(kube, lease_ns, duration=lease_duration)
+    # Every replica serves metrics (rlhf_operator_leader 0 while standing by) and its probes.
+    metrics.LEADER.set(0)
+    metrics.serve(metrics_port)
+    health.serve(health_port, STATE.heartbeat)
     log.info("waiting for lease %s/%s as %s", lease_ns, lease.name, lease.identity)
-    while not lease.try_acquire():
+    while True:
+        STATE.heartbeat.beat("waiting for the leader lease")
+        try:
+            if lease.try_acquire():
+                break
+        except Exception as err:  # noqa: BLE001 - the API server may be briefly unreachable
+            log.warning("trying the lease: %s", err)
         time.sleep(1)
     log.info("leader: acquired lease %s/%s", lease_ns, lease.name)
     metrics.LEADER.set(1)
-    metrics.serve(metrics_port)
 
     stop = threading.Event()
 

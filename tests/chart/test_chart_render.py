@@ -46,7 +46,7 @@ def test_defaults_render_the_operator_and_nothing_of_monitoring(render):
     (c,) = pod["containers"]
     assert c["image"] == "ghcr.io/rlhf-operator/operator:0.1.0"  # appVersion when image.tag is empty
     assert c["args"] == ["--metrics-port=8080", "--lease-namespace=rlhf-system", "--lease-duration=15",
-                         "--resync-seconds=15", "--log-format=text"]
+                         "--resync-seconds=15", "--log-format=text", "--health-port=8081"]
     assert c["securityContext"]["readOnlyRootFilesystem"] and c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     assert c["resources"]["requests"] == {"cpu": "100m", "memory": "256Mi"}
     assert pod["serviceAccountName"] == "rel-rlhf-operator"
@@ -174,6 +174,6 @@ def test_metrics_disabled_serves_nothing_and_renders_no_service(render):
     docs = render("metrics.enabled=false")
     assert not [d for d in docs if d["kind"] == "Service"]
     (c,) = by_kind(docs)[("Deployment", "rel-rlhf-operator")]["spec"]["template"]["spec"]["containers"]
-    assert "--metrics-port=0" in c["args"] and "ports" not in c
+    assert "--metrics-port=0" in c["args"] and [p["name"] for p in c["ports"]] == ["health"]
     out = render("metrics.enabled=false", "metrics.serviceMonitor.enabled=true", check=False)
     assert out.returncode != 0 and "needs metrics.enabled" in out.stderr

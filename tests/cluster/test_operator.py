@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 import uuid
 from contextlib import contextmanager
@@ -43,8 +44,8 @@ def new_namespace(cluster: Cluster, prefix: str, level: str = "restricted") -> s
 
 @contextmanager
 def operator(cluster: Cluster, ns: str, log: Path, env: dict[str, str] | None = None, metrics_port: int = 0,
-             more_namespaces: tuple[str, ...] = ()):
-    extra = [a for n in more_namespaces for a in ("--namespace", n)]
+             more_namespaces: tuple[str, ...] = (), health_port: int = 0):
+    extra = [a for n in more_namespaces for a in ("--namespace", n)] + ["--health-port", str(health_port)]
     with open(log, "ab") as fh:
         proc = subprocess.Popen(
             [sys.executable, "-m", "rlhf_launcher.cli", "operator", "--namespace", ns, *extra, "--lease-namespace", ns,
@@ -362,24 +363,61 @@ def test_deadline_then_ttl(cluster: Cluster, setup):
              "the job deleted after ttlSecondsAfterFinished")
 
 
+def _get(port: int, path: str, timeout: float = 3.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def _leader_gauge(port: int) -> float:
+    line = next(l for l in _get(port, "/metrics")[1].splitlines() if l.startswith("rlhf_operator_leader "))
+    return float(line.split()[1])
+
+
 def test_only_the_lease_holder_acts(cluster: Cluster, tmp_path):
+    """Two replicas: both serve metrics and probes, exactly one leads; the leader SIGKILLed
+    (its lease not released) is replaced within the lease time and nothing is made twice;
+    a stopped (stuck) replica fails its liveness probe."""
     ns = new_namespace(cluster, "lease")
     first, second = tmp_path / "first.log", tmp_path / "second.log"
+    ports = {name: (free_port(), free_port()) for name in ("a", "b")}  # (metrics, health)
     try:
-        with operator(cluster, ns, first) as a:
+        with operator(cluster, ns, first, metrics_port=ports["a"][0], health_port=ports["a"][1]) as a:
             wait_for(lambda: "leader:" in first.read_text(), 30, "the first operator leads")
-            with operator(cluster, ns, second) as b:
+            with operator(cluster, ns, second, metrics_port=ports["b"][0], health_port=ports["b"][1]) as b:
                 wait_for(lambda: "waiting for lease" in second.read_text(), 30, "the second operator waits")
+                wait_for(lambda: _get(ports["b"][0], "/metrics")[0] == 200, 30, "the standby serves metrics")
+                assert _leader_gauge(ports["a"][0]) == 1 and _leader_gauge(ports["b"][0]) == 0
+                for name in ("a", "b"):
+                    wait_for(lambda: _get(ports[name][1], "/healthz")[0] == 200, 30, f"{name} is live")
+                    assert _get(ports[name][1], "/readyz")[0] == 200
+                assert "leading" in _get(ports["a"][1], "/healthz")[1]
+                assert "waiting for the leader lease" in _get(ports["b"][1], "/healthz")[1]
                 create(cluster, ns, job_doc("one"))
                 wait_job(cluster, ns, "one", "Running", 0, log=first)
                 assert "leader:" not in second.read_text() and f"{ns}/one" not in second.read_text()
-                a.terminate()  # a clean stop releases the lease
+                a.kill()  # SIGKILL: the lease is not released, the standby waits out its duration (4 s)
                 a.wait(timeout=15)
+                killed = time.monotonic()
                 wait_for(lambda: "leader:" in second.read_text(), 30, "the second operator takes over")
+                assert time.monotonic() - killed < 4 + 6  # the lease time, plus polling and the API's latency
+                assert _leader_gauge(ports["b"][0]) == 1
                 cluster.kubectl("patch", "rlhfjob", "one", "-n", ns, "--type=merge", "-p",
                                 '{"spec":{"suspend":true}}')
                 wait_job(cluster, ns, "one", "Suspended", 0, log=second)
+                assert len(cluster.get("pytorchjobs.kubeflow.org", namespace=ns)["items"]) <= 1  # nothing made twice
+                assert len(cluster.get("statefulsets.apps", namespace=ns)["items"]) <= 1
+                assert len(cluster.get("configmaps", namespace=ns, selector="rlhf.dev/job=one")["items"]) == 1
                 assert b.poll() is None
+                os.kill(b.pid, signal.SIGSTOP)  # stuck: the probe gets no answer, as the kubelet would see
+                try:
+                    with pytest.raises(OSError):
+                        _get(ports["b"][1], "/healthz", timeout=2)
+                finally:
+                    os.kill(b.pid, signal.SIGCONT)
+                wait_for(lambda: _get(ports["b"][1], "/healthz")[0] == 200, 30, "live again once continued")
     finally:
         cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
