@@ -109,18 +109,21 @@ async def on_jobset(namespace: str, labels: dict[str, str], **_: Any) -> None:
 def _resync_loop(namespaces: list[str], stop: threading.Event) -> None:
     """The timer: every job is queued every `resync_seconds`; the phase gauge counts them."""
     while not stop.wait(STATE.resync_seconds):
-        phases = []
+        phases, jobs_seen, listed_all = [], [], True
         for ns in namespaces or [None]:
             try:
                 jobs = STATE.reconciler.kube.list_jobs(ns)
             except Exception as err:  # noqa: BLE001 - the next round retries
                 log.warning("resync: cannot list jobs: %s", err)
+                listed_all = False
                 continue
             for j in jobs:
                 _enqueue(j["metadata"]["namespace"], j["metadata"]["name"], "resync")
                 if phase := (j.get("status") or {}).get("phase"):
                     phases.append(phase)
-        metrics.set_jobs_by_phase(phases)
+                    jobs_seen.append((j["metadata"]["namespace"], j["metadata"]["name"], phase))
+        # a failed listing keeps the per-job series it cannot confirm (no alert flaps)
+        metrics.set_jobs_by_phase(phases, jobs_seen if listed_all else None)
 
 
 class JsonFormatter(logging.Formatter):
@@ -153,7 +156,8 @@ def run(namespaces: list[str], *, metrics_port: int = 8080, lease_namespace: str
     workers = workers or int(os.environ.get("RLHF_OPERATOR_WORKERS") or 16)
     kube = Kube(connections=workers + 4)
     STATE.reconciler = Reconciler(kube, node_lost_after=timedelta(seconds=node_lost_seconds))
-    STATE.queue = WorkQueue(STATE.reconciler, workers=workers, priority=TRIGGER_PRIORITY.__getitem__)
+    STATE.queue = WorkQueue(STATE.reconciler, workers=workers, priority=TRIGGER_PRIORITY.__getitem__,
+                            on_depth=metrics.QUEUE_DEPTH.set, on_wait=metrics.QUEUE_WAIT.observe)
     STATE.resync_seconds = resync_seconds
     lease_ns = lease_namespace or os.environ.get("POD_NAMESPACE") or (namespaces[0] if namespaces else "default")
     lease = Lease(kube, lease_ns, duration=lease_duration)

@@ -14,6 +14,11 @@ DURATION = Histogram("rlhf_operator_reconcile_duration_seconds", "Wall time of o
 RESTARTS = Counter("rlhf_operator_job_restarts_total", "Whole-job restarts started by the operator.")
 JOBS = Gauge("rlhf_operator_jobs", "RLHFJobs by phase (updated on every resync).", ["phase"])
 LEADER = Gauge("rlhf_operator_leader", "1 while this process holds the leader lease.")
+JOB_INFO = Gauge("rlhf_operator_job_info", "1 for each RLHFJob, labelled with its phase (gone with the job).",
+                 ["namespace", "rlhf_job", "phase"])
+QUEUE_DEPTH = Gauge("rlhf_operator_workqueue_depth", "Jobs waiting in the work queue for a reconcile.")
+QUEUE_WAIT = Histogram("rlhf_operator_workqueue_wait_seconds", "Time a job waited in the work queue before its reconcile.",
+                       buckets=(0.001, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60))
 
 PHASES = ("Pending", "Initializing", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
 TRIGGERS = ("job", "pod", "pytorchjob", "resync")
@@ -28,7 +33,7 @@ for _phase in PHASES:
 def exported_names() -> set[str]:
     """Every sample name the operator exports (counters with `_total`, histogram series)."""
     names = set()
-    for metric in (RECONCILES, ERRORS, DURATION, RESTARTS, JOBS, LEADER):
+    for metric in (RECONCILES, ERRORS, DURATION, RESTARTS, JOBS, LEADER, JOB_INFO, QUEUE_DEPTH, QUEUE_WAIT):
         for family in metric.describe():
             names.add(family.name + ("_total" if family.type == "counter" else ""))
             if family.type == "histogram":
@@ -36,9 +41,23 @@ def exported_names() -> set[str]:
     return names
 
 
-def set_jobs_by_phase(phases: list[str]) -> None:
+_JOB_LABELS: set[tuple[str, str, str]] = set()
+
+
+def set_jobs_by_phase(phases: list[str], jobs: list[tuple[str, str, str]] | None = None) -> None:
+    """The phase counts, and one `rlhf_operator_job_info` series per (namespace, name, phase)
+    of `jobs`; the series of jobs gone (or gone from that phase) are removed."""
     for phase in PHASES:
         JOBS.labels(phase=phase).set(sum(p == phase for p in phases))
+    if jobs is None:
+        return
+    current = set(jobs)
+    for labels in _JOB_LABELS - current:
+        JOB_INFO.remove(*labels)
+    for labels in current:
+        JOB_INFO.labels(*labels).set(1)
+    _JOB_LABELS.clear()
+    _JOB_LABELS.update(current)
 
 
 def serve(port: int) -> None:

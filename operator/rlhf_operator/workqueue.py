@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from typing import Callable, Hashable
 
@@ -18,9 +19,13 @@ log = logging.getLogger(__name__)
 
 class WorkQueue:
     def __init__(self, process: Callable[[Hashable, str], None], workers: int = 4, name: str = "reconcile",
-                 priority: Callable[[str], int] = lambda trigger: 0):
+                 priority: Callable[[str], int] = lambda trigger: 0,
+                 on_depth: Callable[[int], None] = lambda depth: None,
+                 on_wait: Callable[[float], None] = lambda seconds: None):
         self._process = process
         self._priority = priority
+        self._on_depth, self._on_wait = on_depth, on_wait  # observers (the operator's metrics)
+        self._added: dict[Hashable, float] = {}  # key -> when it was queued
         self._cond = threading.Condition()
         self._order: deque[Hashable] = deque()
         self._queued: dict[Hashable, str] = {}  # key -> its trigger of highest priority
@@ -51,6 +56,8 @@ class WorkQueue:
                     self._urgent_again.add(key)
             elif self._merge(self._queued, key, trigger):
                 self._order.appendleft(key) if urgent else self._order.append(key)
+                self._added[key] = time.monotonic()
+                self._on_depth(len(self._queued))
                 self._cond.notify()
             elif urgent:
                 self._order.remove(key)
@@ -79,6 +86,8 @@ class WorkQueue:
                 key = self._order.popleft()
                 trigger = self._queued.pop(key)
                 self._active.add(key)
+                self._on_wait(time.monotonic() - self._added.pop(key, time.monotonic()))
+                self._on_depth(len(self._queued))
             try:
                 self._process(key, trigger)
             except Exception:  # noqa: BLE001 - logged; the next event or resync retries
@@ -92,4 +101,6 @@ class WorkQueue:
                     if again is not None and key not in self._queued:
                         self._queued[key] = again
                         self._order.appendleft(key) if urgent else self._order.append(key)
+                        self._added[key] = time.monotonic()
+                        self._on_depth(len(self._queued))
                         self._cond.notify()

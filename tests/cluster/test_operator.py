@@ -202,6 +202,9 @@ def test_valid_job_gets_its_children_and_runs(cluster: Cluster, setup):
     counts = {t: float(v) for t, v in re.findall(r'rlhf_operator_reconciles_total\{trigger="(\w+)"\} (\S+)', text)}
     assert counts["pod"] > 0 and counts["resync"] > 0, counts  # the series exist at 0 from the start
     assert "rlhf_operator_reconcile_duration_seconds_bucket" in text and "rlhf_operator_leader 1.0" in text
+    # one info series per job, labelled for per-job alerts; the work queue's depth and wait
+    assert f'rlhf_operator_job_info{{namespace="{ns}",phase="Running",rlhf_job="run"}} 1.0' in text
+    assert "rlhf_operator_workqueue_depth" in text and "rlhf_operator_workqueue_wait_seconds_count" in text
 
     # The trainer's service account may patch its own job's status, and nothing else.
     def can(verb: str, resource: str, sub: str = "") -> str:
