@@ -17,24 +17,28 @@ def conditions_by_type(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def _set(conds: dict[str, dict[str, Any]], type_: str, value: bool | None, reason: str, message: str,
-         now: datetime) -> None:
+         now: datetime, generation: int | None = None) -> None:
     """Set (or, with value None, leave absent) one condition; the transition time moves
-    only when the status does."""
+    only when the status does. As the API conventions ask: a reason always (CamelCase),
+    the generation it was set from."""
     if value is None:
+        if type_ in conds and generation is not None:
+            conds[type_] = {**conds[type_], "observedGeneration": generation}
         return
     status = "True" if value else "False"
     old = conds.get(type_)
-    when = old.get("lastTransitionTime") if old and old.get("status") == status else ts(now)
-    conds[type_] = {"type": type_, "status": status, "reason": reason, "message": message,
-                    "lastTransitionTime": when}
+    when = (old.get("lastTransitionTime") if old and old.get("status") == status else None) or ts(now)
+    conds[type_] = {"type": type_, "status": status, "reason": reason or type_, "message": message,
+                    "lastTransitionTime": when,
+                    **({"observedGeneration": generation} if generation is not None else {})}
 
 
-def set_conditions(conds: dict[str, dict[str, Any]], phase: str, reason: str, message: str, now: datetime) -> None:
-    _set(conds, "Suspended", *suspended_condition(conds, phase, reason, message), now)
-    _set(conds, "Running", *running_condition(conds, phase, reason, message), now)
-    _set(conds, "Restarting", *restarting_condition(conds, phase, reason, message), now)
-    _set(conds, "Succeeded", *succeeded_condition(conds, phase, reason, message), now)
-    _set(conds, "Failed", *failed_condition(conds, phase, reason, message), now)
+def set_conditions(conds: dict[str, dict[str, Any]], phase: str, reason: str, message: str, now: datetime,
+                   generation: int | None = None) -> None:
+    for type_, decide in (("Suspended", suspended_condition), ("Running", running_condition),
+                          ("Restarting", restarting_condition), ("Succeeded", succeeded_condition),
+                          ("Failed", failed_condition)):
+        _set(conds, type_, *decide(conds, phase, reason, message), now, generation)
 
 
 def suspended_condition(conds, phase, reason, message) -> tuple[bool | None, str, str]:

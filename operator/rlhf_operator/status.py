@@ -42,7 +42,7 @@ from rlhf_contract.api.models import RLHFJob
 from .builders.meta import LABEL_JOB_UID, LABEL_ROLE, ROLE_ROLLOUT, ROLE_TRAINER, attempt_of
 from .conditions import CONDITION_TYPES, conditions_by_type, set_conditions
 from .failures import (NODE_LOST_AFTER, PERMANENT_EXIT_CODES, Failure, attempt_failure, labels, lost_pod,
-                       parse_time, pod_failure, pod_ready, true_condition)
+                       parse_time, pod_failure, pod_ready, true_condition, ts)
 
 __all__ = ["NODE_LOST_AFTER", "PERMANENT_EXIT_CODES", "Event", "Failure", "Observed", "Plan", "attempt_failure",
            "lost_pod", "parse_time", "plan", "pod_failure", "set_conditions"]
@@ -129,6 +129,8 @@ class _Context:
     """Kinds of workload of an earlier attempt (or an earlier job of the same name)."""
     live: dict[str, dict[str, Any]]
     """Every workload not being deleted, by kind."""
+    old_status: dict[str, Any] = field(default_factory=dict)
+    """The status as read (startTime and completionTime are kept from it)."""
 
 
 def _context(body: dict[str, Any], job: RLHFJob | None, observed: Observed) -> _Context:
@@ -147,7 +149,7 @@ def _context(body: dict[str, Any], job: RLHFJob | None, observed: Observed) -> _
              and not w["metadata"].get("deletionTimestamp")]
     live = {k: w for k, w in workloads.items() if w is not None and not w["metadata"].get("deletionTimestamp")}
     return _Context(meta, restarts, conditions_by_type(old), old.get("phase"), progress,
-                    [p for p in observed.pods if labels(p).get(LABEL_JOB_UID) == uid], current, stale, live)
+                    [p for p in observed.pods if labels(p).get(LABEL_JOB_UID) == uid], current, stale, live, old)
 
 
 def _finisher(c: _Context, now: datetime) -> Callable[..., Plan]:
@@ -157,14 +159,19 @@ def _finisher(c: _Context, now: datetime) -> Callable[..., Plan]:
     def finish(phase: str, reason: str, message: str, *, create: bool = False, support: bool = False,
                delete: list[str] | None = None, delete_job: bool = False, restart: bool = False,
                restarts_now: int | None = None) -> Plan:
-        set_conditions(c.conds, phase, reason, message, now)
+        set_conditions(c.conds, phase, reason, message, now, c.meta.get("generation"))
         status = {
             "phase": phase,
             "conditions": [c.conds[t] for t in CONDITION_TYPES if t in c.conds],
             "observedGeneration": c.meta.get("generation"),
             "restarts": restarts_now if restarts_now is not None else c.restarts + (1 if restart else 0),
+            "message": message,
             "progress": c.progress,
         }
+        # startTime: when pods were first asked for; completionTime: when it ended (both kept)
+        start = c.old_status.get("startTime") or (ts(now) if create else None)
+        done = c.old_status.get("completionTime") or (ts(now) if phase in ("Succeeded", "Failed") else None)
+        status.update({k: v for k, v in (("startTime", start), ("completionTime", done)) if v})
         events = []
         if phase != c.prev_phase or restart:
             warn = phase in ("Failed", "Restarting")

@@ -42,6 +42,7 @@ import dataclasses
 import json
 import random
 import sys
+import textwrap
 from pathlib import Path
 
 OUT = Path(__file__).with_name("vllm_facts.json")
@@ -251,7 +252,8 @@ def write_options_module(options: dict) -> None:
     """The option names, where the contract (no test data) can read them."""
     text = OPTIONS_MODULE.read_text()
     head = text[:text.index("SERVE_OPTIONS")]
-    body = "\n".join(f"    {name!r}," for name in sorted(options))
+    body = textwrap.fill(" ".join(f"{name!r}," for name in sorted(options)), width=116, initial_indent="    ",
+                         subsequent_indent="    ", break_long_words=False, break_on_hyphens=False)
     OPTIONS_MODULE.write_text(head + "SERVE_OPTIONS: frozenset[str] = frozenset({\n" + body + "\n})\n")
 
 

@@ -149,7 +149,15 @@ def test_crd_is_structural_and_carries_the_rules():
         "default": 8, "description": "Responses sampled for each prompt (the group size).", "minimum": 1, "type": "integer"}
     assert spec["required"] == ["model", "data"]
     assert spec["properties"]["algorithm"]["properties"]["dualClip"]["nullable"] is True
-    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Phase", "Step", "Reward", "Restarts", "Age"]
+    columns = version["additionalPrinterColumns"]
+    assert [c["name"] for c in columns if not c.get("priority")] == ["Phase", "Step", "Reward", "Restarts", "Age"]
+    assert [c["name"] for c in columns if c.get("priority") == 1] == ["Total", "Checkpoint", "Started", "Message"]  # -o wide
+    conditions = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]["conditions"]
+    # the API conventions: a list map keyed by type, a transition time always
+    assert conditions["x-kubernetes-list-type"] == "map" and conditions["x-kubernetes-list-map-keys"] == ["type"]
+    assert {"type", "status", "lastTransitionTime"} <= set(conditions["items"]["required"])
+    assert conditions["items"]["properties"]["lastTransitionTime"]["format"] == "date-time"
+    assert "observedGeneration" in conditions["items"]["properties"]
     assert doc["spec"]["names"]["shortNames"] == ["rlj"]
     assert version["subresources"] == {"status": {}}
     assert yaml.safe_load(crd_yaml()) == doc

@@ -177,7 +177,26 @@ def test_suspend_deletes_workloads_and_resume_recreates_them():
     assert p2.status["phase"] == "Pending" and p2.create_workloads and p2.status["restarts"] == 0
     assert cond(p2, "Suspended") == {"type": "Suspended", "status": "False", "reason": "Resumed",
                                      "message": cond(p2, "Suspended")["message"],
-                                     "lastTransitionTime": "2025-01-01T12:01:00Z"}
+                                     "lastTransitionTime": "2025-01-01T12:01:00Z", "observedGeneration": 3}
+    # the status as the API conventions and `kubectl get -o wide` want it
+    assert p2.status["message"]  # why it is in its phase (-o wide shows it)
+    assert p2.status["startTime"] == "2025-01-01T12:01:00Z"  # pods first asked for on resume here
+    assert "completionTime" not in p2.status
+
+
+def test_start_and_completion_times_are_set_once_and_kept():
+    p = run(body({"phase": "Pending"}), Observed())
+    assert p.create_workloads and p.status["startTime"] == "2025-01-01T12:00:00Z"
+    later = NOW + timedelta(hours=1)
+    running = run(body(p.status), running_children(), now=later).status
+    assert running["startTime"] == "2025-01-01T12:00:00Z" and "completionTime" not in running
+    obs = running_children()
+    obs.pytorchjob = workload("PyTorchJob", 0, [("Succeeded", "done")])
+    done = run(body(running), obs, now=later + timedelta(minutes=5)).status
+    assert done["phase"] == "Succeeded" and done["completionTime"] == "2025-01-01T13:05:00Z"
+    again = run(body(done), Observed(), now=later + timedelta(hours=2)).status
+    assert again["completionTime"] == "2025-01-01T13:05:00Z" and again["startTime"] == "2025-01-01T12:00:00Z"
+    assert all(c["reason"] and c["lastTransitionTime"] for c in again["conditions"])
 
 
 def test_active_deadline_counts_from_creation_or_resume():

@@ -104,6 +104,11 @@ def crd() -> dict[str, Any]:
         {"name": "Reward", "type": "number", "jsonPath": ".status.progress.rewardMean"},
         {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts"},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+        # -o wide
+        {"name": "Total", "type": "integer", "jsonPath": ".status.progress.totalSteps", "priority": 1},
+        {"name": "Checkpoint", "type": "string", "jsonPath": ".status.progress.lastCheckpoint", "priority": 1},
+        {"name": "Started", "type": "date", "jsonPath": ".status.startTime", "priority": 1},
+        {"name": "Message", "type": "string", "jsonPath": ".status.message", "priority": 1},
     ]
     root = {
         "type": "object",

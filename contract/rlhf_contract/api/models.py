@@ -160,13 +160,17 @@ class ObjectMeta(BaseModel):
 
 
 class Condition(SpecModel):
-    """A Kubernetes-style condition."""
+    """A condition as the Kubernetes API conventions define it (metav1.Condition)."""
 
-    type: str
+    type: str = Field(max_length=316)
     status: Literal["True", "False", "Unknown"]
-    reason: str = ""
-    message: str = ""
-    last_transition_time: str | None = None
+    reason: str = Field(default="", max_length=1024)
+    """CamelCase reason of the last transition."""
+    message: str = Field(default="", max_length=32768)
+    last_transition_time: str = Field(json_schema_extra={"format": "date-time"})
+    """When the status last changed (RFC 3339)."""
+    observed_generation: int | None = Field(default=None, ge=0)
+    """The job's metadata.generation this condition was set from."""
 
 
 class Progress(SpecModel):
@@ -192,9 +196,16 @@ class RLHFJobStatus(SpecModel):
     phase: Literal[
         "Pending", "Initializing", "Running", "Restarting", "Suspended", "Succeeded", "Failed"
     ] = "Pending"
-    conditions: list[Condition] = []
+    conditions: list[Condition] = Field(default=[], json_schema_extra={
+        "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
     observed_generation: int | None = None
     restarts: int = 0
+    message: str = ""
+    """Why the job is in its phase (the message of its last transition)."""
+    start_time: str | None = Field(default=None, json_schema_extra={"format": "date-time"})
+    """When the operator first created the job's pods' owners (RFC 3339)."""
+    completion_time: str | None = Field(default=None, json_schema_extra={"format": "date-time"})
+    """When the job reached Succeeded or Failed (RFC 3339)."""
     progress: Progress = Progress()
 
 

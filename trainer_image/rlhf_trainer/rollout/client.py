@@ -344,34 +344,17 @@ def _server_info(http: httpx.Client, endpoint: str) -> ServerInfo:
             f"rollout.image: the server at {endpoint} (vLLM {version}) runs without a weight-transfer "
             f"engine (no --weight-transfer-config); {image_hint}")
     if transfer["backend"] == "nccl":
-        _check_nccl_release(endpoint, version, reply.json().get("system_env"))
+        from ..weight_sync.nccl import release_mismatch
+
+        mismatch = release_mismatch(endpoint, reply.json().get("system_env"))
+        if mismatch:
+            raise RolloutImageError(f"rollout.image: the server at {endpoint} (vLLM {version}) {mismatch}")
     reply = get("/get_world_size")
     if reply.status_code != 200:
         raise RolloutImageError(
             f"rollout.image: the server at {endpoint} (vLLM {version}) has no /get_world_size "
             f"(HTTP {reply.status_code}); {image_hint}")
     return ServerInfo(endpoint, version, str(transfer["backend"]), int(reply.json()["world_size"]))
-
-
-def _check_nccl_release(endpoint: str, version: str, system_env) -> None:
-    """NCCL refuses peers of another release when the weight-sync communicator forms (the
-    servers would sit in ncclCommInitRank): compare the server's NCCL wheel (vLLM's
-    /server_info lists its `pip list`) with the library this trainer opens."""
-    from ..weight_sync import nccl
-
-    ours = nccl.load().version()
-    packages = system_env.get("pip_packages") if isinstance(system_env, dict) else None
-    theirs = nccl.package_version(packages) if isinstance(packages, str) else None
-    if theirs is None:
-        log.warning("%s/server_info names no nvidia-nccl package: cannot check that it runs NCCL %s as the "
-                    "trainer does", endpoint, ".".join(map(str, ours)))
-        return
-    if theirs != ours:
-        raise RolloutImageError(
-            f"rollout.image: the server at {endpoint} (vLLM {version}) runs NCCL {'.'.join(map(str, theirs))}, the "
-            f"trainer runs NCCL {'.'.join(map(str, ours))} ({nccl.load().path}); NCCL refuses peers of another "
-            "release, so the weight sync could never form. Set rollout.image to an image whose torch brings NCCL "
-            f"{'.'.join(map(str, ours))} (the default image does), or the trainer image to one matching the server")
 
 
 def _version_tuple(version: str) -> tuple[int, int] | None:

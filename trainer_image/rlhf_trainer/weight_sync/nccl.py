@@ -171,3 +171,26 @@ def package_version(pip_packages: str) -> tuple[int, int, int] | None:
             if len(parts) == 3 and all(p.isdigit() for p in parts):
                 return int(parts[0]), int(parts[1]), int(parts[2])
     return None
+
+
+def release_mismatch(endpoint: str, system_env) -> str | None:
+    """NCCL refuses peers of another release when the weight-sync communicator forms (the
+    servers would sit in ncclCommInitRank): compare the server's NCCL wheel (vLLM's
+    /server_info lists its `pip list` as `system_env.pip_packages`) with the library this
+    trainer opens. Returns what is wrong and what to change, or None."""
+    import logging
+
+    ours = load().version()
+    packages = system_env.get("pip_packages") if isinstance(system_env, dict) else None
+    theirs = package_version(packages) if isinstance(packages, str) else None
+    if theirs is None:
+        logging.getLogger(__name__).warning(
+            "%s/server_info names no nvidia-nccl package: cannot check that it runs NCCL %s as the trainer does",
+            endpoint, ".".join(map(str, ours)))
+        return None
+    if theirs == ours:
+        return None
+    a, b = ".".join(map(str, theirs)), ".".join(map(str, ours))
+    return (f"runs NCCL {a}, the trainer runs NCCL {b} ({load().path}); NCCL refuses peers of another release, so "
+            f"the weight sync could never form. Set rollout.image to an image whose torch brings NCCL {b} (the "
+            "default image does), or the trainer image to one matching the server")

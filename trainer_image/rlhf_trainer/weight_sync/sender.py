@@ -56,10 +56,7 @@ import concurrent.futures as cf
 import contextlib
 import logging
 import math
-import os
 import queue
-import sys
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 
@@ -67,20 +64,19 @@ import httpx
 import torch
 
 from .buckets import DEFAULT_BUCKET_BYTES, BufferRing, as_bytes, dtype_name, pack_buckets
+from .threads import (WEIGHT_SYNC_EXIT_CODE, Watchdog, WeightSyncError, exit_process, put_watching, run_in_thread,
+                      wait_all)
 from .transport import BACKENDS, Transport, make_transport
+
+__all__ = ["WEIGHT_SYNC_EXIT_CODE", "WeightSyncError", "WeightSyncSender"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_NUM_BUFFERS = 2  # vLLM's DEFAULT_PACKED_NUM_BUFFERS (streams on its side; no layout change)
-WEIGHT_SYNC_EXIT_CODE = 75  # EX_TEMPFAIL: a failed or hung round; not a permanent exit code, so the job restarts
 SHUTDOWN_TIMEOUT_S = 10.0
 
 TensorMeta = tuple[str, list[int], torch.dtype]
 
-
-class WeightSyncError(RuntimeError):
-    """A server refused or failed a weight-sync call, the group could not form, or a
-    round passed its time limit."""
 
 
 class WeightSyncSender:
@@ -109,7 +105,7 @@ class WeightSyncSender:
         self.timeout_s = timeout_s
         self.backend = backend
         self.watchdog_grace_s = watchdog_grace_s
-        self.on_watchdog = on_watchdog or _exit_process
+        self.on_watchdog = on_watchdog or exit_process
         self.group: Transport | None = None
         self.world_size: int | None = None
         self.rank_offsets: list[int] = []
@@ -146,7 +142,7 @@ class WeightSyncSender:
     def _all(self, path: str, bodies: list[dict | None] | None = None, *, params: dict | None = None,
              deadline: float) -> list[dict]:
         start = time.perf_counter()
-        replies = _wait_all(self._call_all(path, bodies, params=params), deadline)
+        replies = wait_all(self._call_all(path, bodies, params=params), deadline)
         self.phase_seconds[path] = time.perf_counter() - start
         return replies
 
@@ -169,7 +165,7 @@ class WeightSyncSender:
         bodies = [{"init_info": {**common, "rank_offset": offset}} for offset in self.rank_offsets]
         replies = self._call_all("/init_weight_transfer_engine", bodies)
         try:
-            _wait_all([*replies, _run_in_thread(group.connect)], deadline)
+            wait_all([*replies, run_in_thread(group.connect)], deadline)
         except BaseException:
             self._shutdown_servers()
             raise
@@ -214,7 +210,7 @@ class WeightSyncSender:
         metadata = [(name, shape, self._wire_dtype(dtype)) for name, shape, dtype in source]
         start = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s
-        watchdog = _Watchdog(self.timeout_s + self.watchdog_grace_s, self.on_watchdog,
+        watchdog = Watchdog(self.timeout_s + self.watchdog_grace_s, self.on_watchdog,
                              f"weight sync to {', '.join(self.endpoints)} did not finish within "
                              f"{self.timeout_s + self.watchdog_grace_s:.0f} s")
         stats = {"bytes": 0, "buckets": 0, "num_tensors": len(metadata)}
@@ -231,7 +227,7 @@ class WeightSyncSender:
             replies = self._call_all("/update_weights", [{"update_info": update_info}] * len(self.endpoints))
             broadcast = self._broadcast(self.group, source, metadata, tensors, stats, watch=replies,
                                         deadline=deadline)
-            _wait_all([*replies, broadcast], deadline)
+            wait_all([*replies, broadcast], deadline)
             self.phase_seconds["/update_weights"] = time.perf_counter() - update_start
             self._sent_metadata = metadata
             version = None if weight_version is None else str(weight_version)
@@ -275,19 +271,19 @@ class WeightSyncSender:
                 stats["buckets"] += 1
             group.synchronize()
 
-        helper = _run_in_thread(send_buckets)
+        helper = run_in_thread(send_buckets)
         # 3 buffers: one being broadcast, one in the queue, one being filled; this round's
         # only (freed when it ends: between rounds the memory belongs to training)
         ring = BufferRing(group.device, count=3)
         try:
             for bucket in pack_buckets(_checked_bytes(source, tensors, group.device, metadata), self.bucket_bytes,
                                        ring):
-                _put_watching(ready, bucket, [*watch, helper], deadline)
+                put_watching(ready, bucket, [*watch, helper], deadline)
         except BaseException:
             with contextlib.suppress(queue.Full):
                 ready.put(None, timeout=1.0)  # let the helper thread end if it can
             raise
-        _put_watching(ready, None, [helper], deadline)
+        put_watching(ready, None, [helper], deadline)
         return helper
 
     def _abandon_group(self) -> None:
@@ -358,71 +354,3 @@ def _checked_bytes(metadata: list[TensorMeta], tensors: Iterable[torch.Tensor],
         yield flat
     if next(iterator, None) is not None:
         raise WeightSyncError("tensors yielded more tensors than metadata has entries")
-
-
-class _Watchdog:
-    """Calls `on_expire(message)` from a daemon thread unless disarmed within `seconds`."""
-
-    def __init__(self, seconds: float, on_expire: Callable[[str], None], message: str):
-        self._disarmed = threading.Event()
-
-        def watch() -> None:
-            if not self._disarmed.wait(seconds):
-                on_expire(message)
-
-        threading.Thread(target=watch, daemon=True, name="weight-sync-watchdog").start()
-
-    def disarm(self) -> None:
-        self._disarmed.set()
-
-
-def _exit_process(message: str) -> None:
-    from ..preflight import mark_exit_code
-
-    mark_exit_code(WEIGHT_SYNC_EXIT_CODE)  # torchrun would turn it into 1: the launcher passes it on
-    print(f"FATAL: {message}; exiting with code {WEIGHT_SYNC_EXIT_CODE} so the job restarts "
-          "(the weight-sync group cannot be recovered in this process)", file=sys.stderr, flush=True)
-    os._exit(WEIGHT_SYNC_EXIT_CODE)
-
-
-def _put_watching(q: queue.Queue, item, watch: list[cf.Future], deadline: float) -> None:
-    """q.put(item), but raise at once if a watched future fails or the deadline passes."""
-    while True:
-        for future in watch:
-            if future.done() and future.exception() is not None:
-                raise future.exception()
-        if time.monotonic() > deadline:
-            raise WeightSyncError("weight sync timed out while broadcasting")
-        try:
-            q.put(item, timeout=0.05)
-            return
-        except queue.Full:
-            continue
-
-
-def _run_in_thread(fn: Callable[[], None]) -> cf.Future:
-    """Run fn on a daemon thread (it may block in a collective that never completes)."""
-    future: cf.Future = cf.Future()
-
-    def target():
-        try:
-            fn()
-        except BaseException as exc:
-            future.set_exception(exc)
-        else:
-            future.set_result(None)
-
-    threading.Thread(target=target, daemon=True, name="weight-sync-group").start()
-    return future
-
-
-def _wait_all(futures: list[cf.Future], deadline: float) -> list:
-    """Wait for every future until `deadline` (monotonic); raise the first error at once."""
-    done, pending = cf.wait(futures, timeout=max(0.0, deadline - time.monotonic()),
-                            return_when=cf.FIRST_EXCEPTION)
-    for future in done:
-        if future.exception() is not None:
-            raise future.exception()
-    if pending:
-        raise WeightSyncError("weight sync timed out (the round's time limit passed)")
-    return [f.result() for f in futures]
