@@ -33,7 +33,7 @@ from rlhf_contract.api.models import RLHFJob
 from rlhf_contract.outputs import complete_checkpoints
 from rlhf_contract.trainer_config import TrainerConfig
 from rlhf_contract.pod import JOB_FILE, Process, rollout_process, run_config, trainer_process
-from rlhf_operator.failures import PERMANENT_EXIT_CODES
+from rlhf_operator.failures import PERMANENT_EXIT_CODES, exit_code_meaning
 
 from .plot import plot_runs
 
@@ -249,7 +249,8 @@ class _Failure:
 
     @property
     def summary(self) -> str:
-        return f"{self.name} exited with code {self.code}"
+        meaning = exit_code_meaning(self.code)
+        return f"{self.name} exited with code {self.code}" + (f" ({meaning})" if meaning else "")
 
 
 def _log_attempt(out: Path, console, line: str) -> None:

@@ -18,6 +18,15 @@ PERMANENT_EXIT_CODES: dict[int, str] = {
     127: "command not found (broken image)",
 }
 
+# Exit codes of our entry points that a restart may fix, with what they mean (shown with the code).
+RETRIED_EXIT_CODES: dict[int, str] = {
+    75: "weight sync failed or hung: restarted with its rollout servers",
+}
+
+
+def exit_code_meaning(code: int | None) -> str | None:
+    return PERMANENT_EXIT_CODES.get(code) or RETRIED_EXIT_CODES.get(code) if code is not None else None
+
 # A pod on a node that has not been Ready for this long is lost (see the module docstring).
 NODE_LOST_AFTER = timedelta(seconds=60)
 
@@ -40,8 +49,8 @@ class Failure:
             what += f" container {self.container}"
         if self.exit_code is not None:
             what += f" exited with code {self.exit_code}"
-            if self.exit_code in PERMANENT_EXIT_CODES:
-                what += f" ({PERMANENT_EXIT_CODES[self.exit_code]})"
+            if exit_code_meaning(self.exit_code):
+                what += f" ({exit_code_meaning(self.exit_code)})"
         else:
             what += " failed"
         if self.reason:
