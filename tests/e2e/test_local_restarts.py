@@ -135,13 +135,16 @@ def test_a_stopped_server_times_out_the_attempt_instead_of_hanging_it(tmp_path):
     (rollout.weightSyncTimeoutSeconds, then its watchdog) fails the step, the attempt ends,
     the next one resumes."""
     out = tmp_path / "run"
-    run = _start(out, "schedule.totalSteps=4", "schedule.saveEvery=2", "runPolicy.maxRestarts=1",
+    # 8 steps: after the stop at least five still need the server, however fast this machine is
+    run = _start(out, "schedule.totalSteps=8", "schedule.saveEvery=2", "runPolicy.maxRestarts=1",
                  "rollout.requestTimeoutSeconds=5", "rollout.weightSyncTimeoutSeconds=5")
     try:
         _wait(lambda: (out / "checkpoints" / "step-2" / "COMPLETE").exists(), run)
         stopped = set(_pids(SERVER, out))
+        assert stopped
         for pid in stopped:
             os.kill(pid, signal.SIGSTOP)
+        assert len(_steps(out)) < 6, _steps(out)
         since = time.monotonic()
         _wait(lambda: "attempt 2" in (out / "logs" / "attempts.log").read_text()
               if (out / "logs" / "attempts.log").exists() else False, run, timeout=200)
@@ -151,7 +154,7 @@ def test_a_stopped_server_times_out_the_attempt_instead_of_hanging_it(tmp_path):
         _stop(run)
     assert run.returncode == 0, stderr[-3000:]
     assert waited < 150  # 5 s timeouts (+ the watchdog's minute at worst), never the 600 s defaults
-    assert _steps(out) == [1, 2, 3, 4]
+    assert _steps(out) == list(range(1, 9))
     assert not any(Path(f"/proc/{pid}").exists() for pid in stopped)  # the stopped servers were ended
     trainer_log = (out / "logs" / "trainer.log").read_text()
     assert "==== attempt 2 ====" in trainer_log
