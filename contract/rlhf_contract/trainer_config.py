@@ -16,7 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
-from .api.models import (AlgorithmSpec, DataSpec, EnvironmentSpec, EvaluationSpec, Method, ParallelismSpec, PreferenceSpec, RewardSpec,
+from .api.models import (AlgorithmSpec, DataSpec, EnvironmentSpec, EvaluationSpec, LoraSpec, Method, ParallelismSpec, PreferenceSpec, RewardSpec,
                          RLHFJob, ScheduleSpec, TrackingSpec)
 
 
@@ -97,6 +97,8 @@ class TrainerConfig(_Config):
     """The RLHFJob's namespace on a cluster; null in local mode."""
     model_path: str = Field(min_length=1)
     """Policy model directory."""
+    lora: LoraSpec | None = None
+    """Adapters on the frozen policy (`model.lora`); null: every weight trains."""
     data: DataSpec
     """The prompts."""
     reward: RewardSpec = Field(default_factory=RewardSpec)
@@ -138,7 +140,7 @@ class TrainerConfig(_Config):
         if r.max_staleness and algorithm.tis_cap is None:
             algorithm = algorithm.model_copy(update={"tis_cap": DEFAULT_STALE_TIS_CAP})
         return cls(
-            job_name=job.metadata.name, namespace=job.metadata.namespace, model_path=s.model.path,
+            job_name=job.metadata.name, namespace=job.metadata.namespace, model_path=s.model.path, lora=s.model.lora,
             method=s.method, preference=s.preference, evaluation=s.evaluation,
             data=s.data, reward=s.reward, environment=s.environment, algorithm=algorithm,
             sampling=SamplingConfig(samples_per_prompt=r.samples_per_prompt, max_tokens=r.max_tokens,

@@ -7,7 +7,8 @@ architecture, tokenizer and export dtype come from the model the run started fro
 `--model` directory, else the run's own record of it (`<output>/job.json`, or
 `trainer.json`; a built-in model is rebuilt from its name and the run's seed, or taken
 from `<output>/builtin-model/` where local mode wrote it). Only the policy is exported; the
-optimizer state is not read.
+optimizer state is not read. A LoRA run's checkpoint holds the adapters: they are put on
+that model and exported merged, with `adapter/` in peft's format, as the run's `final/`.
 """
 
 from __future__ import annotations
@@ -25,15 +26,15 @@ class ExportError(RuntimeError):
     """The checkpoint or the model cannot be exported; the message says what to change."""
 
 
-def _run_model(output_dir: Path) -> tuple[str, int]:
-    """The model path and seed the run recorded."""
+def _run_model(output_dir: Path) -> tuple[str, int, dict | None]:
+    """The model path, seed and `model.lora` (or None) the run recorded."""
     job_file, trainer_file = output_dir / "job.json", output_dir / "trainer.json"
     if job_file.exists():
         spec = json.loads(job_file.read_text())["spec"]
-        return spec["model"]["path"], int(spec.get("schedule", {}).get("seed", 0))
+        return spec["model"]["path"], int(spec.get("schedule", {}).get("seed", 0)), spec["model"].get("lora")
     if trainer_file.exists():
         config = json.loads(trainer_file.read_text())
-        return config["modelPath"], int(config.get("schedule", {}).get("seed", 0))
+        return config["modelPath"], int(config.get("schedule", {}).get("seed", 0)), config.get("lora")
     raise ExportError(f"{output_dir} has neither job.json nor trainer.json: give the model the run started from "
                       "with --model DIR")
 
@@ -55,8 +56,12 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, model: str | None
         raise ExportError(f"{out} exists and is not empty: choose another directory or pass --overwrite")
     output_dir = checkpoint.parent.parent
     with tempfile.TemporaryDirectory(prefix="rlhfctl-export-") as tmp:
+        recorded = _run_model(output_dir) if (output_dir / "job.json").exists() or (output_dir / "trainer.json").exists() \
+            else None
         if model is None:
-            path, seed = _run_model(output_dir)
+            if recorded is None:
+                _run_model(output_dir)  # raises, naming --model
+            path, seed, _ = recorded
             if path.startswith("builtin://"):
                 written = output_dir / "builtin-model"
                 if (written / "config.json").exists():
@@ -70,7 +75,6 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, model: str | None
             raise ExportError(f"{model} is not a Hugging Face model directory (no config.json): give the model the "
                               "run started from with --model DIR")
         config = AutoConfig.from_pretrained(model)
-        net = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         reader = dcp.FileSystemReader(str(checkpoint))
         prefix = "policy.model."
         state = {key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
@@ -78,19 +82,34 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, model: str | None
                  if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
         if not state:
             raise ExportError(f"{checkpoint} holds no policy weights (keys {prefix}*)")
+        lora = None
+        if any(".lora_A." in key for key in state):  # adapters only: the base is the run's model
+            if recorded is None or recorded[2] is None:
+                raise ExportError(f"{checkpoint} holds LoRA adapters but the run's record (job.json / trainer.json "
+                                  f"in {output_dir}) with its model.lora is missing")
+            from rlhf_contract.api.models import LoraSpec
+            from rlhf_trainer.models.lora import add_adapters, file_key
+
+            base = recorded[0] if str(model).startswith(tmp) else str(model)  # not a temporary directory
+            lora = (LoraSpec.model_validate(recorded[2]), base)
+            net = add_adapters(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32), lora[0])
+            frozen = {k for k in net.state_dict() if file_key(k) is not None}
+        else:
+            net = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            frozen = set()
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
             dcp.load({"policy": {"model": state}}, storage_reader=reader)
         missing, unexpected = net.load_state_dict(state, strict=False)
         tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
-        if set(missing) - tied or unexpected:
+        if set(missing) - tied - frozen or unexpected:
             raise ExportError(f"{checkpoint} does not fit {model}: missing {sorted(set(missing) - tied)[:5]}, "
                               f"unexpected {sorted(unexpected)[:5]}; give the model the run started from with --model")
         source_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
         if isinstance(source_dtype, str):
             source_dtype = getattr(torch, source_dtype, None)
         net._rlhf_export_dtype = source_dtype if isinstance(source_dtype, torch.dtype) else torch.float32
-        written = save_final(tmp, net, AutoTokenizer.from_pretrained(model))
+        written = save_final(tmp, net, AutoTokenizer.from_pretrained(model), lora=lora)
         if out.exists():
             shutil.rmtree(out)
         out.parent.mkdir(parents=True, exist_ok=True)

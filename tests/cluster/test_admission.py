@@ -76,6 +76,7 @@ def test_valid_specs_are_accepted(cluster: Cluster, ns: str):
                     {"name": "judge", "type": "http", "url": "http://judge:8000/score"}]}),
                 with_("spec.tracking", {"wandb": {"project": "rl", "apiKeySecret": {"name": "w", "key": "k"}},
                                         "mlflow": {"trackingUri": "http://mlflow:5000"}, "samplesEvery": 5}),
+                with_("spec.model.lora", {"rank": 8, "targetModules": ["q_proj", "v_proj"]}),
                 with_("spec.pod", {"env": [{"name": "NCCL_DEBUG", "value": "INFO"}],
                                    "envFrom": [{"secretRef": {"name": "creds"}}]}),
                 yaml.safe_load((REPO / "examples" / "local-grpo.yaml").read_text()),
@@ -127,6 +128,10 @@ INVALID = [
     ("two components of one name", with_("spec.reward", {"type": "math", "components": [
         {"name": "a", "type": "exact_match"}, {"name": "a", "type": "prefix_match"}]}),
      ["spec.reward.components", "names must be unique"]),
+    ("lora rank 0", with_("spec.model.lora", {"rank": 0}), ["spec.model.lora.rank", "greater than or equal to 1"]),
+    ("lora with tensor parallel",
+     with_("spec.model.lora", {"rank": 8}, with_("spec.trainer", {"nprocPerNode": 2, "parallelism": {"tensorParallel": 2}})),
+     ["spec.trainer.parallelism.tensorParallel", "must be 1 with model.lora"]),
     ("sft with context parallel",
      with_("spec.method", "sft", with_("spec.trainer", {"nprocPerNode": 2, "parallelism": {"contextParallel": 2}})),
      ["spec.trainer.parallelism.contextParallel", "must be 1 for method sft"]),

@@ -2,7 +2,8 @@
 
 Layout under `<output>/checkpoints/`:
   step-N/            DCP files of {"<part>": {"model", "optim"}} for each trained part
-                     ("policy", and "critic" for PPO): the sharded state of every rank,
+                     ("policy", and "critic" for PPO): the sharded state of every rank
+                     (trainable parameters only: with LoRA, the adapters),
                      trainer_state.json (step, data position), rng-rank<R>.pt
   step-N/COMPLETE    written LAST, after every rank finished; only then does the
                      checkpoint count (`rlhf_contract.outputs` reads this layout)
@@ -43,10 +44,18 @@ log = logging.getLogger(__name__)
 Parts = dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]
 
 
+TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
+"""Checkpoints hold what trains: with LoRA (models/lora.py) the adapters, not the frozen
+base, which is read again from `model.path` on resume."""
+LOAD_TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)
+"""Loading: the frozen parameters are absent by design; every trained one was requested
+from the checkpoint by `dcp.load` (which fails on a missing key), so nothing else is."""
+
+
 def _state(parts: Parts) -> dict[str, Any]:
     state = {}
     for name, (model, optimizer) in parts.items():
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=TRAINED_ONLY)
         state[name] = {"model": model_sd, "optim": optim_sd}
     return state
 
@@ -146,7 +155,8 @@ def load_checkpoint(path: Path, parts: Parts) -> dict[str, Any]:
     state = _state(parts)
     dcp.load(state, checkpoint_id=str(path))
     for name, (model, optimizer) in parts.items():
-        set_state_dict(model, optimizer, model_state_dict=state[name]["model"], optim_state_dict=state[name]["optim"])
+        set_state_dict(model, optimizer, model_state_dict=state[name]["model"], optim_state_dict=state[name]["optim"],
+                       options=LOAD_TRAINED)
     rng_file = path / f"rng-rank{dist.get_rank()}.pt"
     if rng_file.exists():
         rng = torch.load(rng_file, weights_only=False)
@@ -162,15 +172,21 @@ MAX_SHARD_BYTES = 5 * 1024**3
 
 
 def save_final(output_dir: str | Path, model: torch.nn.Module, tokenizer: Any,
-               max_shard_bytes: int = MAX_SHARD_BYTES) -> Path | None:
+               max_shard_bytes: int = MAX_SHARD_BYTES, *, lora: tuple[Any, str] | None = None) -> Path | None:
     """Collective: write the model as a Hugging Face directory, in the dtype its source
     checkpoint declared (`model._rlhf_export_dtype`, set when it was loaded; else fp32).
 
     Streams tensor by tensor: every rank takes part in gathering each full tensor, rank 0
     keeps at most one safetensors shard (`max_shard_bytes`) in host memory and writes it,
     then `model.safetensors.index.json` when there are several. A tied output embedding is
-    stored once, as Hugging Face does."""
+    stored once, as Hugging Face does.
+
+    A model with LoRA adapters is written merged (models/lora.py: W + scaling x B A), and,
+    given `lora` = (the `model.lora` spec, the base model's path), its adapters in peft's
+    format under `final/adapter/`."""
     from safetensors.torch import save_file
+
+    from .models.lora import merged_tensors, save_adapter
 
     rank0 = dist.get_rank() == 0 if dist.is_initialized() else True
     final = Path(output_dir) / "final"
@@ -191,11 +207,9 @@ def save_final(output_dir: str | Path, model: torch.nn.Module, tokenizer: Any,
             files.append((name, list(shards[-1])))
         shards[-1], size = {}, 0
 
-    for name, tensor in model.state_dict().items():
-        if tied and name == "lm_head.weight":
-            continue
-        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor  # collective for DTensors
-        if not rank0:
+    specs, tensors = merged_tensors(model, model.state_dict().items())
+    for (name, _, _), full in zip(specs, tensors):  # collective for DTensors: every rank gathers each
+        if not rank0 or (tied and name == "lm_head.weight"):
             continue
         full = full.detach().to("cpu", dtype, copy=True).contiguous()
         nbytes = full.numel() * full.element_size()
@@ -222,6 +236,9 @@ def save_final(output_dir: str | Path, model: torch.nn.Module, tokenizer: Any,
         if getattr(model, "generation_config", None) is not None:
             model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+    if lora is not None:
+        save_adapter(tmp / "adapter", model, *lora)
+    if rank0:
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
     if dist.is_initialized():

@@ -23,6 +23,7 @@ from rlhf_contract.trainer_config import TrainerConfig
 
 from .checkpoint import Parts, latest_checkpoint, load_checkpoint, resume_checkpoint, save_checkpoint, save_final
 from .distributed import DistInfo, broadcast_object
+from .models.lora import trainable_parameters
 
 log = logging.getLogger("rlhf_trainer")
 
@@ -41,6 +42,7 @@ class LoopBase(ABC):
         self.step = 0
         self.metrics = self.progress = self.trackers = None
         self.last_row: dict[str, Any] = {}
+        self.trainable_parameters = 0
         if info.is_main:
             from .metrics import MetricsWriter
             from .progress import ProgressReporter
@@ -115,6 +117,7 @@ class LoopBase(ABC):
     def record(self, row: dict[str, Any]) -> None:
         """Rank 0: the step's row into metrics.jsonl, Prometheus and the trackers, the job's
         status, the log."""
+        row.setdefault("trainable_parameters", self.trainable_parameters)
         self.metrics.write(row)
         if self.trackers is not None:
             self.trackers.log(self.step, row)
@@ -132,6 +135,10 @@ class LoopBase(ABC):
 
                 self.trackers = Trackers(self.config.tracking, self.output_dir, job_name=self.config.job_name,
                                          resume_step=self.step)
+            model = self.final_model()
+            self.trainable_parameters = trainable_parameters(model)
+            log.info("%s: %d parameters, %d trained%s", type(model).__name__, sum(p.numel() for p in model.parameters()),
+                     self.trainable_parameters, " (LoRA adapters)" if self.config.lora else "")
             self.start()
             before = self.evaluate(0) if self.step == 0 else {}
             while self.step < s.total_steps:
@@ -149,7 +156,9 @@ class LoopBase(ABC):
                     self.record(row)
             if s.save_every:
                 self.save()
-            save_final(self.output_dir, self.final_model(), self.tokenizer)
+            final = self.final_model()
+            adapter = (self.config.lora, self.config.model_path) if self.config.lora and hasattr(final, "lm_head") else None
+            save_final(self.output_dir, final, self.tokenizer, lora=adapter)
             if self.progress is not None:
                 self.report(self.last_row)  # the final checkpoint
             self.finish()

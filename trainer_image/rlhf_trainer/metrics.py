@@ -87,6 +87,7 @@ FAMILIES: dict[str, Family] = {
                                          "or empty).", "counter"),
     "rlhf_skipped_rows_total": Family("Malformed dataset rows skipped (unreadable, or a missing or mistyped "
                                       "column; RL and offline).", "counter"),
+    "rlhf_trainable_parameters": _g("Parameters the optimizer updates (with model.lora: the adapters only)."),
     "rlhf_logprob_mismatch": _g("Mean |trainer log-prob - rollout engine log-prob| per response token."),
     "rlhf_staleness_mean": _g("Policy versions the step's samples lag behind the trainer (rollout.maxStaleness >= 1)."),
     "rlhf_staleness_max": _g("Largest lag of a sample of the step, in policy versions."),

@@ -21,7 +21,7 @@ from .common import MAX_NAME_LENGTH, SpecModel, PodTemplateSpec
 from .task import ModelSpec, DataSpec, SandboxServiceSpec, RewardSpec, EnvironmentSpec, AlgorithmSpec
 from .training import RolloutSpec, TrainerSpec, ScheduleSpec, OutputSpec, RunPolicy, EvaluationSpec, PreferenceSpec, TrackingSpec
 from .common import API_GROUP, API_VERSION, KIND, PLURAL, SHORT_NAME, KubeObject, GPU_RESOURCE, Quantity, Resources, VolumeMount  # noqa: F401  (re-exported)
-from .task import CodeSandboxSpec, RewardModelSpec, RewardComponentSpec, Estimator, ESTIMATORS, LossAgg  # noqa: F401  (re-exported)
+from .task import CodeSandboxSpec, LoraSpec, RewardModelSpec, RewardComponentSpec, Estimator, ESTIMATORS, LossAgg  # noqa: F401  (re-exported)
 from .training import ParallelismSpec, EvalDatasetSpec, WandbSpec, MlflowSpec, SecretKeyRef  # noqa: F401  (re-exported)
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "GPU_RESOURCE",
     "KIND",
     "KubeObject",
+    "LoraSpec",
     "LossAgg",
     "MAX_NAME_LENGTH",
     "Method",

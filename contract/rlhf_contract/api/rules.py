@@ -179,6 +179,14 @@ RULES: tuple[Rule, ...] = (
         detail=lambda s: f"got {s.trainer.parallelism.tensor_parallel}",
     ),
     Rule(
+        field_path="trainer.parallelism.tensorParallel",
+        cel=f"!has(self.model.lora) || {_TP} == 1",
+        message="must be 1 with model.lora (adapters are not tensor parallel yet); use data or context "
+        "parallelism (trainer.nprocPerNode, trainer.parallelism.contextParallel), or full training",
+        check=lambda s: s.model.lora is None or s.trainer.parallelism.tensor_parallel == 1,
+        detail=lambda s: f"got {s.trainer.parallelism.tensor_parallel}",
+    ),
+    Rule(
         field_path="evaluation.datasets",
         cel="self.method == 'rl' || !has(self.evaluation) || !has(self.evaluation.datasets) "
             "|| size(self.evaluation.datasets) == 0",

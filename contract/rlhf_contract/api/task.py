@@ -10,6 +10,25 @@ from pydantic import Field
 from .common import SpecModel
 
 
+LORA_DEFAULT_TARGETS = "all-linear"
+
+
+class LoraSpec(SpecModel):
+    """LoRA adapters (peft's `LoraConfig`): only the adapters train and have optimizer state;
+    the reference model is the base itself (adapters off); checkpoints hold the adapters;
+    the rollout servers receive merged weights."""
+
+    rank: int = Field(default=16, ge=1, le=1024)
+    """The adapters' rank r."""
+    alpha: float = Field(default=32.0, gt=0)
+    """Scale numerator: the update is (alpha / rank) x B A."""
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapters' input while training."""
+    target_modules: list[str] = Field(default_factory=lambda: [LORA_DEFAULT_TARGETS], min_length=1)
+    """Linear layers that get adapters, by name suffix (`q_proj`, `v_proj`, ...), or
+    `all-linear`: every linear layer but the output head (and a score head)."""
+
+
 class ModelSpec(SpecModel):
     """The policy model to train."""
 
@@ -18,6 +37,9 @@ class ModelSpec(SpecModel):
     built-in model: `builtin://tiny-qwen2`."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights dtype for the rollout servers (`vllm serve --dtype`)."""
+    lora: LoraSpec | None = None
+    """Train low-rank adapters on the frozen model instead of every weight (null: full
+    training)."""
 
 
 class DataSpec(SpecModel):

@@ -31,6 +31,7 @@ from rlhf_contract.trainer_config import TrainerConfig
 from ..distributed import DistInfo
 from ..parallel.parallelize import Layout, parallelize_models
 from .logprob_head import attach_logprob_head
+from .lora import AdaptersOff, add_adapters, file_key, has_adapters, init_adapters, initial_adapters
 
 
 def stored_dtype(path: str) -> torch.dtype:
@@ -95,21 +96,29 @@ def _rebuild_buffers(model: torch.nn.Module, device: torch.device) -> None:
             module._buffers[key] = fresh._buffers[key]
 
 
-def fill_from_checkpoint(model: torch.nn.Module, path: str, device: torch.device) -> None:
+def fill_from_checkpoint(model: torch.nn.Module, path: str, device: torch.device, seed: int = 0) -> None:
     """Collective: give a parallelized meta-device model storage for its shards and load
-    `path`'s weights into them (rank 0 reads and broadcasts; each rank keeps its shard)."""
+    `path`'s weights into them (rank 0 reads and broadcasts; each rank keeps its shard).
+    LoRA adapters (models/lora.py) start from their seeded initial values."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     model.to_empty(device=device)
     _rebuild_buffers(model, device)
     full: dict[str, torch.Tensor] = {}
     if dist.get_rank() == 0:
-        full = read_safetensors(path)
-        expected = set(model.state_dict())
-        for key in expected - set(full):  # tied output embedding: stored once
-            if key == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False):
-                full[key] = full["model.embed_tokens.weight"]
-        missing = sorted(expected - set(full))
+        stored = read_safetensors(path)
+        if "lm_head.weight" not in stored and getattr(model.config, "tie_word_embeddings", False):
+            stored["lm_head.weight"] = stored["model.embed_tokens.weight"]  # tied output embedding: stored once
+        adapters = initial_adapters(model, seed) if has_adapters(model) else {}
+        missing = []
+        for key in model.state_dict():
+            source = file_key(key)
+            if source is None:
+                full[key] = adapters[key]
+            elif source in stored:
+                full[key] = stored[source]
+            else:
+                missing.append(source)
         if missing:
             raise ValueError(f"model.path: {path} lacks {len(missing)} weights the model needs, e.g. {missing[:3]}")
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
@@ -127,9 +136,16 @@ def load_models(config: TrainerConfig, info: DistInfo, *, trained: torch.nn.Modu
     new = empty_causal_lm if sharded else (lambda path, dtype: load_causal_lm(path, info.device, dtype))
     lm = trained is None
     model = new(config.model_path, torch.float32) if lm else trained
-    # the reference never trains: on GPUs it is stored in bf16 (what it computes in), no optimizer state
+    seed = config.schedule.seed
+    if config.lora is not None:
+        add_adapters(model, config.lora)
+        if not (sharded and lm):  # else filled with the checkpoint
+            init_adapters(model, seed)
+    # the reference never trains: on GPUs it is stored in bf16 (what it computes in), no optimizer state;
+    # with adapters it is the base itself (the policy with its adapters off): no second copy
     ref_dtype = torch.bfloat16 if info.device.type == "cuda" else torch.float32
-    ref = new(config.model_path, ref_dtype).eval().requires_grad_(False) if with_ref else None
+    separate_ref = with_ref and config.lora is None
+    ref = new(config.model_path, ref_dtype).eval().requires_grad_(False) if separate_ref else None
     p = config.optim.parallelism
     layout = parallelize_models(model, ref=ref, critic=critic, world_size=info.world_size, tp=p.tensor_parallel,
                                 cp=p.context_parallel, activation_checkpointing=p.activation_checkpointing,
@@ -137,6 +153,8 @@ def load_models(config: TrainerConfig, info: DistInfo, *, trained: torch.nn.Modu
     for m in ((model, ref) if lm else (ref,)):
         if m is not None:
             if sharded:
-                fill_from_checkpoint(m, config.model_path, info.device)
+                fill_from_checkpoint(m, config.model_path, info.device, seed)
             attach_logprob_head(m, tensor_parallel=p.tensor_parallel > 1)
+    if with_ref and not separate_ref:
+        ref = AdaptersOff(model)
     return model, ref, layout

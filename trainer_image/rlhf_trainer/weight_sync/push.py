@@ -1,7 +1,8 @@
 """One weight sync from the trainer's side of the world: every trainer process gathers
 each full tensor of its (sharded) policy in turn (`DTensor.full_tensor()` is collective),
 and rank 0, the one holding the sender, streams them to the rollout servers. Every
-parameter, Hugging Face names, every round."""
+parameter, Hugging Face names, every round; with LoRA adapters the merged weights
+(models/lora.py), so the servers need no LoRA support."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..models.lora import merged_tensors
 from .sender import WeightSyncSender
 
 
@@ -17,17 +19,11 @@ def push_weights(model: torch.nn.Module, sender: WeightSyncSender | None, *, wei
     """Collective over the trainer world: gather `model`'s full tensors; the rank with a
     `sender` sends them. Returns the seconds it took (barrier included)."""
     start = time.perf_counter()
-    params = list(model.named_parameters())
-
-    def full_tensors():
-        for _, p in params:
-            yield (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
-
+    specs, full_tensors = merged_tensors(model, model.named_parameters())  # LoRA: the merged weights
     if sender is not None:
-        sender.send([(name, list(p.shape), p.dtype) for name, p in params], full_tensors(),
-                    weight_version=weight_version)
+        sender.send(specs, full_tensors, weight_version=weight_version)
     else:
-        for _ in full_tensors():
+        for _ in full_tensors:
             pass
     if dist.is_initialized():
         dist.barrier()
