@@ -1,5 +1,5 @@
 """The trainer's CUDA paths (marker `gpu`, skipped without CUDA): one GPU learning the demo
-task through the real local mode, and the train step under FSDP and context parallelism on
+task through the real local mode (fully and with LoRA adapters), and the train step under FSDP and context parallelism on
 NCCL (bf16 compute, fp32 master weights) against one fp32 CPU process, when two GPUs are
 present."""
 
@@ -33,6 +33,23 @@ def test_one_gpu_learns_the_demo_task(tmp_path):
     assert last > 0.9 and last > 5 * first, (first, last)
     assert all(r["skipped_steps"] == 0 for r in rows)
     assert rows[-1]["peak_gpu_memory_bytes"] > 0
+
+
+def test_one_gpu_learns_the_demo_task_with_lora(tmp_path):
+    """Adapters under FSDP2's bf16 mixed precision (frozen fp32 base, fp32 adapters)."""
+    out = tmp_path / "lora"
+    overrides = ["model.lora.rank=16", "trainer.learningRate=0.003", "rollout.temperature=0.25", "rollout.maxTokens=1",
+                 "algorithm.klCoef=0", "schedule.totalSteps=120", "schedule.saveEvery=60"]
+    res = subprocess.run([sys.executable, "-m", "rlhf_launcher.cli", "run", str(ROOT / "examples" / "local-grpo.yaml"),
+                          "--output", str(out), *[a for o in overrides for a in ("--set", o)]],
+                         capture_output=True, text=True, timeout=1800)
+    assert res.returncode == 0, res.stderr[-4000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    first = sum(r["reward_mean"] for r in rows[:10]) / 10
+    last = sum(r["reward_mean"] for r in rows[-10:]) / 10
+    assert last >= 0.6 and last >= 3 * first, (first, last)
+    assert all(r["skipped_steps"] == 0 for r in rows) and rows[-1]["trainable_parameters"] < 20000
+    assert (out / "final" / "adapter" / "adapter_model.safetensors").exists()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (NCCL refuses two ranks on one GPU)")
