@@ -74,6 +74,9 @@ def serve_command(spec: RLHFJobSpec, *, model_path: str, host: str, port: int, n
             python, "-m", "rlhf_inference.cpu_engine", "--model", model_path, "--host", host,
             "--port", str(port), "--seed", str(spec.schedule.seed), "--served-model-name", name,
             "--generation-config", "vllm", "--logprobs-mode", LOGPROBS_MODE,
+            # `auto`: float32, the trainer's master weights (vLLM's `auto` serves a float32
+            # checkpoint in bfloat16: tests/vllm checks the explicit choice against it)
+            *(["--dtype", spec.model.dtype] if spec.model.dtype != "auto" else []),
         ]
     return [
         "vllm", "serve", model_path, "--host", host, "--port", str(port),

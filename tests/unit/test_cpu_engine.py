@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -405,3 +406,22 @@ def test_a_request_arriving_mid_generation_joins_the_running_batch(engine_url, h
     want = hf_logprobs(hf_model, short_prompt, short_choice["token_ids"])
     got = short_choice["logprobs"]["token_logprobs"]
     assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
+
+
+@pytest.mark.parametrize("dtype, want", [("auto", "float32"), ("bfloat16", "bfloat16"), ("float16", "float16")])
+def test_the_contracts_command_parses_and_sets_the_model_dtype(dtype, want):
+    """The CPU engine's own parser reads the command the contract builds for it;
+    `model.dtype` reaches it (auto: float32, the trainer's master weights)."""
+    import yaml
+
+    from rlhf_contract.api import validate_job
+    from rlhf_contract.pod import serve_command
+    from rlhf_inference.cpu_engine.__main__ import parse_args
+
+    root = Path(__file__).resolve().parents[2]
+    doc = yaml.safe_load((root / "examples" / "local-grpo.yaml").read_text())
+    doc["spec"]["model"]["dtype"] = dtype
+    command = serve_command(validate_job(doc).spec, model_path="m", host="127.0.0.1", port=8000, name="n")
+    assert command[1:3] == ["-m", "rlhf_inference.cpu_engine"]
+    args = parse_args(command[3:])
+    assert args.dtype == want and args.generation_config == "vllm" and args.served_model_name == "n"

@@ -34,7 +34,7 @@ class ModelSpec(SpecModel):
 
     path: str = Field(min_length=1)
     """Hugging Face model directory (in Kubernetes: a path on a mounted volume), or a
-    built-in model: `builtin://tiny-qwen2`."""
+    built-in model: `builtin://tiny-qwen2` (or `builtin://tiny-qwen2-hd32`)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights dtype for the rollout servers (`vllm serve --dtype`)."""
     lora: LoraSpec | None = None
