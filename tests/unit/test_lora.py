@@ -140,3 +140,17 @@ def test_the_spec_refuses_bad_adapters_naming_the_field():
 def test_the_output_head_gets_no_adapter():
     with pytest.raises(ValueError, match="model.lora.targetModules: the output head"):
         add_adapters(build_tiny_qwen2(), LoraSpec(target_modules=["q_proj", "lm_head"]))
+
+
+def test_a_score_models_head_trains_whole_beside_the_adapters(tiny_model_dir):
+    """method rm: the new score head is excluded from all-linear and trains whole; the
+    merged export keeps its name (`score.weight`), as the sequence classifier expects."""
+    from rlhf_trainer.models.score import ScoreModel
+
+    model = add_adapters(ScoreModel(str(tiny_model_dir), 0), LoraSpec(rank=4))
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert "score.weight" in trained and not any(n.startswith("score.") and ".lora_" in n for n in trained)
+    assert all(n == "score.weight" or ".lora_" in n for n in trained)
+    specs, _ = merged_tensors(model, model.state_dict().items())
+    assert "score.weight" in [name for name, _, _ in specs]
+    assert not any("lora" in name or "base_layer" in name for name, _, _ in specs)
