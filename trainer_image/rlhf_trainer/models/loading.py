@@ -14,7 +14,8 @@ init), parallelized there, given empty storage for their own shards only, and fi
 from the checkpoint: rank 0 reads the safetensors files (in their stored dtype) and
 streams them tensor by tensor; every rank keeps its shard (`set_model_state_dict` with
 `broadcast_from_rank0`). So no GPU ever holds a whole model, and only rank 0's host reads
-the files. One process on the CPU loads plainly. Simplification: the critic (PPO only)
+the files. One process on the CPU loads plainly. With `model.lora` the adapters are
+injected before the layout (models/lora.py) and the reference is the policy with them off. Simplification: the critic (PPO only)
 still loads whole on every rank before sharding.
 """
 
@@ -31,7 +32,7 @@ from rlhf_contract.trainer_config import TrainerConfig
 from ..distributed import DistInfo
 from ..parallel.parallelize import Layout, parallelize_models
 from .logprob_head import attach_logprob_head
-from .lora import AdaptersOff, add_adapters, file_key, has_adapters, init_adapters, initial_adapters
+from .lora import AdaptersOff, add_adapters, file_key, init_adapters, initial_adapters
 
 
 def stored_dtype(path: str) -> torch.dtype:
@@ -109,7 +110,7 @@ def fill_from_checkpoint(model: torch.nn.Module, path: str, device: torch.device
         stored = read_safetensors(path)
         if "lm_head.weight" not in stored and getattr(model.config, "tie_word_embeddings", False):
             stored["lm_head.weight"] = stored["model.embed_tokens.weight"]  # tied output embedding: stored once
-        adapters = initial_adapters(model, seed) if has_adapters(model) else {}
+        adapters = initial_adapters(model, seed)  # empty without LoRA
         missing = []
         for key in model.state_dict():
             source = file_key(key)

@@ -74,10 +74,6 @@ def add_adapters(model: torch.nn.Module, spec) -> torch.nn.Module:
     return model
 
 
-def has_adapters(model: torch.nn.Module) -> bool:
-    return any(_A in name for name, _ in model.named_parameters())
-
-
 def scalings(model: torch.nn.Module) -> dict[str, float]:
     """Each wrapped layer's name -> alpha / r (what B A is multiplied by)."""
     from peft.tuners.lora import LoraLayer
