@@ -64,9 +64,10 @@ def test_logprobs_and_entropy_equal_the_naive_computation(temperature):
     data = rows(6, seed=4)
     [mb] = plan(data, list(range(6)), budget=64, dp_size=1, cp_size=1)[0]
     logp, ent = policy_forward(policy, mb, None, torch.device("cpu"), temperature)
-    within = torch.zeros_like(logp)  # positions whose next token is in the same document
-    for k, i in enumerate(mb.rows):
-        within[0, mb.starts[k]:mb.starts[k] + len(data[i].prompt_ids) + len(data[i].response_ids) - 1] = 1
+    within = torch.zeros_like(logp)  # positions predicting a response token: the only ones computed
+    for k in range(len(mb.rows)):
+        within[0, mb.positions(k).start:mb.positions(k).stop] = 1
+    assert not (logp * (1 - within)).any() and not (ent * (1 - within)).any()  # prompt positions: never computed
     ((logp * within).sum() + (ent * within).sum()).backward()
     grads = {n: p.grad.clone() for n, p in policy.named_parameters()}
     total = 0.0
@@ -74,10 +75,9 @@ def test_logprobs_and_entropy_equal_the_naive_computation(temperature):
         ids = torch.tensor([data[i].prompt_ids + data[i].response_ids])
         lp = torch.log_softmax(naive_model(ids).logits[0] / temperature, -1)
         targets = ids[0, 1:]
-        per_tok = lp[:-1].gather(-1, targets[:, None])[:, 0]
-        entropy = -(lp.exp() * lp).sum(-1)[:-1]
-        start = mb.starts[k]
-        n = ids.shape[1] - 1
+        per_tok = lp[:-1].gather(-1, targets[:, None])[:, 0][len(data[i].prompt_ids) - 1:]
+        entropy = -(lp.exp() * lp).sum(-1)[:-1][len(data[i].prompt_ids) - 1:]
+        start, n = mb.positions(k).start, len(mb.positions(k))
         assert torch.allclose(logp[0, start:start + n], per_tok, atol=1e-5)
         assert torch.allclose(ent[0, start:start + n], entropy, atol=1e-5)
         total = total + per_tok.sum() + entropy.sum()

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..data.balanced_packing import Packed
 from ..data.micro_batches import MicroBatch
-from ..parallel.context_parallel import cp_inputs, shard_sequence
+from ..parallel.context_parallel import AttentionSegments, cp_inputs, shard_sequence
 from .logprob_head import chunked_token_stats, has_logprob_head, request_stats, token_stats
 
 
@@ -34,20 +34,36 @@ def local(x: torch.Tensor, cp_mesh: DeviceMesh | None, device: torch.device) -> 
 
 def model_inputs(mb: MicroBatch, cp_mesh: DeviceMesh | None, device: torch.device) -> dict:
     """The keyword arguments of a decoder's forward for this rank's slice of `mb`."""
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+    return {k: v.to(device, non_blocking=True) if isinstance(v, (torch.Tensor, AttentionSegments)) else v
             for k, v in cp_inputs(mb.packed, cp_mesh).items()}
 
 
+def predicting_positions(mb: MicroBatch, cp_mesh: DeviceMesh | None, device: torch.device) -> torch.Tensor:
+    """The local rows of this rank's slice that predict a response token (the only rows
+    whose log-probs anything reads), as a LongTensor."""
+    rows = [p for k in range(len(mb.rows)) for p in mb.positions(k)]
+    if cp_mesh is not None and cp_mesh.size() > 1:
+        size = mb.length // cp_mesh.size()
+        start = cp_mesh.get_local_rank() * size
+        rows = [p - start for p in rows if start <= p < start + size]
+    return torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+
+
 def policy_forward(model: torch.nn.Module, mb: MicroBatch, cp_mesh: DeviceMesh | None, device: torch.device,
-                   temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                   temperature: float = 1.0, entropy: str = "grad") -> tuple[torch.Tensor, torch.Tensor]:
     """(log-prob of the next token [1, l], entropy [1, l]) on this rank's slice, both at
-    `temperature` (logits divided by it, as the sampler did)."""
-    targets = local(next_token_targets(mb.packed), cp_mesh, device)
+    `temperature` (logits divided by it, as the sampler did), at the predicting positions
+    of response tokens (zeros elsewhere). `entropy`: "grad" when a loss term uses it,
+    "value" for the metric only, "none" when nothing reads it (models/logprob_head.py)."""
+    positions = predicting_positions(mb, cp_mesh, device)
+    targets = local(next_token_targets(mb.packed), cp_mesh, device)[0, positions]
     if not has_logprob_head(model):
         logits = model(**model_inputs(mb, cp_mesh, device), use_cache=False).logits
-        stats = chunked_token_stats(token_stats, logits, (), targets, temperature)
+        picked = chunked_token_stats(token_stats, logits[:, positions], (), targets, temperature,
+                                     entropy=entropy).reshape(1, -1, 2)
+        stats = picked.new_zeros(1, logits.shape[1], 2).index_copy(1, positions, picked)
     else:
-        request_stats(model, targets, temperature)
+        request_stats(model, targets, temperature, positions, entropy)
         try:
             stats = model(**model_inputs(mb, cp_mesh, device), use_cache=False).logits
         finally:

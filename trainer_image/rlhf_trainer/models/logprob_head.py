@@ -2,7 +2,13 @@
 forward that computes, chunk by chunk of tokens, the log-probability of the target token
 and the entropy at the sampling temperature, with the chunk's logits recomputed in the
 backward pass (activation checkpointing per chunk). It runs only when `models.forward`
-asks it to (the plain head otherwise).
+asks it to (the plain head otherwise), and only at the positions asked for (the
+predicting positions of response tokens: prompt positions never reach the head).
+
+Entropy has three modes: "grad" (a loss term: `algorithm.entropyCoef` > 0), "value"
+(the metric only: computed once under no_grad in the forward, neither recomputed nor
+differentiated) and "none" (no-grad passes and offline methods, which read log-probs
+only). At entropyCoef 0 the backward of a chunk is the log-softmax's alone.
 
 Log-probs never hold fp32 logits for a whole micro-batch: peak memory of the head is one
 chunk's [chunk, vocab] in fp32, whatever the micro-batch budget. With tensor parallelism
@@ -27,32 +33,51 @@ HEAD_CHUNK_TOKENS = 1024
 """Tokens per chunk of the log-prob head: [1024, 151936] fp32 is 0.6 GB."""
 
 
-def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-    """[n, V] logits, [n] targets -> [n, 2]: (log p(target), entropy) at `temperature`."""
+ENTROPY_MODES = ("grad", "value", "none")
+
+
+def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: str = "grad") -> torch.Tensor:
+    """[n, V] logits, [n] targets -> [n, 2]: (log p(target), entropy) at `temperature`;
+    `entropy` as in the module docstring ("none": zeros)."""
     scaled = logits.float() / temperature
     logz = torch.logsumexp(scaled, dim=-1)
     logp = scaled.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz
-    entropy = logz - (torch.softmax(scaled, dim=-1) * scaled).sum(-1)
-    return torch.stack([logp, entropy], dim=-1)
+    if entropy == "grad":
+        ent = logz - (torch.softmax(scaled, dim=-1) * scaled).sum(-1)
+    elif entropy == "value":
+        with torch.no_grad():
+            ent = logz - (torch.exp(scaled - logz.unsqueeze(-1)) * scaled).sum(-1)
+    else:
+        ent = torch.zeros_like(logp, requires_grad=False)
+    return torch.stack([logp, ent], dim=-1)
 
 
 def _linear_chunk_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                        targets: torch.Tensor, temperature: float) -> torch.Tensor:
-    return token_stats(F.linear(hidden, weight, bias), targets, temperature)
+                        targets: torch.Tensor, temperature: float, entropy: str = "grad") -> torch.Tensor:
+    return token_stats(F.linear(hidden, weight, bias), targets, temperature, entropy)
 
 
 def chunked_token_stats(fn, inputs: torch.Tensor, extra: tuple, targets: torch.Tensor, temperature: float,
-                        chunk: int = HEAD_CHUNK_TOKENS, extra_after: tuple = ()) -> torch.Tensor:
-    """Apply `fn(inputs_chunk, *extra, targets_chunk, temperature, *extra_after)` over
-    chunks of tokens ([1, l, ...] -> [1, l, 2]); with gradients, each chunk is recomputed
-    in backward (collectives in `fn` rerun in the same order on every rank)."""
+                        chunk: int = HEAD_CHUNK_TOKENS, extra_after: tuple = (), entropy: str = "grad") -> torch.Tensor:
+    """Apply `fn(inputs_chunk, *extra, targets_chunk, temperature, *extra_after,
+    entropy=...)` over chunks of tokens ([1, l, ...] -> [1, l, 2]); with gradients, each
+    chunk is recomputed in backward (collectives in `fn` rerun in the same order on every
+    rank). An entropy of mode "value" is computed in the forward only: the recomputation
+    asks `fn` for "none" (no-grad work saves no tensors, so the recomputed graph matches)."""
+    if entropy not in ENTROPY_MODES:
+        raise ValueError(f"entropy mode {entropy!r}: use one of {ENTROPY_MODES}")
     flat_in, flat_t = inputs.reshape(-1, inputs.shape[-1]), targets.reshape(-1)
     outs = []
     grad = torch.is_grad_enabled() and (inputs.requires_grad or any(
         isinstance(e, torch.Tensor) and e.requires_grad for e in extra))
     for start in range(0, flat_in.shape[0], chunk):
         args = (flat_in[start:start + chunk], *extra, flat_t[start:start + chunk], temperature, *extra_after)
-        outs.append(checkpoint(fn, *args, use_reentrant=False) if grad else fn(*args))
+        if not grad:
+            outs.append(fn(*args, entropy=entropy))
+            continue
+        calls = iter(range(2))  # the first call is the forward, the second the recomputation
+        mode = (lambda e=entropy, c=calls: e if next(c, 1) == 0 or e == "grad" else "none")
+        outs.append(checkpoint(lambda *a, m=mode: fn(*a, entropy=m()), *args, use_reentrant=False))
     out = torch.cat(outs) if outs else flat_in.new_zeros(0, 2, dtype=torch.float32)
     return out.reshape(*targets.shape, 2)
 
@@ -75,7 +100,7 @@ class _SumOverGroup(torch.autograd.Function):
 
 def _vocab_parallel_chunk_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                                 targets: torch.Tensor, temperature: float, group: dist.ProcessGroup,
-                                vocab_start: int) -> torch.Tensor:
+                                vocab_start: int, entropy: str = "grad") -> torch.Tensor:
     """[n, H] hidden, this rank's [V_r, H] rows of the head (vocabulary ids
     `vocab_start` ... `vocab_start + V_r - 1`), [n] targets -> [n, 2] (log p(target),
     entropy) over the whole vocabulary, with z = logits / temperature:
@@ -92,12 +117,21 @@ def _vocab_parallel_chunk_stats(hidden: torch.Tensor, weight: torch.Tensor, bias
     local_t = targets - vocab_start
     owned = (local_t >= 0) & (local_t < z.shape[-1])
     z_t = z.gather(-1, local_t.clamp(0, z.shape[-1] - 1).unsqueeze(-1)).squeeze(-1) * owned
-    s, expected, z_t = _SumOverGroup.apply(torch.stack([e.sum(-1), (e * z).sum(-1), z_t]), group)
+    if entropy == "grad":
+        ez = (e * z).sum(-1)
+    else:  # the same collective either way (recomputation reruns it in the same order)
+        with torch.no_grad():
+            ez = (e * z).sum(-1) if entropy == "value" else torch.zeros_like(z_t)
+    s, expected, z_t = _SumOverGroup.apply(torch.stack([e.sum(-1), ez, z_t]), group)
     log_z = m + s.log()
-    return torch.stack([z_t - log_z, log_z - expected / s], dim=-1)
+    ent = log_z - expected / s
+    if entropy != "grad":
+        ent = ent.detach() if entropy == "value" else torch.zeros_like(ent)
+    return torch.stack([z_t - log_z, ent], dim=-1)
 
 
-def _vocab_parallel_head(self, hidden: DTensor, targets: torch.Tensor, temperature: float) -> DTensor:
+def _vocab_parallel_head(self, hidden: DTensor, targets: torch.Tensor, temperature: float,
+                         positions: torch.Tensor | None, entropy: str) -> DTensor:
     """Column-parallel head (weight `Shard(0)` over the vocabulary on the TP mesh; the
     input arrives replicated): token stats without gathering logits."""
     weight = self.weight
@@ -109,21 +143,32 @@ def _vocab_parallel_head(self, hidden: DTensor, targets: torch.Tensor, temperatu
     bias = getattr(self, "bias", None)
     bias = bias.to_local() if isinstance(bias, DTensor) else bias
     self._rlhf_vocab_parallel_calls = getattr(self, "_rlhf_vocab_parallel_calls", 0) + 1
-    stats = chunked_token_stats(_vocab_parallel_chunk_stats, local_hidden, (weight.to_local(), bias), targets,
-                                temperature, extra_after=(group, mesh.get_local_rank() * rows))
+    stats = _at_positions(local_hidden, positions, lambda h: chunked_token_stats(
+        _vocab_parallel_chunk_stats, h, (weight.to_local(), bias), targets, temperature,
+        extra_after=(group, mesh.get_local_rank() * rows), entropy=entropy))
     # replicated on the TP ranks; the head's output hook expects a DTensor
     return DTensor.from_local(stats, mesh, [Replicate()], run_check=False)
+
+
+def _at_positions(hidden: torch.Tensor, positions: torch.Tensor | None, stats_of) -> torch.Tensor:
+    """`stats_of` [1, n, H] -> [1, n, 2] run on the rows `positions` of `hidden` [1, l, H]
+    only, scattered back into zeros [1, l, 2] (None: every position)."""
+    if positions is None:
+        return stats_of(hidden)
+    stats = stats_of(hidden[:, positions]).reshape(hidden.shape[0], -1, 2)
+    return stats.new_zeros(hidden.shape[0], hidden.shape[1], 2).index_copy(1, positions, stats)
 
 
 def _head_forward(self, hidden: torch.Tensor) -> torch.Tensor:
     request = getattr(self, "_rlhf_request", None)
     if request is None:  # not called by policy_forward: behave as the plain head
         return self._rlhf_plain_forward(hidden)
-    targets, temperature = request
+    targets, temperature, positions, entropy = request
     weight, bias = self.weight, getattr(self, "bias", None)
     if isinstance(weight, DTensor):  # tensor parallel (FSDP alone gives plain unsharded weights here)
-        return _vocab_parallel_head(self, hidden, targets, temperature)
-    return chunked_token_stats(_linear_chunk_stats, hidden, (weight, bias), targets, temperature)
+        return _vocab_parallel_head(self, hidden, targets, temperature, positions, entropy)
+    return _at_positions(hidden, positions, lambda h: chunked_token_stats(
+        _linear_chunk_stats, h, (weight, bias), targets, temperature, entropy=entropy))
 
 
 def attach_logprob_head(model: torch.nn.Module, *, tensor_parallel: bool = False) -> torch.nn.Module:
@@ -138,13 +183,16 @@ def attach_logprob_head(model: torch.nn.Module, *, tensor_parallel: bool = False
     return model
 
 
-
-
 def has_logprob_head(model: torch.nn.Module) -> bool:
     return getattr(model.get_output_embeddings(), "_rlhf_plain_forward", None) is not None
 
 
-def request_stats(model: torch.nn.Module, targets: torch.Tensor | None, temperature: float = 1.0) -> None:
-    """Make the next forward of `model`'s head return token stats for `targets` (None:
-    back to the plain head)."""
-    model.get_output_embeddings()._rlhf_request = None if targets is None else (targets, temperature)
+def request_stats(model: torch.nn.Module, targets: torch.Tensor | None, temperature: float = 1.0,
+                  positions: torch.Tensor | None = None, entropy: str = "grad") -> None:
+    """Make the next forward of `model`'s head return token stats [1, l, 2] for `targets`
+    ([n] at `positions`, the local rows that need them; None: [1, l] at every position),
+    zeros elsewhere; `targets=None`: back to the plain head."""
+    if entropy not in ENTROPY_MODES:
+        raise ValueError(f"entropy mode {entropy!r}: use one of {ENTROPY_MODES}")
+    model.get_output_embeddings()._rlhf_request = (
+        None if targets is None else (targets, temperature, positions, entropy))

@@ -21,7 +21,7 @@ from ..accumulator import MetricAccumulator
 from ..data.micro_batches import MicroBatch, plan
 from ..data.sequences import Row
 from ..models.forward import last_token_scores, policy_forward
-from ..optim import scale_lr, set_gradient_sync, step_or_skip
+from ..optim import scale_lr, step_or_skip
 from ..parallel.parallelize import Layout
 from .data import Example
 from .losses import bradley_terry_loss, dpo_loss, sft_loss_sum
@@ -59,7 +59,7 @@ class OfflineStep:
 
     def _sequence_logps(self, model: torch.nn.Module, rows: list[Row], mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(per-sequence sum of trained-token log-probs [n], the token log-probs [1, L])."""
-        logp, _ = policy_forward(model, mb, None, self.device)
+        logp, _ = policy_forward(model, mb, None, self.device, entropy="none")
         sums = [(logp[0, p.start:p.stop] * torch.tensor(rows[i].mask(), device=logp.device)).sum()
                 for i, p in zip(mb.rows, (mb.positions(k) for k in range(len(mb.rows))))]
         return (torch.stack(sums) if sums else logp.new_zeros(0)), logp
@@ -86,7 +86,7 @@ class OfflineStep:
                          num_pairs: int) -> torch.Tensor:
         """This rank's share of the step's loss on one micro-batch (metrics into `acc`)."""
         if self.config.method == "sft":
-            logp, _ = policy_forward(self.model, mb, None, self.device)
+            logp, _ = policy_forward(self.model, mb, None, self.device, entropy="none")
             mask = mb.scatter([rows[i].mask() for i in mb.rows]).to(self.device)
             nll = sft_loss_sum(logp, mask)
             acc.add("nll", nll, mask.sum())
@@ -108,8 +108,7 @@ class OfflineStep:
         self.model.train()
         scale_lr([self.optimizer], lr_factor)
         self.optimizer.zero_grad(set_to_none=True)
-        for j, mb in enumerate(micro):
-            set_gradient_sync([self.model], j == len(micro) - 1)
+        for mb in micro:  # gradients reduce-scattered after each micro-batch (FSDP2's default)
             loss = self.micro_batch_loss(rows, mb, acc, num_tokens=num_tokens, num_pairs=num_pairs)
             loss.backward()  # FSDP sums gradients over data-parallel ranks: each loss is its share
             acc.add("loss", loss.detach())

@@ -1,16 +1,32 @@
-"""Context parallelism (Llama-3 style all-gather CP) for Hugging Face decoder models.
+"""Attention over packed rows, plain and context parallel (Llama-3 style all-gather CP),
+for Hugging Face decoder models: one kernel call per layer, no dense mask.
 
 Each CP rank holds one contiguous slice of a packed row (`shard_sequence`). Everything
 but attention is per token, so only attention needs the other slices: in every layer
 the rank all-gathers the keys and values of the whole row and attends its local queries
-to them with an explicit mask = causal AND same document. Position ids are the global
-per-document positions of the packed row (sliced, not recomputed), so RoPE is unchanged.
+to them. Position ids are the global per-document positions of the packed row (sliced,
+not recomputed), so RoPE is unchanged.
+
+Which query sees which key is given by the documents' boundaries, as segments built once
+per micro-batch (`AttentionSegments`, from `cp_inputs`): for every document with queries
+on this rank, its local query rows and the key columns from the document's start to its
+last local query. Query i of a segment sees its keys up to its own position: causal
+aligned to the bottom right, as flash attention's varlen kernel defines it for
+segments with more keys than queries (the rank's first document when it began on an
+earlier rank). So
+- on CUDA in bf16 / fp16, ONE `torch.nn.attention.varlen.varlen_attn` call per layer
+  takes the whole micro-batch (flash attention over the segments' cumulative offsets,
+  grouped-query attention native: K and V never repeated);
+- elsewhere (CPU, fp32) one `scaled_dot_product_attention` per segment: `is_causal`
+  where queries and keys coincide, a lower-right triangular mask of that segment alone
+  for a rank's first document; no [L/cp, L] mask is ever built (the CPU flash kernel has no varlen form and
+  FlexAttention has no CPU backward in torch 2.14).
 
 The attention function is registered in transformers' attention registry under
-`CP_ATTENTION` and selected with `model.set_attn_implementation`; HF then builds no
-mask of its own. The model is called with one extra keyword, `document_ids` ([1, L] or
-[L], the WHOLE row's ids, e.g. `Packed.document_ids`), which transformers passes through
-to the attention function:
+`CP_ATTENTION` and selected with `model.set_attn_implementation`; HF then builds no mask
+of its own. The model is called with the extra keywords of `cp_inputs` (the whole row's
+`document_ids` and boundaries, and this rank's segments), which transformers passes
+through to the attention function:
 
     batch = cp_inputs(packed, cp_mesh)
     logits = model(**batch, use_cache=False).logits  # local slice of the logits
@@ -25,13 +41,15 @@ next rank) must be computed on the whole row before sharding; the loss is normal
 the GLOBAL token count (the train step's aggregation weights), never the local one.
 
 Simplifications: the whole K/V row is materialized on every rank (memory O(L) per rank,
-fine up to ~100k tokens for small KV-head counts; ring attention would avoid this), the
-mask is dense [L/cp, L] (no flash / flex kernel, no load balancing of the causal work:
-the last rank does the most attention FLOPs), batch size 1 (one packed row), no
-dropout in CP attention, no sliding-window layers.
+fine up to ~100k tokens for small KV-head counts; ring attention would avoid this), no
+load balancing of the causal work (the last rank does the most attention FLOPs), batch
+size 1 (one packed row), no dropout, no sliding-window layers.
 """
 
 from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -78,11 +96,79 @@ def all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> 
 def document_causal_mask(document_ids: torch.Tensor, q_start: int, q_len: int) -> torch.Tensor:
     """Boolean mask [b, q_len, L] (True = attend) for queries `q_start..q_start+q_len` of a
     row with `document_ids` [b, L]: key j is visible to query i iff j <= i and both are in
-    the same document."""
+    the same document. The dense REFERENCE of what the segments encode (tests); the
+    trainer never builds it."""
     q_pos = torch.arange(q_start, q_start + q_len, device=document_ids.device)
     k_pos = torch.arange(document_ids.shape[-1], device=document_ids.device)
     same_doc = document_ids[:, q_pos, None] == document_ids[:, None, :]
     return same_doc & (k_pos[None, None, :] <= q_pos[None, :, None])
+
+
+@dataclass(frozen=True)
+class AttentionSegments:
+    """This rank's attention work on one packed row: for each document with queries here,
+    (first query row, end query row) in local coordinates and (first key, end key) in
+    whole-row coordinates; the query rows of all segments tile the local slice. `cu_q` /
+    `cu_k` are the same as cumulative int32 offsets (keys counted from `segments[0]`'s
+    first key), as `varlen_attn` takes them."""
+
+    q_start: int
+    segments: tuple[tuple[int, int, int, int], ...]
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+
+    @classmethod
+    def build(cls, bounds: tuple[int, ...], q_start: int, q_len: int) -> "AttentionSegments":
+        """From the row's document boundaries (cumulative offsets ending at the row's
+        length) for the queries `q_start ... q_start + q_len - 1`."""
+        q_end, segments = q_start + q_len, []
+        for doc_start, doc_end in zip(bounds[:-1], bounds[1:]):
+            lo, hi = max(doc_start, q_start), min(doc_end, q_end)
+            if hi > lo:
+                segments.append((lo - q_start, hi - q_start, doc_start, hi))
+        if sum(hi - lo for lo, hi, _, _ in segments) != q_len:
+            raise ValueError(f"document bounds {bounds[:4]}... do not cover queries {q_start}..{q_end - 1}")
+        q_lens = [hi - lo for lo, hi, _, _ in segments]
+        k_lens = [k_hi - k_lo for _, _, k_lo, k_hi in segments]
+        offsets = lambda lens: torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)  # noqa: E731
+        return cls(q_start, tuple(segments), offsets(q_lens), offsets(k_lens), max(q_lens), max(k_lens))
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "AttentionSegments":
+        return replace(self, cu_q=self.cu_q.to(device, non_blocking=non_blocking),
+                       cu_k=self.cu_k.to(device, non_blocking=non_blocking))
+
+
+def uses_varlen(query: torch.Tensor) -> bool:
+    """Flash attention's varlen kernel: CUDA, half precision."""
+    return query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)
+
+
+def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, seg: AttentionSegments,
+                      scaling: float | None, gqa: bool) -> torch.Tensor:
+    """query [1, Hq, S, D] (this rank's slice), key / value [1, Hkv, L, D] (the whole row)
+    -> [1, S, Hq, D], each query attending to its document's keys up to its own position."""
+    first_key, last_key = seg.segments[0][2], seg.segments[-1][3]
+    if uses_varlen(query):
+        from torch.nn.attention.varlen import varlen_attn
+
+        out = varlen_attn(query[0].transpose(0, 1), key[0, :, first_key:last_key].transpose(0, 1),
+                          value[0, :, first_key:last_key].transpose(0, 1), seg.cu_q.to(query.device),
+                          seg.cu_k.to(query.device), seg.max_q, seg.max_k, scale=scaling, window_size=(-1, 0),
+                          enable_gqa=gqa)
+        return out.unsqueeze(0)
+    parts = []
+    for q_lo, q_hi, k_lo, k_hi in seg.segments:
+        q, k, v = query[:, :, q_lo:q_hi], key[:, :, k_lo:k_hi], value[:, :, k_lo:k_hi]
+        if q_hi - q_lo == k_hi - k_lo:
+            parts.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa))
+        else:  # the rank's first document began on an earlier rank: causal to the bottom right
+            visible = torch.ones(q_hi - q_lo, k_hi - k_lo, dtype=torch.bool, device=q.device).tril(
+                diagonal=(k_hi - k_lo) - (q_hi - q_lo))
+            parts.append(F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scaling, enable_gqa=gqa))
+    out = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+    return out.transpose(1, 2).contiguous()
 
 
 def context_parallel_attention(
@@ -95,6 +181,7 @@ def context_parallel_attention(
     dropout: float = 0.0,
     document_ids: torch.Tensor | None = None,
     document_bounds: tuple[int, ...] | None = None,
+    attention_segments: AttentionSegments | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Attention function with the signature of transformers' registry.
@@ -102,53 +189,38 @@ def context_parallel_attention(
     query [b, Hq, S, D], key / value [b, Hkv, S, D] are this rank's slice (S = L / cp);
     returns the output [b, S, Hq, D] as HF's attention functions do.
     """
-    if document_ids is None:
-        raise ValueError(
-            "context-parallel attention needs `document_ids` (the whole packed row's "
-            "document ids) passed to the model's forward; see cp_inputs()"
-        )
     if dropout:
-        raise ValueError("context-parallel attention does not implement attention dropout")
+        raise ValueError("packed / context-parallel attention does not implement attention dropout")
+    if query.shape[0] != 1:
+        raise ValueError(f"packed attention takes one packed row, got a batch of {query.shape[0]}")
     mesh: DeviceMesh | None = getattr(module, "cp_mesh", None)
     seq = query.shape[2]
     gqa = query.shape[1] != key.shape[1]
-    if (mesh is None or mesh.size() == 1) and document_bounds is not None:
-        return packed_document_attention(query, key, value, document_bounds, scaling, gqa), None
+    q_start = 0
     if mesh is not None and mesh.size() > 1:
-        group = mesh.get_group()
         # ONE collective for K and V together (see the module docstring).
-        kv = all_gather_sequence(torch.stack([key, value]), group, dim=3)
+        kv = all_gather_sequence(torch.stack([key, value]), mesh.get_group(), dim=3)
         key, value = kv.unbind(0)
         q_start = mesh.get_local_rank() * seq
-    else:
-        q_start = 0
-    document_ids = document_ids.reshape(-1, document_ids.shape[-1]).to(query.device)
-    if document_ids.shape[-1] != key.shape[2]:
-        raise ValueError(
-            f"document_ids cover {document_ids.shape[-1]} tokens but the gathered keys "
-            f"{key.shape[2]}; pass the whole row's document ids"
-        )
-    mask = document_causal_mask(document_ids, q_start, seq)[:, None]  # [b, 1, S, L]
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
-    return out.transpose(1, 2).contiguous(), None
+    if attention_segments is None or attention_segments.q_start != q_start:
+        if document_bounds is None:
+            if document_ids is None:
+                raise ValueError(
+                    "packed attention needs the documents' boundaries (`document_bounds`, or the whole row's "
+                    "`document_ids`) passed to the model's forward; see cp_inputs()")
+            document_bounds = bounds_of(document_ids)
+        attention_segments = AttentionSegments.build(tuple(document_bounds), q_start, seq)
+    if attention_segments.segments[-1][3] > key.shape[2]:
+        raise ValueError(f"the documents cover {attention_segments.segments[-1][3]} tokens but the keys "
+                         f"{key.shape[2]}; pass the whole row's boundaries")
+    return segment_attention(query, key, value, attention_segments, scaling, gqa), None
 
 
-def packed_document_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                              bounds: tuple[int, ...], scaling: float | None, gqa: bool) -> torch.Tensor:
-    """Causal attention within each document of a packed row (no context parallelism):
-    one `scaled_dot_product_attention(is_causal=True)` per document, from the explicit
-    boundaries `bounds` (cumulative offsets, trailing padding as a last document), so no
-    [L, L] mask is ever built and SDPA may pick its flash / memory-efficient kernel.
-    Grouped-query attention is SDPA's own (`enable_gqa`): K and V are never repeated.
-    Returns [b, L, Hq, D] like HF's attention functions."""
-    parts = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end > start:
-            parts.append(F.scaled_dot_product_attention(
-                query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
-                is_causal=True, scale=scaling, enable_gqa=gqa))
-    out = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
-    return out.transpose(1, 2).contiguous()
+def bounds_of(document_ids: torch.Tensor) -> tuple[int, ...]:
+    """Cumulative document boundaries of a packed row from its [1, L] / [L] document ids."""
+    ids = document_ids.reshape(-1)
+    change = (torch.nonzero(ids[1:] != ids[:-1]).reshape(-1) + 1).tolist()
+    return (0, *change, ids.numel())
 
 
 def apply_cp(model: torch.nn.Module, cp_mesh: DeviceMesh | None) -> torch.nn.Module:
@@ -181,15 +253,21 @@ def shard_sequence(x: torch.Tensor, cp_mesh: DeviceMesh | None, dim: int = -1) -
 
 def cp_inputs(packed, cp_mesh: DeviceMesh | None) -> dict:
     """Model keyword arguments for a `rlhf_trainer.data.balanced_packing.Packed` row: the
-    local slices of `input_ids` / `position_ids`, the whole row's `document_ids` and (for
-    the per-document kernel without context parallelism) the documents' boundaries."""
+    local slices of `input_ids` / `position_ids`, the whole row's `document_ids` and
+    boundaries, and this rank's attention segments (built once per micro-batch, shared by
+    every layer and by recomputation)."""
     bounds = [int(x) for x in packed.cu_seqlens.tolist()]
     total = packed.input_ids.shape[-1]
     if bounds[-1] < total:  # trailing padding: its own document
         bounds.append(total)
+    cp = 1 if cp_mesh is None else cp_mesh.size()
+    rank = 0 if cp == 1 else cp_mesh.get_local_rank()
+    input_ids = shard_sequence(packed.input_ids, cp_mesh)
+    seq = input_ids.shape[-1]
     return {
-        "input_ids": shard_sequence(packed.input_ids, cp_mesh),
+        "input_ids": input_ids,
         "position_ids": shard_sequence(packed.position_ids, cp_mesh),
         "document_ids": packed.document_ids,
         "document_bounds": tuple(bounds),
+        "attention_segments": AttentionSegments.build(tuple(bounds), rank * seq, seq),
     }

@@ -8,9 +8,10 @@
 Loss convention: every per-token term is weighted by the aggregation coefficients of
 `algorithms.losses.agg_weights`, computed on the WHOLE mini-batch, so summing the
 micro-batch losses of all data x context ranks gives the mini-batch loss; FSDP sums
-gradients over those ranks (`parallel/parallelize.py`). Gradients are reduced only on a
-mini-batch's last micro-batch. Metrics accumulate on the device (`MetricAccumulator`)
-and are reduced and read once per step. A non-finite gradient norm skips that optimizer
+gradients over those ranks (`parallel/parallelize.py`). Metrics accumulate on the device
+(`MetricAccumulator`) and are reduced and read once per step. Gradients are reduce-scattered after every
+micro-batch (FSDP2's default): the unsharded fp32 gradients of the whole model never
+stay on a GPU between micro-batches. A non-finite gradient norm skips that optimizer
 step (counted as `skipped_steps`); the caller then skips the weight sync.
 """
 
@@ -29,7 +30,7 @@ from ..algorithms.losses import agg_weights, explained_variance, ppo_token_loss,
 from ..data.micro_batches import MicroBatch, plan
 from ..data.sequences import Row
 from ..models.forward import critic_forward, local, policy_forward
-from ..optim import scale_lr, set_gradient_sync, step_or_skip
+from ..optim import scale_lr, step_or_skip
 from ..orchestrator.types import RolloutBatch
 from ..parallel.parallelize import Layout
 from .models import Models
@@ -87,9 +88,9 @@ class TrainStep:
         m, dev, cp = self.m, self.device, self.layout.cp_mesh
         passes = {}
         if needs_old_logprobs(self.a):
-            passes["old_logprobs"] = lambda mb: policy_forward(m.policy, mb, cp, dev, self.temperature)[0]
+            passes["old_logprobs"] = lambda mb: policy_forward(m.policy, mb, cp, dev, self.temperature, "none")[0]
         if m.ref is not None:
-            passes["ref_logprobs"] = lambda mb: policy_forward(m.ref, mb, cp, dev, self.temperature)[0]
+            passes["ref_logprobs"] = lambda mb: policy_forward(m.ref, mb, cp, dev, self.temperature, "none")[0]
         if m.critic is not None:
             passes["values"] = lambda mb: critic_forward(m.critic, mb, cp, dev)
         m.policy.eval()
@@ -132,8 +133,7 @@ class TrainStep:
             if m.critic_optimizer is not None:
                 m.critic_optimizer.zero_grad(set_to_none=True)
             micro = self._plan(rows, idx)
-            for j, mb in enumerate(micro):
-                set_gradient_sync([m.policy, m.critic], j == len(micro) - 1)
+            for mb in micro:  # FSDP reduce-scatters each micro-batch's gradients into the sharded sums
                 self.micro_step(rows, t, mb, coef, value_coef, base=idx[0], acc=acc)
             self._clip_and_step(m.policy, m.optimizer, acc, "grad_norm")
             if m.critic is not None:
@@ -179,7 +179,8 @@ class TrainStep:
             return local(mb.scatter(values), cp_mesh, dev)
 
         c, mask = per_token(coef, relative=True), per_token(t.mask)
-        logp, entropy = policy_forward(m.policy, mb, cp_mesh, dev, self.temperature)
+        logp, entropy = policy_forward(m.policy, mb, cp_mesh, dev, self.temperature,
+                                       "grad" if a.entropy_coef else "value")
         old = per_token(t.old_logprobs) if t.old_logprobs is not None else logp.detach()
         loss, terms = compose_loss(
             a, logp=logp, entropy=entropy, old=old, advantages=per_token(t.advantages), coef=c,
