@@ -34,6 +34,8 @@ VARIANTS = {
                              num_mini_batches=2),
     "dapo-dual": dict(preset="dapo", dual_clip=3.0, num_mini_batches=2, kl_coef=0.01, kl_mode="reward"),
     "grpo-rm": dict(preset="grpo", loss_agg="seq-mean-token-mean", kl_coef=0.0),  # + a learned reward model
+    # + the critic; the parallel side checkpoints the policy's and the critic's layers
+    "ppo-ac": dict(preset="ppo", num_mini_batches=2),
 }
 GROUP = 4
 
@@ -77,6 +79,18 @@ def examples(method: str) -> list:
                         torch.randint(3, 16, (r,), generator=gen).tolist(), [1] * r)
 
     return [Example((seq(),) if method == "sft" else (seq(), seq())) for _ in range(6)]
+
+
+def critic_model(tmp: str):
+    """The critic of the tiny model (a value head, zero at start, on its decoder)."""
+    from rlhf_trainer.models.critic import ValueModel
+
+    path = os.path.join(tmp, "tiny")
+    if not os.path.exists(os.path.join(path, "config.json")) and int(os.environ.get("RANK", "0")) == 0:
+        build_tiny_qwen2(0).save_pretrained(path)
+    if dist.is_initialized():
+        dist.barrier()
+    return ValueModel(path)
 
 
 def score_model(tmp: str):
@@ -130,12 +144,19 @@ def run(layout: tuple[int, int, int], variant: str, temperature: float,
     policy = build_tiny_qwen2(0).to(device)
     ref = build_tiny_qwen2(0).to(device).eval().requires_grad_(False) if a.kl_coef else None
     reward_model = score_model(tmp).to(device).eval().requires_grad_(False) if variant == "grpo-rm" else None
-    lay = parallelize_models(policy, ref=ref, critic=None, world_size=world, tp=tp, cp=cp,
-                             activation_checkpointing=False, device_type=device.type, reward_model=reward_model)
+    critic = critic_model(tmp).to(device) if a.critic else None
+    checkpointed = variant.endswith("-ac") and world > 1
+    lay = parallelize_models(policy, ref=ref, critic=critic, world_size=world, tp=tp, cp=cp,
+                             activation_checkpointing=checkpointed, device_type=device.type,
+                             reward_model=reward_model)
+    if checkpointed:  # the critic's layers were checkpointed like the policy's
+        assert critic.model.gradient_checkpointing and policy.model.gradient_checkpointing
     for m in (policy, ref):
         if m is not None:
             attach_logprob_head(m, tensor_parallel=tp > 1)
-    models = Models(policy, torch.optim.AdamW(policy.parameters(), lr=1e-2), ref, reward_model=reward_model)
+    models = Models(policy, torch.optim.AdamW(policy.parameters(), lr=1e-2), ref, critic=critic,
+                    critic_optimizer=torch.optim.AdamW(critic.parameters(), lr=1e-2) if critic is not None else None,
+                    reward_model=reward_model)
     step = TrainStep(a, models, lay, max_tokens_per_micro_batch=24, max_grad_norm=0.3, temperature=temperature,
                      device=device, reward_model_weight=0.5)
     batch = RolloutBatch(rows(), GROUP, RolloutStats(*[0] * 12))

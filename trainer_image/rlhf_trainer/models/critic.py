@@ -23,6 +23,9 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.value_head.weight)
         torch.nn.init.zeros_(self.value_head.bias)
 
+    def activation_checkpointing_enable(self, kwargs: dict) -> None:
+        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         """Values [b, L]; extra keyword arguments (an attention mask, context-parallel
         document ids) go to the decoder."""

@@ -15,8 +15,9 @@ from the checkpoint: rank 0 reads the safetensors files (in their stored dtype) 
 streams them tensor by tensor; every rank keeps its shard (`set_model_state_dict` with
 `broadcast_from_rank0`). So no GPU ever holds a whole model, and only rank 0's host reads
 the files. One process on the CPU loads plainly. With `model.lora` the adapters are
-injected before the layout (models/lora.py) and the reference is the policy with them off. Simplification: the critic (PPO only)
-still loads whole on every rank before sharding.
+injected before the layout (models/lora.py) and the reference is the policy with them off. The critic and score models are
+read whole on the host and moved to the GPU a layer at a time by FSDP2 as it shards them
+(`host_until_sharded`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,13 @@ from ..distributed import DistInfo
 from ..parallel.parallelize import Layout, parallelize_models
 from .logprob_head import attach_logprob_head
 from .lora import AdaptersOff, add_adapters, file_key, init_adapters, initial_adapters
+
+
+def host_until_sharded(device: torch.device) -> torch.device:
+    """Where to build a model read whole (the critic, a score model): on GPUs the host, as
+    FSDP2's `fully_shard` moves each decoder layer to the GPU as it shards it, so no GPU
+    ever holds the whole model; elsewhere `device` itself."""
+    return torch.device("cpu") if device.type == "cuda" else device
 
 
 def stored_dtype(path: str) -> torch.dtype:

@@ -14,12 +14,13 @@ class ScoreModel(torch.nn.Module):
     Parameter names (`model.*`, `score.weight`) are those of Hugging Face's
     `*ForSequenceClassification`, whose config it carries, so the export loads as one."""
 
-    def __init__(self, path: str, pad_token_id: int | None, *, require_head: bool = False):
+    def __init__(self, path: str, pad_token_id: int | None, *, require_head: bool = False,
+                 dtype: torch.dtype = torch.float32):
         super().__init__()
         from transformers import AutoModelForSequenceClassification
 
         classifier, info = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=1, dtype=torch.float32, output_loading_info=True)
+            path, num_labels=1, dtype=dtype, output_loading_info=True)
         if not hasattr(classifier, "score"):
             raise ValueError(f"model.path: {type(classifier).__name__} has no `score` head; method rm supports "
                              "decoder families with one (Qwen2, Llama, Mistral, ...)")
@@ -46,9 +47,10 @@ class ScoreModel(torch.nn.Module):
         return self.score(hidden).squeeze(-1).float()
 
 
-def load_reward_model(path: str, device: torch.device, pad_token_id: int | None) -> ScoreModel:
-    """The reward model of `path` (frozen, fp32; FSDP computes in bf16 on GPUs)."""
-    model = ScoreModel(path, pad_token_id, require_head=True)
+def load_reward_model(path: str, device: torch.device, pad_token_id: int | None,
+                      dtype: torch.dtype = torch.float32) -> ScoreModel:
+    """The reward model of `path` (frozen; stored in `dtype`: bf16 on GPUs)."""
+    model = ScoreModel(path, pad_token_id, require_head=True, dtype=dtype)
     if model.config.num_labels != 1:
         raise ValueError(f"reward.model.path: {path} has {model.config.num_labels} labels; a reward model has 1 "
                          "(what method: rm exports)")

@@ -25,7 +25,7 @@ from rlhf_contract.trainer_config import TrainerConfig
 from ..checkpoint import Parts
 from ..distributed import DistInfo
 from ..loop import LoopBase
-from ..models.loading import load_models
+from ..models.loading import host_until_sharded, load_models
 from ..optim import adamw, schedule_factor
 from .data import OfflineData
 from .step import OfflineStep
@@ -45,7 +45,8 @@ class OfflineLoop(LoopBase):
         if config.method == "rm":
             from ..models.score import ScoreModel
 
-            trained = ScoreModel(config.model_path, self.tokenizer.pad_token_id).to(info.device)
+            # on GPUs it stays on the host: FSDP moves it layer by layer as it shards it (no GPU holds it whole)
+            trained = ScoreModel(config.model_path, self.tokenizer.pad_token_id).to(host_until_sharded(info.device))
         self.model, self.ref, self.layout = load_models(config, info, trained=trained,
                                                         with_ref=config.method == "dpo")
         self.optimizer = adamw(self.model, o)

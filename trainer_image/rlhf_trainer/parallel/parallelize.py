@@ -165,8 +165,9 @@ def parallelize_models(policy: torch.nn.Module, *, ref: torch.nn.Module | None, 
                        world_size: int, tp: int, cp: int, activation_checkpointing: bool,
                        device_type: str, reward_model: torch.nn.Module | None = None) -> Layout:
     """TP -> CP -> activation checkpointing -> FSDP2 for the policy (`parallelize`); the
-    reference model and the critic are laid out on the same meshes (no checkpointing:
-    the reference never runs backward, and the critic is small next to the policy)."""
+    reference model, the critic and the reward model are laid out on the same meshes, the
+    critic (which trains) checkpointed like the policy, the frozen ones never (they run no
+    backward)."""
     if tp > 1 and reward_model is not None:
         raise ValueError("trainer.parallelism.tensorParallel > 1 with reward.model is not supported yet; use "
                          "tensorParallel: 1 (FSDP and context parallel work with a reward model)")
@@ -187,6 +188,8 @@ def parallelize_models(policy: torch.nn.Module, *, ref: torch.nn.Module | None, 
         if tp > 1:
             apply_tp(extra, meshes.tp)
         apply_cp(extra.model if extra is critic else extra, meshes.cp if cp > 1 else None)
+        if extra is critic and activation_checkpointing:
+            apply_activation_checkpointing(critic)
         if dp * cp > 1 or device_type == "cuda":
             apply_fsdp_summed(extra, meshes.dp_shard_cp)
     fsdp = dp * cp > 1

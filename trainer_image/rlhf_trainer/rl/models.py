@@ -2,7 +2,10 @@
 `algorithm.klCoef` is set), the critic and its optimizer (PPO), the learned reward model
 (`reward.model`), built and laid out by the shared loader (models/loading.py).
 
-Simplification: the critic (PPO only) still loads whole on every rank before sharding."""
+The critic and the reward model are read on the host and moved to the GPU by FSDP2 one
+decoder layer at a time as it shards them (`fully_shard` moves a module's states to its
+mesh's device): no GPU holds either whole. The reward model is bf16 on GPUs; the critic,
+which trains, keeps fp32 master weights and is checkpointed like the policy."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import torch
 from rlhf_contract.trainer_config import TrainerConfig
 
 from ..distributed import DistInfo
-from ..models.loading import load_models
+from ..models.loading import host_until_sharded, load_models
 from ..optim import adamw
 from ..parallel.parallelize import Layout
 
@@ -44,11 +47,13 @@ def build_models(config: TrainerConfig, info: DistInfo, pad_token_id: int | None
     if a.critic:
         from ..models.critic import ValueModel
 
-        critic = ValueModel(config.model_path).to(info.device)
+        critic = ValueModel(config.model_path).to(host_until_sharded(info.device))
     if config.reward.model is not None:
         from ..models.score import load_reward_model
 
-        reward_model = load_reward_model(config.reward.model.path, info.device, pad_token_id)
+        # frozen: bf16 on GPUs (what it computes in), no optimizer state
+        reward_model = load_reward_model(config.reward.model.path, host_until_sharded(info.device), pad_token_id,
+                                         torch.bfloat16 if info.device.type == "cuda" else torch.float32)
     policy, ref, layout = load_models(config, info, with_ref=bool(a.kl_coef), critic=critic, reward_model=reward_model)
     critic_optimizer = adamw(critic, o, a.critic_learning_rate) if critic is not None else None
     return Models(policy, adamw(policy, o), ref, critic, critic_optimizer, reward_model), layout
