@@ -35,6 +35,14 @@ def test_one_gpu_learns_the_demo_task(tmp_path):
     assert rows[-1]["peak_gpu_memory_bytes"] > 0
 
 
+def test_adamw_is_fused_on_cuda():
+    from rlhf_contract.trainer_config import OptimConfig
+    from rlhf_trainer.optim import adamw
+
+    group = adamw(torch.nn.Linear(4, 4).cuda(), OptimConfig()).param_groups[0]  # the demo above steps it on FSDP2 DTensors
+    assert group["fused"] and not group["foreach"]
+
+
 def test_one_gpu_learns_the_demo_task_with_lora(tmp_path):
     """Adapters under FSDP2's bf16 mixed precision (frozen fp32 base, fp32 adapters)."""
     out = tmp_path / "lora"

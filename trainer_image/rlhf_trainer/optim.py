@@ -43,9 +43,19 @@ def schedule_factor(optim, step: int, total: int) -> float:
 
 
 def adamw(model: torch.nn.Module, optim, learning_rate: float | None = None) -> torch.optim.Optimizer:
-    """AdamW over `model`'s trainable parameters (the trainer config's `optim`)."""
+    """AdamW over `model`'s trainable parameters (the trainer config's `optim`): the fused
+    kernel when they are all on CUDA (DTensors included, on any mix of meshes: torch
+    registers a sharding rule for `_fused_adamw_`), the multi-tensor (foreach) one
+    otherwise. DTensor's multi-tensor kernels refuse a mix of plain tensors and DTensors
+    (pure TP on CPU leaves the norms plain; on CUDA FSDP2 makes every parameter a
+    DTensor): such a mix steps one parameter at a time."""
+    from torch.distributed.tensor import DTensor
+
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=learning_rate or optim.learning_rate, weight_decay=optim.weight_decay)
+    uniform = len({isinstance(p, DTensor) for p in params}) == 1
+    fused = uniform and all(p.device.type == "cuda" for p in params)
+    return torch.optim.AdamW(params, lr=learning_rate or optim.learning_rate, weight_decay=optim.weight_decay,
+                             fused=fused, foreach=uniform and not fused)
 
 
 def scale_lr(optimizers: Iterable[torch.optim.Optimizer | None], factor: float) -> None:
