@@ -61,6 +61,8 @@ class OptimConfig(_Config):
     """Token budget of one packed forward/backward pass."""
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
     """Tensor and context parallel degrees, activation checkpointing."""
+    gpu_memory_gib: float | None = Field(default=None, gt=0, alias="gpuMemoryGiB")
+    """Memory of one GPU for the memory plan (`trainer.gpuMemoryGiB`); null: detected."""
 
 
 class OutputConfig(_Config):
@@ -149,7 +151,8 @@ class TrainerConfig(_Config):
             optim=OptimConfig(learning_rate=t.learning_rate, weight_decay=t.weight_decay,
                               max_grad_norm=t.max_grad_norm, lr_scheduler=t.lr_scheduler, warmup_steps=t.warmup_steps,
                               min_learning_rate_ratio=t.min_learning_rate_ratio,
-                              max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, parallelism=t.parallelism),
+                              max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, parallelism=t.parallelism,
+                              gpu_memory_gib=t.gpu_memory_gib),
             schedule=s.schedule,
             output=OutputConfig(dir=o.dir, keep_checkpoints=o.keep_checkpoints, save_rollouts=o.save_rollouts),
             rollout_startup_timeout_seconds=r.startup_timeout_seconds,

@@ -1,9 +1,11 @@
-"""`rlhfctl`: run a job locally, validate a job file, render the manifests the operator
-would create for it, export a checkpoint as a model, plot runs' metrics, print the CRD."""
+"""`rlhfctl`: run a job locally, validate a job file, plan its GPU memory, render the
+manifests the operator would create for it, export a checkpoint as a model, plot runs'
+metrics, print the CRD."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -50,6 +52,80 @@ def _cmd_validate(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     print(f"{args.job}: valid RLHFJob {job.metadata.name!r}")
+    return 0
+
+
+def _plan_model_config(path: str, seed: int) -> dict:
+    """The config.json of `model.path` (a built-in model's own config), or a ValueError."""
+    from rlhf_trainer.memory_plan import read_model_config
+    from rlhf_trainer.models.builtin import BUILTIN_MODELS, BUILTIN_PREFIX, build_tiny_qwen2
+
+    if path.startswith(BUILTIN_PREFIX):
+        name = path[len(BUILTIN_PREFIX):]
+        if name not in BUILTIN_MODELS:
+            raise ValueError(f"model.path: unknown built-in model {path!r}")
+        return build_tiny_qwen2(seed, name).config.to_dict()
+    config = read_model_config(path)
+    if config is None:
+        raise ValueError(f"model.path: {path} has no readable config.json on this machine (the plan reads only "
+                         "that file: give it with --model-config FILE)")
+    return config
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    """The trainer's GPU memory plan (rlhf_trainer/memory_plan.py) for a job: a table, and
+    exit 2 with the preflight's message when it does not fit."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from rlhf_contract.api import JobError, load_job
+    from rlhf_contract.trainer_config import TrainerConfig
+    from rlhf_trainer.memory_plan import GIB, detect_gpu_bytes, gib, plan
+
+    try:
+        job = load_job(args.job, args.set)
+    except JobError as err:
+        print(err, file=sys.stderr)
+        return 1
+    config = TrainerConfig.from_job(job)
+    t = job.spec.trainer
+    world = args.gpus or t.num_nodes * t.nproc_per_node
+    size = args.gpu_memory_gib or config.optim.gpu_memory_gib
+    gpu = gib(size) if size else detect_gpu_bytes()
+    if gpu is None:
+        print("error: no GPU here to read its memory from: give --gpu-memory-gib N (or set trainer.gpuMemoryGiB)",
+              file=sys.stderr)
+        return 1
+    try:
+        model = (json.loads(Path(args.model_config).read_text()) if args.model_config
+                 else _plan_model_config(config.model_path, config.schedule.seed))
+        rm = _plan_model_config(config.reward.model.path, 0) if config.reward.model is not None else None
+        result = plan(config, model, world, gpu, reward_model_config=rm)
+    except (OSError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    p = config.optim.parallelism
+    table = Table(title=f"{job.metadata.name}: memory per GPU, {world} trainer GPUs of {gpu / GIB:.1f} GiB "
+                        f"(tensorParallel {p.tensor_parallel}, contextParallel {p.context_parallel}, "
+                        f"maxTokensPerMicroBatch {result.tokens}, activation checkpointing "
+                        f"{'on' if result.activation_checkpointing else 'off'})")
+    table.add_column("term")
+    table.add_column("when")
+    table.add_column("GiB", justify="right")
+    table.add_column("how", overflow="fold")
+    for term in result.terms:
+        table.add_row(term.name, term.phase, f"{term.bytes / GIB:.2f}", term.note)
+    table.add_section()
+    table.add_row("total (peak)", result.peak_phase, f"{result.total / GIB:.1f}",
+                  "CUDA context and NCCL + fragmentation margin included", style="bold")
+    console = Console(width=max(Console().width, 120))
+    console.print(table)
+    for note in result.notes:
+        console.print(f"note: {note}")
+    if not result.fits:
+        print(result.message(), file=sys.stderr)
+        return 2
+    console.print(f"fits: {result.total / GIB:.1f} of {gpu / GIB:.1f} GiB per GPU")
     return 0
 
 
@@ -167,6 +243,15 @@ def build_parser() -> argparse.ArgumentParser:
     validate = sub.add_parser("validate", help="check a job file and report every problem")
     add_job_args(validate)
     validate.set_defaults(func=_cmd_validate)
+
+    plan_cmd = sub.add_parser("plan", help="print the trainer's GPU memory plan of a job; exit 2 when it does not fit")
+    add_job_args(plan_cmd)
+    plan_cmd.add_argument("--gpu-memory-gib", type=float, help="memory of one trainer GPU (default: "
+                          "trainer.gpuMemoryGiB, else this machine's GPU)")
+    plan_cmd.add_argument("--gpus", type=int, help="trainer GPUs (default: trainer.numNodes x trainer.nprocPerNode)")
+    plan_cmd.add_argument("--model-config", metavar="FILE",
+                          help="the model's config.json, when model.path is not on this machine")
+    plan_cmd.set_defaults(func=_cmd_plan)
 
     render = sub.add_parser("render", help="print the manifests the operator would create for a job (YAML)")
     add_job_args(render)

@@ -8,6 +8,8 @@ field and what to change; the data's warnings go to stderr. The launcher
 (`python -m rlhf_trainer.launch`) runs it first thing in a trainer pod and in local mode,
 and exits with code 2 (the operator's "bad config: fail at once") instead of starting
 torchrun, so such a job fails in seconds rather than after every allowed restart.
+When a GPU's memory is known (`trainer.gpuMemoryGiB`, else `nvidia-smi`) it also refuses
+a job whose memory plan (memory_plan.py) does not fit, naming the fields to change.
 """
 
 from __future__ import annotations
@@ -111,6 +113,32 @@ def tracking_problems(config: TrainerConfig) -> list[str]:
     return problems
 
 
+def gpu_memory_bytes(config: TrainerConfig) -> int | None:
+    """One trainer GPU's memory: `trainer.gpuMemoryGiB`, else `nvidia-smi`'s, else None
+    (no GPU: local CPU mode)."""
+    from .memory_plan import detect_gpu_bytes, gib
+
+    return gib(config.optim.gpu_memory_gib) if config.optim.gpu_memory_gib else detect_gpu_bytes()
+
+
+def memory_problems(config: TrainerConfig, world_size: int, model: dict | None) -> list[str]:
+    """The memory plan's problem (memory_plan.py) when the job cannot fit in one GPU's memory;
+    nothing without a GPU to plan for or a model config to plan from."""
+    gpu = gpu_memory_bytes(config) if model is not None else None
+    if gpu is None:
+        return []
+    from .memory_plan import plan, read_model_config
+
+    rm = read_model_config(config.reward.model.path) if config.reward.model is not None else None
+    try:
+        result = plan(config, model, world_size, gpu, reward_model_config=rm)
+    except Exception as err:  # a model family the plan cannot build: say so, do not refuse the job
+        print(f"warning: no memory plan for {config.model_path} ({type(err).__name__}: {err})", file=sys.stderr,
+              flush=True)
+        return []
+    return [] if result.fits else [result.message()]
+
+
 def check(config: TrainerConfig, world_size: int) -> list[str]:
     """The problems of `config` for a trainer world of `world_size` processes."""
     problems = []
@@ -121,6 +149,7 @@ def check(config: TrainerConfig, world_size: int) -> list[str]:
     data = config.data.path
     problems += _data_problems(config, model_ok=error is None)
     problems += tracking_problems(config)
+    problems += memory_problems(config, world_size, model)
     if config.method != "rl":
         if data.startswith("builtin://"):
             from .offline.data import BUILTIN_OFFLINE

@@ -118,8 +118,10 @@ class ParallelismSpec(SpecModel):
     """Tensor-parallel degree (within a node); must divide the attention and KV heads."""
     context_parallel: int = Field(default=1, ge=1)
     """Context-parallel degree: each rank holds a contiguous slice of the packed sequence."""
-    activation_checkpointing: bool = False
-    """Recompute each decoder layer's activations in the backward pass."""
+    activation_checkpointing: bool | None = None
+    """Recompute each decoder layer's activations in the backward pass. Unset: on GPUs,
+    on exactly when the memory plan without it does not fit (`rlhfctl plan` shows the
+    decision); on CPU (local mode), off."""
 
 
 class TrainerSpec(SpecModel):
@@ -152,6 +154,11 @@ class TrainerSpec(SpecModel):
     log-prob head never holds more than 1024 tokens of fp32 logits)."""
     parallelism: "ParallelismSpec" = Field(default_factory=lambda: ParallelismSpec())
     """How the model and the sequences are split over the trainer processes."""
+    gpu_memory_gib: float | None = Field(default=None, gt=0, le=4096, alias="gpuMemoryGiB")
+    """Memory of one trainer GPU in GiB, for the memory plan that the trainer checks before
+    it loads anything (a job that cannot fit fails at once, naming what to change). Unset:
+    the trainer pod reads it from `nvidia-smi`; with neither (local CPU mode) no plan is
+    checked. `rlhfctl plan` prints the plan."""
     resources: Resources = Field(default_factory=Resources)
     """CPU and memory of each trainer pod's container (GPUs: `nprocPerNode`)."""
 

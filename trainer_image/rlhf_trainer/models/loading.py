@@ -31,6 +31,7 @@ import torch.distributed as dist
 from rlhf_contract.trainer_config import TrainerConfig
 
 from ..distributed import DistInfo
+from ..memory_plan import trainer_checkpointing
 from ..parallel.parallelize import Layout, parallelize_models
 from .logprob_head import attach_logprob_head
 from .lora import AdaptersOff, add_adapters, file_key, init_adapters, initial_adapters
@@ -156,8 +157,10 @@ def load_models(config: TrainerConfig, info: DistInfo, *, trained: torch.nn.Modu
     separate_ref = with_ref and config.lora is None
     ref = new(config.model_path, ref_dtype).eval().requires_grad_(False) if separate_ref else None
     p = config.optim.parallelism
+    # unset: off on CPU, on GPUs decided by the memory plan (memory_plan.py)
+    checkpointing = trainer_checkpointing(config, info.world_size, info.device)
     layout = parallelize_models(model, ref=ref, critic=critic, world_size=info.world_size, tp=p.tensor_parallel,
-                                cp=p.context_parallel, activation_checkpointing=p.activation_checkpointing,
+                                cp=p.context_parallel, activation_checkpointing=checkpointing,
                                 device_type=info.device.type, reward_model=reward_model)
     for m in ((model, ref) if lm else (ref,)):
         if m is not None:

@@ -1,0 +1,531 @@
+"""A GPU memory plan of a job, before anything loads: per-GPU bytes of each thing the
+trainer holds, the peak, whether it fits, and the largest `trainer.maxTokensPerMicroBatch`
+that would.
+
+`plan(config, model_config, world_size, gpu_bytes)` is a pure function of the job (the
+trainer config, the model's config.json, the number of trainer processes, the memory of
+one GPU). The peak is
+
+    CUDA_CONTEXT_BYTES + (1 + FRAGMENTATION) x max over phases of (persistent + phase)
+
+where the phases are one micro-batch's forward and backward, the optimizer step, the
+weight sync (rank 0) and the load (models that load whole before sharding).
+
+What the plan assumes the code does (read from the code, keep it in step):
+
+- Layout (parallel/parallelize.py): FSDP2 `fully_shard` per decoder layer and on the root
+  over `dp_shard_cp` (data x context ranks); tensor parallelism (tensor_parallel.py)
+  splits every decoder linear and the embedding and head over `tp`, norms are replicated.
+  So a parameter's bytes are divided by dp x cp, and by tp when TP splits it.
+- Policy (models/loading.py): fp32 master weights, fp32 AdamW state (exp_avg,
+  exp_avg_sq: 8 bytes per trained parameter), and gradients ASSUMED reduce-scattered
+  every micro-batch: fp32 and sharded. On CUDA the MixedPrecisionPolicy computes in bf16:
+  FSDP holds unsharded bf16 copies of the root (embedding, head, final norm: FSDP2 does
+  not reshard the root after forward, so they live through forward and backward), of the
+  current layer and the prefetched one, and in backward one layer's unsharded bf16
+  gradients and their fp32 copy for the fp32 reduce-scatter, plus the head's unsharded
+  bf16 gradient (reduced with the root, at the end of backward).
+- LoRA (models/lora.py): the base stays in fp32 (frozen, sharded), only adapters have
+  gradients and AdamW state; the reference is the base with the adapters off (no copy).
+- Reference model (`algorithm.klCoef` != 0 without LoRA, or `method: dpo`): a second
+  copy in bf16, sharded like the policy, no gradients; its forward runs under no_grad,
+  before the micro-batches, so its working set (two unsharded bf16 layers and the head's
+  chunk) never adds to the policy's activations.
+- Critic (`algorithm.critic`, rl/models.py): a copy of the decoder that trains like the
+  policy (fp32 + fp32 gradients + AdamW, sharded), NOT checkpointed (parallelize_models),
+  run after the policy's backward in each micro-batch, so the activation peak is the larger
+  of the two. It loads whole in fp32 on every GPU before sharding: the load phase.
+- Reward model (`reward.model`, models/score.py): fp32, loaded whole on every GPU, then
+  sharded by FSDP; scored without gradients.
+- Activations: MEASURED per decoder layer for this model's shapes: the real Hugging Face
+  model (one and two layers, real hidden / intermediate / head sizes) with the trainer's
+  attention (`apply_cp(model, None)`: per-document SDPA from explicit boundaries), run
+  under FakeTensorMode (no memory) in the training dtype at `MEASURE_TOKENS` tokens of two
+  documents, counting the storages saved for backward (`saved_tensors_hooks`, parameters
+  excluded, storages deduplicated); the two-layer minus the one-layer figure is one
+  layer's, the rest is the embedding's and rotary's. With activation checkpointing each
+  layer keeps its input (the residual stream, [tokens, hidden]) and ONE layer's saved set
+  exists during its recompute. Backward adds a working set of its own (the gradients of a
+  layer's largest intermediates): `BACKWARD_WORKING_FACTOR` x one layer's saved set,
+  calibrated against the allocator's measured peak (tests/unit/test_memory_plan.py).
+  Tokens per GPU are maxTokensPerMicroBatch / contextParallel (context parallelism's
+  gathered K/V, [tokens, kv heads x head dim] x 2 per layer, is counted in the saved set only
+  as the local slice: a simplification).
+- Log-prob head (models/logprob_head.py): one chunk of HEAD_CHUNK_TOKENS x vocab / tp in
+  fp32, `HEAD_LIVE_CHUNKS` such tensors live at its peak (the logits, the scaled
+  logits, the softmax and the gradients of the recompute), plus the final hidden states
+  and their gradient ([tokens, hidden] each).
+- Weight sync (weight_sync/sender.py, buckets.py): on rank 0, 3 pack buffers of the bucket
+  size (1 GiB) and the largest tensor gathered whole in fp32 and cast to the wire dtype
+  (bf16); between steps, when no activation is alive.
+- Optimizer step: torch's foreach AdamW makes one temporary of the size of the shard's
+  exp_avg_sq (fp32).
+- Fixed: CUDA context, NCCL communicators and cuBLAS workspaces, `CUDA_CONTEXT_BYTES`
+  (1.5 GiB), and `FRAGMENTATION` (10 %) of everything else for the caching allocator.
+
+Not planned: pipeline parallelism (none exists), DeepSpeed, the rollout servers' GPUs (vLLM
+plans its own with `rollout.vllm.gpuMemoryUtilization`), host memory.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, field
+
+GIB = 1 << 30
+CUDA_CONTEXT_BYTES = int(1.5 * GIB)
+"""CUDA context, NCCL communicators (world, FSDP, TP, CP, weight sync) and cuBLAS workspaces."""
+FRAGMENTATION = 0.10
+"""Share of the planned bytes added for the caching allocator's fragmentation."""
+MEASURE_TOKENS = 2048
+"""Tokens of the fake forward that measures a layer's saved activations (linear in tokens:
+the attention is per document through SDPA's flash / memory-efficient kernels)."""
+BACKWARD_WORKING_FACTOR = 0.3
+"""Backward's own working set (a layer's activation gradients), as a fraction of one layer's
+saved set: calibrated on CPU against the allocator's peak (see the test)."""
+HEAD_LIVE_CHUNKS = 5
+"""fp32 [chunk, vocab / tp] tensors live at the log-prob head's peak (recompute + backward of
+one chunk: scaled logits, softmax, their product, and two gradients); measured in the test."""
+WEIGHT_SYNC_BUFFERS = 3
+"""Pack buffers of one weight-sync round (sender.py: one broadcasting, one queued, one filling)."""
+TOKEN_STEP = 512
+"""maxTokensPerMicroBatch suggestions are multiples of this."""
+
+
+@dataclass(frozen=True)
+class Term:
+    """Per-GPU bytes of one thing the trainer holds."""
+
+    name: str
+    bytes: int
+    phase: str
+    """`persistent`, or the phase it exists in: `micro-batch`, `optimizer step`, `weight sync`, `load`."""
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    terms: tuple[Term, ...]
+    gpu_bytes: int
+    activation_checkpointing: bool
+    """The setting planned (the resolved default when the spec leaves it unset)."""
+    checkpointing_decided: bool
+    """The spec leaves activationCheckpointing unset: the plan chose it."""
+    tokens: int
+    """trainer.maxTokensPerMicroBatch planned."""
+    peak_phase: str
+    total: int
+    max_tokens: int | None = None
+    """Largest multiple of TOKEN_STEP that fits with the planned checkpointing (None: none)."""
+    max_tokens_checkpointed: int | None = None
+    """The same with activation checkpointing on."""
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.gpu_bytes
+
+    def message(self) -> str:
+        """The preflight problem when it does not fit ("" when it does)."""
+        if self.fits:
+            return ""
+        fixes = []
+        if not self.activation_checkpointing and self.max_tokens_checkpointed is not None:
+            on = self.max_tokens_checkpointed
+            fixes.append("set trainer.parallelism.activationCheckpointing: true"
+                         + ("" if on >= self.tokens else f" with trainer.maxTokensPerMicroBatch <= {on}"))
+        if self.max_tokens is not None:
+            fixes.append(f"trainer.maxTokensPerMicroBatch <= {self.max_tokens}")
+        if not fixes:
+            fixes.append("more GPUs (trainer.numNodes x trainer.nprocPerNode), model.lora, or a smaller model: "
+                         "the weights and optimizer state alone do not fit")
+        return (f"spec.trainer: the plan needs {self.total / GIB:.1f} GiB per GPU of {self.gpu_bytes / GIB:.1f}: "
+                + ", or ".join(fixes) + " (rlhfctl plan job.yaml shows the plan)")
+
+
+# ---- the model's shapes --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Parameter counts of a decoder model, per TP rank where TP splits them."""
+
+    num_layers: int
+    hidden: int
+    vocab: int
+    layer: int
+    """Parameters of one decoder layer."""
+    layer_replicated: int
+    """... replicated over tensor-parallel ranks (norms, adapters); the rest splits."""
+    layer_trainable: int
+    """... that train (LoRA: the adapters)."""
+    embed: int
+    head: int
+    """Untied output head (0 when tied to the embedding)."""
+    norm: int
+    largest: int
+    """Elements of the largest single parameter (gathered whole by the weight sync)."""
+
+    def total(self, *, head: bool = True) -> int:
+        return self.num_layers * self.layer + self.embed + self.norm + (self.head if head else 0)
+
+    def root_tp(self, tp: int, *, head: bool = True) -> float:
+        return (self.embed + (self.head if head else 0)) / tp + self.norm
+
+
+def _hf_config(model_config: dict, num_layers: int | None = None):
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in model_config.items() if k not in ("architectures", "transformers_version", "_name_or_path")}
+    if num_layers is not None:
+        fields["num_hidden_layers"] = num_layers
+        fields.pop("layer_types", None)
+    kind = fields.pop("model_type", None)
+    if kind is None:
+        raise ValueError("model.path: config.json has no model_type")
+    return AutoConfig.for_model(kind, **fields)
+
+
+def _lora_key(lora) -> str | None:
+    return None if lora is None else json.dumps(lora.model_dump(mode="json"), sort_keys=True)
+
+
+def _lora_spec(key: str | None):
+    if key is None:
+        return None
+    from rlhf_contract.api.models import LoraSpec
+
+    return LoraSpec.model_validate(json.loads(key))
+
+
+def _dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
+
+
+@functools.lru_cache(maxsize=32)
+def _model_shape(config_json: str, lora_key: str | None) -> ModelShape:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .parallel.tensor_parallel import LAYER_PLAN
+
+    model_config = json.loads(config_json)
+    hf = _hf_config(model_config, num_layers=1)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf, dtype=torch.float32)
+    if lora_key is not None:
+        from .models.lora import add_adapters
+
+        add_adapters(model, _lora_spec(lora_key))
+    layer_mod = model.model.layers[0]
+    params = dict(layer_mod.named_parameters())
+    # norms and adapters are replicated over TP; the linears of LAYER_PLAN split
+    replicated = sum(p.numel() for name, p in params.items()
+                     if not any(name.startswith(prefix + ".") for prefix in LAYER_PLAN) or ".lora_" in name)
+    trainable = sum(p.numel() for p in params.values() if p.requires_grad or lora_key is None)
+    embed = model.model.embed_tokens.weight.numel()
+    head_w = model.get_output_embeddings().weight
+    head = 0 if head_w is model.model.embed_tokens.weight else head_w.numel()
+    norm = sum(p.numel() for p in model.model.norm.parameters())
+    largest = max(p.numel() for p in model.parameters())
+    return ModelShape(num_layers=int(model_config["num_hidden_layers"]), hidden=int(hf.hidden_size),
+                      vocab=int(hf.vocab_size), layer=sum(p.numel() for p in params.values()), layer_replicated=replicated,
+                      layer_trainable=int(trainable), embed=embed, head=head, norm=norm, largest=largest)
+
+
+def model_shape(model_config: dict, lora=None) -> ModelShape:
+    """Parameter counts of the causal LM of `model_config` (a config.json dict), with the
+    adapters of `lora` (a `model.lora` spec) when given."""
+    return _model_shape(json.dumps(model_config, sort_keys=True), _lora_key(lora))
+
+
+def _layer_tp(shape: ModelShape, tp: int) -> float:
+    """One layer's parameters on one TP rank."""
+    return shape.layer_replicated + (shape.layer - shape.layer_replicated) / tp
+
+
+# ---- measured activations --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Activations:
+    """Bytes per token saved for backward, measured."""
+
+    per_layer: float
+    """One decoder layer's saved set."""
+    layer_input: float
+    """One layer's input, [hidden] in the compute dtype (what checkpointing keeps)."""
+    outside: float
+    """Saved outside the decoder layers (embedding output, rotary tables, ...)."""
+
+
+def _saved_bytes(config_json: str, num_layers: int, dtype: str, lora_key: str | None, tokens: int) -> int:
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import AutoModelForCausalLM
+
+    from .parallel.context_parallel import apply_cp
+
+    hf = _hf_config(json.loads(config_json), num_layers=num_layers)
+    with FakeTensorMode():
+        with torch.device("cpu"):
+            model = AutoModelForCausalLM.from_config(hf, dtype=_dtype(dtype))
+        if lora_key is not None:
+            from .models.lora import add_adapters
+
+            add_adapters(model, _lora_spec(lora_key))
+        apply_cp(model, None)  # the trainer's attention: per-document SDPA from explicit bounds
+        model.train()
+        own = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
+        embeds = torch.zeros(1, tokens, hf.hidden_size, dtype=_dtype(dtype), requires_grad=True)
+        half = tokens // 2
+        saved: dict[int, int] = {}
+        keep = []
+
+        def pack(t):
+            storage = t.untyped_storage()
+            if storage._cdata not in own:
+                saved[storage._cdata] = storage.nbytes()
+                keep.append(storage)  # the id stays this storage's while we count
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model.model(inputs_embeds=embeds, position_ids=torch.arange(tokens)[None],
+                        document_ids=torch.cat([torch.zeros(half, dtype=torch.long),
+                                                torch.ones(tokens - half, dtype=torch.long)])[None],
+                        document_bounds=(0, half, tokens), use_cache=False)
+    return sum(saved.values())
+
+
+@functools.lru_cache(maxsize=64)
+def _activations(config_json: str, dtype: str, lora_key: str | None, tokens: int) -> Activations:
+    one = _saved_bytes(config_json, 1, dtype, lora_key, tokens)
+    two = _saved_bytes(config_json, 2, dtype, lora_key, tokens)
+    hidden = json.loads(config_json)["hidden_size"]
+    size = _dtype(dtype).itemsize
+    return Activations(per_layer=(two - one) / tokens, layer_input=hidden * size, outside=(2 * one - two) / tokens)
+
+
+def activations(model_config: dict, dtype: str = "bfloat16", lora=None, tokens: int = MEASURE_TOKENS) -> Activations:
+    """Measured bytes per token saved for backward by one decoder layer of `model_config`
+    (and outside the layers) in `dtype`; cached per shape."""
+    return _activations(json.dumps(model_config, sort_keys=True), dtype, _lora_key(lora), tokens)
+
+
+def activation_bytes(act: Activations, num_layers: int, tokens: int, checkpointing: bool) -> float:
+    """Peak bytes of a model's activations in one forward + backward of `tokens` tokens."""
+    working = (1 + BACKWARD_WORKING_FACTOR) * act.per_layer  # the layer in backward: its saved set + gradients
+    if checkpointing:
+        per_token = num_layers * act.layer_input + working + act.outside
+    else:
+        per_token = (num_layers - 1) * act.per_layer + working + act.outside
+    return tokens * per_token
+
+
+# ---- the plan -------------------------------------------------------------------------
+
+def _uses_reference(config) -> bool:
+    if config.lora is not None:
+        return False  # the base with the adapters off
+    return config.method == "dpo" or (config.method == "rl" and bool(config.algorithm.kl_coef))
+
+
+def _terms(config, model_config: dict, world_size: int, *, tokens: int, checkpointing: bool, dtype: str,
+           reward_model_config: dict | None, cuda: bool) -> list[Term]:
+    p = config.optim.parallelism
+    tp, cp = p.tensor_parallel, p.context_parallel
+    shard = max(world_size // tp, 1)  # FSDP's dp_shard x cp
+    lora = config.lora
+    s = model_shape(model_config, lora)
+    is_rm = config.method == "rm"  # a score model: no LM head (a one-label score head)
+    causal = not is_rm
+    layer_tp = _layer_tp(s, tp)
+    params_local = (s.num_layers * layer_tp + s.root_tp(tp, head=causal)) / shard
+    trained_local = params_local if lora is None else s.num_layers * s.layer_trainable / shard
+    size = _dtype(dtype).itemsize
+    local_tokens = -(-tokens // cp)
+    terms = [
+        Term("policy weights (fp32)", int(4 * params_local), "persistent",
+             f"{s.total(head=causal) / 1e9:.2f} B parameters / {shard} FSDP ranks" + (f" / tp {tp}" if tp > 1 else "")),
+        Term("policy gradients (fp32, sharded)", int(4 * trained_local), "persistent",
+             "LoRA adapters only" if lora else "reduce-scattered every micro-batch"),
+        Term("AdamW state (fp32)", int(8 * trained_local), "persistent", "exp_avg + exp_avg_sq"),
+    ]
+    if _uses_reference(config):
+        terms.append(Term("reference model", int((2 if cuda else 4) * params_local), "persistent",
+                          "bf16, sharded like the policy" if cuda else "fp32"))
+    critic = config.method == "rl" and bool(config.algorithm.critic)
+    if critic:
+        critic_local = (s.num_layers * layer_tp + s.root_tp(tp, head=False)) / shard
+        terms.append(Term("critic weights + gradients + AdamW", int(16 * critic_local), "persistent",
+                          "fp32, trains like the policy"))
+        terms.append(Term("critic loading whole", int(4 * s.total(head=False)), "load",
+                          "rl/models.py loads it whole on every GPU before sharding"))
+    rm_shape = None
+    if config.method == "rl" and config.reward.model is not None and reward_model_config is not None:
+        rm_shape = model_shape(reward_model_config)
+        terms.append(Term("reward model (fp32, sharded)", int(4 * rm_shape.total(head=False) / shard), "persistent"))
+        terms.append(Term("reward model loading whole", int(4 * rm_shape.total(head=False)), "load",
+                          "models/score.py loads it whole in fp32 before sharding"))
+    # FSDP's unsharded compute copies (bf16 on CUDA; on one CPU process nothing is copied)
+    if cuda or shard > 1:
+        root = s.root_tp(tp, head=causal)
+        head_grad = (s.head or s.embed) / tp if (causal and lora is None) else 0
+        layer_grads = s.layer_trainable / (tp if lora is None else 1)
+        unsharded = size * (root + 2 * layer_tp) + size * head_grad + (size + 4) * layer_grads
+        terms.append(Term("FSDP unsharded params + grads", int(unsharded), "micro-batch",
+                          "root (embedding, head) + 2 layers, one layer's gradients in bf16 and fp32, the head's"))
+    act = activations(model_config, dtype, lora)
+    policy_act = activation_bytes(act, s.num_layers, local_tokens, checkpointing)
+    act_note = (f"{s.num_layers} layers x {local_tokens} tokens x "
+                + (f"{act.layer_input / 1024:.1f} KiB kept + one layer's {act.per_layer / 1024:.0f} KiB"
+                   if checkpointing else f"{act.per_layer / 1024:.0f} KiB")
+                + f" per token (measured), checkpointing {'on' if checkpointing else 'off'}")
+    if critic:
+        critic_act = activation_bytes(act, s.num_layers, local_tokens, False)  # the critic is not checkpointed
+        if critic_act > policy_act:
+            policy_act, act_note = critic_act, act_note + "; the critic's (not checkpointed) is larger"
+    terms.append(Term("activations", int(policy_act), "micro-batch", act_note))
+    if causal:
+        from .models.logprob_head import HEAD_CHUNK_TOKENS
+
+        chunk = min(HEAD_CHUNK_TOKENS, local_tokens)
+        head_bytes = HEAD_LIVE_CHUNKS * chunk * (s.vocab / tp) * 4
+        terms.append(Term("log-prob head", int(head_bytes), "micro-batch",
+                          f"{HEAD_LIVE_CHUNKS} x [{chunk}, {s.vocab // tp}] fp32"))
+    terms.append(Term("final hidden states + gradient", int(2 * local_tokens * s.hidden * size), "micro-batch"))
+    terms.append(Term("AdamW step temporaries", int(4 * trained_local), "optimizer step", "foreach sqrt(exp_avg_sq)"))
+    if config.method == "rl":
+        from .weight_sync.buckets import DEFAULT_BUCKET_BYTES
+
+        largest = s.largest * (4 + 2)  # gathered whole in fp32, cast to the wire dtype
+        terms.append(Term("weight-sync buffers (rank 0)", int(WEIGHT_SYNC_BUFFERS * DEFAULT_BUCKET_BYTES + largest),
+                          "weight sync", f"{WEIGHT_SYNC_BUFFERS} x {DEFAULT_BUCKET_BYTES / GIB:.0f} GiB buckets + the "
+                                         "largest tensor gathered whole"))
+    return terms
+
+
+def _total(terms: list[Term], cuda: bool) -> tuple[int, str]:
+    persistent = sum(t.bytes for t in terms if t.phase == "persistent")
+    phases: dict[str, int] = {}
+    for t in terms:
+        if t.phase != "persistent":
+            phases[t.phase] = phases.get(t.phase, 0) + t.bytes
+    peaks = {phase: (b if phase == "load" else persistent + b) for phase, b in phases.items()}
+    phase = max(peaks, key=peaks.get) if peaks else "persistent"
+    peak = peaks.get(phase, persistent)
+    fixed = CUDA_CONTEXT_BYTES if cuda else 0
+    return int(fixed + (1 + FRAGMENTATION) * peak), phase
+
+
+def plan(config, model_config: dict, world_size: int, gpu_bytes: int, *, dtype: str = "bfloat16",
+         reward_model_config: dict | None = None, checkpointing: bool | None = None,
+         cuda: bool = True) -> MemoryPlan:
+    """The memory plan of `config` (a TrainerConfig) for the model of `model_config` (its
+    config.json) over `world_size` trainer processes with `gpu_bytes` per GPU.
+
+    `checkpointing`: plan with this setting instead of the spec's; when the spec leaves
+    `trainer.parallelism.activationCheckpointing` unset, the plan decides it (`resolve`).
+    `cuda=False` plans a CPU process (fp32, no context, no FSDP copies on one process)."""
+    tokens = config.optim.max_tokens_per_micro_batch
+    spec = config.optim.parallelism.activation_checkpointing
+    decided = spec is None and checkpointing is None
+    args = dict(dtype=dtype, reward_model_config=reward_model_config, cuda=cuda)
+
+    def total_at(t: int, ckpt: bool) -> tuple[int, str, list[Term]]:
+        terms = _terms(config, model_config, world_size, tokens=t, checkpointing=ckpt, **args)
+        return (*_total(terms, cuda), terms)
+
+    if checkpointing is None:
+        checkpointing = spec if spec is not None else total_at(tokens, False)[0] > gpu_bytes
+    total, phase, terms = total_at(tokens, checkpointing)
+
+    def largest_fitting(ckpt: bool) -> int | None:
+        low, high = 0, max(tokens // TOKEN_STEP, 1) * 4  # in TOKEN_STEP units; beyond 4x the budget is moot
+        if total_at(TOKEN_STEP, ckpt)[0] > gpu_bytes:
+            return None
+        low = 1
+        while low < high:  # total is monotone in tokens
+            mid = (low + high + 1) // 2
+            if total_at(mid * TOKEN_STEP, ckpt)[0] <= gpu_bytes:
+                low = mid
+            else:
+                high = mid - 1
+        return low * TOKEN_STEP
+
+    notes = []
+    if decided:
+        notes.append(f"trainer.parallelism.activationCheckpointing is unset: the plan turns it "
+                     f"{'on (the plan without it does not fit)' if checkpointing else 'off (the plan fits without it)'}"
+                     if cuda else "trainer.parallelism.activationCheckpointing is unset: off on CPU")
+    fits = total <= gpu_bytes
+    return MemoryPlan(terms=tuple(terms), gpu_bytes=gpu_bytes, activation_checkpointing=checkpointing,
+                      checkpointing_decided=decided, tokens=tokens, peak_phase=phase, total=total,
+                      max_tokens=None if fits else largest_fitting(checkpointing),
+                      max_tokens_checkpointed=None if fits or checkpointing else largest_fitting(True),
+                      notes=tuple(notes))
+
+
+def resolve_checkpointing(config, model_config: dict | None, world_size: int, gpu_bytes: int | None,
+                          cuda: bool, reward_model_config: dict | None = None) -> bool:
+    """`trainer.parallelism.activationCheckpointing` as the trainer applies it: the spec's
+    value when set; unset: off on CPU (local mode stays fast), on CUDA on exactly when the
+    plan without it does not fit in `gpu_bytes` (on when no plan can be made)."""
+    spec = config.optim.parallelism.activation_checkpointing
+    if spec is not None:
+        return spec
+    if not cuda:
+        return False
+    if model_config is None or gpu_bytes is None:
+        return True
+    try:
+        unplanned = plan(config, model_config, world_size, gpu_bytes, checkpointing=False,
+                         reward_model_config=reward_model_config)
+    except Exception:  # a model family the plan cannot build: the safe setting
+        return True
+    return unplanned.total > gpu_bytes
+
+
+def gib(n: float) -> int:
+    return int(n * GIB)
+
+
+def read_model_config(path: str) -> dict | None:
+    """A model directory's config.json, or None (not a directory, unreadable)."""
+    from pathlib import Path
+
+    try:
+        return json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def detect_gpu_bytes() -> int | None:
+    """The memory of this machine's first GPU (`nvidia-smi`), or None without one."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+        return int(float(out.split()[0])) << 20  # MiB
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def trainer_checkpointing(config, world_size: int, device) -> bool:
+    """What the trainer applies for `trainer.parallelism.activationCheckpointing` on
+    `device` (a torch.device): `resolve_checkpointing` with the GPU's own memory unless
+    `trainer.gpuMemoryGiB` is set. Every rank computes the same answer."""
+    if config.optim.parallelism.activation_checkpointing is not None or device.type != "cuda":
+        return resolve_checkpointing(config, None, world_size, None, cuda=device.type == "cuda")
+    import torch
+
+    gpu = (gib(config.optim.gpu_memory_gib) if config.optim.gpu_memory_gib
+           else torch.cuda.get_device_properties(device).total_memory)
+    rm = read_model_config(config.reward.model.path) if config.reward.model is not None else None
+    return resolve_checkpointing(config, read_model_config(config.model_path), world_size, gpu, cuda=True,
+                                 reward_model_config=rm)
