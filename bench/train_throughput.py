@@ -3,21 +3,38 @@ same model on the same sequences, in the same run.
 
     python bench/train_throughput.py            # CUDA: Qwen2.5-1.5B shape; CPU: a small Qwen2
     python bench/train_throughput.py --steps 5 --shape small
+    python bench/train_throughput.py --shape tiny --steps 1   # seconds on CPU (the CI check)
 
 Ours: `TrainStep` (packed, balanced micro-batches, per-document attention, chunked
-log-prob head, PPO token loss, clipping, AdamW; on CUDA FSDP2 bf16 mixed precision over a
-mesh of one). Peer: the usual padded `[b, T]` batch through `model(input_ids,
-attention_mask).logits`, log_softmax of the full logits, the same PPO-style token loss,
-AdamW (bf16 autocast on CUDA). Random weights, random tokens, response lengths spread
-like RL rollouts. Prints tokens/s, MFU (CUDA: 6 x params x tokens/s over 989 TFLOP/s,
-H100 bf16 dense), peak memory, and the ratio ours / peer.
+log-prob head, PPO token loss, clipping, the trainer's AdamW: fused on CUDA; on CUDA FSDP2
+bf16 mixed precision over a mesh of one and activation checkpointing). Peer: the usual
+padded `[b, T]` batch through `model(input_ids, attention_mask).logits`, log_softmax of the
+full logits, the same PPO-style token loss, AdamW (fused on CUDA, as the Hugging Face
+Trainer's default `adamw_torch_fused`; bf16 autocast on CUDA). Random weights, random
+tokens, response lengths spread like RL rollouts.
+
+Ours runs first, then the peer, each on a freshly built model, memory freed in between;
+a side that runs out of CUDA memory is reported as `OOM` (the ratio is printed only when
+both ran). Prints tokens/s, MFU, peak memory, and the ratio ours / peer.
+
+MFU (CUDA; "n/a on CPU") counts model FLOPs, the PaLM appendix B / Chinchilla way, over
+the tokens of each document (padding and recomputation are not useful work):
+
+    FLOPs per step = 6 * N * tokens + 12 * layers * hidden * sum over documents of len^2
+
+N: the parameters without the input embedding (a lookup, no FLOPs), the output head
+counted (its matmul is real; once when tied); 12 * layers * hidden * len per token is
+QK^T and AV forward and backward for a document of `len` tokens (no causal halving,
+as in PaLM). Peak: 989 TFLOP/s (H100 SXM bf16 dense).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -27,6 +44,8 @@ SHAPES = {
                  num_attention_heads=12, num_key_value_heads=2),
     "small": dict(vocab_size=32768, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2),
 }
 PEAK_FLOPS = 989e12
 
@@ -34,9 +53,20 @@ PEAK_FLOPS = 989e12
 def build(shape: str, device: torch.device):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=8192, tie_word_embeddings=shape == "small")
+    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=8192, tie_word_embeddings=shape != "1.5b")
     torch.manual_seed(0)
     return Qwen2ForCausalLM(config).to(device)
+
+
+def flops_per_step(model, lengths: list[int]) -> tuple[float, int]:
+    """Model FLOPs of one training step over documents of `lengths` tokens (see the module
+    docstring), and N (parameters without the input embedding, output head counted)."""
+    config = model.config
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    n = sum(p.numel() for p in model.parameters()) - emb.numel() + (head.numel() if head is emb else 0)
+    attn_width = config.num_attention_heads * getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
+    attention = 12 * config.num_hidden_layers * attn_width * sum(n_tok * n_tok for n_tok in lengths)
+    return 6 * n * sum(lengths) + attention, n
 
 
 def make_rows(num: int, vocab: int, prompt: int, max_response: int):
@@ -45,29 +75,37 @@ def make_rows(num: int, vocab: int, prompt: int, max_response: int):
     gen = torch.Generator().manual_seed(1)
     rows = []
     for _ in range(num):
-        r = int(torch.randint(max_response // 8, max_response + 1, (1,), generator=gen))
+        r = int(torch.randint(max(max_response // 8, 1), max_response + 1, (1,), generator=gen))
         rows.append(Row(torch.randint(0, vocab, (prompt,), generator=gen).tolist(),
                         torch.randint(0, vocab, (r,), generator=gen).tolist(), [0.0] * r, float(torch.rand(1) > 0.5),
                         0.0, False))
     return rows
 
 
-def ours(model, rows, budget: int, device: torch.device, steps: int) -> tuple[float, float]:
+def ours(shape: str, rows, budget: int, device: torch.device, steps: int) -> float:
+    """Seconds per step of the trainer's `TrainStep` (one warm-up step first)."""
     from rlhf_contract.api.models import AlgorithmSpec
     from rlhf_contract.api.presets import PRESETS
+    from rlhf_contract.trainer_config import OptimConfig
+    from rlhf_trainer.models.logprob_head import attach_logprob_head
+    from rlhf_trainer.optim import adamw
     from rlhf_trainer.orchestrator.types import RolloutBatch, RolloutStats
     from rlhf_trainer.parallel.parallelize import parallelize_models
-    from rlhf_trainer.models.logprob_head import attach_logprob_head
     from rlhf_trainer.rl.models import Models
     from rlhf_trainer.rl.step import TrainStep
 
+    model = build(shape, device)
     a = AlgorithmSpec(**{**PRESETS["grpo"], "kl_coef": 0.0})
     layout = parallelize_models(model, ref=None, critic=None, world_size=1, tp=1, cp=1,
                                 activation_checkpointing=device.type == "cuda", device_type=device.type)
     attach_logprob_head(model)
-    step = TrainStep(a, Models(model, torch.optim.AdamW(model.parameters(), lr=1e-6)), layout,
+    step = TrainStep(a, Models(model, adamw(model, OptimConfig(learning_rate=1e-6))), layout,
                      max_tokens_per_micro_batch=budget, max_grad_norm=1.0, temperature=1.0, device=device)
-    batch = RolloutBatch(rows, 8, RolloutStats(0, 0, 0, 0, 0, 0))
+    stats = RolloutStats(reward_mean=0.0, reward_std=0.0, reward_min=0.0, reward_max=0.0, score_mean=0.0,
+                         response_length_mean=0.0, response_length_min=0, response_length_max=0,
+                         truncated_fraction=0.0, zero_std_group_fraction=0.0, dropped_group_fraction=0.0,
+                         num_tokens=sum(len(r.prompt_ids) + len(r.response_ids) for r in rows))
+    batch = RolloutBatch(rows, 8, stats)
     tensors = step.prepare(batch)
     step(batch, tensors)  # warm-up
     _sync(device)
@@ -75,13 +113,15 @@ def ours(model, rows, budget: int, device: torch.device, steps: int) -> tuple[fl
     for _ in range(steps):
         step(batch, tensors)
     _sync(device)
-    return (time.perf_counter() - start) / steps, _peak(device)
+    return (time.perf_counter() - start) / steps
 
 
-def peer(model, rows, micro_rows: int, device: torch.device, steps: int) -> tuple[float, float]:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+def peer(shape: str, rows, micro_rows: int, device: torch.device, steps: int) -> float:
+    """Seconds per step of plain padded Hugging Face training (one warm-up step first)."""
+    model = build(shape, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device.type == "cuda")
     seqs = [r.prompt_ids + r.response_ids for r in rows]
-    adv = torch.randn(len(rows))
+    adv = torch.randn(len(rows), generator=torch.Generator().manual_seed(2))
 
     def one_step():
         opt.zero_grad(set_to_none=True)
@@ -110,7 +150,30 @@ def peer(model, rows, micro_rows: int, device: torch.device, steps: int) -> tupl
     for _ in range(steps):
         one_step()
     _sync(device)
-    return (time.perf_counter() - start) / steps, _peak(device)
+    return (time.perf_counter() - start) / steps
+
+
+def _is_oom(error: BaseException) -> bool:
+    return isinstance(error, torch.cuda.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and "out of memory" in str(error))
+
+
+def measure(side: Callable[[], float], device: torch.device) -> tuple[float | None, float]:
+    """(seconds per step, or None if it ran out of memory; peak memory in GiB). The side
+    builds its own model; everything it held is freed before returning."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    seconds = None
+    try:
+        seconds = side()
+    except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
+        if not _is_oom(e):
+            raise
+    gc.collect()  # the side's frames (model, optimizer, activations) are gone once the except block ends
+    peak = _peak(device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return seconds, peak
 
 
 def _sync(device: torch.device) -> None:
@@ -120,9 +183,7 @@ def _sync(device: torch.device) -> None:
 
 def _peak(device: torch.device) -> float:
     if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated() / 2**30
-        torch.cuda.reset_peak_memory_stats()
-        return peak
+        return torch.cuda.max_memory_allocated() / 2**30
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
@@ -143,23 +204,30 @@ def main() -> None:
     os.environ.setdefault("MASTER_PORT", "29581")
     dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
     try:
-        vocab = SHAPES[args.shape]["vocab_size"]
-        rows = make_rows(args.rows, vocab, args.prompt, args.max_response)
-        tokens = sum(len(r.prompt_ids) + len(r.response_ids) for r in rows)
-        mean_len = tokens / len(rows)
-        model = build(args.shape, device)
-        params = sum(p.numel() for p in model.parameters())
-        t_peer, m_peer = peer(model, rows, max(1, int(args.budget // max(mean_len, 1) // 2)), device, args.steps)
-        del model
-        if cuda:
-            torch.cuda.empty_cache()
-        t_ours, m_ours = ours(build(args.shape, device), rows, args.budget, device, args.steps)
+        rows = make_rows(args.rows, SHAPES[args.shape]["vocab_size"], args.prompt, args.max_response)
+        lengths = [len(r.prompt_ids) + len(r.response_ids) for r in rows]
+        tokens = sum(lengths)
+        with torch.device("meta"):  # shapes only, no memory
+            flops, n = flops_per_step(build(args.shape, torch.device("meta")), lengths)
+        micro_rows = max(1, int(args.budget // max(tokens / len(rows), 1) // 2))
+        results = {
+            "rlhf_trainer": measure(lambda: ours(args.shape, rows, args.budget, device, args.steps), device),
+            "plain HF": measure(lambda: peer(args.shape, rows, micro_rows, device, args.steps), device),
+        }
         unit = "GiB (CUDA peak)" if cuda else "GiB (process max RSS)"
-        for name, t, m in (("plain HF", t_peer, m_peer), ("rlhf_trainer", t_ours, m_ours)):
-            mfu = f", MFU {6 * params * tokens / t / PEAK_FLOPS:.1%}" if cuda else ""
-            print(f"{name:>13}: {tokens / t:,.0f} tokens/s, {t:.3f} s/step{mfu}, memory {m:.2f} {unit}")
-        print(f"shape {args.shape} ({params / 1e6:.0f}M params), {len(rows)} sequences, {tokens} tokens per step")
-        print(f"ratio rlhf_trainer / plain HF tokens/s: {t_peer / t_ours:.2f}")
+        for name, (t, m) in results.items():
+            if t is None:
+                print(f"{name:>13}: OOM (out of CUDA memory; peak {m:.2f} {unit})")
+                continue
+            mfu = f"MFU {flops / t / PEAK_FLOPS:.1%}" if cuda else "MFU n/a on CPU"
+            print(f"{name:>13}: {tokens / t:,.0f} tokens/s, {t:.3f} s/step, {mfu}, memory {m:.2f} {unit}")
+        print(f"shape {args.shape} ({n:,} parameters without the input embedding), {len(rows)} sequences, "
+              f"{tokens} tokens per step, {flops:.3g} model FLOPs per step")
+        (t_ours, _), (t_peer, _) = results["rlhf_trainer"], results["plain HF"]
+        if t_ours is not None and t_peer is not None:
+            print(f"ratio rlhf_trainer / plain HF tokens/s: {t_peer / t_ours:.2f}")
+        else:
+            print("ratio rlhf_trainer / plain HF tokens/s: n/a (a side ran out of memory)")
     finally:
         dist.destroy_process_group()
 
