@@ -66,14 +66,6 @@ def scale_lr(optimizers: Iterable[torch.optim.Optimizer | None], factor: float) 
                 group["lr"] = group.setdefault("initial_lr", group["lr"]) * factor
 
 
-def set_gradient_sync(models: Iterable[torch.nn.Module | None], enabled: bool) -> None:
-    """FSDP2 reduces gradients only when told to: off for all but a mini-batch's last
-    micro-batch (gradients accumulate unsharded locally in between)."""
-    for model in models:
-        if model is not None and hasattr(model, "set_requires_gradient_sync"):
-            model.set_requires_gradient_sync(enabled)
-
-
 def step_or_skip(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> torch.Tensor | None:
     """Clip `model`'s gradients to `max_grad_norm` and step; a non-finite norm skips the
     step and drops the gradients. Returns the norm (a device tensor), or None if skipped.
