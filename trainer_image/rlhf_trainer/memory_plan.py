@@ -58,8 +58,8 @@ What the plan assumes the code does (read from the code, keep it in step):
 - Weight sync (weight_sync/sender.py, buckets.py): on rank 0, 3 pack buffers of the bucket
   size (1 GiB) and the largest tensor gathered whole in fp32 and cast to the wire dtype
   (bf16); between steps, when no activation is alive.
-- Optimizer step: torch's foreach AdamW makes one temporary of the size of the shard's
-  exp_avg_sq (fp32).
+- Optimizer step (optim.py): fused AdamW on CUDA, no temporary worth planning; the
+  foreach AdamW elsewhere makes one of the size of the shard's exp_avg_sq (fp32).
 - Fixed: CUDA context, NCCL communicators and cuBLAS workspaces, `CUDA_CONTEXT_BYTES`
   (1.5 GiB), and `FRAGMENTATION` (10 %) of everything else for the caching allocator.
 
@@ -395,7 +395,9 @@ def _terms(config, model_config: dict, world_size: int, *, tokens: int, checkpoi
         terms.append(Term("log-prob head", int(head_bytes), "micro-batch",
                           f"{HEAD_LIVE_CHUNKS} x [{chunk}, {s.vocab // tp}] fp32"))
     terms.append(Term("final hidden states + gradient", int(2 * local_tokens * s.hidden * size), "micro-batch"))
-    terms.append(Term("AdamW step temporaries", int(4 * trained_local), "optimizer step", "foreach sqrt(exp_avg_sq)"))
+    if not cuda:  # on CUDA optim.py's AdamW is fused: no temporary of the shard's size
+        terms.append(Term("AdamW step temporaries", int(4 * trained_local), "optimizer step",
+                          "foreach sqrt(exp_avg_sq)"))
     if config.method == "rl":
         from .weight_sync.buckets import DEFAULT_BUCKET_BYTES
 
