@@ -48,9 +48,10 @@ What the plan assumes the code does (read from the code, keep it in step):
   exists during its recompute. Backward adds a working set of its own (the gradients of a
   layer's largest intermediates): `BACKWARD_WORKING_FACTOR` x one layer's saved set,
   calibrated against the allocator's measured peak (tests/unit/test_memory_plan.py).
-  Tokens per GPU are maxTokensPerMicroBatch / contextParallel (context parallelism's
-  gathered K/V, [tokens, kv heads x head dim] x 2 per layer, is counted in the saved set only
-  as the local slice: a simplification).
+  Tokens per GPU are maxTokensPerMicroBatch / contextParallel. Context parallelism
+  (context_parallel.py) adds per layer, computed not measured: the whole row's gathered K
+  and V and the dense [tokens / cp, tokens] mask that SDPA keeps as an additive bias in
+  the compute dtype (quadratic in tokens).
 - Log-prob head (models/logprob_head.py): one chunk of HEAD_CHUNK_TOKENS x vocab / tp in
   fp32, `HEAD_LIVE_CHUNKS` such tensors live at its peak (the logits, the scaled
   logits, the softmax and the gradients of the recompute), plus the final hidden states
@@ -382,8 +383,19 @@ def _terms(config, model_config: dict, world_size: int, *, tokens: int, checkpoi
                 + (f"{act.layer_input / 1024:.1f} KiB kept + one layer's {act.per_layer / 1024:.0f} KiB"
                    if checkpointing else f"{act.per_layer / 1024:.0f} KiB")
                 + f" per token (measured), checkpointing {'on' if checkpointing else 'off'}")
+    if cp > 1:  # per layer: the whole row's K and V, and the dense [local, whole] mask as an additive bias
+        hf = _hf_config(model_config, num_layers=1)
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        kv = (getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads) * head_dim // tp
+        cp_layer = size * (2 * tokens * kv + local_tokens * tokens)
+        cp_bytes = cp_layer * (1 if checkpointing else s.num_layers)
+        policy_act += cp_bytes
+        act_note += f"; context parallel: + {cp_bytes / GIB:.1f} GiB of gathered K/V and masks (not measured)"
+    else:
+        cp_layer = 0
     if critic:
-        critic_act = activation_bytes(act, s.num_layers, local_tokens, False)  # the critic is not checkpointed
+        critic_act = (activation_bytes(act, s.num_layers, local_tokens, False)  # the critic is not checkpointed
+                      + cp_layer * s.num_layers)
         if critic_act > policy_act:
             policy_act, act_note = critic_act, act_note + "; the critic's (not checkpointed) is larger"
     terms.append(Term("activations", int(policy_act), "micro-batch", act_note))
