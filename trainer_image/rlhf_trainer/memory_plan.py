@@ -8,8 +8,9 @@ one GPU). The peak is
 
     CUDA_CONTEXT_BYTES + (1 + FRAGMENTATION) x max over phases of (persistent + phase)
 
-where the phases are one micro-batch's forward and backward, the optimizer step, the
-weight sync (rank 0) and the load (models that load whole before sharding).
+where the phases are one micro-batch's forward and backward, the optimizer step and the
+weight sync (rank 0). Loading adds no phase: the sharded models stream in shard by shard,
+the critic and score models a layer at a time.
 
 What the plan assumes the code does (read from the code, keep it in step):
 
@@ -32,11 +33,13 @@ What the plan assumes the code does (read from the code, keep it in step):
   before the micro-batches, so its working set (two unsharded bf16 layers and the head's
   chunk) never adds to the policy's activations.
 - Critic (`algorithm.critic`, rl/models.py): a copy of the decoder that trains like the
-  policy (fp32 + fp32 gradients + AdamW, sharded), NOT checkpointed (parallelize_models),
-  run after the policy's backward in each micro-batch, so the activation peak is the larger
-  of the two. It loads whole in fp32 on every GPU before sharding: the load phase.
-- Reward model (`reward.model`, models/score.py): fp32, loaded whole on every GPU, then
-  sharded by FSDP; scored without gradients.
+  policy (fp32 + fp32 gradients + AdamW, sharded), checkpointed when the policy is
+  (parallelize_models), run after the policy's backward in each micro-batch, so the
+  activation peak is the larger of the two. Read on the host and moved to the GPU a layer
+  at a time by FSDP2 as it shards it (models/loading.py `host_until_sharded`): no load
+  peak beyond one layer.
+- Reward model (`reward.model`, models/score.py): bf16 on GPUs, read on the host and
+  sharded like the critic; scored without gradients.
 - Activations: MEASURED per decoder layer for this model's shapes: the real Hugging Face
   model (one and two layers, real hidden / intermediate / head sizes) with the trainer's
   attention (`apply_cp(model, None)`: per-document SDPA from explicit boundaries), run
@@ -50,8 +53,8 @@ What the plan assumes the code does (read from the code, keep it in step):
   calibrated against the allocator's measured peak (tests/unit/test_memory_plan.py).
   Tokens per GPU are maxTokensPerMicroBatch / contextParallel. Context parallelism
   (context_parallel.py) adds per layer, computed not measured: the whole row's gathered K
-  and V and the dense [tokens / cp, tokens] mask that SDPA keeps as an additive bias in
-  the compute dtype (quadratic in tokens).
+  and V, which attention saves for backward (no mask: the attention takes the documents'
+  segments).
 - Log-prob head (models/logprob_head.py): one chunk of HEAD_CHUNK_TOKENS x vocab / tp in
   fp32, `HEAD_LIVE_CHUNKS` such tensors live at its peak (the logits, the scaled
   logits, the softmax and the gradients of the recompute), plus the final hidden states
@@ -70,21 +73,16 @@ plans its own with `rollout.vllm.gpuMemoryUtilization`), host memory.
 
 from __future__ import annotations
 
-import functools
 import json
 from dataclasses import dataclass, field
 
-GIB = 1 << 30
+from .memory_shapes import (  # noqa: F401  (activations, activation_bytes, model_shape: the plan's API too)
+    GIB, dtype_of, hf_config, layer_per_tp_rank, activation_bytes, activations, model_shape)
+
 CUDA_CONTEXT_BYTES = int(1.5 * GIB)
 """CUDA context, NCCL communicators (world, FSDP, TP, CP, weight sync) and cuBLAS workspaces."""
 FRAGMENTATION = 0.10
 """Share of the planned bytes added for the caching allocator's fragmentation."""
-MEASURE_TOKENS = 2048
-"""Tokens of the fake forward that measures a layer's saved activations (linear in tokens:
-the attention is per document through SDPA's flash / memory-efficient kernels)."""
-BACKWARD_WORKING_FACTOR = 0.3
-"""Backward's own working set (a layer's activation gradients), as a fraction of one layer's
-saved set: calibrated on CPU against the allocator's peak (see the test)."""
 HEAD_LIVE_CHUNKS = 5
 """fp32 [chunk, vocab / tp] tensors live at the log-prob head's peak (recompute + backward of
 one chunk: scaled logits, softmax, their product, and two gradients); measured in the test."""
@@ -101,7 +99,7 @@ class Term:
     name: str
     bytes: int
     phase: str
-    """`persistent`, or the phase it exists in: `micro-batch`, `optimizer step`, `weight sync`, `load`."""
+    """`persistent`, or the phase it exists in: `micro-batch`, `optimizer step`, `weight sync`."""
     note: str = ""
 
 
@@ -145,185 +143,6 @@ class MemoryPlan:
                 + ", or ".join(fixes) + " (rlhfctl plan job.yaml shows the plan)")
 
 
-# ---- the model's shapes --------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ModelShape:
-    """Parameter counts of a decoder model, per TP rank where TP splits them."""
-
-    num_layers: int
-    hidden: int
-    vocab: int
-    layer: int
-    """Parameters of one decoder layer."""
-    layer_replicated: int
-    """... replicated over tensor-parallel ranks (norms, adapters); the rest splits."""
-    layer_trainable: int
-    """... that train (LoRA: the adapters)."""
-    embed: int
-    head: int
-    """Untied output head (0 when tied to the embedding)."""
-    norm: int
-    largest: int
-    """Elements of the largest single parameter (gathered whole by the weight sync)."""
-
-    def total(self, *, head: bool = True) -> int:
-        return self.num_layers * self.layer + self.embed + self.norm + (self.head if head else 0)
-
-    def root_tp(self, tp: int, *, head: bool = True) -> float:
-        return (self.embed + (self.head if head else 0)) / tp + self.norm
-
-
-def _hf_config(model_config: dict, num_layers: int | None = None):
-    from transformers import AutoConfig
-
-    fields = {k: v for k, v in model_config.items() if k not in ("architectures", "transformers_version", "_name_or_path")}
-    if num_layers is not None:
-        fields["num_hidden_layers"] = num_layers
-        fields.pop("layer_types", None)
-    kind = fields.pop("model_type", None)
-    if kind is None:
-        raise ValueError("model.path: config.json has no model_type")
-    return AutoConfig.for_model(kind, **fields)
-
-
-def _lora_key(lora) -> str | None:
-    return None if lora is None else json.dumps(lora.model_dump(mode="json"), sort_keys=True)
-
-
-def _lora_spec(key: str | None):
-    if key is None:
-        return None
-    from rlhf_contract.api.models import LoraSpec
-
-    return LoraSpec.model_validate(json.loads(key))
-
-
-def _dtype(name: str):
-    import torch
-
-    return getattr(torch, name)
-
-
-@functools.lru_cache(maxsize=32)
-def _model_shape(config_json: str, lora_key: str | None) -> ModelShape:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from .parallel.tensor_parallel import LAYER_PLAN
-
-    model_config = json.loads(config_json)
-    hf = _hf_config(model_config, num_layers=1)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf, dtype=torch.float32)
-    if lora_key is not None:
-        from .models.lora import add_adapters
-
-        add_adapters(model, _lora_spec(lora_key))
-    layer_mod = model.model.layers[0]
-    params = dict(layer_mod.named_parameters())
-    # norms and adapters are replicated over TP; the linears of LAYER_PLAN split
-    replicated = sum(p.numel() for name, p in params.items()
-                     if not any(name.startswith(prefix + ".") for prefix in LAYER_PLAN) or ".lora_" in name)
-    trainable = sum(p.numel() for p in params.values() if p.requires_grad or lora_key is None)
-    embed = model.model.embed_tokens.weight.numel()
-    head_w = model.get_output_embeddings().weight
-    head = 0 if head_w is model.model.embed_tokens.weight else head_w.numel()
-    norm = sum(p.numel() for p in model.model.norm.parameters())
-    largest = max(p.numel() for p in model.parameters())
-    return ModelShape(num_layers=int(model_config["num_hidden_layers"]), hidden=int(hf.hidden_size),
-                      vocab=int(hf.vocab_size), layer=sum(p.numel() for p in params.values()), layer_replicated=replicated,
-                      layer_trainable=int(trainable), embed=embed, head=head, norm=norm, largest=largest)
-
-
-def model_shape(model_config: dict, lora=None) -> ModelShape:
-    """Parameter counts of the causal LM of `model_config` (a config.json dict), with the
-    adapters of `lora` (a `model.lora` spec) when given."""
-    return _model_shape(json.dumps(model_config, sort_keys=True), _lora_key(lora))
-
-
-def _layer_tp(shape: ModelShape, tp: int) -> float:
-    """One layer's parameters on one TP rank."""
-    return shape.layer_replicated + (shape.layer - shape.layer_replicated) / tp
-
-
-# ---- measured activations --------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Activations:
-    """Bytes per token saved for backward, measured."""
-
-    per_layer: float
-    """One decoder layer's saved set."""
-    layer_input: float
-    """One layer's input, [hidden] in the compute dtype (what checkpointing keeps)."""
-    outside: float
-    """Saved outside the decoder layers (embedding output, rotary tables, ...)."""
-
-
-def _saved_bytes(config_json: str, num_layers: int, dtype: str, lora_key: str | None, tokens: int) -> int:
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from transformers import AutoModelForCausalLM
-
-    from .parallel.context_parallel import apply_cp
-
-    hf = _hf_config(json.loads(config_json), num_layers=num_layers)
-    with FakeTensorMode():
-        with torch.device("cpu"):
-            model = AutoModelForCausalLM.from_config(hf, dtype=_dtype(dtype))
-        if lora_key is not None:
-            from .models.lora import add_adapters
-
-            add_adapters(model, _lora_spec(lora_key))
-        apply_cp(model, None)  # the trainer's attention: per-document SDPA from explicit bounds
-        model.train()
-        own = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
-        embeds = torch.zeros(1, tokens, hf.hidden_size, dtype=_dtype(dtype), requires_grad=True)
-        half = tokens // 2
-        saved: dict[int, int] = {}
-        keep = []
-
-        def pack(t):
-            storage = t.untyped_storage()
-            if storage._cdata not in own:
-                saved[storage._cdata] = storage.nbytes()
-                keep.append(storage)  # the id stays this storage's while we count
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model.model(inputs_embeds=embeds, position_ids=torch.arange(tokens)[None],
-                        document_ids=torch.cat([torch.zeros(half, dtype=torch.long),
-                                                torch.ones(tokens - half, dtype=torch.long)])[None],
-                        document_bounds=(0, half, tokens), use_cache=False)
-    return sum(saved.values())
-
-
-@functools.lru_cache(maxsize=64)
-def _activations(config_json: str, dtype: str, lora_key: str | None, tokens: int) -> Activations:
-    one = _saved_bytes(config_json, 1, dtype, lora_key, tokens)
-    two = _saved_bytes(config_json, 2, dtype, lora_key, tokens)
-    hidden = json.loads(config_json)["hidden_size"]
-    size = _dtype(dtype).itemsize
-    return Activations(per_layer=(two - one) / tokens, layer_input=hidden * size, outside=(2 * one - two) / tokens)
-
-
-def activations(model_config: dict, dtype: str = "bfloat16", lora=None, tokens: int = MEASURE_TOKENS) -> Activations:
-    """Measured bytes per token saved for backward by one decoder layer of `model_config`
-    (and outside the layers) in `dtype`; cached per shape."""
-    return _activations(json.dumps(model_config, sort_keys=True), dtype, _lora_key(lora), tokens)
-
-
-def activation_bytes(act: Activations, num_layers: int, tokens: int, checkpointing: bool) -> float:
-    """Peak bytes of a model's activations in one forward + backward of `tokens` tokens."""
-    working = (1 + BACKWARD_WORKING_FACTOR) * act.per_layer  # the layer in backward: its saved set + gradients
-    if checkpointing:
-        per_token = num_layers * act.layer_input + working + act.outside
-    else:
-        per_token = (num_layers - 1) * act.per_layer + working + act.outside
-    return tokens * per_token
-
-
 # ---- the plan -------------------------------------------------------------------------
 
 def _uses_reference(config) -> bool:
@@ -341,10 +160,10 @@ def _terms(config, model_config: dict, world_size: int, *, tokens: int, checkpoi
     s = model_shape(model_config, lora)
     is_rm = config.method == "rm"  # a score model: no LM head (a one-label score head)
     causal = not is_rm
-    layer_tp = _layer_tp(s, tp)
+    layer_tp = layer_per_tp_rank(s, tp)
     params_local = (s.num_layers * layer_tp + s.root_tp(tp, head=causal)) / shard
     trained_local = params_local if lora is None else s.num_layers * s.layer_trainable / shard
-    size = _dtype(dtype).itemsize
+    size = dtype_of(dtype).itemsize
     local_tokens = -(-tokens // cp)
     terms = [
         Term("policy weights (fp32)", int(4 * params_local), "persistent",
@@ -361,14 +180,11 @@ def _terms(config, model_config: dict, world_size: int, *, tokens: int, checkpoi
         critic_local = (s.num_layers * layer_tp + s.root_tp(tp, head=False)) / shard
         terms.append(Term("critic weights + gradients + AdamW", int(16 * critic_local), "persistent",
                           "fp32, trains like the policy"))
-        terms.append(Term("critic loading whole", int(4 * s.total(head=False)), "load",
-                          "rl/models.py loads it whole on every GPU before sharding"))
     rm_shape = None
     if config.method == "rl" and config.reward.model is not None and reward_model_config is not None:
         rm_shape = model_shape(reward_model_config)
-        terms.append(Term("reward model (fp32, sharded)", int(4 * rm_shape.total(head=False) / shard), "persistent"))
-        terms.append(Term("reward model loading whole", int(4 * rm_shape.total(head=False)), "load",
-                          "models/score.py loads it whole in fp32 before sharding"))
+        terms.append(Term(f"reward model ({'bf16' if cuda else 'fp32'}, sharded)",
+                          int((2 if cuda else 4) * rm_shape.total(head=False) / shard), "persistent"))
     # FSDP's unsharded compute copies (bf16 on CUDA; on one CPU process nothing is copied)
     if cuda or shard > 1:
         root = s.root_tp(tp, head=causal)
@@ -377,28 +193,8 @@ def _terms(config, model_config: dict, world_size: int, *, tokens: int, checkpoi
         unsharded = size * (root + 2 * layer_tp) + size * head_grad + (size + 4) * layer_grads
         terms.append(Term("FSDP unsharded params + grads", int(unsharded), "micro-batch",
                           "root (embedding, head) + 2 layers, one layer's gradients in bf16 and fp32, the head's"))
-    act = activations(model_config, dtype, lora)
-    policy_act = activation_bytes(act, s.num_layers, local_tokens, checkpointing)
-    act_note = (f"{s.num_layers} layers x {local_tokens} tokens x "
-                + (f"{act.layer_input / 1024:.1f} KiB kept + one layer's {act.per_layer / 1024:.0f} KiB"
-                   if checkpointing else f"{act.per_layer / 1024:.0f} KiB")
-                + f" per token (measured), checkpointing {'on' if checkpointing else 'off'}")
-    if cp > 1:  # per layer: the whole row's K and V, and the dense [local, whole] mask as an additive bias
-        hf = _hf_config(model_config, num_layers=1)
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        kv = (getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads) * head_dim // tp
-        cp_layer = size * (2 * tokens * kv + local_tokens * tokens)
-        cp_bytes = cp_layer * (1 if checkpointing else s.num_layers)
-        policy_act += cp_bytes
-        act_note += f"; context parallel: + {cp_bytes / GIB:.1f} GiB of gathered K/V and masks (not measured)"
-    else:
-        cp_layer = 0
-    if critic:
-        critic_act = (activation_bytes(act, s.num_layers, local_tokens, False)  # the critic is not checkpointed
-                      + cp_layer * s.num_layers)
-        if critic_act > policy_act:
-            policy_act, act_note = critic_act, act_note + "; the critic's (not checkpointed) is larger"
-    terms.append(Term("activations", int(policy_act), "micro-batch", act_note))
+    terms.append(_activation_term(model_config, s, lora, dtype, size, tokens=tokens, local_tokens=local_tokens,
+                                  tp=tp, cp=cp, checkpointing=checkpointing, critic=critic))
     if causal:
         from .models.logprob_head import HEAD_CHUNK_TOKENS
 
@@ -420,13 +216,40 @@ def _terms(config, model_config: dict, world_size: int, *, tokens: int, checkpoi
     return terms
 
 
+def _activation_term(model_config: dict, s, lora, dtype: str, size: int, *, tokens: int, local_tokens: int,
+                     tp: int, cp: int, checkpointing: bool, critic: bool) -> Term:
+    """The policy's (or the larger critic's) activations of one micro-batch."""
+    act = activations(model_config, dtype, lora)
+    policy_act = activation_bytes(act, s.num_layers, local_tokens, checkpointing)
+    act_note = (f"{s.num_layers} layers x {local_tokens} tokens x "
+                + (f"{act.layer_input / 1024:.1f} KiB kept + one layer's {act.per_layer / 1024:.0f} KiB"
+                   if checkpointing else f"{act.per_layer / 1024:.0f} KiB")
+                + f" per token (measured), checkpointing {'on' if checkpointing else 'off'}")
+    if cp > 1:  # per layer: the whole row's K and V (saved for backward; no mask)
+        hf = hf_config(model_config, num_layers=1)
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        kv = (getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads) * head_dim // tp
+        cp_layer = size * 2 * tokens * kv
+        cp_bytes = cp_layer * (1 if checkpointing else s.num_layers)
+        policy_act += cp_bytes
+        act_note += f"; context parallel: + {cp_bytes / GIB:.1f} GiB of gathered K/V (not measured)"
+    else:
+        cp_layer = 0
+    if critic:
+        critic_act = (activation_bytes(act, s.num_layers, local_tokens, checkpointing)  # checkpointed alike
+                      + cp_layer * (1 if checkpointing else s.num_layers))
+        if critic_act > policy_act:
+            policy_act, act_note = critic_act, act_note + "; the critic's is larger"
+    return Term("activations", int(policy_act), "micro-batch", act_note)
+
+
 def _total(terms: list[Term], cuda: bool) -> tuple[int, str]:
     persistent = sum(t.bytes for t in terms if t.phase == "persistent")
     phases: dict[str, int] = {}
     for t in terms:
         if t.phase != "persistent":
             phases[t.phase] = phases.get(t.phase, 0) + t.bytes
-    peaks = {phase: (b if phase == "load" else persistent + b) for phase, b in phases.items()}
+    peaks = {phase: persistent + b for phase, b in phases.items()}
     phase = max(peaks, key=peaks.get) if peaks else "persistent"
     peak = peaks.get(phase, persistent)
     fixed = CUDA_CONTEXT_BYTES if cuda else 0
