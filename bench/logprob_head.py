@@ -22,9 +22,9 @@ from rlhf_trainer.models.logprob_head import _at_positions, _linear_chunk_stats,
 
 def run(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None,
         entropy: str) -> None:
-    stats = _at_positions(hidden, positions, lambda h: chunked_token_stats(
-        _linear_chunk_stats, h, (weight, None), targets if positions is None else targets[0, positions], 1.0,
-        entropy=entropy))
+    stats = _at_positions(hidden, positions, targets if positions is None else targets[0, positions],
+                          lambda h, t: chunked_token_stats(_linear_chunk_stats, h, (weight, None), t, 1.0,
+                                                           entropy=entropy))
     loss = stats[..., 0].sum() + (stats[..., 1].sum() if entropy == "grad" else 0.0)
     loss.backward()
 

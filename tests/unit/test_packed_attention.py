@@ -170,3 +170,20 @@ def test_entropy_modes_agree_with_the_plain_formula():
     assert torch.autograd.grad(grad[..., 1].sum(), logits)[0].abs().sum() > 0
     with pytest.raises(ValueError, match="entropy mode"):
         chunked_token_stats(token_stats, logits, (), targets, 0.7, entropy="sometimes")
+
+
+def test_a_micro_batch_without_response_positions_still_gives_the_head_a_gradient():
+    """An empty micro-batch (FSDP lockstep) or a context-parallel slice of prompt tokens:
+    the head is still in the graph at weight 0, so every rank reduce-scatters the same
+    gradients (an untied head with no gradient on one rank would desynchronise FSDP)."""
+    policy = build_tiny_qwen2(0)
+    attach_logprob_head(policy)
+    head = policy.get_output_embeddings()
+    assert head.weight is not policy.get_input_embeddings().weight  # untied
+    data = [Row([3, 4, 5, 6], [7], [0.0], 1.0, 0.0, False)]
+    [mb] = plan(data, [0], budget=16, dp_size=1, cp_size=1)[0]
+    mb.response_lengths[0] = 0  # no predicting position at all
+    logp, ent = policy_forward(policy, mb, None, torch.device("cpu"), 1.0, "value")
+    assert not logp.any() and not ent.any()
+    logp.sum().backward()
+    assert head.weight.grad is not None and not head.weight.grad.any()

@@ -143,19 +143,26 @@ def _vocab_parallel_head(self, hidden: DTensor, targets: torch.Tensor, temperatu
     bias = getattr(self, "bias", None)
     bias = bias.to_local() if isinstance(bias, DTensor) else bias
     self._rlhf_vocab_parallel_calls = getattr(self, "_rlhf_vocab_parallel_calls", 0) + 1
-    stats = _at_positions(local_hidden, positions, lambda h: chunked_token_stats(
-        _vocab_parallel_chunk_stats, h, (weight.to_local(), bias), targets, temperature,
+    stats = _at_positions(local_hidden, positions, targets, lambda h, t: chunked_token_stats(
+        _vocab_parallel_chunk_stats, h, (weight.to_local(), bias), t, temperature,
         extra_after=(group, mesh.get_local_rank() * rows), entropy=entropy))
     # replicated on the TP ranks; the head's output hook expects a DTensor
     return DTensor.from_local(stats, mesh, [Replicate()], run_check=False)
 
 
-def _at_positions(hidden: torch.Tensor, positions: torch.Tensor | None, stats_of) -> torch.Tensor:
-    """`stats_of` [1, n, H] -> [1, n, 2] run on the rows `positions` of `hidden` [1, l, H]
-    only, scattered back into zeros [1, l, 2] (None: every position)."""
+def _at_positions(hidden: torch.Tensor, positions: torch.Tensor | None, targets: torch.Tensor,
+                  stats_of) -> torch.Tensor:
+    """`stats_of(h, t)` ([1, n, H], [n] -> [1, n, 2]) run on the rows `positions` of
+    `hidden` [1, l, H] only (`targets` theirs), scattered back into zeros [1, l, 2] (None:
+    every position, `targets` [1, l]). No position at all (an empty micro-batch, a context
+    parallel slice of prompt tokens) still runs the head on one row at weight 0: its
+    weight then has a gradient on every rank, as FSDP's reduce-scatter needs."""
     if positions is None:
-        return stats_of(hidden)
-    stats = stats_of(hidden[:, positions]).reshape(hidden.shape[0], -1, 2)
+        return stats_of(hidden, targets)
+    if positions.numel() == 0:
+        anchor = stats_of(hidden[:, :1], torch.zeros(1, dtype=torch.long, device=hidden.device)).sum() * 0.0
+        return hidden.new_zeros(hidden.shape[0], hidden.shape[1], 2, dtype=torch.float32) + anchor
+    stats = stats_of(hidden[:, positions], targets).reshape(hidden.shape[0], -1, 2)
     return stats.new_zeros(hidden.shape[0], hidden.shape[1], 2).index_copy(1, positions, stats)
 
 
@@ -167,8 +174,8 @@ def _head_forward(self, hidden: torch.Tensor) -> torch.Tensor:
     weight, bias = self.weight, getattr(self, "bias", None)
     if isinstance(weight, DTensor):  # tensor parallel (FSDP alone gives plain unsharded weights here)
         return _vocab_parallel_head(self, hidden, targets, temperature, positions, entropy)
-    return _at_positions(hidden, positions, lambda h: chunked_token_stats(
-        _linear_chunk_stats, h, (weight, bias), targets, temperature, entropy=entropy))
+    return _at_positions(hidden, positions, targets, lambda h, t: chunked_token_stats(
+        _linear_chunk_stats, h, (weight, bias), t, temperature, entropy=entropy))
 
 
 def attach_logprob_head(model: torch.nn.Module, *, tensor_parallel: bool = False) -> torch.nn.Module:
