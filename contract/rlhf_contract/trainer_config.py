@@ -16,7 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
-from .api.models import (AlgorithmSpec, DataSpec, EnvironmentSpec, EvaluationSpec, LoraSpec, Method, ParallelismSpec, PreferenceSpec, RewardSpec,
+from .api.models import (AlgorithmSpec, DataSpec, DeepSpeedSpec, EnvironmentSpec, EvaluationSpec, LoraSpec, Method, ParallelismSpec, PreferenceSpec, RewardSpec,
                          RLHFJob, ScheduleSpec, TrackingSpec)
 
 
@@ -63,6 +63,10 @@ class OptimConfig(_Config):
     """Tensor and context parallel degrees, activation checkpointing."""
     gpu_memory_gib: float | None = Field(default=None, gt=0, alias="gpuMemoryGiB")
     """Memory of one GPU for the memory plan (`trainer.gpuMemoryGiB`); null: detected."""
+    engine: Literal["fsdp2", "deepspeed"] = "fsdp2"
+    """Training engine (`trainer.engine`)."""
+    deepspeed: DeepSpeedSpec = Field(default_factory=DeepSpeedSpec)
+    """ZeRO settings (`trainer.deepspeed`)."""
 
 
 class OutputConfig(_Config):
@@ -152,7 +156,7 @@ class TrainerConfig(_Config):
                               max_grad_norm=t.max_grad_norm, lr_scheduler=t.lr_scheduler, warmup_steps=t.warmup_steps,
                               min_learning_rate_ratio=t.min_learning_rate_ratio,
                               max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, parallelism=t.parallelism,
-                              gpu_memory_gib=t.gpu_memory_gib),
+                              gpu_memory_gib=t.gpu_memory_gib, engine=t.engine, deepspeed=t.deepspeed),
             schedule=s.schedule,
             output=OutputConfig(dir=o.dir, keep_checkpoints=o.keep_checkpoints, save_rollouts=o.save_rollouts),
             rollout_startup_timeout_seconds=r.startup_timeout_seconds,

@@ -7,14 +7,18 @@ architecture, tokenizer and export dtype come from the model the run started fro
 `--model` directory, else the run's own record of it (`<output>/job.json`, or
 `trainer.json`; a built-in model is rebuilt from its name and the run's seed, or taken
 from `<output>/builtin-model/` where local mode wrote it). Only the policy is exported; the
-optimizer state is not read. A LoRA run's checkpoint holds the adapters: they are put on
+optimizer state is not read, except under `trainer.engine: deepspeed`, whose ZeRO files
+(`step-N/policy/`) keep the fp32 weights in the optimizer's partitions: DeepSpeed's own
+`zero_to_fp32` merges them. A LoRA run's checkpoint holds the adapters: they are put on
 that model and exported merged, with `adapter/` in peft's format, as the run's `final/`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -37,6 +41,12 @@ def _run_model(output_dir: Path) -> tuple[str, int, dict | None]:
         return config["modelPath"], int(config.get("schedule", {}).get("seed", 0)), config.get("lora")
     raise ExportError(f"{output_dir} has neither job.json nor trainer.json: give the model the run started from "
                       "with --model DIR")
+
+
+def _zero_files(checkpoint: Path) -> str | None:
+    """The tag of the policy's DeepSpeed ZeRO files in `checkpoint` (`step-N/policy/`), or
+    None for a DCP checkpoint."""
+    return "policy" if any((checkpoint / "policy").glob("*model_states.pt")) else None
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, model: str | None = None,
@@ -75,11 +85,18 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, model: str | None
             raise ExportError(f"{model} is not a Hugging Face model directory (no config.json): give the model the "
                               "run started from with --model DIR")
         config = AutoConfig.from_pretrained(model)
-        reader = dcp.FileSystemReader(str(checkpoint))
-        prefix = "policy.model."
-        state = {key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
-                 for key, meta in reader.read_metadata().state_dict_metadata.items()
-                 if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
+        zero = _zero_files(checkpoint)
+        if zero:  # trainer.engine deepspeed: the policy's ZeRO files, merged to fp32 by DeepSpeed's own reader
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+            with contextlib.redirect_stdout(sys.stderr):  # it prints its progress
+                state = dict(get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=zero))
+        else:
+            reader = dcp.FileSystemReader(str(checkpoint))
+            prefix = "policy.model."
+            state = {key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
+                     for key, meta in reader.read_metadata().state_dict_metadata.items()
+                     if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
         if not state:
             raise ExportError(f"{checkpoint} holds no policy weights (keys {prefix}*)")
         lora = None
@@ -97,9 +114,10 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, model: str | None
         else:
             net = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
             frozen = set()
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load({"policy": {"model": state}}, storage_reader=reader)
+        if not zero:
+            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load({"policy": {"model": state}}, storage_reader=reader)
         missing, unexpected = net.load_state_dict(state, strict=False)
         tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
         if set(missing) - tied - frozen or unexpected:

@@ -75,6 +75,12 @@ def test_example_and_defaults():
          "spec.trainer.parallelism", "4 x 1 does not divide 2"),
         (with_spec(algorithm={"numMiniBatches": 3}, schedule={"promptsPerStep": 4}), "spec.algorithm.numMiniBatches", "does not divide 32"),
         (with_spec(schedule={"saveEvery": -1}), "spec.schedule.saveEvery", "greater than or equal to 0"),
+        (with_spec(trainer={"engine": "deepspeed", "nprocPerNode": 2, "parallelism": {"contextParallel": 2}}),
+         "spec.trainer.engine", "got tensorParallel 1, contextParallel 2"),
+        (with_spec(trainer={"engine": "deepspeed", "deepspeed": {"zeroStage": 2, "offloadParams": True}}),
+         "spec.trainer.deepspeed.offloadParams", "set trainer.deepspeed.zeroStage: 3"),
+        (with_spec(trainer={"engine": "deepspeed", "deepspeed": {"zeroStage": 1}}), "spec.trainer.deepspeed.zeroStage",
+         "2 or 3"),
     ],
 )
 def test_invalid_specs_name_the_field(data, path, fragment):

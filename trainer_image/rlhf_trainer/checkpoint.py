@@ -3,7 +3,8 @@
 Layout under `<output>/checkpoints/`:
   step-N/            DCP files of {"<part>": {"model", "optim"}} for each trained part
                      ("policy", and "critic" for PPO): the sharded state of every rank
-                     (trainable parameters only: with LoRA, the adapters),
+                     (trainable parameters only: with LoRA, the adapters); under
+                     DeepSpeed each part's ZeRO files in step-N/<part>/ instead,
                      trainer_state.json (step, data position), rng-rank<R>.pt
   step-N/COMPLETE    written LAST, after every rank finished; only then does the
                      checkpoint count (`rlhf_contract.outputs` reads this layout)
@@ -52,6 +53,12 @@ LOAD_TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)
 from the checkpoint by `dcp.load` (which fails on a missing key), so nothing else is."""
 
 
+def _zero_parts(parts: Parts) -> tuple[Parts, Parts]:
+    """(the parts DeepSpeed trains, which write their own ZeRO files; the others, in DCP)."""
+    zero = {n: p for n, p in parts.items() if hasattr(p[1], "engine")}
+    return zero, {n: p for n, p in parts.items() if n not in zero}
+
+
 def _state(parts: Parts) -> dict[str, Any]:
     state = {}
     for name, (model, optimizer) in parts.items():
@@ -71,7 +78,11 @@ def save_checkpoint(output_dir: str | Path, step: int, parts: Parts, trainer_sta
         shutil.rmtree(path)  # a partial one left by a crash
     dist.barrier()
     try:
-        dcp.save(_state(parts), checkpoint_id=str(path))
+        zero, plain = _zero_parts(parts)
+        if plain:
+            dcp.save(_state(plain), checkpoint_id=str(path))
+        for name, (_, optimizer) in zero.items():  # DeepSpeed: `<step-N>/<part>/` in ZeRO's own files
+            optimizer.save(str(path), tag=name)
         rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()
@@ -152,9 +163,13 @@ def resume_checkpoint(output_dir: str | Path) -> Path | None:
 def load_checkpoint(path: Path, parts: Parts) -> dict[str, Any]:
     """Collective: restore every part's model and optimizer, and the RNG; returns the
     trainer state."""
-    state = _state(parts)
-    dcp.load(state, checkpoint_id=str(path))
-    for name, (model, optimizer) in parts.items():
+    zero, plain = _zero_parts(parts)
+    for name, (_, optimizer) in zero.items():
+        optimizer.load(str(path), tag=name)
+    state = _state(plain)
+    if plain:
+        dcp.load(state, checkpoint_id=str(path))
+    for name, (model, optimizer) in plain.items():
         set_state_dict(model, optimizer, model_state_dict=state[name]["model"], optim_state_dict=state[name]["optim"],
                        options=LOAD_TRAINED)
     rng_file = path / f"rng-rank{dist.get_rank()}.pt"
@@ -207,7 +222,9 @@ def save_final(output_dir: str | Path, model: torch.nn.Module, tokenizer: Any,
             files.append((name, list(shards[-1])))
         shards[-1], size = {}, 0
 
-    specs, tensors = merged_tensors(model, model.state_dict().items())
+    # ZeRO-3's state_dict() holds empty partitions: its parameters (named, gathered one by one)
+    partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
+    specs, tensors = merged_tensors(model, model.named_parameters() if partitioned else model.state_dict().items())
     for (name, _, _), full in zip(specs, tensors):  # collective for DTensors: every rank gathers each
         if not rank0 or (tied and name == "lm_head.weight"):
             continue

@@ -137,8 +137,9 @@ class LoopBase(ABC):
                                          resume_step=self.step)
             model = self.final_model()
             self.trainable_parameters = trainable_parameters(model)
-            log.info("%s: %d parameters, %d trained%s", type(model).__name__, sum(p.numel() for p in model.parameters()),
-                     self.trainable_parameters, " (LoRA adapters)" if self.config.lora else "")
+            total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: whole sizes
+            log.info("%s: %d parameters, %d trained%s", type(model).__name__, total, self.trainable_parameters,
+                     " (LoRA adapters)" if self.config.lora else "")
             self.start()
             before = self.evaluate(0) if self.step == 0 else {}
             while self.step < s.total_steps:

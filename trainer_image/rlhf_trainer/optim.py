@@ -66,10 +66,31 @@ def scale_lr(optimizers: Iterable[torch.optim.Optimizer | None], factor: float) 
                 group["lr"] = group.setdefault("initial_lr", group["lr"]) * factor
 
 
+def optimizer_for(model: torch.nn.Module, optim, learning_rate: float | None = None):
+    """The optimizer of a trained model under the job's engine: AdamW (FSDP2), or the
+    optimizer side of a DeepSpeed engine that takes `model` over (parallel/deepspeed_engine.py)."""
+    if optim.engine == "deepspeed":
+        from .parallel.deepspeed_engine import train_with_zero
+
+        return train_with_zero(model, optim, learning_rate)
+    return adamw(model, optim, learning_rate)
+
+
+def backward(optimizer, loss: torch.Tensor, *, last: bool) -> None:
+    """The backward pass of one micro-batch's loss (`last`: the optimizer step's last);
+    DeepSpeed's engine runs its own."""
+    if hasattr(optimizer, "engine"):
+        optimizer.backward(loss, last=last)
+    else:
+        loss.backward()
+
+
 def step_or_skip(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> torch.Tensor | None:
     """Clip `model`'s gradients to `max_grad_norm` and step; a non-finite norm skips the
     step and drops the gradients. Returns the norm (a device tensor), or None if skipped.
-    The one host sync of an optimizer step."""
+    The one host sync of an optimizer step. Under DeepSpeed, its engine clips and steps."""
+    if hasattr(optimizer, "engine"):
+        return optimizer.step_or_skip()
     norm = clip_grad_norm(model.parameters(), max_grad_norm)
     if bool(torch.isfinite(norm)):
         optimizer.step()

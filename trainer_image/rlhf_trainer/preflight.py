@@ -127,6 +127,10 @@ def memory_problems(config: TrainerConfig, world_size: int, model: dict | None) 
     gpu = gpu_memory_bytes(config) if model is not None else None
     if gpu is None:
         return []
+    if config.optim.engine == "deepspeed":
+        print("warning: the memory plan models FSDP2; a job on trainer.engine deepspeed is not planned",
+              file=sys.stderr, flush=True)
+        return []
     from .memory_plan import plan, read_model_config
 
     rm = read_model_config(config.reward.model.path) if config.reward.model is not None else None

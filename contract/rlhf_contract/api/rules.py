@@ -187,6 +187,31 @@ RULES: tuple[Rule, ...] = (
         detail=lambda s: f"got {s.trainer.parallelism.tensor_parallel}",
     ),
     Rule(
+        field_path="trainer.engine",
+        cel=f"!has(self.trainer.engine) || self.trainer.engine != 'deepspeed' || ({_TP} == 1 && {_CP} == 1)",
+        message="deepspeed is data parallel only: set trainer.parallelism.tensorParallel and contextParallel to 1, "
+        "or use engine fsdp2",
+        check=lambda s: s.trainer.engine != "deepspeed" or (s.trainer.parallelism.tensor_parallel == 1
+                                                            and s.trainer.parallelism.context_parallel == 1),
+        detail=lambda s: (f"got tensorParallel {s.trainer.parallelism.tensor_parallel}, contextParallel "
+                          f"{s.trainer.parallelism.context_parallel}"),
+    ),
+    Rule(
+        field_path="trainer.engine",
+        cel="!has(self.trainer.engine) || self.trainer.engine != 'deepspeed' || !has(self.model.lora)",
+        message="model.lora trains with engine fsdp2 only (the adapters under ZeRO are not supported yet); "
+        "remove model.lora or use engine fsdp2",
+        check=lambda s: s.trainer.engine != "deepspeed" or s.model.lora is None,
+    ),
+    Rule(
+        field_path="trainer.deepspeed.offloadParams",
+        cel="!has(self.trainer.deepspeed) || !has(self.trainer.deepspeed.offloadParams) "
+            "|| !self.trainer.deepspeed.offloadParams || (has(self.trainer.deepspeed.zeroStage) "
+            "? self.trainer.deepspeed.zeroStage : 3) == 3",
+        message="parameter offload needs ZeRO stage 3: set trainer.deepspeed.zeroStage: 3 or offloadParams: false",
+        check=lambda s: not s.trainer.deepspeed.offload_params or s.trainer.deepspeed.zero_stage == 3,
+    ),
+    Rule(
         field_path="evaluation.datasets",
         cel="self.method == 'rl' || !has(self.evaluation) || !has(self.evaluation.datasets) "
             "|| size(self.evaluation.datasets) == 0",

@@ -124,6 +124,23 @@ class ParallelismSpec(SpecModel):
     decision); on CPU (local mode), off."""
 
 
+class DeepSpeedSpec(SpecModel):
+    """DeepSpeed ZeRO settings (`trainer.engine: deepspeed`)."""
+
+    zero_stage: Literal[2, 3] = 3
+    """2: optimizer state and gradients partitioned over the data-parallel ranks; 3: the
+    parameters too (the frozen reference and reward models run as ZeRO-3 inference)."""
+    offload_optimizer: bool = False
+    """Keep the optimizer state on the host and step it there (DeepSpeed's CPU Adam):
+    less GPU memory, slower steps."""
+    offload_params: bool = False
+    """Keep the partitioned parameters on the host between uses (ZeRO-3 only)."""
+    reduce_bucket_size: int = Field(default=500_000_000, ge=1)
+    """Elements per gradient reduction bucket."""
+    param_persistence_threshold: int = Field(default=100_000, ge=0)
+    """ZeRO-3: parameters with fewer elements stay whole on every rank (0: partition all)."""
+
+
 class TrainerSpec(SpecModel):
     """The trainer processes (torchrun)."""
 
@@ -154,6 +171,11 @@ class TrainerSpec(SpecModel):
     log-prob head never holds more than 1024 tokens of fp32 logits)."""
     parallelism: "ParallelismSpec" = Field(default_factory=lambda: ParallelismSpec())
     """How the model and the sequences are split over the trainer processes."""
+    engine: Literal["fsdp2", "deepspeed"] = "fsdp2"
+    """Training engine: PyTorch FSDP2 (with tensor and context parallelism), or DeepSpeed
+    ZeRO-2/3 (data parallel only; optimizer and parameter offload, `trainer.deepspeed`)."""
+    deepspeed: DeepSpeedSpec = Field(default_factory=DeepSpeedSpec)
+    """ZeRO stage, offload and bucket settings; read with `engine: deepspeed` only."""
     gpu_memory_gib: float | None = Field(default=None, gt=0, le=4096, alias="gpuMemoryGiB")
     """Memory of one trainer GPU in GiB, for the memory plan that the trainer checks before
     it loads anything (a job that cannot fit fails at once, naming what to change). Unset:

@@ -143,6 +143,11 @@ class AdaptersOff:
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (collective for FSDP's DTensors and ZeRO-3's partitioned parameters)."""
+    if hasattr(t, "ds_id"):
+        from ..parallel.deepspeed_engine import gathered
+
+        return gathered(t)
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
 
 
@@ -166,7 +171,7 @@ def merged_tensors(model: torch.nn.Module, items: Iterable[tuple[str, torch.Tens
             if leaf == "weight":
                 merged = (lookup[f"{layer}{_A}weight"], lookup[f"{layer}{_B}weight"], scale[layer])
             name = f"{layer}.{leaf}"
-        specs.append((name, list(tensor.shape), tensor.dtype))
+        specs.append((name, list(getattr(tensor, "ds_shape", tensor.shape)), tensor.dtype))
         plan.append((tensor, merged))
 
     def tensors() -> Iterator[torch.Tensor]:
@@ -206,4 +211,4 @@ def save_adapter(directory: str | Path, model: torch.nn.Module, spec, base_model
 
 def trainable_parameters(model: torch.nn.Module) -> int:
     """Parameters the optimizer updates (global counts for sharded ones)."""
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)

@@ -26,7 +26,7 @@ from ..checkpoint import Parts
 from ..distributed import DistInfo
 from ..loop import LoopBase
 from ..models.loading import host_until_sharded, load_models
-from ..optim import adamw, schedule_factor
+from ..optim import optimizer_for, schedule_factor
 from .data import OfflineData
 from .step import OfflineStep
 
@@ -49,7 +49,7 @@ class OfflineLoop(LoopBase):
             trained = ScoreModel(config.model_path, self.tokenizer.pad_token_id).to(host_until_sharded(info.device))
         self.model, self.ref, self.layout = load_models(config, info, trained=trained,
                                                         with_ref=config.method == "dpo")
-        self.optimizer = adamw(self.model, o)
+        self.optimizer = optimizer_for(self.model, o)
         self.train_step = OfflineStep(config, self.model, self.ref, self.optimizer, self.layout, info.device)
 
     def parts(self) -> Parts:

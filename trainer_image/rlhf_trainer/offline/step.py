@@ -21,7 +21,7 @@ from ..accumulator import MetricAccumulator
 from ..data.micro_batches import MicroBatch, plan
 from ..data.sequences import Row
 from ..models.forward import last_token_scores, policy_forward
-from ..optim import scale_lr, step_or_skip
+from ..optim import backward, scale_lr, step_or_skip
 from ..parallel.parallelize import Layout
 from .data import Example
 from .losses import bradley_terry_loss, dpo_loss, sft_loss_sum
@@ -108,9 +108,10 @@ class OfflineStep:
         self.model.train()
         scale_lr([self.optimizer], lr_factor)
         self.optimizer.zero_grad(set_to_none=True)
-        for mb in micro:  # gradients reduce-scattered after each micro-batch (FSDP2's default)
+        for j, mb in enumerate(micro):  # gradients reduce-scattered after each micro-batch (FSDP2's default)
             loss = self.micro_batch_loss(rows, mb, acc, num_tokens=num_tokens, num_pairs=num_pairs)
-            loss.backward()  # FSDP sums gradients over data-parallel ranks: each loss is its share
+            # gradients are summed over data-parallel ranks: each loss is its share
+            backward(self.optimizer, loss, last=j == len(micro) - 1)
             acc.add("loss", loss.detach())
         norm = step_or_skip(self.model, self.optimizer, self.config.optim.max_grad_norm)
         if norm is not None:

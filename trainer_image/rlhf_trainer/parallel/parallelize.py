@@ -197,3 +197,21 @@ def parallelize_models(policy: torch.nn.Module, *, ref: torch.nn.Module | None, 
                   cp_mesh=meshes.cp if cp > 1 else None,
                   reduce_group=meshes.dp_shard_cp.get_group() if fsdp else None, reduce_size=dp * cp,
                   owns_rows=meshes.tp.get_local_rank() == 0 and meshes.cp.get_local_rank() == 0)
+
+
+def zero_layout(policy: torch.nn.Module, *, ref: torch.nn.Module | None, critic: torch.nn.Module | None,
+                reward_model: torch.nn.Module | None, world_size: int, activation_checkpointing: bool) -> Layout:
+    """The layout under DeepSpeed (parallel/deepspeed_engine.py): data parallel over the
+    whole world, packed per-document attention, the policy and the critic checkpointed
+    when asked; ZeRO itself is applied when the engines are created."""
+    for model in (policy, ref, critic, reward_model):
+        if model is not None:
+            apply_cp(model.model if model is critic else model, None)
+    if activation_checkpointing:
+        for model in (policy, critic):
+            if model is not None:
+                apply_activation_checkpointing(model)
+    if world_size == 1:
+        return Layout()
+    return Layout(world_size=world_size, dp_size=world_size, dp_rank=dist.get_rank(), cp_mesh=None,
+                  reduce_group=dist.group.WORLD, reduce_size=world_size, owns_rows=True)

@@ -17,7 +17,7 @@ from rlhf_contract.trainer_config import TrainerConfig
 
 from ..distributed import DistInfo
 from ..models.loading import host_until_sharded, load_models
-from ..optim import adamw
+from ..optim import optimizer_for
 from ..parallel.parallelize import Layout
 
 
@@ -55,5 +55,5 @@ def build_models(config: TrainerConfig, info: DistInfo, pad_token_id: int | None
         reward_model = load_reward_model(config.reward.model.path, host_until_sharded(info.device), pad_token_id,
                                          torch.bfloat16 if info.device.type == "cuda" else torch.float32)
     policy, ref, layout = load_models(config, info, with_ref=bool(a.kl_coef), critic=critic, reward_model=reward_model)
-    critic_optimizer = adamw(critic, o, a.critic_learning_rate) if critic is not None else None
-    return Models(policy, adamw(policy, o), ref, critic, critic_optimizer, reward_model), layout
+    critic_optimizer = optimizer_for(critic, o, a.critic_learning_rate) if critic is not None else None
+    return Models(policy, optimizer_for(policy, o), ref, critic, critic_optimizer, reward_model), layout

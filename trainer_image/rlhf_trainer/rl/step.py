@@ -30,7 +30,7 @@ from ..algorithms.losses import agg_weights, explained_variance, ppo_token_loss,
 from ..data.micro_batches import MicroBatch, plan
 from ..data.sequences import Row
 from ..models.forward import critic_forward, local, policy_forward
-from ..optim import scale_lr, step_or_skip
+from ..optim import backward, scale_lr, step_or_skip
 from ..orchestrator.types import RolloutBatch
 from ..parallel.parallelize import Layout
 from .models import Models
@@ -133,8 +133,8 @@ class TrainStep:
             if m.critic_optimizer is not None:
                 m.critic_optimizer.zero_grad(set_to_none=True)
             micro = self._plan(rows, idx)
-            for mb in micro:  # FSDP reduce-scatters each micro-batch's gradients into the sharded sums
-                self.micro_step(rows, t, mb, coef, value_coef, base=idx[0], acc=acc)
+            for j, mb in enumerate(micro):  # FSDP reduce-scatters each micro-batch's gradients
+                self.micro_step(rows, t, mb, coef, value_coef, base=idx[0], acc=acc, last=j == len(micro) - 1)
             self._clip_and_step(m.policy, m.optimizer, acc, "grad_norm")
             if m.critic is not None:
                 self._clip_and_step(m.critic, m.critic_optimizer, acc, "critic_grad_norm")
@@ -168,8 +168,9 @@ class TrainStep:
         return out
 
     def micro_step(self, rows: list[Row], t: StepTensors, mb: MicroBatch, coef: torch.Tensor,
-                   value_coef: torch.Tensor, *, base: int, acc: MetricAccumulator) -> None:
-        """One forward/backward of the policy (and the critic) on one packed micro-batch."""
+                   value_coef: torch.Tensor, *, base: int, acc: MetricAccumulator, last: bool = True) -> None:
+        """One forward/backward of the policy (and the critic) on one packed micro-batch
+        (`last`: the optimizer step's last, DeepSpeed's accumulation boundary)."""
         a, m, dev, cp_mesh = self.a, self.m, self.device, self.layout.cp_mesh
         cp = self.layout.cp_size
         acc.add("padding", mb.packed.num_padding / cp, mb.length / cp)  # each CP rank counts its share
@@ -186,7 +187,7 @@ class TrainStep:
             a, logp=logp, entropy=entropy, old=old, advantages=per_token(t.advantages), coef=c,
             ref=per_token(t.ref_logprobs) if t.ref_logprobs is not None else None,
             rollout=per_token(t.rollout_logprobs) if a.tis_cap is not None else None)
-        loss.backward()  # gradients are SUMMED over data x context ranks: each rank's loss is its share
+        backward(m.optimizer, loss, last=last)  # gradients are SUMMED over data x context ranks: each loss is a share
         num_tokens = mask.sum()
         acc.add("loss", loss)
         acc.add("clip_fraction", (terms.clip_active.float() * mask).sum(), num_tokens)
@@ -198,7 +199,7 @@ class TrainStep:
             values = critic_forward(m.critic, mb, cp_mesh, dev)
             vl, _ = value_token_loss(values, per_token(t.values), per_token(t.returns), a.value_clip)
             vloss = (vl * per_token(value_coef, relative=True)).sum()
-            vloss.backward()
+            backward(m.critic_optimizer, vloss, last=last)
             acc.add("value_loss", vloss)
 
     def _clip_and_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, acc: MetricAccumulator,
