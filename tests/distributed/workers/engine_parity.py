@@ -1,5 +1,5 @@
 """torchrun worker: the same training steps under FSDP2 and under DeepSpeed ZeRO-2 / ZeRO-3
-(`trainer.engine`), on the same processes and data: RL's `TrainStep` (GRPO with a KL
+(`trainer.engine`; ZeRO-3 also with optimizer and parameter offload), on the same processes and data: RL's `TrainStep` (GRPO with a KL
 reference, two mini-batches) and the offline `OfflineStep` (DPO against its reference),
 three optimizer steps each. ZeRO-3 runs with `stage3_param_persistence_threshold` 0, so
 every parameter really is partitioned (and the frozen reference runs as a ZeRO-3
@@ -33,7 +33,9 @@ from rlhf_trainer.parallel.parallelize import parallelize_models, zero_layout  #
 
 STEPS = 3
 ENGINES = {"fsdp2": None, "zero2": DeepSpeedSpec(zero_stage=2),
-           "zero3": DeepSpeedSpec(zero_stage=3, param_persistence_threshold=0)}
+           "zero3": DeepSpeedSpec(zero_stage=3, param_persistence_threshold=0),
+           "zero3-offload": DeepSpeedSpec(zero_stage=3, param_persistence_threshold=0, offload_optimizer=True,
+                                          offload_params=True)}
 
 
 def optim_config(engine: str) -> OptimConfig:
@@ -98,7 +100,7 @@ def run_dpo(engine: str, world: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("cases", nargs="+", help="grpo|dpo:engine")
+    parser.add_argument("cases", nargs="+", help="grpo|dpo:fsdp2|zero2|zero3|zero3-offload")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
