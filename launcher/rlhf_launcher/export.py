@@ -43,17 +43,34 @@ def _run_model(output_dir: Path) -> tuple[str, int, dict | None]:
                       "with --model DIR")
 
 
-def _zero_files(checkpoint: Path) -> str | None:
-    """The tag of the policy's DeepSpeed ZeRO files in `checkpoint` (`step-N/policy/`), or
-    None for a DCP checkpoint."""
-    return "policy" if any((checkpoint / "policy").glob("*model_states.pt")) else None
+def _policy_state(checkpoint: Path) -> dict:
+    """The policy's trained tensors in `checkpoint`, whole, by Hugging Face name: DCP's
+    files, or under DeepSpeed the ZeRO files of `step-N/policy/` merged to fp32 by
+    DeepSpeed's own reader."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if any((checkpoint / "policy").glob("*model_states.pt")):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        with contextlib.redirect_stdout(sys.stderr):  # it prints its progress
+            return dict(get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag="policy"))
+    reader = dcp.FileSystemReader(str(checkpoint))
+    prefix = "policy.model."
+    state = {key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
+             for key, meta in reader.read_metadata().state_dict_metadata.items()
+             if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
+    if state:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"policy": {"model": state}}, storage_reader=reader)
+    return state
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, model: str | None = None,
                       overwrite: bool = False) -> Path:
     import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from rlhf_trainer.checkpoint import save_final
@@ -85,20 +102,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, model: str | None
             raise ExportError(f"{model} is not a Hugging Face model directory (no config.json): give the model the "
                               "run started from with --model DIR")
         config = AutoConfig.from_pretrained(model)
-        zero = _zero_files(checkpoint)
-        if zero:  # trainer.engine deepspeed: the policy's ZeRO files, merged to fp32 by DeepSpeed's own reader
-            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-            with contextlib.redirect_stdout(sys.stderr):  # it prints its progress
-                state = dict(get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=zero))
-        else:
-            reader = dcp.FileSystemReader(str(checkpoint))
-            prefix = "policy.model."
-            state = {key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
-                     for key, meta in reader.read_metadata().state_dict_metadata.items()
-                     if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
+        state = _policy_state(checkpoint)
         if not state:
-            raise ExportError(f"{checkpoint} holds no policy weights (keys {prefix}*)")
+            raise ExportError(f"{checkpoint} holds no policy weights (keys policy.model.*, or ZeRO files in policy/)")
         lora = None
         if any(".lora_A." in key for key in state):  # adapters only: the base is the run's model
             if recorded is None or recorded[2] is None:
@@ -114,10 +120,6 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, model: str | None
         else:
             net = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
             frozen = set()
-        if not zero:
-            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-                warnings.simplefilter("ignore", UserWarning)
-                dcp.load({"policy": {"model": state}}, storage_reader=reader)
         missing, unexpected = net.load_state_dict(state, strict=False)
         tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
         if set(missing) - tied - frozen or unexpected:
