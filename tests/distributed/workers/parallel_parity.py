@@ -135,6 +135,7 @@ def main() -> None:
             dp, tp, cp = (int(x) for x in parts[:3])
             family = "llama" if "llama" in parts[3:] else "qwen2"
             results[layout] = run_layout(world, dp, tp, cp, "ac" in parts[3:], family, docs)
+        dist.barrier()  # every rank's collectives done before any tears its process group down
     finally:
         if dist.get_rank() == 0:
             with open(args.out, "w") as f:

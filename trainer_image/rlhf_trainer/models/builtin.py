@@ -10,6 +10,8 @@ Simplification: the tokenizer has no chat template; prompts are plain text.
 
 from __future__ import annotations
 
+import sys
+
 from pathlib import Path
 
 BUILTIN_PREFIX = "builtin://"
@@ -89,7 +91,23 @@ def materialize(uri: str, directory: str | Path, seed: int = 0) -> Path:
     if marker.exists() and marker.read_text() == f"{name} seed={seed}":
         return directory
     directory.mkdir(parents=True, exist_ok=True)
-    build_tiny_qwen2(seed, name).save_pretrained(directory)
+    _save_without_deepspeed_probe(build_tiny_qwen2(seed, name), directory)
     build_tokenizer().save_pretrained(directory)
     marker.write_text(f"{name} seed={seed}")
     return directory
+
+
+def _save_without_deepspeed_probe(model, directory: Path) -> None:
+    """`save_pretrained`, except that accelerate (which it calls to unwrap the model) does
+    not import DeepSpeed merely because the trainer extra installs it: that import costs
+    about 3 s (it pulls in mlflow) in every process that writes the built-in model, and a
+    model just built is never inside a DeepSpeed engine (nor is any model while deepspeed
+    is unimported)."""
+    import accelerate.utils.other as unwrapping
+
+    probe = unwrapping.is_deepspeed_available
+    unwrapping.is_deepspeed_available = lambda: "deepspeed" in sys.modules
+    try:
+        model.save_pretrained(directory)
+    finally:
+        unwrapping.is_deepspeed_available = probe

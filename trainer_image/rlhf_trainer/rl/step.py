@@ -82,6 +82,18 @@ class TrainStep:
         lay = self.layout
         return plan(rows, indices, self.budget, lay.dp_size, lay.cp_size)[lay.dp_rank]
 
+    def _mini_batches(self, n: int) -> list[list[int]]:
+        """The rows of each mini-batch (contiguous slices; rows past the last whole one, if
+        any, in a list of their own). The no-grad passes plan their micro-batches per
+        mini-batch as the updates do, so a sequence's old and reference log-probs come from
+        the same packed micro-batch as its log-prob in the update: equal weights then give
+        bit-equal log-probs (ratio exactly 1 and KL exactly 0 at the first micro-step).
+        Packed differently, the head's matmul over another number of rows may round
+        differently, and Adam turns such 1e-8 gradients into learning-rate-sized updates."""
+        per = n // self.a.num_mini_batches
+        slices = [list(range(k * per, (k + 1) * per)) for k in range(self.a.num_mini_batches)] if per else []
+        return slices + ([list(range(per * self.a.num_mini_batches, n))] if per * self.a.num_mini_batches < n else [])
+
     # ---- no-grad passes and advantages ------------------------------------------------
 
     def prepare(self, batch: RolloutBatch) -> StepTensors:
@@ -96,7 +108,7 @@ class TrainStep:
         m.policy.eval()
         if m.critic is not None:
             m.critic.eval()
-        micro = self._plan(batch.rows, list(range(len(batch.rows))))
+        micro = [mb for idx in self._mini_batches(len(batch.rows)) for mb in self._plan(batch.rows, idx)]
         rewards, reward_metrics = [r.reward for r in batch.rows], {}
         if m.reward_model is not None:  # the learned reward joins the rewards before advantages
             scores = reward_model_scores(m.reward_model, len(batch.rows), micro, cp, self.layout.world_size,
@@ -117,7 +129,7 @@ class TrainStep:
         (`initial_lr` of its parameter groups) at the step's k-th optimizer step."""
         a, m, rows = self.a, self.m, batch.rows
         acc = MetricAccumulator(METRICS, self.device)
-        per_mini = len(rows) // a.num_mini_batches
+        per_mini = len(rows) // a.num_mini_batches  # the slices of _mini_batches
         m.policy.train()
         if m.critic is not None:
             m.critic.train()
