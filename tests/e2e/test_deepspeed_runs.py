@@ -7,16 +7,10 @@ step-by-step numerics against FSDP2 are tests/distributed/test_engine_parity.py.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
-
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_lora_runs import EXAMPLE, ROOT, SMALL, _trainer_workers, logits, metrics, rlhfctl, run
+from test_lora_runs import SMALL, logits, metrics, rlhfctl, run, run_killed_once
 
 pytestmark = pytest.mark.slow
 
@@ -29,24 +23,7 @@ def test_a_sigkilled_zero3_run_resumes_exactly_and_its_checkpoints_export(tmp_pa
     common = [*SMALL, *ZERO3, "schedule.saveEvery=2", "schedule.totalSteps=4", "trainer.learningRate=0.01"]
     straight = run(tmp_path / "straight", *common)
     out = tmp_path / "killed"
-    args = [a for item in (*common, "runPolicy.maxRestarts=1") for a in ("--set", item)]
-    proc = subprocess.Popen([sys.executable, "-m", "rlhf_launcher.cli", "run", str(EXAMPLE), "--output", str(out), *args],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 300
-        while not (out / "checkpoints" / "step-2" / "COMPLETE").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
-            time.sleep(0.1)
-        workers = _trainer_workers(out)
-        assert len(workers) == 2
-        for pid in workers:  # as by the OOM killer
-            os.kill(pid, signal.SIGKILL)
-        _, stderr = proc.communicate(timeout=400)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, stderr[-3000:]
+    assert run_killed_once(out, common, at_step=2) == 2  # both ranks
     assert "attempt 2 resumes from step-2" in (out / "logs" / "attempts.log").read_text()
     killed = metrics(out)
     assert [r["step"] for r in killed] == [1, 2, 3, 4]

@@ -152,21 +152,20 @@ def _trainer_workers(out: Path) -> list[int]:
     return found
 
 
-def test_a_sigkilled_lora_run_resumes_exactly_like_an_uninterrupted_one(tmp_path):
-    common = [*SMALL, *LORA, "schedule.saveEvery=2", "schedule.totalSteps=6", "trainer.learningRate=0.01"]
-    straight = run(tmp_path / "straight", *common)
-    out = tmp_path / "killed"
-    args = [a for item in (*common, "runPolicy.maxRestarts=1") for a in ("--set", item)]
+def run_killed_once(out: Path, overrides: list[str], at_step: int) -> int:
+    """`rlhfctl run` allowed one restart, whose trainer processes are SIGKILLed (as by the
+    OOM killer) once checkpoint step-`at_step` is complete; the run must then finish.
+    Returns how many trainer processes were killed."""
+    args = [a for item in (*overrides, "runPolicy.maxRestarts=1") for a in ("--set", item)]
     proc = subprocess.Popen([sys.executable, "-m", "rlhf_launcher.cli", "run", str(EXAMPLE), "--output", str(out), *args],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
-        while not (out / "checkpoints" / "step-2" / "COMPLETE").exists():
+        while not (out / "checkpoints" / f"step-{at_step}" / "COMPLETE").exists():
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
             time.sleep(0.1)
         workers = _trainer_workers(out)
-        assert workers
-        for pid in workers:  # as by the OOM killer
+        for pid in workers:
             os.kill(pid, signal.SIGKILL)
         _, stderr = proc.communicate(timeout=400)
     finally:
@@ -174,6 +173,14 @@ def test_a_sigkilled_lora_run_resumes_exactly_like_an_uninterrupted_one(tmp_path
             proc.kill()
             proc.wait()
     assert proc.returncode == 0, stderr[-3000:]
+    return len(workers)
+
+
+def test_a_sigkilled_lora_run_resumes_exactly_like_an_uninterrupted_one(tmp_path):
+    common = [*SMALL, *LORA, "schedule.saveEvery=2", "schedule.totalSteps=6", "trainer.learningRate=0.01"]
+    straight = run(tmp_path / "straight", *common)
+    out = tmp_path / "killed"
+    assert run_killed_once(out, common, at_step=2)
     assert "attempt 2 resumes from step-" in (out / "logs" / "attempts.log").read_text()
     killed = metrics(out)
     assert [r["step"] for r in killed] == list(range(1, 7))
