@@ -36,6 +36,8 @@ from torch.distributed.checkpoint.state_dict import (
 from rlhf_contract.outputs import (MARKER, checkpoint_step as _step_of, complete_checkpoints, damage, latest_checkpoint,
                                    manifest)
 
+from .parallel.deepspeed_engine import is_partitioned, is_zero
+
 __all__ = ["complete_checkpoints", "latest_checkpoint", "load_checkpoint", "resume_checkpoint", "save_checkpoint",
            "save_final"]
 
@@ -55,7 +57,7 @@ from the checkpoint by `dcp.load` (which fails on a missing key), so nothing els
 
 def _zero_parts(parts: Parts) -> tuple[Parts, Parts]:
     """(the parts DeepSpeed trains, which write their own ZeRO files; the others, in DCP)."""
-    zero = {n: p for n, p in parts.items() if hasattr(p[1], "engine")}
+    zero = {n: p for n, p in parts.items() if is_zero(p[1])}
     return zero, {n: p for n, p in parts.items() if n not in zero}
 
 
@@ -223,7 +225,7 @@ def save_final(output_dir: str | Path, model: torch.nn.Module, tokenizer: Any,
         shards[-1], size = {}, 0
 
     # ZeRO-3's state_dict() holds empty partitions: its parameters (named, gathered one by one)
-    partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
+    partitioned = any(is_partitioned(p) for p in model.parameters())
     specs, tensors = merged_tensors(model, model.named_parameters() if partitioned else model.state_dict().items())
     for (name, _, _), full in zip(specs, tensors):  # collective for DTensors: every rank gathers each
         if not rank0 or (tied and name == "lm_head.weight"):

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 
 import torch
 
+from .parallel.deepspeed_engine import is_zero
 from .parallel.grad_norm import clip_grad_norm
 
 
@@ -79,7 +80,7 @@ def optimizer_for(model: torch.nn.Module, optim, learning_rate: float | None = N
 def backward(optimizer, loss: torch.Tensor, *, last: bool) -> None:
     """The backward pass of one micro-batch's loss (`last`: the optimizer step's last);
     DeepSpeed's engine runs its own."""
-    if hasattr(optimizer, "engine"):
+    if is_zero(optimizer):
         optimizer.backward(loss, last=last)
     else:
         loss.backward()
@@ -89,7 +90,7 @@ def step_or_skip(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_g
     """Clip `model`'s gradients to `max_grad_norm` and step; a non-finite norm skips the
     step and drops the gradients. Returns the norm (a device tensor), or None if skipped.
     The one host sync of an optimizer step. Under DeepSpeed, its engine clips and steps."""
-    if hasattr(optimizer, "engine"):
+    if is_zero(optimizer):
         return optimizer.step_or_skip()
     norm = clip_grad_norm(model.parameters(), max_grad_norm)
     if bool(torch.isfinite(norm)):

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from ..parallel.deepspeed_engine import gathered, is_partitioned
+
 ADAPTER = "default"
 """peft's name for the one adapter."""
 TRAINED_HEADS = ("score",)
@@ -144,9 +146,7 @@ class AdaptersOff:
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor (collective for FSDP's DTensors and ZeRO-3's partitioned parameters)."""
-    if hasattr(t, "ds_id"):
-        from ..parallel.deepspeed_engine import gathered
-
+    if is_partitioned(t):
         return gathered(t)
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
 
