@@ -1,37 +1,87 @@
-"""Policy loss (PPO clip with separate low/high clips and dual clip) and loss reduction.
+"""The RL losses the trainer runs: the policy loss of a micro-batch (`compose_loss`), its
+per-token parts, the loss aggregation as per-token weights, and the critic's loss.
 
-Per token, with ratio = exp(logp - old_logp) and advantage A:
-  l = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))     (Schulman 2017;
-      separate clip_high is DAPO's clip-higher, Yu et al. 2025)
-  dual clip (Ye et al. 2020), where A < 0:  l = min(l, -A * c)
-Reductions of a masked [B, T] loss (`agg`):
-  token-mean               sum(l * m) / sum(m)
-  seq-mean-token-mean      mean over rows of (row sum(l * m) / row sum(m))
-  seq-mean-token-sum       mean over rows of row sum(l * m)
-  seq-mean-token-sum-norm  mean over rows of (row sum(l * m) / T), T = mask.shape[-1] (Dr. GRPO)
+Shapes: every function is elementwise over tokens, so a [B, T] table and the packed
+[1, l] tokens of a micro-batch are both fine, except `agg_weights` and
+`explained_variance`, which take [B, T] tables of the whole mini-batch.
 
-Micro-batching: pass `num_tokens` / `num_seqs` (the totals of the whole step, across
-processes) so that summing micro-batch losses gives the loss of the whole step.
+Per token, with r = exp(logp - old) (old: the policy's log-prob before this step's
+updates) and advantage A:
+  PPO clip (Schulman et al. 2017, eq. 7, as a loss):
+      l = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))
+  dual clip (Ye et al. 2020), where A < 0:  l = min(l, -c A)
+  TIS (Yao et al. 2025):  l = l * min(exp(old - rollout), tis_cap), the weight detached
+  entropy bonus (Schulman et al. 2017, eq. 9):  - entropyCoef * H
+  KL in the loss (klMode loss; GRPO, Shao et al. 2024):  + klCoef * kl(logp, ref), with
+      Schulman's k1 / k2 / k3 (`kl.py`)
+The mini-batch loss is L = sum over its tokens of coef * (l - entropyCoef H [+ klCoef kl]),
+coef = agg_weights(mask of the whole mini-batch, lossAgg), B rows, m = mask:
+  token-mean               coef = m / sum(m)
+  seq-mean-token-mean      coef = m / (row sum(m)) / B
+  seq-mean-token-sum       coef = m / B
+  seq-mean-token-sum-norm  coef = m / W / B     (Dr. GRPO, Liu et al. 2025)
+coef is computed on the whole mini-batch and sliced per micro-batch, so the losses of
+the micro-batches (any split of rows or tokens, over any ranks) sum to L.
+
+Departures from the papers:
+- separate clip_low / clip_high (DAPO's clip-higher, Yu et al. 2025); PPO has one epsilon;
+- W of seq-mean-token-sum-norm is the longest response of the mini-batch (`width`), not
+  Dr. GRPO's constant generation budget, so W varies between mini-batches;
+- the entropy bonus and the KL term are reduced with the policy term's coef (GRPO
+  averages its k3 KL per sequence, which is lossAgg seq-mean-token-mean);
+- clip_active marks tokens where the clip(r) term is the larger one (the ratio clip is
+  active); where the dual clip binds is not counted;
+- the value loss is PPO2's clipped squared error (OpenAI baselines, not in the PPO paper).
+Not here: log-probs and entropy (`models/logprob_head.py`), backward and optimizer steps
+(`rl/step.py`), advantages (`advantages.py`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import get_args
+
 import torch
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+from rlhf_contract.api.models import AlgorithmSpec, LossAgg
+
+from .kl import kl_penalty
+
+AGGREGATIONS: tuple[str, ...] = get_args(LossAgg)
 
 
-def agg_loss(
-    loss: torch.Tensor,
-    mask: torch.Tensor,
-    agg: str = "token-mean",
-    *,
-    num_tokens: float | None = None,
-    num_seqs: float | None = None,
-) -> torch.Tensor:
-    """Reduce a per-token loss [B, T] to a scalar (see the module docstring)."""
-    mask = mask if mask.is_floating_point() else mask.to(loss.dtype)
-    return (loss * agg_weights(mask.to(loss.dtype), agg, num_tokens=num_tokens, num_seqs=num_seqs)).sum()
+@dataclass
+class LossTerms:
+    """Per-token tensors of one micro-batch besides the loss itself (for metrics)."""
+
+    clip_active: torch.Tensor
+    """Where the ratio clip was active (bool, the shape of logp)."""
+    kl: torch.Tensor | None
+    """The per-token KL estimate from the reference (None without one)."""
+
+
+def compose_loss(a: AlgorithmSpec, *, logp: torch.Tensor, entropy: torch.Tensor, old: torch.Tensor,
+                 advantages: torch.Tensor, coef: torch.Tensor, ref: torch.Tensor | None = None,
+                 rollout: torch.Tensor | None = None) -> tuple[torch.Tensor, LossTerms]:
+    """The policy loss of one micro-batch (the module docstring's L restricted to its
+    tokens): sum of coef x (PPO clip loss [x TIS weight] - entropyCoef x entropy
+    [+ klCoef x KL when klMode is loss]). All tensors have one shape (per packed token,
+    [1, l]); `coef` carries the aggregation; `rollout` is needed when tisCap is set."""
+    token_loss, clip_active = ppo_token_loss(logp, old, advantages, clip_low=a.clip_low, clip_high=a.clip_high,
+                                             dual_clip=a.dual_clip)
+    if a.tis_cap is not None:
+        if rollout is None:
+            raise ValueError("algorithm.tisCap is set: compose_loss needs the rollout log-probs")
+        token_loss = token_loss * truncated_is_weights(old, rollout, a.tis_cap)
+    loss = (token_loss * coef).sum()
+    if a.entropy_coef:
+        loss = loss - a.entropy_coef * (entropy * coef).sum()
+    kl = None
+    if ref is not None:
+        kl = kl_penalty(logp, ref, a.kl_estimator)
+        if a.kl_mode == "loss":
+            loss = loss + a.kl_coef * (kl * coef).sum()
+    return loss, LossTerms(clip_active, kl)
 
 
 def agg_weights(
@@ -42,21 +92,20 @@ def agg_weights(
     num_seqs: float | None = None,
     width: int | None = None,
 ) -> torch.Tensor:
-    """Per-token coefficients c [B, T] with agg_loss(l, mask, agg, ...) == (l * c).sum().
-
-    The trainer packs sequences, so a loss is a weighted sum over packed tokens; these
-    weights carry the aggregation (`width` stands for T of seq-mean-token-sum-norm, the
-    longest response of the whole batch)."""
+    """Per-token coefficients coef [B, T] of the aggregation `agg` (module docstring) for
+    the mini-batch `mask` [B, T]: sum(l * coef) is the aggregated loss of a per-token
+    loss l. `num_tokens` / `num_seqs` default to the mask's token and row counts; `width`
+    is W of seq-mean-token-sum-norm (default T = mask.shape[-1]). Empty rows count in B."""
     mask = mask if mask.is_floating_point() else mask.to(torch.float32)
-    seqs = float(mask.shape[0] if num_seqs is None else num_seqs)
+    seqs = max(float(mask.shape[0] if num_seqs is None else num_seqs), 1.0)
     if agg == "token-mean":
         return mask / max(float(mask.sum()) if num_tokens is None else float(num_tokens), 1.0)
     if agg == "seq-mean-token-mean":
-        return mask / mask.sum(-1, keepdim=True).clamp(min=1.0) / max(seqs, 1.0)
+        return mask / mask.sum(-1, keepdim=True).clamp(min=1.0) / seqs
     if agg == "seq-mean-token-sum":
-        return mask / max(seqs, 1.0)
+        return mask / seqs
     if agg == "seq-mean-token-sum-norm":
-        return mask / float(width or mask.shape[-1]) / max(seqs, 1.0)
+        return mask / float(width or mask.shape[-1]) / seqs
     raise ValueError(f"algorithm.lossAgg: unknown aggregation {agg!r}; use one of {', '.join(AGGREGATIONS)}")
 
 
@@ -69,7 +118,8 @@ def ppo_token_loss(
     clip_high: float = 0.2,
     dual_clip: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token PPO loss l [..] and a bool tensor of where the clip was active."""
+    """Per-token PPO clip loss l (with the dual clip when `dual_clip` is c) and a bool
+    tensor of where the ratio clip was active; all of one shape."""
     ratio = (logprobs - old_logprobs).exp()
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
@@ -79,47 +129,18 @@ def ppo_token_loss(
     return loss, clipped > unclipped
 
 
-def policy_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
-    agg: str = "token-mean",
-    num_tokens: float | None = None,
-    num_seqs: float | None = None,
-    is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped policy loss; returns (loss, metrics with clip_fraction and approx_kl).
-    `is_weights` [B, T] (truncated importance sampling) multiply the per-token loss."""
-    mask_f = mask.to(logprobs.dtype)
-    log_ratio = logprobs - old_logprobs
-    loss, clip_active = ppo_token_loss(logprobs, old_logprobs, advantages, clip_low=clip_low, clip_high=clip_high,
-                                       dual_clip=dual_clip)
-    if is_weights is not None:
-        loss = loss * is_weights
-    n_valid = mask_f.sum().clamp(min=1.0)
-    with torch.no_grad():
-        metrics = {
-            "clip_fraction": (clip_active.to(mask_f.dtype) * mask_f).sum() / n_valid,
-            "approx_kl": (0.5 * log_ratio.square() * mask_f).sum() / n_valid,
-        }
-    return agg_loss(loss, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs), metrics
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Per-token entropy [..] of the categorical distributions given by `logits` [.., V]."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+def truncated_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly
+    brings you off-policy RL training"): w = min(exp(old_logp - rollout_logp), cap), detached,
+    correcting for the rollout engine's sampling policy differing from the trainer's."""
+    return (old_logprobs - rollout_logprobs).exp().clamp(max=cap).detach()
 
 
 def value_token_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
                      clip: float | None = 0.2) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token clipped value loss 0.5 * max((V - R)^2, (V_clip - R)^2) with
-    V_clip = V_old + clip(V - V_old, -clip, clip), and where the clipped term won."""
+    V_clip = V_old + clip(V - V_old, -clip, clip) (PPO2), and where the clipped term won;
+    `clip` None: 0.5 * (V - R)^2. The trainer reduces it token-mean."""
     unclipped = (values - returns).square()
     if clip is None:
         return 0.5 * unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
@@ -127,34 +148,9 @@ def value_token_loss(values: torch.Tensor, old_values: torch.Tensor, returns: to
     return 0.5 * torch.maximum(unclipped, clipped), clipped > unclipped
 
 
-def value_loss(
-    values: torch.Tensor,
-    old_values: torch.Tensor,
-    returns: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    clip: float | None = 0.2,
-    agg: str = "token-mean",
-    num_tokens: float | None = None,
-    num_seqs: float | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped value loss (PPO2), reduced with `agg`; all [B, T]. Returns (loss, metrics
-    with value_clip_fraction)."""
-    per_token, clip_active = value_token_loss(values, old_values, returns, clip)
-    m = mask.to(values.dtype)
-    frac = (clip_active.to(values.dtype) * m).sum() / m.sum().clamp(min=1.0)
-    return agg_loss(per_token, mask, agg, num_tokens=num_tokens, num_seqs=num_seqs), {"value_clip_fraction": frac.detach()}
-
-
-def truncated_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
-    """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly
-    brings you off-policy RL training"): w = min(exp(old_logp - rollout_logp), cap) [B, T],
-    correcting for the rollout engine's numerics differing from the trainer's."""
-    return (old_logprobs - rollout_logprobs).exp().clamp(max=cap).detach()
-
-
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """1 - Var(R - V) / Var(R) over valid tokens (1 is a perfect critic)."""
+    """1 - Var(R - V) / Var(R) over the valid tokens of [B, T] tables (1: a perfect critic;
+    0 when the returns do not vary)."""
     m = mask.to(values.dtype)
     n = m.sum().clamp(min=1.0)
 

@@ -18,15 +18,13 @@ step (counted as `skipped_steps`); the caller then skips the weight sync.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from rlhf_contract.api.models import AlgorithmSpec
 
 from ..accumulator import MetricAccumulator
-from ..algorithms.kl import kl_penalty
-from ..algorithms.losses import agg_weights, explained_variance, ppo_token_loss, truncated_is_weights, value_token_loss
+from ..algorithms.losses import agg_weights, compose_loss, explained_variance, value_token_loss
 from ..data.micro_batches import MicroBatch, plan
 from ..data.sequences import Row
 from ..models.forward import critic_forward, local, policy_forward
@@ -39,35 +37,6 @@ from .tensors import StepTensors, build_step_tensors, gather_passes, needs_old_l
 
 METRICS = ["loss", "clip_fraction", "approx_kl", "entropy", "kl", "value_loss", "padding", "grad_norm",
            "critic_grad_norm", "skipped_steps"]
-
-
-@dataclass
-class LossTerms:
-    """Per-token tensors of one micro-batch, besides the loss itself (for metrics)."""
-
-    clip_active: torch.Tensor
-    kl: torch.Tensor | None
-
-
-def compose_loss(a: AlgorithmSpec, *, logp: torch.Tensor, entropy: torch.Tensor, old: torch.Tensor,
-                 advantages: torch.Tensor, coef: torch.Tensor, ref: torch.Tensor | None = None,
-                 rollout: torch.Tensor | None = None) -> tuple[torch.Tensor, LossTerms]:
-    """The policy loss of one micro-batch: sum over tokens of coef x (PPO clip loss
-    [x TIS weight] - entropyCoef x entropy [+ klCoef x KL when klMode is loss]).
-    All tensors are per packed token ([1, l]); `coef` carries the loss aggregation."""
-    token_loss, clip_active = ppo_token_loss(logp, old, advantages, clip_low=a.clip_low, clip_high=a.clip_high,
-                                             dual_clip=a.dual_clip)
-    if a.tis_cap is not None:
-        token_loss = token_loss * truncated_is_weights(old, rollout, a.tis_cap)
-    loss = (token_loss * coef).sum()
-    if a.entropy_coef:
-        loss = loss - a.entropy_coef * (entropy * coef).sum()
-    kl = None
-    if ref is not None:
-        kl = kl_penalty(logp, ref, a.kl_estimator)
-        if a.kl_mode == "loss":
-            loss = loss + a.kl_coef * (kl * coef).sum()
-    return loss, LossTerms(clip_active, kl)
 
 
 class TrainStep:
