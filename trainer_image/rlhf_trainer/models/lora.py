@@ -24,12 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
-
-from ..parallel.deepspeed_engine import gathered, is_partitioned
 
 ADAPTER = "default"
 """peft's name for the one adapter."""
@@ -145,13 +143,14 @@ class AdaptersOff:
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor (collective for FSDP's DTensors and ZeRO-3's partitioned parameters)."""
-    if is_partitioned(t):
-        return gathered(t)
+    """The whole tensor (collective for FSDP's DTensors); engines that shard otherwise pass
+    their own (engine/base.py `Engine.gather`)."""
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
 
 
-def merged_tensors(model: torch.nn.Module, items: Iterable[tuple[str, torch.Tensor]]
+def merged_tensors(model: torch.nn.Module, items: Iterable[tuple[str, torch.Tensor]], *,
+                   full: Callable[[torch.Tensor], torch.Tensor] = _full,
+                   shape: Callable[[torch.Tensor], list[int]] = lambda t: list(t.shape),
                    ) -> tuple[list[tuple[str, list[int], torch.dtype]], Iterator[torch.Tensor]]:
     """(name, shape, dtype) of every entry of `items` (`named_parameters()` or
     `state_dict().items()`) as the merged model names it, and a generator of the full
@@ -171,21 +170,22 @@ def merged_tensors(model: torch.nn.Module, items: Iterable[tuple[str, torch.Tens
             if leaf == "weight":
                 merged = (lookup[f"{layer}{_A}weight"], lookup[f"{layer}{_B}weight"], scale[layer])
             name = f"{layer}.{leaf}"
-        specs.append((name, list(getattr(tensor, "ds_shape", tensor.shape)), tensor.dtype))
+        specs.append((name, shape(tensor), tensor.dtype))
         plan.append((tensor, merged))
 
     def tensors() -> Iterator[torch.Tensor]:
         for tensor, merged in plan:
-            full = _full(tensor)
+            whole = full(tensor)
             if merged is not None:
                 a, b, s = merged
-                full = (full.float() + (_full(b).float() @ _full(a).float()) * s).to(full.dtype)
-            yield full
+                whole = (whole.float() + (full(b).float() @ full(a).float()) * s).to(whole.dtype)
+            yield whole
 
     return specs, tensors()
 
 
-def save_adapter(directory: str | Path, model: torch.nn.Module, spec, base_model: str) -> None:
+def save_adapter(directory: str | Path, model: torch.nn.Module, spec, base_model: str, *,
+                 full: Callable[[torch.Tensor], torch.Tensor] = _full) -> None:
     """Collective: write a causal LM's adapters in peft's format (`adapter_config.json`,
     `adapter_model.safetensors`), loadable with `PeftModel.from_pretrained(base, directory)`.
     Rank 0 writes."""
@@ -196,9 +196,9 @@ def save_adapter(directory: str | Path, model: torch.nn.Module, spec, base_model
     state = {}
     for name, p in model.named_parameters():
         if _A in name or _B in name:
-            full = _full(p)  # collective
+            whole = full(p)  # collective
             if rank0:  # peft's file keys: the PeftModel's prefix, no adapter name
-                state[f"base_model.model.{name.replace(f'.{ADAPTER}.', '.')}"] = full.to("cpu", torch.float32).contiguous()
+                state[f"base_model.model.{name.replace(f'.{ADAPTER}.', '.')}"] = whole.to("cpu", torch.float32).contiguous()
     if not rank0:
         return
     directory = Path(directory)
@@ -210,5 +210,6 @@ def save_adapter(directory: str | Path, model: torch.nn.Module, spec, base_model
 
 
 def trainable_parameters(model: torch.nn.Module) -> int:
-    """Parameters the optimizer updates (global counts for sharded ones)."""
-    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
+    """Parameters the optimizer updates (global counts for DTensors; engines that shard
+    otherwise count their own: engine/base.py `Engine.trainable_parameters`)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
