@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 UV_VERSION := 0.13.8
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast crd clean sandbox-bin images vllm-cpu deepspeed-ops
+.PHONY: venv demo test test-fast crd docs clean sandbox-bin images vllm-cpu deepspeed-ops
 venv: $(STAMP)
 
 # bubblewrap for the code reward's sandbox (rlhf_trainer/sandbox/bwrap.py looks for it on
@@ -76,6 +76,11 @@ test-fast: $(STAMP) sandbox-bin
 crd: $(STAMP)
 	$(BIN)/rlhfctl crd > crds/rlhfjobs.yaml
 	cp crds/rlhfjobs.yaml charts/rlhf-operator/files/rlhfjobs.crd.yaml
+
+# docs/reference.md from the API models, presets, rules and exit codes (a unit test fails
+# when it is stale).
+docs: $(STAMP)
+	$(BIN)/python -m rlhf_launcher.reference docs/reference.md
 
 # The three images (tags and the vLLM base: contract/rlhf_contract/images.py; a test keeps
 # these in step). Needs a container builder: docker, podman or nerdctl.

@@ -85,7 +85,7 @@ class RLHFJobSpec(SpecModel):
     model: ModelSpec
     """The policy model."""
     data: DataSpec
-    """The prompts."""
+    """The training data: prompts (`rl`) or examples (`sft`, `rm`, `dpo`)."""
     reward: RewardSpec = RewardSpec()
     """How responses are scored."""
     environment: EnvironmentSpec | None = None
@@ -117,7 +117,8 @@ class RLHFJobSpec(SpecModel):
     preference: PreferenceSpec = PreferenceSpec()
     """`method: dpo` / `rm`: the preference loss."""
     evaluation: EvaluationSpec | None = None
-    """`method: rl`: held-out prompt sets scored before training, every `everySteps` and at the end."""
+    """Held-out data scored before the first step, every `everySteps` and after the last:
+    prompt sets (`method: rl`) or a held-out fraction of `data.path` (`sft`, `rm`, `dpo`)."""
     tracking: TrackingSpec = TrackingSpec()
     """Experiment trackers (TensorBoard by default, Weights & Biases, MLflow) and sample tables."""
 
@@ -165,10 +166,13 @@ class Condition(SpecModel):
     """A condition as the Kubernetes API conventions define it (metav1.Condition)."""
 
     type: str = Field(max_length=316)
+    """What the condition is about, e.g. `Ready` (one condition per type)."""
     status: Literal["True", "False", "Unknown"]
+    """Whether the condition holds."""
     reason: str = Field(default="", max_length=1024)
     """CamelCase reason of the last transition."""
     message: str = Field(default="", max_length=32768)
+    """Human-readable detail of the last transition."""
     last_transition_time: str = Field(json_schema_extra={"format": "date-time"})
     """When the status last changed (RFC 3339)."""
     observed_generation: int | None = Field(default=None, ge=0)
@@ -198,10 +202,15 @@ class RLHFJobStatus(SpecModel):
     phase: Literal[
         "Pending", "Initializing", "Running", "Restarting", "Suspended", "Succeeded", "Failed"
     ] = "Pending"
+    """Where the job is in its life: Pending, Initializing, Running, Restarting, Suspended,
+    Succeeded or Failed."""
     conditions: list[Condition] = Field(default=[], json_schema_extra={
         "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
+    """The job's conditions, one per type."""
     observed_generation: int | None = None
+    """The metadata.generation of the spec this status was computed from."""
     restarts: int = 0
+    """Whole-job restarts so far (counted against `spec.runPolicy.maxRestarts`)."""
     message: str = ""
     """Why the job is in its phase (the message of its last transition)."""
     start_time: str | None = Field(default=None, json_schema_extra={"format": "date-time"})
