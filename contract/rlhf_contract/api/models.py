@@ -166,7 +166,7 @@ class Condition(SpecModel):
     """A condition as the Kubernetes API conventions define it (metav1.Condition)."""
 
     type: str = Field(max_length=316)
-    """What the condition is about, e.g. `Ready` (one condition per type)."""
+    """What the condition is about: Suspended, Running, Restarting, Succeeded or Failed."""
     status: Literal["True", "False", "Unknown"]
     """Whether the condition holds."""
     reason: str = Field(default="", max_length=1024)
