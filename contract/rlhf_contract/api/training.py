@@ -189,9 +189,10 @@ class ScheduleSpec(SpecModel):
     """How long to train and how often to save."""
 
     total_steps: int = Field(default=100, ge=1)
-    """Number of RL steps."""
+    """Number of training steps."""
     prompts_per_step: int = Field(default=32, ge=1)
-    """Prompts sampled per RL step (each gets `rollout.samplesPerPrompt` responses)."""
+    """Prompts sampled per RL step (each gets `rollout.samplesPerPrompt` responses); sft / rm /
+    dpo: examples (sequences or pairs) per step."""
     save_every: int = Field(default=50, ge=0)
     """Save a checkpoint every this many steps; 0 saves only the final model."""
     seed: int = 0
