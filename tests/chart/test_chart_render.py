@@ -179,14 +179,14 @@ def test_metrics_disabled_serves_nothing_and_renders_no_service(render):
     assert out.returncode != 0 and "needs metrics.enabled" in out.stderr
 
 
-def test_every_alert_links_to_its_runbook_in_the_readme(render):
-    readme = (CHART.parents[1] / "README.md").read_text()
+def test_every_alert_links_to_its_runbook_in_the_docs(render):
+    runbooks = (CHART.parents[1] / "docs" / "alerts.md").read_text()
     docs = render("prometheusRule.enabled=true")
     (rule,) = [d for d in docs if d["kind"] == "PrometheusRule"]
     alerts = [r for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r]
     assert len(alerts) == 8
     for alert in alerts:
         url = alert["annotations"]["runbook_url"]
-        assert url == f"https://github.com/rlhf-operator/rlhf-operator/blob/main/README.md#{alert['alert'].lower()}"
-        assert f"\n### {alert['alert']}\n" in readme, f"README has no runbook for {alert['alert']}"
+        assert url == f"https://github.com/rlhf-operator/rlhf-operator/blob/main/docs/alerts.md#{alert['alert'].lower()}"
+        assert f"\n### {alert['alert']}\n" in runbooks, f"docs/alerts.md has no runbook for {alert['alert']}"
         assert alert.get("for"), f"{alert['alert']} fires on a single evaluation"

@@ -1,4 +1,4 @@
-"""Algorithm presets: defaults any field overrides; the README's table is the real one."""
+"""Algorithm presets: defaults any field overrides; the table in docs/reference.md is the real one."""
 
 import copy
 from pathlib import Path
@@ -79,5 +79,5 @@ def test_cross_field_rules_on_resolved_values():
     assert "spec.reward.url" in errors(reward={"type": "http"})
 
 
-def test_readme_preset_table_is_current():
-    assert preset_table() in (ROOT / "README.md").read_text(), "README preset table is stale: paste preset_table()"
+def test_reference_preset_table_is_current():
+    assert preset_table() in (ROOT / "docs" / "reference.md").read_text(), "docs/reference.md is stale: run `make docs`"

@@ -3,7 +3,7 @@
 A field of `spec.algorithm` left unset (null) takes the preset's value; a field you set
 wins. The resolved values are what the trainer reads (the config mounted into pods is
 the resolved job), so a preset can change in a later release without changing a running
-job. The README's preset table is checked against PRESETS by a test.
+job. docs/reference.md's preset table is generated from PRESETS.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def apply_preset(spec: Any) -> None:
 
 
 def preset_table() -> str:
-    """The README's preset table (a test checks the README holds exactly this)."""
+    """The preset table of docs/reference.md (a test checks it holds exactly this)."""
     fields = ["advantage_estimator"] + [f for f in _COMMON]
     from pydantic.alias_generators import to_camel
 

@@ -211,7 +211,7 @@ LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "se
 
 class AlgorithmSpec(SpecModel):
     """The RL algorithm. `preset` sets the defaults of every field left unset (null);
-    see presets.py and the README's preset table."""
+    see presets.py and the preset table in docs/reference.md."""
 
     preset: Literal["ppo", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = "grpo"
     """A named algorithm whose settings fill every field you leave unset."""
