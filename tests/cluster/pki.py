@@ -14,7 +14,7 @@ import yaml
 from .procs import ClusterError, flock
 
 # The training-operator's webhook certificate handling (open-policy-agent cert-controller)
-# is fixed to these names and to this directory; see build notes in the README.
+# is fixed to these names and to this directory; see docs/testing.md (Test cluster).
 TO_NAMESPACE = "kubeflow"
 TO_SECRET = "training-operator-webhook-cert"
 TO_SERVICE = "training-operator"

@@ -30,7 +30,7 @@ def _selector(label_selector: dict) -> str:
 
 def test_monitors_and_network_policy_select_the_pods_of_both_backends(cluster: Cluster, tmp_path_factory):
     # the baseline namespace: a two-node PyTorchJob's worker init container (the
-    # training-operator's) is refused at the restricted level (see the README)
+    # training-operator's) is refused at the restricted level (see docs/cluster.md, Restricted namespaces)
     with operator_in_namespace(cluster, tmp_path_factory, "mon", multi=True) as setup:
         ns, log = setup["multi"], setup["log"]
         create(cluster, ns, job_doc("mon-ptj", nodes=2))

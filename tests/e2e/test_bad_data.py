@@ -1,6 +1,6 @@
 """Bad data ends the job at once, before any model loads: the trainer pod's own command
 (`python -m rlhf_trainer.launch`, as in pods and local mode) exits 2 naming the field, for
-every case of the README's reliability table. The model directory here holds no weights,
+every case of the bad-data table in docs/operations.md. The model directory here holds no weights,
 so a run that got as far as loading the model would fail otherwise (exit 1); the output
 directory staying absent shows that torchrun never started."""
 
