@@ -1,6 +1,21 @@
-"""The offline losses, each a short pure function of per-sequence (or per-token) tensors.
+"""The offline losses (sft, rm, dpo), each a short pure function of per-token or
+per-sequence tensors; `offline/step.py` runs them and divides each micro-batch's sum by
+the step's token or pair count.
 
-Shapes: [P] = one entry per preference pair, [N] = per token.
+Shapes: [P] one entry per preference pair (sequence log-probs: sums over the response's
+trained tokens), [N] per token (any shape, elementwise).
+
+  sft  -sum_t m_t log pi(y_t | y_<t)
+  rm   Bradley-Terry (Ouyang et al. 2022): -log sigma(r_c - r_r)
+  dpo  (Rafailov et al. 2023): -log sigma(beta h),
+       h = (log pi(y_c) - log pi_ref(y_c)) - (log pi(y_r) - log pi_ref(y_r))
+  ipo  (Azar et al. 2023): (h - 1 / (2 tau))^2, tau = `beta`
+
+Departures from the papers: label smoothing eps (conservative DPO, Mitchell 2023) mixes in
+the loss of the flipped label, -(1 - eps) log sigma(x) - eps log sigma(-x), for dpo and
+also for rm (InstructGPT has none). As in the IPO paper, h uses summed log-probs, not
+per-token means.
+Not here: log-probs or scores (models/forward.py), the division by the step's counts.
 """
 
 from __future__ import annotations
@@ -11,7 +26,7 @@ import torch.nn.functional as F
 
 def sft_loss_sum(logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Negative log-likelihood summed over trained tokens: -sum_t mask_t log pi(y_t | y_<t).
-    logp, mask: [N]. (The caller divides by the step's token count: a token mean.)"""
+    logp, mask: [N] (or the packed [1, L]). The caller divides by the step's token count."""
     return -(logp * mask).sum()
 
 
