@@ -13,16 +13,18 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic.alias_generators import to_camel
+from pydantic import ConfigDict, Field, model_validator
 
-from .api.models import (AlgorithmSpec, DataSpec, DeepSpeedSpec, EnvironmentSpec, EvaluationSpec, LoraSpec, Method, ParallelismSpec, PreferenceSpec, RewardSpec,
-                         RLHFJob, ScheduleSpec, TrackingSpec)
+from .api.common import SpecModel
+from .api.models import (AlgorithmSpec, DataSpec, DeepSpeedSpec, EnvironmentSpec, EvaluationSpec, LoraSpec, Method, ModelSpec, ParallelismSpec, PreferenceSpec, RewardSpec,
+                         RLHFJob, RLHFJobSpec, RolloutSpec, ScheduleSpec, TrackingSpec, TrainerSpec)
+from .api.rules import violations
 
 
-class _Config(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid",
-                              use_attribute_docstrings=True)
+class _Config(SpecModel):
+    """Checks numbers as the API models do (no booleans, NaN, infinity or beyond int64)."""
+
+    model_config = ConfigDict(validate_default=False)
 
 
 class SamplingConfig(_Config):
@@ -32,7 +34,7 @@ class SamplingConfig(_Config):
     """Responses per prompt (the group size)."""
     max_tokens: int = Field(default=1024, ge=1)
     """Maximum response length in tokens."""
-    temperature: float = Field(default=1.0, ge=0)
+    temperature: float = Field(default=1.0, gt=0)
     """Sampling temperature; the trainer's log-probs use the same one."""
     top_p: float = Field(default=1.0, gt=0, le=1)
     """Nucleus sampling mass."""
@@ -93,7 +95,7 @@ class TrainerConfig(_Config):
 
     job_name: str = Field(min_length=1)
     """The RLHFJob's name (metrics labels, progress reports)."""
-    method: Method = "rl"
+    method: Method = Method.RL
     """`rl` (rollouts), or offline from the data alone: `sft`, `rm`, `dpo`."""
     preference: PreferenceSpec = Field(default_factory=PreferenceSpec)
     """`dpo` / `rm`: the preference loss."""
@@ -164,6 +166,27 @@ class TrainerConfig(_Config):
             rollout_weight_sync_timeout_seconds=r.weight_sync_timeout_seconds,
             tracking=s.tracking,
         )
+
+    def rule_problems(self, world_size: int) -> list[str]:
+        """The contract's cross-field RULES that this config breaks on a trainer world of
+        `world_size` processes (the real one, which a hand-built config may not match), as
+        `spec.<field>: <message>` lines."""
+        return [f"spec.{path}: {message}" for path, message in violations(self._as_spec(world_size))]
+
+    def _as_spec(self, world_size: int) -> RLHFJobSpec:
+        """The job spec this config was cut from, on one node of `world_size` processes; not
+        validated, so the rules can be checked on it one by one."""
+        s, o = self.sampling, self.optim
+        return RLHFJobSpec.model_construct(
+            method=self.method, model=ModelSpec(path=self.model_path, lora=self.lora), data=self.data,
+            reward=self.reward, environment=self.environment, algorithm=self.algorithm, schedule=self.schedule,
+            preference=self.preference, evaluation=self.evaluation,
+            rollout=RolloutSpec.model_construct(samples_per_prompt=s.samples_per_prompt, max_tokens=s.max_tokens,
+                                                temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                                max_staleness=s.max_staleness),
+            trainer=TrainerSpec.model_construct(num_nodes=1, nproc_per_node=world_size, parallelism=o.parallelism,
+                                                max_tokens_per_micro_batch=o.max_tokens_per_micro_batch,
+                                                engine=o.engine, deepspeed=o.deepspeed))
 
     def to_json(self) -> str:
         return self.model_dump_json(by_alias=True, indent=1)

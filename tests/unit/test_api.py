@@ -152,7 +152,8 @@ def test_crd_is_structural_and_carries_the_rules():
     assert all("oldSelf" in t["rule"] and t["message"].startswith(f"spec.{f} cannot change")
                for t, f in zip(transitions, IMMUTABLE_FIELDS))
     assert spec["properties"]["rollout"]["properties"]["samplesPerPrompt"] == {
-        "default": 8, "description": "Responses sampled for each prompt (the group size).", "minimum": 1, "type": "integer"}
+        "default": 8, "description": "Responses sampled for each prompt (the group size).", "minimum": 1,
+        "maximum": 2**31 - 1, "type": "integer", "format": "int64"}
     assert spec["required"] == ["model", "data"]
     assert spec["properties"]["algorithm"]["properties"]["dualClip"]["nullable"] is True
     columns = version["additionalPrinterColumns"]

@@ -1,14 +1,27 @@
-"""Shared pieces of the RLHFJob API: the API's names, the base model every spec part derives
-from (camelCase in YAML, snake_case in Python, docstrings as descriptions, unknown fields
-refused), Kubernetes quantities and objects, and the pod template fields."""
+"""Shared pieces of the RLHFJob API: the API's names, the method enum, the base model every
+spec part derives from (camelCase in YAML, snake_case in Python, docstrings as descriptions,
+unknown fields refused, numbers checked as the API server checks them), Kubernetes quantities
+and objects, and the pod template fields.
+
+Numbers: every `int` or `float` field of a `SpecModel` refuses a boolean, NaN and infinity,
+and an integer outside int64 (what the API server stores); `ApiJsonSchema` puts the same
+int64 bounds into the CRD. Bounds that make a value work (a batch of at least 1) stay on
+each field. This module does not check cross-field rules (rules.py does).
+"""
 
 from __future__ import annotations
 
 import re
+import types
+import typing
+from enum import StrEnum
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator,
+                      model_validator)
 from pydantic.alias_generators import to_camel
+from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue
+from pydantic_core import core_schema
 
 
 API_GROUP = "rlhf.dev"
@@ -18,6 +31,50 @@ PLURAL = "rlhfjobs"
 SHORT_NAME = "rlj"
 MAX_NAME_LENGTH = 40  # `<name>-rollout-<hash>` and `<name>-trainer-worker-N` stay within 63
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+"""The integers the API server stores (a CRD integer is an int64)."""
+INT32_MAX = 2**31 - 1
+"""Kubernetes' own counts are int32 (replicas, a probe's failureThreshold, JobSet's
+maxRestarts): a spec field that becomes one is bounded by this."""
+MAX_SECONDS = INT32_MAX
+"""A duration in seconds (timeouts, deadlines): int32 seconds, about 68 years, as Kubernetes'
+own durations; beyond it Python's timers overflow."""
+SEED_MAX = 2**32 - 1
+"""Seeds go to NumPy and vLLM (`--seed`), which take 0 <= seed < 2**32."""
+
+
+class Method(StrEnum):
+    """How a job learns (`spec.method`). A `StrEnum`: it equals its YAML string."""
+
+    RL = "rl"
+    """Rollouts from the policy, scored by `reward`."""
+    SFT = "sft"
+    """Supervised fine-tuning on the dataset's responses."""
+    RM = "rm"
+    """A reward model (Bradley-Terry) from preference pairs."""
+    DPO = "dpo"
+    """Direct preference optimization against the frozen starting model."""
+
+    @property
+    def offline(self) -> bool:
+        """Trains from the dataset alone: no rollout servers."""
+        return self is not Method.RL
+
+    @property
+    def pairs(self) -> bool:
+        """Trains on preference pairs (chosen, rejected)."""
+        return self in (Method.RM, Method.DPO)
+
+
+def number_kind(annotation: Any) -> type | None:
+    """`int` or `float` when a field holds a number (`int`, `float | None`, ...), else None."""
+    if annotation in (int, float):
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        kinds = {number_kind(a) for a in typing.get_args(annotation)} - {None}
+        return kinds.pop() if len(kinds) == 1 else None
+    return None
+
 
 class SpecModel(BaseModel):
     model_config = ConfigDict(
@@ -26,7 +83,38 @@ class SpecModel(BaseModel):
         extra="forbid",
         validate_default=True,
         use_attribute_docstrings=True,
+        allow_inf_nan=False,  # NaN and infinity: no JSON number, and no setting works with them
     )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _number_not_bool_or_text(cls, value: Any, info: ValidationInfo) -> Any:
+        kind = number_kind(cls.model_fields[info.field_name].annotation)
+        if kind is not None and isinstance(value, bool):
+            raise ValueError(f"must be a number, not {str(value).lower()}")
+        if kind is int and isinstance(value, str):  # YAML reads 1e-6 as text, so floats may be
+            raise ValueError(f"must be an integer, not the string {value!r:.40}")
+        return value
+
+    @field_validator("*")
+    @classmethod
+    def _int64(cls, value: Any) -> Any:
+        if type(value) is int and not INT64_MIN <= value <= INT64_MAX:
+            raise ValueError(f"must be between {INT64_MIN} and {INT64_MAX} (the API server stores int64)")
+        return value
+
+
+class ApiJsonSchema(GenerateJsonSchema):
+    """pydantic's JSON schema with every integer an int64, bounded as `SpecModel` bounds it."""
+
+    def int_schema(self, schema: core_schema.IntSchema) -> JsonSchemaValue:
+        out = super().int_schema(schema)
+        out["format"] = "int64"
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = INT64_MIN
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = INT64_MAX
+        return out
 
 
 # A Kubernetes object kept as written (a Volume, a Toleration, an Affinity): the API server

@@ -1,9 +1,11 @@
 """The RLHFJob CustomResourceDefinition, generated from the pydantic models.
 
 `rlhfctl crd` prints it; `crds/rlhfjobs.yaml` is that output (a test fails when stale).
-pydantic's JSON schema is turned into a Kubernetes structural schema: references are
-inlined, `Optional` becomes `nullable`, exclusive bounds use the OpenAPI v3.0 form, and
-the cross-field RULES become `x-kubernetes-validations` (CEL) on `spec`.
+pydantic's JSON schema (`ApiJsonSchema`: every integer an int64 with its bounds) is turned
+into a Kubernetes structural schema: references are inlined, `Optional` becomes `nullable`,
+exclusive bounds use the OpenAPI v3.0 form, and the cross-field RULES become
+`x-kubernetes-validations` (CEL) on `spec`. The API server cannot refuse NaN or infinity
+(JSON has no such numbers); the Python models refuse them.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from .common import ApiJsonSchema
 from .models import (
     API_GROUP, API_VERSION, KIND, MAX_NAME_LENGTH, PLURAL, SHORT_NAME, RLHFJobSpec, RLHFJobStatus, RunPolicy,
 )
@@ -61,7 +64,7 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
 
 
 def _schema(model: type) -> dict[str, Any]:
-    raw = model.model_json_schema(by_alias=True, mode="validation")
+    raw = model.model_json_schema(by_alias=True, mode="validation", schema_generator=ApiJsonSchema)
     defs = raw.pop("$defs", {})
     return _structural(raw, defs)
 

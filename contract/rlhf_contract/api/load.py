@@ -12,7 +12,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic.alias_generators import to_camel
 
-from .models import RLHFJob
+from .models import Method, RLHFJob
 from .rules import RL_ONLY_FIELDS, RuleViolations
 
 
@@ -124,7 +124,7 @@ def validate_job(data: Any, overrides: list[str] = (), source: str = "") -> RLHF
         raise JobError([Problem("", "the job file must hold one YAML mapping (an RLHFJob)")], source)
     data = apply_overrides(data, list(overrides))
     spec = data.get("spec")
-    if isinstance(spec, dict) and spec.get("method", "rl") not in ("rl", None):
+    if isinstance(spec, dict) and spec.get("method") not in (Method.RL, None):
         given = [f for f in RL_ONLY_FIELDS if spec.get(f) is not None]
         if given:
             raise JobError([Problem(f"spec.{f}", f"only method rl reads it; remove it from this "

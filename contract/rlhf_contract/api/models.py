@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .common import MAX_NAME_LENGTH, SpecModel, PodTemplateSpec
+from .common import MAX_NAME_LENGTH, Method, SpecModel, PodTemplateSpec
 from .task import ModelSpec, DataSpec, SandboxServiceSpec, RewardSpec, EnvironmentSpec, AlgorithmSpec
 from .training import RolloutSpec, TrainerSpec, ScheduleSpec, OutputSpec, RunPolicy, EvaluationSpec, PreferenceSpec, TrackingSpec
 from .common import API_GROUP, API_VERSION, KIND, PLURAL, SHORT_NAME, KubeObject, GPU_RESOURCE, Quantity, Resources, VolumeMount  # noqa: F401  (re-exported)
@@ -72,13 +72,10 @@ __all__ = [
 ]
 
 
-Method = Literal["rl", "sft", "rm", "dpo"]
-
-
 class RLHFJobSpec(SpecModel):
     """What to train and how."""
 
-    method: Method = "rl"
+    method: Method = Method.RL
     """`rl`: rollouts scored by `reward` (the default); offline, from `data` alone with no
     rollout servers: `sft` (supervised fine-tuning), `rm` (a reward model, Bradley-Terry),
     `dpo` (direct preference optimization against the frozen starting model)."""
@@ -125,7 +122,7 @@ class RLHFJobSpec(SpecModel):
     @property
     def offline(self) -> bool:
         """SFT, RM and DPO train from the dataset alone: no rollout servers."""
-        return self.method != "rl"
+        return self.method.offline
 
     @property
     def trainer_world_size(self) -> int:
@@ -182,13 +179,13 @@ class Condition(SpecModel):
 class Progress(SpecModel):
     """Training progress reported by the trainer."""
 
-    step: int = 0
+    step: int = Field(default=0, ge=0)
     """Last completed RL step."""
-    total_steps: int = 0
+    total_steps: int = Field(default=0, ge=0)
     """Steps the job will run."""
     reward_mean: float | None = None
     """Mean reward of the last step."""
-    policy_version: int = 0
+    policy_version: int = Field(default=0, ge=0)
     """Weight version the rollout servers hold."""
     last_checkpoint: str | None = None
     """Newest complete checkpoint."""
@@ -207,9 +204,9 @@ class RLHFJobStatus(SpecModel):
     conditions: list[Condition] = Field(default=[], json_schema_extra={
         "x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
     """The job's conditions, one per type."""
-    observed_generation: int | None = None
+    observed_generation: int | None = Field(default=None, ge=0)
     """The metadata.generation of the spec this status was computed from."""
-    restarts: int = 0
+    restarts: int = Field(default=0, ge=0)
     """Whole-job restarts so far (counted against `spec.runPolicy.maxRestarts`)."""
     message: str = ""
     """Why the job is in its phase (the message of its last transition)."""

@@ -1,8 +1,10 @@
 """Cross-field rules of the job spec, each checked twice from one definition.
 
 Every rule has a Python check (used by pydantic validation, `rlhfctl validate` and the
-trainer) and a CEL expression that `rlhfctl crd` puts into the CRD, so the API server
-rejects the same specs at `kubectl apply` with the same field path and message.
+trainer's preflight, which checks them against its real world size) and a CEL expression
+that `rlhfctl crd` puts into the CRD, so the API server rejects the same specs at
+`kubectl apply` with the same field path and message. Single-field bounds (a count of at
+least 1) live on the fields themselves, not here.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from .common import Method
 from .presets import cel_resolved
 
 ESTIMATOR = cel_resolved("advantage_estimator", "advantageEstimator")
@@ -20,6 +23,7 @@ GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
 _TP = "(has(self.trainer.parallelism) && has(self.trainer.parallelism.tensorParallel) ? self.trainer.parallelism.tensorParallel : 1)"
 _CP = "(has(self.trainer.parallelism) && has(self.trainer.parallelism.contextParallel) ? self.trainer.parallelism.contextParallel : 1)"
 _ALGO_MINI = "(has(self.algorithm) && has(self.algorithm.numMiniBatches) ? self.algorithm.numMiniBatches : 1)"
+_RL, _RM = f"'{Method.RL}'", f"'{Method.RM}'"
 
 
 
@@ -35,6 +39,10 @@ class Rule:
     """True when the spec (an `RLHFJobSpec`; rules import no model: models imports rules) satisfies the rule."""
     detail: Callable[[Any], str] = lambda s: ""
     """The values involved, appended to the message in Python."""
+
+    def problem(self, detail: str = "") -> str:
+        """`spec.<field>: <message> (<detail>)`, as `rlhfctl validate` and the trainer print it."""
+        return f"spec.{self.field_path}: {self.message}" + (f" ({detail})" if detail else "")
 
 
 def required_for_reward(reward_type: str, field: str, what: str) -> Rule:
@@ -61,15 +69,32 @@ def required_for_component(reward_type: str, field: str, what: str) -> Rule:
 
 _MAIN_NAME = "(has(self.reward.name) ? self.reward.name : self.reward.type)"
 
+TP_WITH_CRITIC = Rule(
+    field_path="trainer.parallelism.tensorParallel",
+    cel=f"self.method != {_RL} || !{CRITIC} || {_TP} == 1",
+    message="must be 1 with algorithm.critic (the value model is not tensor parallel yet); use data or "
+    "context parallelism (trainer.nprocPerNode, trainer.parallelism.contextParallel)",
+    check=lambda s: s.offline or not s.algorithm.critic or s.trainer.parallelism.tensor_parallel == 1,
+    detail=lambda s: f"got {s.trainer.parallelism.tensor_parallel}",
+)
+TP_WITH_REWARD_MODEL = Rule(
+    field_path="trainer.parallelism.tensorParallel",
+    cel=f"self.method != {_RL} || !has(self.reward.model) || {_TP} == 1",
+    message="must be 1 with reward.model (the reward model is not tensor parallel yet); use data or "
+    "context parallelism (trainer.nprocPerNode, trainer.parallelism.contextParallel)",
+    check=lambda s: s.offline or s.reward.model is None or s.trainer.parallelism.tensor_parallel == 1,
+    detail=lambda s: f"got {s.trainer.parallelism.tensor_parallel}",
+)
+
 
 RULES: tuple[Rule, ...] = (
     Rule(
         field_path="rollout.topP",
-        cel="self.method != 'rl' || (self.rollout.topP == 1.0 && self.rollout.topK <= 0)",
+        cel=f"self.method != {_RL} || (self.rollout.topP == 1.0 && self.rollout.topK <= 0)",
         message="must be 1 and rollout.topK -1: the servers return log-probs of the truncated distribution "
         "they sample from, the trainer computes them over the whole vocabulary (temperature only), so "
         "their importance ratio would be biased; sample with rollout.temperature alone",
-        check=lambda s: s.method != "rl" or (s.rollout.top_p == 1.0 and s.rollout.top_k <= 0),
+        check=lambda s: s.offline or (s.rollout.top_p == 1.0 and s.rollout.top_k <= 0),
         detail=lambda s: f"got topP={s.rollout.top_p}, topK={s.rollout.top_k}",
     ),
     Rule(
@@ -149,7 +174,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         field_path="trainer.maxTokensPerMicroBatch",
-        cel="self.method != 'rl' || self.trainer.maxTokensPerMicroBatch >= self.data.maxPromptLength + self.rollout.maxTokens",
+        cel=f"self.method != {_RL} || self.trainer.maxTokensPerMicroBatch >= self.data.maxPromptLength + self.rollout.maxTokens",
         message="must hold the longest possible sequence, data.maxPromptLength + rollout.maxTokens "
         "(a micro-batch packs whole sequences); raise it or lower those two",
         check=lambda s: s.offline or s.trainer.max_tokens_per_micro_batch >= s.data.max_prompt_length + s.rollout.max_tokens,
@@ -164,7 +189,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         field_path="trainer.parallelism.contextParallel",
-        cel=f"self.method == 'rl' || {_CP} == 1",
+        cel=f"self.method == {_RL} || {_CP} == 1",
         message="must be 1 for method sft, rm and dpo (context parallelism is for RL's long rollouts); "
         "use data parallelism (trainer.nprocPerNode) instead",
         check=lambda s: not s.offline or s.trainer.parallelism.context_parallel == 1,
@@ -172,12 +197,14 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         field_path="trainer.parallelism.tensorParallel",
-        cel=f"self.method != 'rm' || {_TP} == 1",
+        cel=f"self.method != {_RM} || {_TP} == 1",
         message="must be 1 for method rm (the reward model's score head is not tensor parallel yet); "
         "use data parallelism (trainer.nprocPerNode) instead",
-        check=lambda s: s.method != "rm" or s.trainer.parallelism.tensor_parallel == 1,
+        check=lambda s: s.method != Method.RM or s.trainer.parallelism.tensor_parallel == 1,
         detail=lambda s: f"got {s.trainer.parallelism.tensor_parallel}",
     ),
+    TP_WITH_CRITIC,
+    TP_WITH_REWARD_MODEL,
     Rule(
         field_path="trainer.parallelism.tensorParallel",
         cel=f"!has(self.model.lora) || {_TP} == 1",
@@ -213,20 +240,20 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         field_path="evaluation.datasets",
-        cel="self.method == 'rl' || !has(self.evaluation) || !has(self.evaluation.datasets) "
+        cel=f"self.method == {_RL} || !has(self.evaluation) || !has(self.evaluation.datasets) "
             "|| size(self.evaluation.datasets) == 0",
         message="prompt sets scored through the rollout servers are for method rl; sft, rm and dpo score "
         "the held-out fraction of data.path: set evaluation.heldOutFraction instead",
-        check=lambda s: s.method == "rl" or s.evaluation is None or not s.evaluation.datasets,
+        check=lambda s: not s.offline or s.evaluation is None or not s.evaluation.datasets,
         detail=lambda s: f"method {s.method}",
     ),
     Rule(
         field_path="evaluation.heldOutFraction",
-        cel="self.method != 'rl' || !has(self.evaluation) || !has(self.evaluation.heldOutFraction) "
+        cel=f"self.method != {_RL} || !has(self.evaluation) || !has(self.evaluation.heldOutFraction) "
             "|| self.evaluation.heldOutFraction == 0.0",
         message="is for the offline methods (sft, rm, dpo); method rl scores held-out prompt sets: "
         "set evaluation.datasets instead",
-        check=lambda s: s.method != "rl" or s.evaluation is None or not s.evaluation.held_out_fraction,
+        check=lambda s: s.offline or s.evaluation is None or not s.evaluation.held_out_fraction,
         detail=lambda s: f"got {s.evaluation.held_out_fraction}" if s.evaluation else "",
     ),
 )
@@ -265,11 +292,17 @@ class RuleViolations(ValueError):
         super().__init__("; ".join(f"spec.{p}: {m}" for p, m in violations))
 
 
-def check_spec(spec: Any) -> None:
-    violations = []
+def violations(spec: Any) -> list[tuple[str, str]]:
+    """(field path under spec, message with the values involved) of every rule `spec` breaks."""
+    out = []
     for rule in RULES:
         if not rule.check(spec):
             detail = rule.detail(spec)
-            violations.append((rule.field_path, rule.message + (f" ({detail})" if detail else "")))
-    if violations:
-        raise RuleViolations(violations)
+            out.append((rule.field_path, rule.message + (f" ({detail})" if detail else "")))
+    return out
+
+
+def check_spec(spec: Any) -> None:
+    found = violations(spec)
+    if found:
+        raise RuleViolations(found)

@@ -7,7 +7,10 @@ from typing import Literal, get_args
 
 from pydantic import Field
 
-from .common import SpecModel
+from .common import INT32_MAX, MAX_SECONDS, SpecModel
+
+MAX_REWARD_WEIGHT = 1e6
+"""Rewards are float32 (about 7 significant digits): beyond this a weight drowns every other term."""
 
 
 LORA_DEFAULT_TARGETS = "all-linear"
@@ -27,6 +30,9 @@ class LoraSpec(SpecModel):
     target_modules: list[str] = Field(default_factory=lambda: [LORA_DEFAULT_TARGETS], min_length=1)
     """Linear layers that get adapters, by name suffix (`q_proj`, `v_proj`, ...), or
     `all-linear`: every linear layer but the output head (and a score head)."""
+    modules_to_save: list[str] = Field(default_factory=list)
+    """Modules that train whole beside the adapters (peft's `modules_to_save`), by name
+    suffix, e.g. `lm_head`: a copy trains, the reference keeps the original."""
 
 
 class ModelSpec(SpecModel):
@@ -59,7 +65,7 @@ class DataSpec(SpecModel):
     """Column holding the reference answer passed to the reward (`gt_answer` is also accepted)."""
     system_prompt: str | None = None
     """System prompt added to every prompt through the chat template."""
-    max_prompt_length: int = Field(default=1024, ge=1)
+    max_prompt_length: int = Field(default=1024, ge=1, le=INT32_MAX)
     """Prompts longer than this many tokens are dropped (the count is logged)."""
     shuffle: bool = True
     """Shuffle the prompts each epoch (seeded by `schedule.seed`)."""
@@ -78,13 +84,13 @@ class CodeSandboxSpec(SpecModel):
     """A sandbox service to use (this project's `rlhf_trainer.rewards.sandbox_service`);
     null: on a cluster the operator creates `<job>-sandbox`, locally the trainer runs programs
     itself with bubblewrap."""
-    memory_mb: int = Field(default=512, ge=32)
+    memory_mb: int = Field(default=512, ge=32, le=2**20)
     """Address space of each process of a run (MiB)."""
     max_processes: int = Field(default=4, ge=1, le=1024)
     """Processes and threads of one run together."""
-    tmpfs_mb: int = Field(default=64, ge=1)
+    tmpfs_mb: int = Field(default=64, ge=1, le=2**20)
     """The run's only writable space, /tmp (MiB, counted in memory)."""
-    max_output_kb: int = Field(default=1024, ge=1)
+    max_output_kb: int = Field(default=1024, ge=1, le=2**20)
     """stdout and stderr are each cut here; a run that goes past it fails its case."""
 
 
@@ -92,7 +98,7 @@ class SandboxServiceSpec(SpecModel):
     """The pods that run model-written programs for `reward.type: code` on a cluster
     (`<job>-sandbox`), unless `reward.sandbox.url` names another service."""
 
-    replicas: int = Field(default=1, ge=1)
+    replicas: int = Field(default=1, ge=1, le=INT32_MAX)
     """Sandbox service pods (cluster only)."""
     cpu: str = Field(default="4", pattern=r"^[0-9]+(\.[0-9]+)?m?$")
     """CPU of each sandbox pod (request = limit); it runs that many programs at once."""
@@ -112,7 +118,7 @@ class RewardModelSpec(SpecModel):
     path: str = Field(min_length=1)
     """Directory of a Hugging Face sequence classifier with one label (what `method: rm`
     exports to `<output>/final`); the score of a sequence is at its last token."""
-    weight: float = 1.0
+    weight: float = Field(default=1.0, ge=-MAX_REWARD_WEIGHT, le=MAX_REWARD_WEIGHT)
     """The step reward is the verifiable reward (0 for `type: model`) + weight x score."""
 
 
@@ -129,7 +135,7 @@ class RewardFunctionSpec(SpecModel):
     """`python`: name of `fn(response, answer, extra_info) -> float | {reward, score}`."""
     url: str | None = None
     """`http`: endpoint that answers {response, answer, extra_info} with {reward, score}."""
-    timeout_seconds: float = Field(default=10.0, gt=0)
+    timeout_seconds: float = Field(default=10.0, gt=0, le=MAX_SECONDS)
     """`code`: wall-clock limit per test case; `math`: per answer; `http`: per request."""
     all_or_nothing: bool = False
     """`code`: 1 only when every test case passes (default: the fraction that pass)."""
@@ -152,7 +158,7 @@ class RewardComponentSpec(RewardFunctionSpec):
     `rlhf_reward_component_mean{component="<name>"}`."""
     type: RewardType
     """As `reward.type` (not `model`: a reward model is `reward.model`)."""
-    weight: float = 1.0
+    weight: float = Field(default=1.0, ge=-MAX_REWARD_WEIGHT, le=MAX_REWARD_WEIGHT)
     """The trained reward adds weight x this component's reward."""
 
 

@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from ..images import INFERENCE_IMAGE, TRAINER_IMAGE
-from .common import SpecModel, Resources
+from .common import INT32_MAX, MAX_SECONDS, SEED_MAX, SpecModel, Resources
 
 
 # Flags the operator sets itself (contract/rlhf_contract/pod.py serve_command), with the
@@ -74,16 +74,16 @@ class RolloutSpec(SpecModel):
     """Container image of the rollout servers: vLLM 0.33.0 (`vllm/vllm-openai:v0.33.0` plus
     this project's inference package); any image must run a vLLM with the weight-transfer
     API (0.33 or newer) and the trainer's NCCL release (the trainer checks both at start)."""
-    replicas: int = Field(default=1, ge=1)
+    replicas: int = Field(default=1, ge=1, le=INT32_MAX)
     """Number of rollout servers."""
     tensor_parallel_size: int = Field(default=1, ge=1)
     """GPUs per rollout server (vLLM tensor parallel size)."""
-    samples_per_prompt: int = Field(default=8, ge=1)
+    samples_per_prompt: int = Field(default=8, ge=1, le=INT32_MAX)
     """Responses sampled for each prompt (the group size)."""
-    max_tokens: int = Field(default=1024, ge=1)
+    max_tokens: int = Field(default=1024, ge=1, le=INT32_MAX)
     """Maximum response length in tokens."""
-    temperature: float = Field(default=1.0, ge=0)
-    """Sampling temperature."""
+    temperature: float = Field(default=1.0, gt=0)
+    """Sampling temperature (above 0: the trainer divides the logits by it, as the sampler did)."""
     top_p: float = Field(default=1.0, gt=0, le=1)
     """Nucleus sampling probability mass. RL needs 1: the trainer's log-probs are of the whole
     temperature-scaled distribution, which a truncated sampler does not draw from."""
@@ -91,13 +91,13 @@ class RolloutSpec(SpecModel):
     """Top-k sampling; -1 disables it (RL needs it disabled, as topP)."""
     resources: Resources = Field(default_factory=Resources)
     """CPU and memory of each rollout server container (GPUs: `tensorParallelSize`)."""
-    startup_timeout_seconds: int = Field(default=1800, ge=60)
+    startup_timeout_seconds: int = Field(default=1800, ge=60, le=MAX_SECONDS)
     """How long a rollout server may take to start (model load, CUDA graph capture): its
     startup probe allows this long, and the trainer waits this long for it."""
-    request_timeout_seconds: float = Field(default=600.0, gt=0)
+    request_timeout_seconds: float = Field(default=600.0, gt=0, le=MAX_SECONDS)
     """A generation request (one prompt's samples) unanswered this long fails the step: a
     server that hangs (stopped, deadlocked) ends the attempt and the job restarts."""
-    weight_sync_timeout_seconds: float = Field(default=600.0, gt=0)
+    weight_sync_timeout_seconds: float = Field(default=600.0, gt=0, le=MAX_SECONDS)
     """A weight-sync round (every server loading the new weights) not over in this long fails
     the step, and the attempt restarts; a trainer stuck in the transfer itself is ended a
     minute later by the sync's watchdog (exit code 75, retried)."""
@@ -114,9 +114,9 @@ class ParallelismSpec(SpecModel):
     """Model and sequence parallelism; data-parallel sharding (FSDP2) takes the rest of the
     world: dataParallel = world size / (tensorParallel x contextParallel)."""
 
-    tensor_parallel: int = Field(default=1, ge=1)
+    tensor_parallel: int = Field(default=1, ge=1, le=INT32_MAX)
     """Tensor-parallel degree (within a node); must divide the attention and KV heads."""
-    context_parallel: int = Field(default=1, ge=1)
+    context_parallel: int = Field(default=1, ge=1, le=INT32_MAX)
     """Context-parallel degree: each rank holds a contiguous slice of the packed sequence."""
     activation_checkpointing: bool | None = None
     """Recompute each decoder layer's activations in the backward pass. Unset: on GPUs,
@@ -146,9 +146,9 @@ class TrainerSpec(SpecModel):
 
     image: str = TRAINER_IMAGE
     """Container image of the trainer."""
-    num_nodes: int = Field(default=1, ge=1)
+    num_nodes: int = Field(default=1, ge=1, le=INT32_MAX)
     """Trainer pods (torchrun nodes)."""
-    nproc_per_node: int = Field(default=1, ge=1)
+    nproc_per_node: int = Field(default=1, ge=1, le=INT32_MAX)
     """Trainer processes per pod (GPUs per pod)."""
     learning_rate: float = Field(default=1e-6, gt=0)
     """AdamW learning rate."""
@@ -163,7 +163,7 @@ class TrainerSpec(SpecModel):
     """Optimizer steps of linear warmup from 0 to learningRate."""
     min_learning_rate_ratio: float = Field(default=0.0, ge=0, le=1)
     """Floor of the linear / cosine decay, as a fraction of learningRate."""
-    max_tokens_per_micro_batch: int = Field(default=16384, ge=1)
+    max_tokens_per_micro_batch: int = Field(default=16384, ge=1, le=INT32_MAX)
     """Token budget of one packed forward/backward pass per GPU (sequences are packed
     without padding and balanced across data-parallel ranks); must hold the longest
     possible sequence, data.maxPromptLength + rollout.maxTokens. The default fits a 7B
@@ -190,13 +190,14 @@ class ScheduleSpec(SpecModel):
 
     total_steps: int = Field(default=100, ge=1)
     """Number of training steps."""
-    prompts_per_step: int = Field(default=32, ge=1)
+    prompts_per_step: int = Field(default=32, ge=1, le=INT32_MAX)
     """Prompts sampled per RL step (each gets `rollout.samplesPerPrompt` responses); sft / rm /
     dpo: examples (sequences or pairs) per step."""
     save_every: int = Field(default=50, ge=0)
     """Save a checkpoint every this many steps; 0 saves only the final model."""
-    seed: int = 0
-    """Seed for data order, sampling and the built-in model's weights."""
+    seed: int = Field(default=0, ge=0, le=SEED_MAX)
+    """Seed for data order, sampling and the built-in model's weights (0 to 2^32 - 1, as
+    NumPy and vLLM's `--seed` take)."""
 
 
 class OutputSpec(SpecModel):
@@ -280,11 +281,11 @@ class TrackingSpec(SpecModel):
 class RunPolicy(SpecModel):
     """Restarts and lifetime, as for a Kubernetes Job."""
 
-    max_restarts: int = Field(default=3, ge=0)
+    max_restarts: int = Field(default=3, ge=0, le=INT32_MAX)
     """Whole-job restarts before the job is Failed."""
-    active_deadline_seconds: int | None = Field(default=None, ge=1)
+    active_deadline_seconds: int | None = Field(default=None, ge=1, le=MAX_SECONDS)
     """Fail the job after this many seconds of running."""
-    ttl_seconds_after_finished: int | None = Field(default=None, ge=0)
+    ttl_seconds_after_finished: int | None = Field(default=None, ge=0, le=MAX_SECONDS)
     """Delete the job this many seconds after it finished."""
 
 

@@ -29,6 +29,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, FSDPModule, fully_shard
 
+from rlhf_contract.api.rules import TP_WITH_CRITIC, TP_WITH_REWARD_MODEL
+
 from .context_parallel import apply_cp
 from .layers import decoder_layers
 from .tensor_parallel import apply_tp
@@ -168,12 +170,10 @@ def parallelize_models(policy: torch.nn.Module, *, ref: torch.nn.Module | None, 
     reference model, the critic and the reward model are laid out on the same meshes, the
     critic (which trains) checkpointed like the policy, the frozen ones never (they run no
     backward)."""
-    if tp > 1 and reward_model is not None:
-        raise ValueError("trainer.parallelism.tensorParallel > 1 with reward.model is not supported yet; use "
-                         "tensorParallel: 1 (FSDP and context parallel work with a reward model)")
+    if tp > 1 and reward_model is not None:  # the contract's rule, refused at admission and in preflight
+        raise ValueError(TP_WITH_REWARD_MODEL.problem(f"got {tp}"))
     if tp > 1 and critic is not None:
-        raise ValueError("trainer.parallelism.tensorParallel > 1 with algorithm.critic is not supported yet; "
-                         "use tensorParallel: 1 (FSDP and context parallel work with the critic)")
+        raise ValueError(TP_WITH_CRITIC.problem(f"got {tp}"))
     if world_size == 1 and device_type != "cuda":
         for model in (policy, ref, critic, reward_model):
             if model is not None:
