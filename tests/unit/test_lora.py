@@ -154,3 +154,102 @@ def test_a_score_models_head_trains_whole_beside_the_adapters(tiny_model_dir):
     specs, _ = merged_tensors(model, model.state_dict().items())
     assert "score.weight" in [name for name, _, _ in specs]
     assert not any("lora" in name or "base_layer" in name for name, _, _ in specs)
+
+
+# ---- model.lora.modulesToSave: modules that train whole beside the adapters -------------
+
+HEAD = LoraSpec(rank=4, alpha=8, modules_to_save=["lm_head"])
+
+
+def _with_trained_head() -> torch.nn.Module:
+    """Adapters that change the output (B != 0) and a trained head copy unlike the base's."""
+    model = _with_adapters(HEAD)
+    with torch.no_grad():
+        model.lm_head.modules_to_save["default"].weight.mul_(3.0).add_(0.1)
+    return model
+
+
+def test_a_module_to_save_trains_whole_and_the_reference_keeps_the_original():
+    model = add_adapters(build_tiny_qwen2(), HEAD)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained - {n for n in trained if ".lora_" in n} == {"lm_head.modules_to_save.default.weight"}
+    assert len(trained) == 2 * 7 * 2 + 1
+    vocab, hidden = model.lm_head.original_module.weight.shape
+    assert trainable_parameters(model) == trainable_parameters(add_adapters(build_tiny_qwen2(), LoraSpec(rank=4))) \
+        + vocab * hidden
+    model = _with_trained_head()
+    base = build_tiny_qwen2().eval()
+    torch.testing.assert_close(_logits(AdaptersOff(model)), _logits(base), rtol=0, atol=1e-6)
+    assert not torch.allclose(_logits(model), _logits(_with_adapters()), atol=1e-3)  # the trained head computes
+    assert model.lm_head.modules_to_save["default"].weight.requires_grad  # switching off changed no flag
+
+
+def test_the_logprob_head_reads_the_trained_copy_and_the_reference_the_original():
+    from rlhf_trainer.models.logprob_head import attach_logprob_head, request_stats
+
+    model = _with_trained_head()
+    want = {}
+    for name, m in (("policy", model), ("reference", AdaptersOff(model))):
+        want[name] = torch.log_softmax(_logits(m)[0, :-1], -1).gather(-1, IDS[0, 1:, None])[:, 0]
+    attach_logprob_head(model)
+    for name, m in (("policy", model), ("reference", AdaptersOff(model))):
+        request_stats(model, IDS[:, 1:], 1.0, entropy="none")
+        stats = _logits(m, IDS[:, :-1])
+        torch.testing.assert_close(stats[0, :, 0], want[name], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(want["policy"], want["reference"], atol=1e-3)
+
+
+def test_the_merged_model_holds_the_trained_head_under_its_own_name():
+    model = _with_trained_head()
+    specs, tensors = merged_tensors(model, model.state_dict().items())
+    merged = {name: t for (name, _, _), t in zip(specs, tensors)}
+    plain = build_tiny_qwen2()
+    assert set(merged) == set(plain.state_dict())
+    assert torch.equal(merged["lm_head.weight"], model.lm_head.modules_to_save["default"].weight)
+    plain.load_state_dict(merged)
+    torch.testing.assert_close(_logits(plain.eval()), _logits(model), rtol=1e-5, atol=1e-5)
+
+
+def test_a_sharded_start_reads_both_head_copies_from_the_base_file():
+    with torch.device("meta"):
+        meta = add_adapters(build_tiny_qwen2(), HEAD)
+    keys = {k: file_key(k) for k in meta.state_dict() if "lm_head" in k}
+    assert keys == {"lm_head.original_module.weight": "lm_head.weight",
+                    "lm_head.modules_to_save.default.weight": "lm_head.weight"}
+    assert not any("lm_head" in k for k in initial_adapters(meta, 0))
+
+
+def test_the_adapter_export_with_a_trained_head_loads_with_peft(tmp_path):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = _with_trained_head()
+    base_dir = tmp_path / "base"
+    build_tiny_qwen2().save_pretrained(base_dir)
+    save_adapter(tmp_path / "adapter", model, HEAD, str(base_dir))
+    assert "base_model.model.lm_head.weight" in load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), tmp_path / "adapter").eval()
+    assert loaded.peft_config["default"].modules_to_save == ["lm_head"]
+    torch.testing.assert_close(_logits(loaded), _logits(model), rtol=0, atol=1e-6)
+    torch.testing.assert_close(_logits(loaded.merge_and_unload()), _logits(model), rtol=1e-5, atol=1e-5)
+
+
+def test_modules_to_save_that_match_nothing_or_a_tied_embedding_name_the_field():
+    from transformers import Qwen2ForCausalLM
+
+    with pytest.raises(ValueError, match="model.lora.modulesToSave: 'no_such_head' matched no module"):
+        add_adapters(build_tiny_qwen2(), LoraSpec(modules_to_save=["no_such_head"]))
+    config = copy.deepcopy(build_tiny_qwen2().config)
+    config.tie_word_embeddings = True
+    tied = Qwen2ForCausalLM(config)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    for name in ("lm_head", "embed_tokens"):
+        with pytest.raises(ValueError, match=f"model.lora.modulesToSave: '{name}' holds an embedding tied"):
+            add_adapters(copy.deepcopy(tied), LoraSpec(modules_to_save=[name]))
+
+
+def test_the_spec_takes_modules_to_save_in_camel_case():
+    job = validate_job(_job(lora={"rank": 8, "modulesToSave": ["lm_head"]}))
+    assert job.spec.model.lora.modules_to_save == ["lm_head"]
+    assert validate_job(_job(lora={"rank": 8})).spec.model.lora.modules_to_save == []
