@@ -1,5 +1,6 @@
 """docs/reference.md is generated from the API models (`make docs`): it is current, it names
-every field of the models with its documentation, and its tables are the contract's own."""
+every field of the models with its documentation, and its tables are the contract's own.
+The README and the other docs pages name only files and links that exist."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from rlhf_launcher.reference import reference
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "reference.md"
+TOP_DIRS = ("contract/", "launcher/", "operator/", "trainer_image/", "inference_image/", "tests/", "examples/",
+            "charts/", "crds/", "bench/", "docs/")
 
 
 def schema_paths(node: dict[str, Any], defs: dict[str, Any], path: str) -> Iterator[tuple[str, dict]]:
@@ -78,3 +81,22 @@ def test_presets_and_exit_codes_come_from_their_tables():
     for meaning in TABLE:
         yes = "yes" if meaning.permanent else "no"
         assert f"| {int(meaning.code)} | `{meaning.code.name}` | {meaning.text} | {yes} |" in text
+
+
+def named_paths(page: Path) -> Iterator[str]:
+    """Repository paths a page names in code spans (`trainer_image/...`) and relative links."""
+    text = page.read_text()
+    for path in re.findall(r"`([^`\s<*{]+)`", text):
+        if path.startswith(TOP_DIRS):
+            yield path
+    for link in re.findall(r"\]\(([^)#\s]+)", text):
+        if "://" not in link:
+            yield str((page.parent / link).resolve().relative_to(ROOT))
+
+
+def test_readme_and_docs_name_files_that_exist():
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    named = {(page.name, path) for page in pages for path in named_paths(page)}
+    assert len(named) > 100
+    missing = sorted(f"{page}: {path}" for page, path in named if not (ROOT / path.rstrip("/")).exists())
+    assert not missing, "pages name files that do not exist (moved or renamed?):\n" + "\n".join(missing)
