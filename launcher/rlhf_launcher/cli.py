@@ -9,15 +9,17 @@ import json
 import sys
 from pathlib import Path
 
+from rlhf_contract.exit_codes import ExitCode
+
 
 def _check_data(job):
-    """The trainer's data checks (rlhf_trainer/data/checks.py) on the datasets that are on
+    """The trainer's data checks (rlhf_trainer/preflight/data.py) on the datasets that are on
     this machine, measured with the model's tokenizer when it is here too (a built-in model
     is written to a temporary directory, as local mode does) and transformers is installed."""
     import tempfile
 
     from rlhf_contract.trainer_config import TrainerConfig
-    from rlhf_trainer.data.checks import check_data, load_tokenizer
+    from rlhf_trainer.preflight.data import check_data, load_tokenizer
 
     with tempfile.TemporaryDirectory(prefix="rlhfctl-validate-") as tmp:
         def tokenizer():
@@ -57,7 +59,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 def _plan_model_config(path: str, seed: int) -> dict:
     """The config.json of `model.path` (a built-in model's own config), or a ValueError."""
-    from rlhf_trainer.memory_plan import read_model_config
+    from rlhf_trainer.preflight.memory_plan import read_model_config
     from rlhf_trainer.models.builtin import BUILTIN_MODELS, BUILTIN_PREFIX, build_tiny_qwen2
 
     if path.startswith(BUILTIN_PREFIX):
@@ -73,14 +75,14 @@ def _plan_model_config(path: str, seed: int) -> dict:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    """The trainer's GPU memory plan (rlhf_trainer/memory_plan.py) for a job: a table, and
+    """The trainer's GPU memory plan (rlhf_trainer/preflight/memory_plan.py) for a job: a table, and
     exit 2 with the preflight's message when it does not fit."""
     from rich.console import Console
     from rich.table import Table
 
     from rlhf_contract.api import JobError, load_job
     from rlhf_contract.trainer_config import TrainerConfig
-    from rlhf_trainer.memory_plan import GIB, detect_gpu_bytes, gib, plan
+    from rlhf_trainer.preflight.memory_plan import GIB, detect_gpu_bytes, gib, plan
 
     try:
         job = load_job(args.job, args.set)
@@ -124,7 +126,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         console.print(f"note: {note}")
     if not result.fits:
         print(result.message(), file=sys.stderr)
-        return 2
+        return ExitCode.CONFIG_ERROR
     console.print(f"fits: {result.total / GIB:.1f} of {gpu / GIB:.1f} GiB per GPU")
     return 0
 
@@ -149,7 +151,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return run_local(job, output=args.output, resume=args.resume, overwrite=args.overwrite)
     except LocalRunError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2 if isinstance(err, LocalConfigError) else 1
+        return ExitCode.CONFIG_ERROR if isinstance(err, LocalConfigError) else ExitCode.FAILED
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
@@ -159,7 +161,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
         path = plot_runs(args.run_dirs, args.output)
     except PlotError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return ExitCode.CONFIG_ERROR
     print(path)
     return 0
 
@@ -204,7 +206,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         path = export_checkpoint(args.checkpoint, args.out, model=args.model, overwrite=args.overwrite)
     except ExportError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return ExitCode.CONFIG_ERROR
     print(path)
     return 0
 

@@ -6,7 +6,7 @@ environment as the pods (`contract.py`), on 127.0.0.1 ports. Shows progress from
 `metrics.jsonl`; Ctrl-C stops everything and keeps the last complete checkpoint. Restarts
 as the operator's: any process failing stops all of them, and up to
 `runPolicy.maxRestarts` more attempts each resume from the newest complete checkpoint;
-exit codes 2, 126 and 127 (`PERMANENT_EXIT_CODES`) end the run at once, showing the log
+a permanent exit code (`rlhf_contract.exit_codes`: 2, 126, 127) ends the run at once, showing the log
 tail. Attempts and restarts are shown and kept in `logs/attempts.log`. A finished run's curves are
 drawn to `<output>/plot.png` (`rlhfctl plot`).
 
@@ -30,10 +30,10 @@ from pathlib import Path
 from statistics import mean
 
 from rlhf_contract.api.models import RLHFJob
+from rlhf_contract.exit_codes import ExitCode, is_permanent, meaning
 from rlhf_contract.outputs import complete_checkpoints
 from rlhf_contract.trainer_config import TrainerConfig
 from rlhf_contract.pod import JOB_FILE, Process, rollout_process, run_config, trainer_process
-from rlhf_operator.failures import PERMANENT_EXIT_CODES, exit_code_meaning
 
 from .plot import plot_runs
 
@@ -190,7 +190,7 @@ def _overlap_threads(spec) -> dict[str, int] | None:
 
 
 def run_local(job: RLHFJob, *, output: str | None = None, resume: bool = False, overwrite: bool = False) -> int:
-    """Run the job here; returns the exit code (0 done, 130 Ctrl-C). A failed attempt stops
+    """Run the job here; returns the exit code (0 done, `ExitCode.INTERRUPTED` Ctrl-C). A failed attempt stops
     every process; `runPolicy.maxRestarts` more attempts each resume from the newest complete
     checkpoint, as the operator's restarts do; a permanent exit code ends the run at once."""
     from rich.console import Console
@@ -208,7 +208,7 @@ def run_local(job: RLHFJob, *, output: str | None = None, resume: bool = False, 
     resolved.spec.rollout.engine = "cpu"
     resolved.spec.output.dir = str(out)
     trainer_config = TrainerConfig.from_job(resolved)
-    from rlhf_trainer.preflight import EXIT_CONFIG_ERROR, check
+    from rlhf_trainer.preflight import check
 
     problems = check(trainer_config, spec.trainer.nproc_per_node)
     if problems:  # the trainer pod's own check, before any server or model starts
@@ -226,13 +226,13 @@ def run_local(job: RLHFJob, *, output: str | None = None, resume: bool = False, 
         failure = _attempt(resolved, out, config_path, console, resume=resume or restarts > 0, attempt=restarts + 1)
         if failure is None:
             break
-        if failure.code == 130:
-            return 130
-        if failure.code in PERMANENT_EXIT_CODES or restarts == budget:
-            why = (f"exit code {failure.code} is permanent ({PERMANENT_EXIT_CODES[failure.code]}): no restart"
-                   if failure.code in PERMANENT_EXIT_CODES else f"no restarts left (runPolicy.maxRestarts={budget})")
+        if failure.code == ExitCode.INTERRUPTED:
+            return ExitCode.INTERRUPTED
+        if is_permanent(failure.code) or restarts == budget:
+            why = (f"exit code {failure.code} is permanent ({meaning(failure.code)}): no restart"
+                   if is_permanent(failure.code) else f"no restarts left (runPolicy.maxRestarts={budget})")
             _log_attempt(out, console, f"attempt {restarts + 1} failed: {failure.summary}; {why}")
-            error = LocalConfigError if failure.code == EXIT_CONFIG_ERROR else LocalRunError
+            error = LocalConfigError if failure.code == ExitCode.CONFIG_ERROR else LocalRunError
             raise error(f"{failure.message}\n({why}; {restarts} restart(s))")
         _log_attempt(out, console, f"attempt {restarts + 1} failed: {failure.summary}")
     console.print(summarize(_read_metrics(out / "metrics.jsonl")))
@@ -249,8 +249,8 @@ class _Failure:
 
     @property
     def summary(self) -> str:
-        meaning = exit_code_meaning(self.code)
-        return f"{self.name} exited with code {self.code}" + (f" ({meaning})" if meaning else "")
+        text = meaning(self.code)
+        return f"{self.name} exited with code {self.code}" + (f" ({text})" if text else "")
 
 
 def _log_attempt(out: Path, console, line: str) -> None:
@@ -262,7 +262,7 @@ def _log_attempt(out: Path, console, line: str) -> None:
 
 def _attempt(resolved: RLHFJob, out: Path, config_path: Path, console, *, resume: bool, attempt: int) -> _Failure | None:
     """One attempt: every process of the run, watched until the trainer finishes (None) or a
-    process fails (that failure, after stopping all of them); Ctrl-C is code 130."""
+    process fails (that failure, after stopping all of them); Ctrl-C is `ExitCode.INTERRUPTED`."""
     spec = resolved.spec
     ports = [free_port() for _ in range(0 if spec.offline else spec.rollout.replicas)]  # sft, rm, dpo: no servers
     urls = [f"http://127.0.0.1:{p}" for p in ports]
@@ -281,7 +281,7 @@ def _attempt(resolved: RLHFJob, out: Path, config_path: Path, console, *, resume
                           f"{spec.trainer.nproc_per_node} trainer process(es); output in {out}"
                           + (f"; attempt {attempt}" if attempt > 1 else ""))
             # the trainer starts now, while the servers load: it builds its models and then waits
-            # for them (check_rollout_servers); a server that dies is caught by the loop below
+            # for them (rollout/servers.py `handshake`); a server that dies is caught by the loop below
             trainer = trainer_process(
                 resolved, config_path=str(config_path), rollout_endpoints=urls,
                 weight_sync_addr=f"127.0.0.1:{free_port()}", output_dir=str(out),
@@ -294,7 +294,7 @@ def _attempt(resolved: RLHFJob, out: Path, config_path: Path, console, *, resume
         except KeyboardInterrupt:
             kept = complete_checkpoints(out)
             console.print(f"\nstopped; last complete checkpoint: {kept[-1] if kept else 'none'}")
-            return _Failure("you", 130, "interrupted")
+            return _Failure("you", ExitCode.INTERRUPTED, "interrupted")
 
 
 def _watch(children: list[_Child], metrics_path: Path, total: int, console) -> _Failure | None:

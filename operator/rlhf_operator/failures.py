@@ -1,7 +1,7 @@
 """What the pods and workloads of a job say, read without side effects: a pod's failure
 (`pod_failure`), a pod lost with its node (`lost_pod`), the first failure of an attempt
-(`attempt_failure`), a workload's True condition, a pod's readiness. Exit codes that no
-restart can fix are `PERMANENT_EXIT_CODES` (the one list of them)."""
+(`attempt_failure`), a workload's True condition, a pod's readiness. Which exit codes no
+restart can fix, and what each means, is `rlhf_contract.exit_codes`' table."""
 
 from __future__ import annotations
 
@@ -9,23 +9,9 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable
 
+from rlhf_contract.exit_codes import is_permanent, meaning
+
 from .builders.meta import LABEL_ROLE, ROLE_ROLLOUT, ROLE_TRAINER
-
-# Exit codes of our entry points that no restart can fix (the one list of them).
-PERMANENT_EXIT_CODES: dict[int, str] = {
-    2: "invalid job config or command-line usage",
-    126: "command not executable (broken image)",
-    127: "command not found (broken image)",
-}
-
-# Exit codes of our entry points that a restart may fix, with what they mean (shown with the code).
-RETRIED_EXIT_CODES: dict[int, str] = {
-    75: "weight sync failed or hung: restarted with its rollout servers",
-}
-
-
-def exit_code_meaning(code: int | None) -> str | None:
-    return PERMANENT_EXIT_CODES.get(code) or RETRIED_EXIT_CODES.get(code) if code is not None else None
 
 # A pod on a node that has not been Ready for this long is lost (see the module docstring).
 NODE_LOST_AFTER = timedelta(seconds=60)
@@ -41,7 +27,7 @@ class Failure:
 
     @property
     def permanent(self) -> bool:
-        return self.exit_code in PERMANENT_EXIT_CODES
+        return is_permanent(self.exit_code)
 
     def describe(self) -> str:
         what = f"{self.role} pod {self.pod}"
@@ -49,8 +35,8 @@ class Failure:
             what += f" container {self.container}"
         if self.exit_code is not None:
             what += f" exited with code {self.exit_code}"
-            if exit_code_meaning(self.exit_code):
-                what += f" ({exit_code_meaning(self.exit_code)})"
+            if meaning(self.exit_code):
+                what += f" ({meaning(self.exit_code)})"
         else:
             what += " failed"
         if self.reason:

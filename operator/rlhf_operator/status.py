@@ -3,7 +3,7 @@ to do about the children. No API calls; handlers.py carries the plan out.
 
 One restart domain. The attempt number is `status.restarts`; the children of attempt N
 carry `rlhf.dev/attempt: N`. When a pod of the current attempt fails:
-- its exit code is permanent (`PERMANENT_EXIT_CODES`) -> Failed at once;
+- its exit code is permanent (`rlhf_contract.exit_codes.PERMANENT`) -> Failed at once;
 - restarts < runPolicy.maxRestarts -> restarts + 1, phase Restarting: the workloads of
   attempt N are deleted, and those of N + 1 are created only once no pod of the job is
   left (`Plan.create_workloads`);
@@ -41,10 +41,10 @@ from rlhf_contract.api.models import RLHFJob
 
 from .builders.meta import LABEL_JOB_UID, LABEL_ROLE, ROLE_ROLLOUT, ROLE_TRAINER, attempt_of
 from .conditions import CONDITION_TYPES, conditions_by_type, set_conditions
-from .failures import (NODE_LOST_AFTER, PERMANENT_EXIT_CODES, Failure, attempt_failure, labels, lost_pod,
+from .failures import (NODE_LOST_AFTER, Failure, attempt_failure, labels, lost_pod,
                        parse_time, pod_failure, pod_ready, true_condition, ts)
 
-__all__ = ["NODE_LOST_AFTER", "PERMANENT_EXIT_CODES", "Event", "Failure", "Observed", "Plan", "attempt_failure",
+__all__ = ["NODE_LOST_AFTER", "Event", "Failure", "Observed", "Plan", "attempt_failure",
            "lost_pod", "parse_time", "plan", "pod_failure", "set_conditions"]
 
 TERMINAL = ("Succeeded", "Failed")

@@ -15,11 +15,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from rlhf_contract.api import validate_job
+from rlhf_contract.exit_codes import PERMANENT, ExitCode
 from rlhf_contract.pod import trainer_process
 from rlhf_contract.trainer_config import TrainerConfig
 from rlhf_launcher.local import free_port
-from rlhf_operator.failures import PERMANENT_EXIT_CODES
-from rlhf_trainer.weight_sync import WEIGHT_SYNC_EXIT_CODE
 
 pytestmark = pytest.mark.slow
 
@@ -110,8 +109,8 @@ def test_a_failed_weight_sync_exits_75_through_torchrun_so_the_job_restarts(tmp_
                              capture_output=True, text=True, timeout=300)
     finally:
         server.shutdown()
-    assert res.returncode == WEIGHT_SYNC_EXIT_CODE == 75, res.stderr[-3000:]
-    assert WEIGHT_SYNC_EXIT_CODE not in PERMANENT_EXIT_CODES
+    assert res.returncode == ExitCode.WEIGHT_SYNC == 75, res.stderr[-3000:]
+    assert ExitCode.WEIGHT_SYNC not in PERMANENT
     message = termination.read_text()
     assert "WeightSyncError" in message and "/init_weight_transfer_engine" in message and "HTTP 500" in message
     assert "exiting with code 75 so the job restarts" in res.stderr

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from rlhf_contract.exit_codes import meaning
 from rlhf_contract.outputs import checkpoint_step, complete_checkpoints
-from rlhf_operator.failures import PERMANENT_EXIT_CODES
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "local-grpo.yaml"
@@ -125,7 +125,7 @@ def test_a_permanent_exit_code_ends_the_run_without_a_restart(tmp_path):
     finally:
         _stop(run)
     assert run.returncode == 2, stderr[-3000:]
-    assert PERMANENT_EXIT_CODES[2] in stderr and "100 of the 400 rows" in stderr
+    assert meaning(2) in stderr and "100 of the 400 rows" in stderr
     log = (out / "logs" / "attempts.log").read_text()
     assert "attempt 1 failed: trainer exited with code 2" in log and "is permanent" in log
     assert "attempt 2" not in log and "restart 1" not in log and "0 restart(s)" in stderr

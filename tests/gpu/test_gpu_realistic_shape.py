@@ -87,7 +87,7 @@ def test_half_billion_at_8k_tokens_fits_its_plan_and_matches_fp32(tmp_path):
     from rlhf_contract.api import load_job
     from rlhf_contract.trainer_config import TrainerConfig
     from rlhf_launcher.local import free_port
-    from rlhf_trainer import memory_plan as mp
+    from rlhf_trainer.preflight import memory_plan as mp
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("nccl", rank=0, world_size=1)

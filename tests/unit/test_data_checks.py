@@ -1,4 +1,4 @@
-"""The preflight's data checks (rlhf_trainer/data/checks.py) in process: warnings and the
+"""The preflight's data checks (rlhf_trainer/preflight/data.py) in process: warnings and the
 malformed-row fraction, a bounded read of a large dataset, evaluation sets, offline
 skipping, and `rlhfctl validate` reporting the same problems. The exit-2 cases through the
 trainer's own command are in tests/e2e/test_bad_data.py."""
@@ -15,7 +15,7 @@ datasets = pytest.importorskip("datasets")
 
 from rlhf_contract.api import validate_job  # noqa: E402
 from rlhf_contract.trainer_config import TrainerConfig  # noqa: E402
-from rlhf_trainer.data.checks import SAMPLE_ROWS, check_data, load_tokenizer  # noqa: E402
+from rlhf_trainer.preflight.data import SAMPLE_ROWS, check_data, load_tokenizer  # noqa: E402
 from rlhf_trainer.data.datasets import MAX_MALFORMED_FRACTION, peek_records  # noqa: E402
 
 RL = {"rollout": {"engine": "cpu", "maxTokens": 2}}

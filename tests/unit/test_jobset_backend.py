@@ -12,8 +12,9 @@ import pytest
 
 from helpers import fake_pod, job_of
 from rlhf_operator.builders import build_children, build_workloads, PodSettings
-from rlhf_operator.builders.jobset import PERMANENT_EXIT_CODES as JOBSET_PERMANENT
-from rlhf_operator.status import PERMANENT_EXIT_CODES, Observed, plan
+from rlhf_contract.exit_codes import TABLE, ExitCode
+from rlhf_operator.failures import Failure
+from rlhf_operator.status import Observed, plan
 
 UID = "uid-js"
 NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
@@ -85,8 +86,20 @@ def test_offline_method_gets_only_the_trainer_job():
     assert [r["name"] for r in js["spec"]["replicatedJobs"]] == ["trainer"]
 
 
-def test_permanent_exit_codes_are_the_operators():
-    assert sorted(JOBSET_PERMANENT) == sorted(PERMANENT_EXIT_CODES)
+@pytest.mark.parametrize("meaning", [m for m in TABLE if m.code != ExitCode.OK], ids=lambda m: m.code.name)
+def test_each_exit_code_of_the_table_is_permanent_in_the_jobset_and_the_operator_alike(meaning):
+    """rlhf_contract.exit_codes' table decides both: a permanent code is in every Job's
+    podFailurePolicy (the JobSet fails at once) and fails the job in the operator's own plan;
+    any other code restarts it."""
+    j = job_of(body())
+    (js,) = build_workloads(j, 0, PodSettings.from_job(j))
+    for r in js["spec"]["replicatedJobs"]:
+        (rule,) = r["template"]["spec"]["podFailurePolicy"]["rules"]
+        assert rule["action"] == "FailJob" and rule["onExitCodes"]["operator"] == "In"
+        assert (int(meaning.code) in rule["onExitCodes"]["values"]) == meaning.permanent
+    assert Failure("p", "trainer", "trainer", int(meaning.code), "Error").permanent == meaning.permanent
+    p = run(body(max_restarts=5), Observed(jobset=jobset(), pods=all_pods(phase="Failed", exit_code=int(meaning.code))))
+    assert (p.status["phase"] == "Failed") == meaning.permanent, p.status
 
 
 def test_no_jobset_yet_creates_it():

@@ -1,4 +1,4 @@
-"""The memory plan (rlhf_trainer/memory_plan.py) against the allocator's own account of
+"""The memory plan (rlhf_trainer/preflight/memory_plan.py) against the allocator's own account of
 real layers on the CPU, and the preflight / launcher refusing a job that cannot fit.
 
 The measurement is independent of the plan's: the profiler's allocation events (each
@@ -15,7 +15,7 @@ import torch
 
 from rlhf_contract.api import load_job
 from rlhf_contract.trainer_config import TrainerConfig
-from rlhf_trainer import memory_plan as mp
+from rlhf_trainer.preflight import memory_plan as mp
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = dict(model_type="qwen2", hidden_size=256, intermediate_size=1024, num_attention_heads=4,
@@ -229,7 +229,7 @@ def test_no_gpu_no_plan(monkeypatch):
     """Local CPU mode: no trainer.gpuMemoryGiB and no nvidia-smi, nothing is refused."""
     from rlhf_trainer import preflight
 
-    monkeypatch.setattr(mp, "detect_gpu_bytes", lambda: None)
+    monkeypatch.setattr(preflight.checks, "detect_gpu_bytes", lambda: None)
     config = grpo_config("trainer.parallelism.activationCheckpointing=false")
     assert preflight.memory_problems(config, 1, QWEN_7B) == []
 

@@ -11,7 +11,8 @@ import torch
 from rlhf_contract.api import validate_job
 from rlhf_contract.api.load import JobError
 from rlhf_trainer.models.builtin import build_tokenizer
-from rlhf_trainer.offline.data import OfflineData, Tokenize
+from rlhf_trainer.data.examples import Tokenize
+from rlhf_trainer.offline.data import OfflineData
 from rlhf_trainer.offline.losses import bradley_terry_loss, dpo_loss, sft_loss_sum
 from rlhf_contract.api.models import DataSpec
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 
 from helpers import fake_pod, job_of
-from rlhf_operator.status import PERMANENT_EXIT_CODES, Observed, plan
+from rlhf_contract.exit_codes import PERMANENT
+from rlhf_operator.status import Observed, plan
 
 UID = "uid-1"
 NOW = datetime(2025, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
@@ -137,7 +138,7 @@ def test_restart_budget_ends_in_failed_naming_pod_and_exit_code():
 
 
 def test_permanent_exit_code_fails_at_once():
-    assert 2 in PERMANENT_EXIT_CODES
+    assert 2 in PERMANENT
     p = run(body({"phase": "Running"}, max_restarts=5), running_children(phase="Failed", terminated=2))
     assert p.status["phase"] == "Failed" and p.status["restarts"] == 0
     assert cond(p, "Failed")["reason"] == "PermanentError"

@@ -7,8 +7,8 @@ when the config cannot work; otherwise it runs `python -m torch.distributed.run 
 -m rlhf_trainer` as its child (forwarding SIGTERM / SIGINT) and exits with torchrun's code,
 except that a worker which found a config error only it could see (e.g. a rollout server
 image without weight transfer) or whose weight sync failed leaves its exit code in a marker
-file, and the launcher then exits with it (2, or 75 to restart the job with its servers):
-torchrun itself turns every worker failure into 1. On nodes other than the first it also
+file (exits.py), and the launcher then exits with it (2, or 75 to restart the job with its
+servers; `rlhf_contract.exit_codes`): torchrun itself turns every worker failure into 1. On nodes other than the first it also
 answers Prometheus (`serve_node_endpoint`).
 """
 
@@ -21,10 +21,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from rlhf_contract.exit_codes import ExitCode
 from rlhf_contract.pod import ENV_METRICS_PORT, ENV_TRAINER_CONFIG
 from rlhf_contract.trainer_config import TrainerConfig
 
-from .preflight import ENV_CONFIG_ERROR_FILE, EXIT_CONFIG_ERROR, check, marked_exit_code, write_termination_message
+from .exits import ENV_CONFIG_ERROR_FILE, marked_exit_code, write_termination_message
+from .preflight import check
 
 
 def _option(args: list[str], name: str, default: int) -> int:
@@ -63,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         message = "config error: " + "; ".join(problems)
         print(message, file=sys.stderr, flush=True)
         write_termination_message(message)
-        return EXIT_CONFIG_ERROR
+        return ExitCode.CONFIG_ERROR
     serve_node_endpoint(args)
     command = [sys.executable, "-m", "torch.distributed.run", *args, "-m", "rlhf_trainer"]
     marker = Path(tempfile.mkdtemp(prefix="rlhf-launch-")) / "config-error"

@@ -11,13 +11,15 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from rlhf_contract.exit_codes import ExitCode
 from rlhf_contract.pod import ENV_OUTPUT_DIR, ENV_RESUME, ENV_ROLLOUT_ENDPOINTS, ENV_TRAINER_CONFIG, ENV_WEIGHT_SYNC_ADDR
 from rlhf_contract.trainer_config import TrainerConfig
 
 from .data.datasets import DataError
 from .distributed import collective_timeout_s, init_distributed
-from .preflight import EXIT_CONFIG_ERROR, mark_config_error, mark_exit_code, write_termination_message
-from .weight_sync.sender import WEIGHT_SYNC_EXIT_CODE, WeightSyncError
+from .exits import mark_config_error, write_termination_message
+from .preflight import with_checkpointing_decided
+from .weight_sync.threads import WeightSyncError, exit_process
 
 
 def main() -> None:
@@ -30,6 +32,7 @@ def main() -> None:
     info = init_distributed(timeout_s=collective_timeout_s(config))
     output_dir = os.environ.get(ENV_OUTPUT_DIR) or config.output.dir or "/output"
     try:
+        config = with_checkpointing_decided(config, info.world_size, info.device)  # once, before any model loads
         if config.method == "rl":
             from .rl.loop import RunLoop
 
@@ -43,20 +46,17 @@ def main() -> None:
             loop.resume_if_possible()
         loop.run()
     except BaseException as err:
-        if isinstance(err, DataError) or (isinstance(err, SystemExit) and err.code == EXIT_CONFIG_ERROR):
+        if isinstance(err, DataError) or (isinstance(err, SystemExit) and err.code == ExitCode.CONFIG_ERROR):
             mark_config_error()  # the launcher exits 2: fail the job at once, no restart
         if not isinstance(err, KeyboardInterrupt):
             write_termination_message(f"rank {info.rank}: {type(err).__name__}: {err}".splitlines()[0])
         if isinstance(err, WeightSyncError):
             # The weight-sync group is dead and the other ranks wait in a collective for this one:
-            # no teardown (it could hang), exit at once with a code the launcher passes on, so the
+            # no teardown (it could hang); exit at once with a code the launcher passes on, so the
             # job restarts, its servers included (one may be left half-reloaded yet healthy).
             logging.getLogger("rlhf_trainer").error("weight sync failed: %s", err)
-            print(f"FATAL: {err}; exiting with code {WEIGHT_SYNC_EXIT_CODE} so the job restarts", file=sys.stderr,
-                  flush=True)
-            mark_exit_code(WEIGHT_SYNC_EXIT_CODE)
             logging.shutdown()
-            os._exit(WEIGHT_SYNC_EXIT_CODE)
+            exit_process(str(err))
         raise
     finally:
         if dist.is_initialized():

@@ -13,7 +13,7 @@ Replicated jobs:
 The restart domain is JobSet's failure policy: every Job has backoffLimit 0, so any pod
 failing fails its Job and JobSet recreates ALL Jobs (restart attempt + 1) until
 `failurePolicy.maxRestarts` (= `runPolicy.maxRestarts`) is spent; then the JobSet is
-Failed. The permanent exit codes (status.PERMANENT_EXIT_CODES) go through each Job's
+Failed. The permanent exit codes (`rlhf_contract.exit_codes.PERMANENT`) go through each Job's
 podFailurePolicy (action FailJob, reason `PodFailurePolicy`) to the JobSet rule that fails
 it at once. Success: the trainer Job completing (successPolicy All on `trainer`); JobSet
 then deletes the still-running servers. Kueue: the queue label sits on the JobSet, which
@@ -30,6 +30,8 @@ from typing import Any
 
 from rlhf_contract import pod as contract
 from rlhf_contract.api.models import RLHFJob
+from rlhf_contract.exit_codes import PERMANENT
+
 from .meta import (
     COMPLETION_INDEX_LABEL, LABEL_ATTEMPT, RJOB_ROLLOUT, RJOB_TRAINER, ROLE_ROLLOUT, ROLE_TRAINER, job_labels, jobset_name,
     metadata, namespace_of, pod_labels, trainer_name,
@@ -38,8 +40,6 @@ from .pods import PodSettings, pod_spec
 from .workloads import rollout_container, rollout_endpoints, trainer_container, weight_sync_addr
 
 JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
-# Exit codes no restart can fix (status.PERMANENT_EXIT_CODES; a unit test keeps them equal).
-PERMANENT_EXIT_CODES = (2, 126, 127)
 PERMANENT_RULE = "permanentExitCode"
 
 
@@ -56,7 +56,7 @@ def _job_spec(template: dict[str, Any], pods: int) -> dict[str, Any]:
         "backoffLimit": 0,  # a failed pod fails the Job, and JobSet restarts everything
         "podFailurePolicy": {"rules": [{
             "action": "FailJob",
-            "onExitCodes": {"operator": "In", "values": list(PERMANENT_EXIT_CODES)},
+            "onExitCodes": {"operator": "In", "values": sorted(PERMANENT)},
         }]},
         "template": template,
     }

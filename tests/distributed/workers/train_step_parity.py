@@ -69,7 +69,7 @@ OFFLINE = ("sft", "rm", "dpo")
 
 def examples(method: str) -> list:
     """Fixed random examples: one sequence each for sft, (chosen, rejected) pairs otherwise."""
-    from rlhf_trainer.offline.data import Example, Sequence
+    from rlhf_trainer.data.examples import Example, Sequence
 
     gen = torch.Generator().manual_seed(5)
 

@@ -31,7 +31,6 @@ import torch.distributed as dist
 from rlhf_contract.trainer_config import TrainerConfig
 
 from ..distributed import DistInfo
-from ..memory_plan import trainer_checkpointing
 from ..parallel.parallelize import Layout, parallelize_models
 from .logprob_head import attach_logprob_head
 from .lora import AdaptersOff, add_adapters, file_key, init_adapters, initial_adapters
@@ -160,8 +159,8 @@ def load_models(config: TrainerConfig, info: DistInfo, *, trained: torch.nn.Modu
     separate_ref = with_ref and config.lora is None
     ref = new(config.model_path, ref_dtype).eval().requires_grad_(False) if separate_ref else None
     p = config.optim.parallelism
-    # unset: off on CPU, on GPUs decided by the memory plan (memory_plan.py)
-    checkpointing = trainer_checkpointing(config, info.world_size, info.device)
+    # decided once before any model loads (main.py: preflight.with_checkpointing_decided); unset here = off
+    checkpointing = bool(p.activation_checkpointing)
     layout = parallelize_models(model, ref=ref, critic=critic, world_size=info.world_size, tp=p.tensor_parallel,
                                 cp=p.context_parallel, activation_checkpointing=checkpointing,
                                 device_type=info.device.type, reward_model=reward_model)
@@ -190,7 +189,8 @@ def _load_for_zero(config: TrainerConfig, info: DistInfo, trained: torch.nn.Modu
     model = load_causal_lm(config.model_path, host) if lm else trained
     ref_dtype = torch.bfloat16 if info.device.type == "cuda" else torch.float32
     ref = load_causal_lm(config.model_path, host, ref_dtype).eval().requires_grad_(False) if with_ref else None
-    checkpointing = trainer_checkpointing(config, info.world_size, info.device)
+    # decided once before any model loads (main.py: preflight.with_checkpointing_decided)
+    checkpointing = bool(config.optim.parallelism.activation_checkpointing)
     layout = zero_layout(model, ref=ref, critic=critic, reward_model=reward_model, world_size=info.world_size,
                          activation_checkpointing=checkpointing)
     for m in ((model, ref) if lm else (ref,)):

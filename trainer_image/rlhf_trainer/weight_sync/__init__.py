@@ -5,12 +5,11 @@ sharded policy on every rank and sends it from rank 0."""
 
 from .buckets import DEFAULT_BUCKET_BYTES, bucket_ranges, dtype_name, pack_buckets
 from .push import push_weights
-from .sender import WEIGHT_SYNC_EXIT_CODE, WeightSyncError, WeightSyncSender
+from .sender import WeightSyncError, WeightSyncSender
 from .transport import GlooTransport, NcclTransport, make_transport
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
-    "WEIGHT_SYNC_EXIT_CODE",
     "GlooTransport",
     "NcclTransport",
     "WeightSyncError",

@@ -38,7 +38,7 @@ Failure: a server answering an error, a broadcast failing, or the round passing
 `WeightSyncError`: the group is then dead (an NCCL peer may be stuck in a collective), so
 the sender aborts its communicator and calls /shutdown_weight_transfer_engine on every
 server (best effort, bounded, on threads of its own), and `group` becomes None. The
-trainer then exits with `WEIGHT_SYNC_EXIT_CODE` (75), which the launcher passes on, so the
+trainer then exits with `ExitCode.WEIGHT_SYNC` (75), which the launcher passes on, so the
 job restarts with its servers (a server left half-reloaded still answers /health). A
 watchdog, armed until the teardown is over, ends the process with that code if the round
 is still not over `watchdog_grace_s` after its timeout, e.g. because this thread is stuck
@@ -64,11 +64,10 @@ import httpx
 import torch
 
 from .buckets import DEFAULT_BUCKET_BYTES, BufferRing, as_bytes, dtype_name, pack_buckets
-from .threads import (WEIGHT_SYNC_EXIT_CODE, Watchdog, WeightSyncError, exit_process, put_watching, run_in_thread,
-                      wait_all)
+from .threads import Watchdog, WeightSyncError, exit_process, put_watching, run_in_thread, wait_all
 from .transport import BACKENDS, Transport, make_transport
 
-__all__ = ["WEIGHT_SYNC_EXIT_CODE", "WeightSyncError", "WeightSyncSender"]
+__all__ = ["WeightSyncError", "WeightSyncSender"]
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,9 @@ import threading
 import time
 from collections.abc import Callable
 
-WEIGHT_SYNC_EXIT_CODE = 75  # EX_TEMPFAIL: a failed or hung round; not a permanent exit code, so the job restarts
+from rlhf_contract.exit_codes import ExitCode
+
+from ..exits import mark_exit_code
 
 
 class WeightSyncError(RuntimeError):
@@ -36,12 +38,10 @@ class Watchdog:
 
 
 def exit_process(message: str) -> None:
-    from ..preflight import mark_exit_code
-
-    mark_exit_code(WEIGHT_SYNC_EXIT_CODE)  # torchrun would turn it into 1: the launcher passes it on
-    print(f"FATAL: {message}; exiting with code {WEIGHT_SYNC_EXIT_CODE} so the job restarts "
+    mark_exit_code(ExitCode.WEIGHT_SYNC)  # torchrun would turn it into 1: the launcher passes it on
+    print(f"FATAL: {message}; exiting with code {ExitCode.WEIGHT_SYNC} so the job restarts "
           "(the weight-sync group cannot be recovered in this process)", file=sys.stderr, flush=True)
-    os._exit(WEIGHT_SYNC_EXIT_CODE)
+    os._exit(ExitCode.WEIGHT_SYNC)  # not permanent: the job restarts with its servers
 
 
 def put_watching(q: queue.Queue, item, watch: list[cf.Future], deadline: float) -> None:

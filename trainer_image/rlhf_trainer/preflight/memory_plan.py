@@ -76,6 +76,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from rlhf_contract.api.models import Method
+
 from .memory_shapes import (  # noqa: F401  (activations, activation_bytes, model_shape: the plan's API too)
     GIB, dtype_of, hf_config, layer_per_tp_rank, activation_bytes, activations, model_shape)
 
@@ -148,7 +150,7 @@ class MemoryPlan:
 def _uses_reference(config) -> bool:
     if config.lora is not None:
         return False  # the base with the adapters off
-    return config.method == "dpo" or (config.method == "rl" and bool(config.algorithm.kl_coef))
+    return config.method == Method.DPO or (config.method == Method.RL and bool(config.algorithm.kl_coef))
 
 
 def _terms(config, model_config: dict, world_size: int, *, tokens: int, checkpointing: bool, dtype: str,
@@ -158,11 +160,11 @@ def _terms(config, model_config: dict, world_size: int, *, tokens: int, checkpoi
     shard = max(world_size // tp, 1)  # FSDP's dp_shard x cp
     lora = config.lora
     s = model_shape(model_config, lora)
-    is_rm = config.method == "rm"  # a score model: no LM head (a one-label score head)
+    is_rm = config.method == Method.RM  # a score model: no LM head (a one-label score head)
     causal = not is_rm
     layer_tp = layer_per_tp_rank(s, tp)
-    params_local = (s.num_layers * layer_tp + s.root_tp(tp, head=causal)) / shard
-    trained_local = params_local if lora is None else s.num_layers * s.layer_trainable / shard
+    params_local = (s.num_layers * layer_tp + s.root_tp(tp, head=causal) + s.root_trainable) / shard
+    trained_local = params_local if lora is None else (s.num_layers * s.layer_trainable + s.root_trainable) / shard
     size = dtype_of(dtype).itemsize
     local_tokens = -(-tokens // cp)
     terms = [
@@ -175,20 +177,20 @@ def _terms(config, model_config: dict, world_size: int, *, tokens: int, checkpoi
     if _uses_reference(config):
         terms.append(Term("reference model", int((2 if cuda else 4) * params_local), "persistent",
                           "bf16, sharded like the policy" if cuda else "fp32"))
-    critic = config.method == "rl" and bool(config.algorithm.critic)
+    critic = config.method == Method.RL and bool(config.algorithm.critic)
     if critic:
         critic_local = (s.num_layers * layer_tp + s.root_tp(tp, head=False)) / shard
         terms.append(Term("critic weights + gradients + AdamW", int(16 * critic_local), "persistent",
                           "fp32, trains like the policy"))
     rm_shape = None
-    if config.method == "rl" and config.reward.model is not None and reward_model_config is not None:
+    if config.method == Method.RL and config.reward.model is not None and reward_model_config is not None:
         rm_shape = model_shape(reward_model_config)
         terms.append(Term(f"reward model ({'bf16' if cuda else 'fp32'}, sharded)",
                           int((2 if cuda else 4) * rm_shape.total(head=False) / shard), "persistent"))
     # FSDP's unsharded compute copies (bf16 on CUDA; on one CPU process nothing is copied)
     if cuda or shard > 1:
         root = s.root_tp(tp, head=causal)
-        head_grad = (s.head or s.embed) / tp if (causal and lora is None) else 0
+        head_grad = (s.head or s.embed) / tp if (causal and lora is None) else s.root_trainable
         layer_grads = s.layer_trainable / (tp if lora is None else 1)
         unsharded = size * (root + 2 * layer_tp) + size * head_grad + (size + 4) * layer_grads
         terms.append(Term("FSDP unsharded params + grads", int(unsharded), "micro-batch",
@@ -196,7 +198,7 @@ def _terms(config, model_config: dict, world_size: int, *, tokens: int, checkpoi
     terms.append(_activation_term(model_config, s, lora, dtype, size, tokens=tokens, local_tokens=local_tokens,
                                   tp=tp, cp=cp, checkpointing=checkpointing, critic=critic))
     if causal:
-        from .models.logprob_head import HEAD_CHUNK_TOKENS
+        from ..models.logprob_head import HEAD_CHUNK_TOKENS
 
         chunk = min(HEAD_CHUNK_TOKENS, local_tokens)
         head_bytes = HEAD_LIVE_CHUNKS * chunk * (s.vocab / tp) * 4
@@ -206,8 +208,8 @@ def _terms(config, model_config: dict, world_size: int, *, tokens: int, checkpoi
     if not cuda:  # on CUDA optim.py's AdamW is fused: no temporary of the shard's size
         terms.append(Term("AdamW step temporaries", int(4 * trained_local), "optimizer step",
                           "foreach sqrt(exp_avg_sq)"))
-    if config.method == "rl":
-        from .weight_sync.buckets import DEFAULT_BUCKET_BYTES
+    if config.method == Method.RL:
+        from ..weight_sync.buckets import DEFAULT_BUCKET_BYTES
 
         largest = s.largest * (4 + 2)  # gathered whole in fp32, cast to the wire dtype
         terms.append(Term("weight-sync buffers (rank 0)", int(WEIGHT_SYNC_BUFFERS * DEFAULT_BUCKET_BYTES + largest),
@@ -366,3 +368,12 @@ def trainer_checkpointing(config, world_size: int, device) -> bool:
     rm = read_model_config(config.reward.model.path) if config.reward.model is not None else None
     return resolve_checkpointing(config, read_model_config(config.model_path), world_size, gpu, cuda=True,
                                  reward_model_config=rm)
+
+
+def with_checkpointing_decided(config, world_size: int, device):
+    """`config` with `trainer.parallelism.activationCheckpointing` set to what
+    `trainer_checkpointing` decides: main resolves it once, before any model loads, and the
+    model loaders only read the boolean."""
+    decided = trainer_checkpointing(config, world_size, device)
+    parallelism = config.optim.parallelism.model_copy(update={"activation_checkpointing": decided})
+    return config.model_copy(update={"optim": config.optim.model_copy(update={"parallelism": parallelism})})

@@ -2,7 +2,7 @@
 
 `check_data(config, tokenizer)` opens each dataset of a trainer config (`data.path`; for RL
 also every `evaluation.datasets` entry, read with `data`'s keys) as the trainer will (the
-same layouts, split and columns: `peek_records` in datasets.py), but reads only its columns,
+same layouts, split and columns: `peek_records` in data/datasets.py), but reads only its columns,
 the first SAMPLE_ROWS rows and, where the format gives it cheaply, its row count, so a
 large Parquet or Arrow dataset does not delay the start. Each problem names the spec field
 and what to change:
@@ -12,7 +12,7 @@ and what to change:
     answer (data.answerKey or `gt_answer`), unless an environment gives the rewards;
   - offline: no prompt or chat turns; `sft` without a response column or chat turns; `rm`
     and `dpo` without the chosen or the rejected column;
-  - the sampled rows through the trainer's own row code (`prompt_record` in rendering.py,
+  - the sampled rows through the trainer's own row code (`prompt_record` in data/rendering.py,
     offline `Tokenize`): more than half of them malformed is an error (when the sample is
     the whole dataset: more than MAX_MALFORMED_FRACTION, the trainer's own limit), fewer a
     warning;
@@ -38,13 +38,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from rlhf_contract.api.models import DataSpec
+from rlhf_contract.api.models import DataSpec, Method
 from rlhf_contract.trainer_config import TrainerConfig
 
-from ..offline.data import BUILTIN_OFFLINE, PAIR_METHODS, Tokenize
-from .datasets import MAX_MALFORMED_FRACTION, ROW_ERRORS, DataSample, peek_records
-from .prompts import BUILTIN_TASKS, PromptSource
-from .rendering import prompt_record
+from ..data.datasets import MAX_MALFORMED_FRACTION, ROW_ERRORS, DataSample, peek_records
+from ..data.examples import BUILTIN_OFFLINE, PAIR_METHODS, Tokenize
+from ..data.prompts import BUILTIN_TASKS, PromptSource
+from ..data.rendering import prompt_record
 
 SAMPLE_ROWS = 256
 """Rows read from the start of a dataset."""
@@ -92,7 +92,7 @@ def load_tokenizer(model_path: str) -> Any:
 
 def _sets(config: TrainerConfig) -> list[_Set]:
     sets = [_Set(config.data, "spec.data", config.data.path)]
-    evaluation = config.evaluation if config.method == "rl" else None
+    evaluation = config.evaluation if not config.method.offline else None
     for d in getattr(evaluation, "datasets", None) or []:
         spec = DataSpec(**{**config.data.model_dump(), "path": d.path, "split": d.split, "shuffle": False})
         sets.append(_Set(spec, f"spec.evaluation.datasets[{d.name}]", f"evaluation dataset {d.name!r} ({d.path})"))
@@ -152,7 +152,7 @@ def _check_file(config: TrainerConfig, s: _Set, tokenizer: Callable[[], Any], re
         report.unchecked.append(f"{s.label}: rows and prompt lengths not checked (no tokenizer)")
         return
     try:
-        lengths, errors = (_prompt_lengths(sample.rows, d, tok) if config.method == "rl"
+        lengths, errors = (_prompt_lengths(sample.rows, d, tok) if not config.method.offline
                            else _example_lengths(config, sample.rows, d, tok))
     except ValueError as err:  # a tokenizer that cannot serve the method at all (no EOS)
         report.problems.append(_in_field(str(err), s))
@@ -170,7 +170,7 @@ def _missing_columns(config: TrainerConfig, s: _Set, sample: DataSample) -> list
         problems.append(f"spec.data.promptKey: {label} has neither a {d.prompt_key!r} column (data.promptKey) nor a "
                         f"{d.messages_key!r} column (data.messagesKey); {found}: set data.promptKey (or "
                         "data.messagesKey) to the column that holds the prompt")
-    if config.method == "sft" and d.response_key not in present and d.messages_key not in present:
+    if config.method == Method.SFT and d.response_key not in present and d.messages_key not in present:
         problems.append(f"spec.data.responseKey: method sft trains on a {d.response_key!r} column (data.responseKey) "
                         f"or on chat turns under {d.messages_key!r} (data.messagesKey), but {label} has neither; "
                         f"{found}: set data.responseKey to the column that holds the response")
@@ -180,7 +180,7 @@ def _missing_columns(config: TrainerConfig, s: _Set, sample: DataSample) -> list
                             f"row, but {label} has none; {found}: set data.{name} to its column")
     rewards = [("reward.type", config.reward.type)] + [
         (f"reward.components[{i}].type", c.type) for i, c in enumerate(config.reward.components)]
-    for field, reward in rewards if config.method == "rl" and config.environment is None else ():
+    for field, reward in rewards if not config.method.offline and config.environment is None else ():
         if reward == "code" and "test_cases" not in present:
             problems.append(f"spec.{field}: code runs each response against the row's 'test_cases' "
                             f"({{inputs, outputs}}), but {label} has no 'test_cases' column; {found}")
@@ -230,7 +230,7 @@ def _judge_malformed(errors: list[str], num_rows: int, whole: bool, s: _Set, rep
 
 def _judge_lengths(config: TrainerConfig, lengths: list[int], s: _Set, report: DataReport) -> None:
     """An error when no sampled prompt (offline: example) fits, a warning when most do not."""
-    if config.method == "rl":
+    if not config.method.offline:
         usable = [n for n in lengths if n]
         if lengths and not usable:
             report.problems.append(f"{s.field}.path: every sampled prompt of {s.label} tokenizes to nothing; check "
@@ -259,7 +259,7 @@ def _check_builtin(config: TrainerConfig, s: _Set, tokenizer: Callable[[], Any],
     d, seed = s.spec, config.schedule.seed
     if d.path == "builtin://gem":
         return  # the environment's prompts: exempt from data.maxPromptLength
-    if config.method == "rl":
+    if not config.method.offline:
         tok = tokenizer() if d.path[len("builtin://"):] in BUILTIN_TASKS else None
         try:
             source = PromptSource(d.model_copy(update={"max_prompt_length": sys.maxsize}), tok, seed=seed)

@@ -2,14 +2,15 @@
 
 `check(config, world_size)` reads only small files (the model's config.json, the reward
 and environment files), and of the data only the columns and a bounded sample, measured
-with the model's tokenizer (data/checks.py: no rows, missing columns, prompts longer than
+with the model's tokenizer (data.py: no rows, missing columns, prompts longer than
 data.maxPromptLength, ...), and returns one message per problem, each naming the spec
 field and what to change; the data's warnings go to stderr. The launcher
 (`python -m rlhf_trainer.launch`) runs it first thing in a trainer pod and in local mode,
-and exits with code 2 (the operator's "bad config: fail at once") instead of starting
-torchrun, so such a job fails in seconds rather than after every allowed restart.
-When a GPU's memory is known (`trainer.gpuMemoryGiB`, else `nvidia-smi`) it also refuses
-a job whose memory plan (memory_plan.py) does not fit, naming the fields to change.
+and exits with code 2 (`ExitCode.CONFIG_ERROR`, the operator's "bad config: fail at once")
+instead of starting torchrun, so such a job fails in seconds rather than after every
+allowed restart. When a GPU's memory is known (`trainer.gpuMemoryGiB`, else `nvidia-smi`)
+it also refuses a job whose memory plan (memory_plan.py) does not fit, naming the fields
+to change. It exits nothing itself and loads no model.
 """
 
 from __future__ import annotations
@@ -21,35 +22,9 @@ from pathlib import Path
 
 from rlhf_contract.trainer_config import TrainerConfig
 
-EXIT_CONFIG_ERROR = 2
-TERMINATION_LOG = "/dev/termination-log"
-ENV_CONFIG_ERROR_FILE = "RLHF_CONFIG_ERROR_FILE"
-"""Set by the launcher: a worker whose exit code must survive torchrun (which turns every
-worker failure into 1) writes that code into this file, and the launcher exits with it:
-2 for a config error only it could see, `WEIGHT_SYNC_EXIT_CODE` for a failed weight sync."""
-
-
-def mark_exit_code(code: int) -> None:
-    """Ask the launcher to exit with `code`. A config error (2) wins over any other code."""
-    path = os.environ.get(ENV_CONFIG_ERROR_FILE)
-    if path:
-        try:
-            if code == EXIT_CONFIG_ERROR or not Path(path).exists():
-                Path(path).write_text(str(code))
-        except OSError:
-            pass
-
-
-def mark_config_error() -> None:
-    mark_exit_code(EXIT_CONFIG_ERROR)
-
-
-def marked_exit_code(path: Path) -> int | None:
-    """The code a worker asked for (see `mark_exit_code`), or None."""
-    try:
-        return int(path.read_text().strip() or EXIT_CONFIG_ERROR)
-    except (OSError, ValueError):
-        return None
+from ..data.examples import BUILTIN_OFFLINE
+from .data import check_data, load_tokenizer
+from .memory_plan import detect_gpu_bytes, gib, plan, read_model_config
 
 
 def _model_config(path: str) -> tuple[dict | None, str | None]:
@@ -82,7 +57,6 @@ def _readable_python(path: str | None, field: str) -> str | None:
 
 
 def _data_problems(config: TrainerConfig, model_ok: bool) -> list[str]:
-    from .data.checks import check_data, load_tokenizer
 
     report = check_data(config, (lambda: load_tokenizer(config.model_path)) if model_ok else (lambda: None))
     for warning in report.warnings:
@@ -116,8 +90,6 @@ def tracking_problems(config: TrainerConfig) -> list[str]:
 def gpu_memory_bytes(config: TrainerConfig) -> int | None:
     """One trainer GPU's memory: `trainer.gpuMemoryGiB`, else `nvidia-smi`'s, else None
     (no GPU: local CPU mode)."""
-    from .memory_plan import detect_gpu_bytes, gib
-
     return gib(config.optim.gpu_memory_gib) if config.optim.gpu_memory_gib else detect_gpu_bytes()
 
 
@@ -131,8 +103,6 @@ def memory_problems(config: TrainerConfig, world_size: int, model: dict | None) 
         print("warning: the memory plan models FSDP2; a job on trainer.engine deepspeed is not planned",
               file=sys.stderr, flush=True)
         return []
-    from .memory_plan import plan, read_model_config
-
     rm = read_model_config(config.reward.model.path) if config.reward.model is not None else None
     try:
         result = plan(config, model, world_size, gpu, reward_model_config=rm)
@@ -146,7 +116,7 @@ def memory_problems(config: TrainerConfig, world_size: int, model: dict | None) 
 def check(config: TrainerConfig, world_size: int) -> list[str]:
     """The problems of `config` for a trainer world of `world_size` processes."""
     problems = []
-    o, s, p = config.optim, config.sampling, config.optim.parallelism
+    p = config.optim.parallelism
     model, error = _model_config(config.model_path)
     if error:
         problems.append(error)
@@ -154,29 +124,15 @@ def check(config: TrainerConfig, world_size: int) -> list[str]:
     problems += _data_problems(config, model_ok=error is None)
     problems += tracking_problems(config)
     problems += memory_problems(config, world_size, model)
-    if config.method != "rl":
+    problems += config.rule_problems(world_size)  # the contract's cross-field rules, on the real world size
+    if config.method.offline:
         if data.startswith("builtin://"):
-            from .offline.data import BUILTIN_OFFLINE
-
-            kind = "pair" if config.method in ("rm", "dpo") else "sft"
+            kind = "pair" if config.method.pairs else "sft"
             choices = [f"builtin://{n}" for n, (k, _) in BUILTIN_OFFLINE.items() if k == kind]
             if data not in choices:
                 problems.append(f"spec.data.path: {data} is not a built-in {config.method} task; choose one of "
                                 + ", ".join(choices))
-        if world_size % p.tensor_parallel:
-            problems.append(f"spec.trainer.parallelism.tensorParallel: {p.tensor_parallel} does not divide the "
-                            f"{world_size} trainer processes")
         return problems  # the rest is about rollouts and rewards
-    longest = config.data.max_prompt_length + s.max_tokens
-    if o.max_tokens_per_micro_batch < longest:
-        problems.append(f"spec.trainer.maxTokensPerMicroBatch: {o.max_tokens_per_micro_batch} cannot hold the longest "
-                        f"sequence, data.maxPromptLength + rollout.maxTokens = {longest}; raise it or lower those")
-    if world_size % (p.tensor_parallel * p.context_parallel):
-        problems.append(f"spec.trainer.parallelism: tensorParallel x contextParallel = "
-                        f"{p.tensor_parallel * p.context_parallel} does not divide the {world_size} trainer processes")
-    if p.tensor_parallel > 1 and config.algorithm.critic:
-        problems.append("spec.trainer.parallelism.tensorParallel: > 1 is not supported with algorithm.critic; "
-                        "use 1 (FSDP and context parallel work with the critic)")
     if model is not None and p.tensor_parallel > 1:
         heads = model.get("num_attention_heads")
         kv = model.get("num_key_value_heads") or heads
@@ -193,8 +149,6 @@ def check(config: TrainerConfig, world_size: int) -> list[str]:
         elif rm is not None and len(rm.get("id2label") or {0: ""}) != 1:
             problems.append(f"spec.reward.model.path: {config.reward.model.path} is a classifier with "
                             f"{len(rm['id2label'])} labels; a reward model has 1 (what method: rm exports)")
-        if p.tensor_parallel > 1:
-            problems.append("spec.trainer.parallelism.tensorParallel: > 1 is not supported with reward.model; use 1")
     if config.reward.type == "python":
         problems += filter(None, [_readable_python(config.reward.file, "spec.reward.file")])
     for i, c in enumerate(config.reward.components):
@@ -209,15 +163,3 @@ def check(config: TrainerConfig, world_size: int) -> list[str]:
             problems.append("spec.environment.gem: the gem-llm package is not installed in the trainer image "
                             "(pip install 'rlhf-operator[gem]')")
     return problems
-
-
-def write_termination_message(message: str) -> None:
-    """Put `message` in the container's termination message (Kubernetes shows it as the
-    pod's and so the job's Failed reason); only the first message is kept."""
-    path = os.environ.get("RLHF_TERMINATION_LOG", TERMINATION_LOG)
-    try:
-        if os.path.exists(path) and os.path.getsize(path) == 0:
-            with open(path, "a") as f:
-                f.write(message[:4000])
-    except OSError:
-        pass

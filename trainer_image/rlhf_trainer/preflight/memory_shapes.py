@@ -40,6 +40,8 @@ class ModelShape:
     norm: int
     largest: int
     """Elements of the largest single parameter (gathered whole by the weight sync)."""
+    root_trainable: int = 0
+    """LoRA: trained copies outside the layers (`model.lora.modulesToSave`, e.g. the head)."""
 
     def total(self, *, head: bool = True) -> int:
         return self.num_layers * self.layer + self.embed + self.norm + (self.head if head else 0)
@@ -84,14 +86,14 @@ def _model_shape(config_json: str, lora_key: str | None) -> ModelShape:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from .parallel.tensor_parallel import LAYER_PLAN
+    from ..parallel.tensor_parallel import LAYER_PLAN
 
     model_config = json.loads(config_json)
     hf = hf_config(model_config, num_layers=1)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf, dtype=torch.float32)
     if lora_key is not None:
-        from .models.lora import add_adapters
+        from ..models.lora import add_adapters
 
         add_adapters(model, _lora_spec(lora_key))
     layer_mod = model.model.layers[0]
@@ -107,7 +109,9 @@ def _model_shape(config_json: str, lora_key: str | None) -> ModelShape:
     largest = max(p.numel() for p in model.parameters())
     return ModelShape(num_layers=int(model_config["num_hidden_layers"]), hidden=int(hf.hidden_size),
                       vocab=int(hf.vocab_size), layer=sum(p.numel() for p in params.values()), layer_replicated=replicated,
-                      layer_trainable=int(trainable), embed=embed, head=head, norm=norm, largest=largest)
+                      layer_trainable=int(trainable), embed=embed, head=head, norm=norm, largest=largest,
+                      root_trainable=sum(p.numel() for n, p in model.named_parameters()
+                                         if lora_key is not None and p.requires_grad and not n.startswith("model.layers.")))
 
 
 def model_shape(model_config: dict, lora=None) -> ModelShape:
@@ -140,14 +144,14 @@ def _saved_bytes(config_json: str, num_layers: int, dtype: str, lora_key: str | 
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
 
-    from .parallel.context_parallel import apply_cp
+    from ..parallel.context_parallel import apply_cp
 
     hf = hf_config(json.loads(config_json), num_layers=num_layers)
     with FakeTensorMode():
         with torch.device("cpu"):
             model = AutoModelForCausalLM.from_config(hf, dtype=dtype_of(dtype))
         if lora_key is not None:
-            from .models.lora import add_adapters
+            from ..models.lora import add_adapters
 
             add_adapters(model, _lora_spec(lora_key))
         apply_cp(model, None)  # the trainer's attention: packed, per document, from explicit bounds
