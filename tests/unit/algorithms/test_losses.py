@@ -140,8 +140,9 @@ def test_compose_loss_and_its_gradient_match_the_papers(agg, config):
     want, want_grad = reference_loss(a, tables, width)
     assert loss.item() == pytest.approx(want, abs=1e-12)
     assert grad.tolist() == [pytest.approx(row, abs=1e-12) for row in want_grad]
-    assert terms.kl.tolist() == [[pytest.approx(kl_estimate(a.kl_estimator, lp, r)[0], abs=1e-12)
-                                  for lp, r in zip(lr, rr)] for lr, rr in zip(tables["logp"].tolist(), tables["ref"].tolist())]
+    want_kl = [[kl_estimate(a.kl_estimator, lp, r)[0] for lp, r in zip(lr, rr)]
+               for lr, rr in zip(tables["logp"].tolist(), tables["ref"].tolist())]
+    assert terms.kl.tolist() == [pytest.approx(row, abs=1e-12) for row in want_kl]
 
 
 @pytest.mark.parametrize("agg", AGGREGATIONS)
@@ -154,6 +155,7 @@ def test_micro_batch_losses_split_any_way_sum_to_the_mini_batch_loss(agg):
     coef = agg_weights(tables["mask"], agg, width=width)
     valid = tables["mask"].flatten().nonzero().squeeze(-1)
     packed = {k: v.flatten()[valid].unsqueeze(0) for k, v in tables.items()}  # [1, n]: every valid token
+    packed_coef = coef.flatten()[valid].unsqueeze(0)
     n = packed["mask"].shape[-1]
     whole, want_grad = reference_loss(a, tables, width)
     want_grad = torch.tensor(want_grad, dtype=torch.float64).flatten()[valid]
@@ -166,7 +168,7 @@ def test_micro_batch_losses_split_any_way_sum_to_the_mini_batch_loss(agg):
             part = order[lo:hi]
             logp = packed["logp"][:, part].clone().requires_grad_()
             loss, _ = compose_loss(a, logp=logp, entropy=packed["entropy"][:, part], old=packed["old"][:, part],
-                                   advantages=packed["advantages"][:, part], coef=coef.flatten()[valid][part].unsqueeze(0),
+                                   advantages=packed["advantages"][:, part], coef=packed_coef[:, part],
                                    ref=packed["ref"][:, part], rollout=packed["rollout"][:, part])
             loss.backward()
             total, grad[part] = total + loss.item(), logp.grad[0]
@@ -187,8 +189,8 @@ def test_on_policy_gradient_is_the_advantage_weighted_log_prob_gradient():
 def test_compose_loss_without_a_reference_has_no_kl():
     tables = batch(seed=4)
     coef = agg_weights(tables["mask"])
-    loss, terms = compose_loss(spec(kl_coef=0.1, loss_agg="token-mean"), logp=tables["logp"], entropy=tables["entropy"], old=tables["old"],
-                               advantages=tables["advantages"], coef=coef)
+    loss, terms = compose_loss(spec(kl_coef=0.1, loss_agg="token-mean"), logp=tables["logp"], entropy=tables["entropy"],
+                               old=tables["old"], advantages=tables["advantages"], coef=coef)
     assert terms.kl is None
     assert loss.item() == pytest.approx(reference_loss(spec(loss_agg="token-mean"), tables, 7)[0], abs=1e-12)
 
@@ -224,8 +226,8 @@ def test_ppo_token_loss_matches_the_clipped_objective(seed, dual_clip):
     (4.0, -1.0, 3.0, False),    # ... until the dual clip c = 3 bounds the loss at -c A
 ])
 def test_ppo_token_loss_cases(r, adv, want, active):
-    loss, clip_active = ppo_token_loss(torch.tensor([math.log(r)], dtype=torch.float64), torch.zeros(1, dtype=torch.float64),
-                                       torch.tensor([adv], dtype=torch.float64), clip_low=0.2, clip_high=0.28, dual_clip=3.0)
+    logp, old, adv = (torch.tensor([x], dtype=torch.float64) for x in (math.log(r), 0.0, adv))
+    loss, clip_active = ppo_token_loss(logp, old, adv, clip_low=0.2, clip_high=0.28, dual_clip=3.0)
     assert loss.item() == pytest.approx(want)
     assert bool(clip_active) == active
 
@@ -277,7 +279,7 @@ def test_value_token_loss_matches_loop(seed, clip):
 def test_explained_variance_matches_loop():
     gen = torch.Generator().manual_seed(2)
     mask = random_mask(5, 4, gen)
-    values, returns = torch.randn(5, 4, generator=gen, dtype=torch.float64), torch.randn(5, 4, generator=gen, dtype=torch.float64)
+    values, returns = (torch.randn(5, 4, generator=gen, dtype=torch.float64) for _ in range(2))
     pairs = [(values[i, j].item(), returns[i, j].item()) for i in range(5) for j in range(4) if mask[i, j]]
 
     def var(xs):

@@ -2,7 +2,8 @@
 token at a time, and their gradients against derivations by hand:
 
   DPO (Rafailov et al. 2023, eq. 7), with cDPO's label smoothing eps:
-      L = -(1 - eps) log sigma(beta h) - eps log sigma(-beta h),  dL/dh = -beta ((1 - eps) sigma(-beta h) - eps sigma(beta h))
+      L = -(1 - eps) log sigma(beta h) - eps log sigma(-beta h),
+      dL/dh = -beta ((1 - eps) sigma(-beta h) - eps sigma(beta h))
   IPO (Azar et al. 2023, eq. 17):  L = (h - 1 / (2 tau))^2,  dL/dh = 2 (h - 1 / (2 tau))
   with h = (log pi(y_c) - log pi_ref(y_c)) - (log pi(y_r) - log pi_ref(y_r)): dh/dlog pi(y_c) = 1, dh/dlog pi(y_r) = -1
   Bradley-Terry (Ouyang et al. 2022, eq. 1): L = -log sigma(r_c - r_r), smoothed as DPO
