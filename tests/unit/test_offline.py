@@ -1,9 +1,7 @@
-"""Offline methods: the losses against their definitions computed one pair at a time,
-the data layouts (multi-turn SFT masks, preference columns), and admission."""
+"""Offline methods: the data layouts (multi-turn SFT masks, preference columns) and
+admission. The losses are tested in offline/test_offline_losses.py."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
@@ -13,38 +11,7 @@ from rlhf_contract.api.load import JobError
 from rlhf_trainer.models.builtin import build_tokenizer
 from rlhf_trainer.data.examples import Tokenize
 from rlhf_trainer.offline.data import OfflineData
-from rlhf_trainer.offline.losses import bradley_terry_loss, dpo_loss, sft_loss_sum
 from rlhf_contract.api.models import DataSpec
-
-
-def sigmoid(x: float) -> float:
-    return 1 / (1 + math.exp(-x))
-
-
-def test_dpo_and_ipo_match_their_definitions_pair_by_pair():
-    gen = torch.Generator().manual_seed(0)
-    pc, pr, rc, rr = (-torch.rand(6, generator=gen, dtype=torch.float64) * 10 for _ in range(4))
-    for loss_type, eps in (("sigmoid", 0.0), ("sigmoid", 0.2), ("ipo", 0.0)):
-        loss, chosen, rejected = dpo_loss(pc, pr, rc, rr, beta=0.3, loss_type=loss_type, label_smoothing=eps)
-        for i in range(6):
-            h = (pc[i].item() - rc[i].item()) - (pr[i].item() - rr[i].item())
-            if loss_type == "sigmoid":
-                want = -(1 - eps) * math.log(sigmoid(0.3 * h)) - eps * math.log(sigmoid(-0.3 * h))
-            else:
-                want = (h - 1 / 0.6) ** 2
-            assert loss[i].item() == pytest.approx(want, rel=1e-9)
-            assert chosen[i].item() == pytest.approx(0.3 * (pc[i] - rc[i]).item())
-            assert rejected[i].item() == pytest.approx(0.3 * (pr[i] - rr[i]).item())
-
-
-def test_bradley_terry_and_sft_match_their_definitions():
-    c, r = torch.tensor([2.0, -1.0, 0.5], dtype=torch.float64), torch.tensor([1.0, 1.0, 0.5], dtype=torch.float64)
-    got = bradley_terry_loss(c, r, 0.1)
-    for i in range(3):
-        d = c[i].item() - r[i].item()
-        assert got[i].item() == pytest.approx(-0.9 * math.log(sigmoid(d)) - 0.1 * math.log(sigmoid(-d)))
-    logp, mask = torch.tensor([-1.0, -2.0, -3.0]), torch.tensor([1.0, 0.0, 1.0])
-    assert sft_loss_sum(logp, mask).item() == pytest.approx(4.0)
 
 
 CHAT = ("{% for m in messages %}<{{ m['role'][0] }}>{{ m['content'] }}{% endfor %}"
