@@ -91,6 +91,7 @@ def ours(shape: str, rows, budget: int, device: torch.device, steps: int) -> flo
     from rlhf_trainer.optim import adamw
     from rlhf_trainer.orchestrator.types import RolloutBatch, RolloutStats
     from rlhf_trainer.parallel.parallelize import parallelize_models
+    from rlhf_trainer.engine import Fsdp2Engine
     from rlhf_trainer.rl.models import Models
     from rlhf_trainer.rl.step import TrainStep
 
@@ -99,7 +100,7 @@ def ours(shape: str, rows, budget: int, device: torch.device, steps: int) -> flo
     layout = parallelize_models(model, ref=None, critic=None, world_size=1, tp=1, cp=1,
                                 activation_checkpointing=device.type == "cuda", device_type=device.type)
     attach_logprob_head(model)
-    step = TrainStep(a, Models(model, adamw(model, OptimConfig(learning_rate=1e-6))), layout,
+    step = TrainStep(a, Models(Fsdp2Engine(model, adamw(model, OptimConfig(learning_rate=1e-6)))), layout,
                      max_tokens_per_micro_batch=budget, max_grad_norm=1.0, temperature=1.0, device=device)
     stats = RolloutStats(reward_mean=0.0, reward_std=0.0, reward_min=0.0, reward_max=0.0, score_mean=0.0,
                          response_length_mean=0.0, response_length_min=0, response_length_max=0,

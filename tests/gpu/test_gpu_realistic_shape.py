@@ -46,6 +46,7 @@ def run_step(device: torch.device, steps: int) -> tuple[dict, float, int]:
     from rlhf_trainer.optim import adamw
     from rlhf_trainer.orchestrator.types import RolloutBatch, RolloutStats
     from rlhf_trainer.parallel.parallelize import parallelize_models
+    from rlhf_trainer.engine import Fsdp2Engine
     from rlhf_trainer.rl.models import Models
     from rlhf_trainer.rl.step import TrainStep
 
@@ -61,7 +62,7 @@ def run_step(device: torch.device, steps: int) -> tuple[dict, float, int]:
     optimizer = adamw(model, OptimConfig(learning_rate=1e-5))
     if cuda:
         assert optimizer.param_groups[0]["fused"]
-    step = TrainStep(a, Models(model, optimizer), layout, max_tokens_per_micro_batch=BUDGET, max_grad_norm=1.0,
+    step = TrainStep(a, Models(Fsdp2Engine(model, optimizer)), layout, max_tokens_per_micro_batch=BUDGET, max_grad_norm=1.0,
                      temperature=1.0, device=device)
     data = rows()
     batch = RolloutBatch(data, 4, RolloutStats(*[0] * 11, num_tokens=sum(len(r.prompt_ids) + len(r.response_ids)

@@ -22,6 +22,7 @@ from rlhf_trainer.optim import lr_factor
 from rlhf_trainer.data.micro_batches import plan
 from rlhf_trainer.models.forward import policy_forward
 from rlhf_trainer.models.logprob_head import attach_logprob_head, chunked_token_stats, token_stats
+from rlhf_trainer.engine import Fsdp2Engine
 from rlhf_trainer.rl.models import Models
 from rlhf_trainer.rl.step import TrainStep
 
@@ -49,7 +50,7 @@ def step_for(a: AlgorithmSpec, temperature: float = 1.0) -> TrainStep:
     layout = parallelize_models(policy, ref=None, critic=None, world_size=1, tp=1, cp=1,
                                 activation_checkpointing=False, device_type="cpu")
     attach_logprob_head(policy)
-    return TrainStep(a, Models(policy, torch.optim.AdamW(policy.parameters(), lr=1e-2)), layout,
+    return TrainStep(a, Models(Fsdp2Engine(policy, torch.optim.AdamW(policy.parameters(), lr=1e-2))), layout,
                      max_tokens_per_micro_batch=32, max_grad_norm=1.0, temperature=temperature,
                      device=torch.device("cpu"))
 

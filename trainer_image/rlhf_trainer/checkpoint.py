@@ -2,9 +2,10 @@
 
 Layout under `<output>/checkpoints/`:
   step-N/            DCP files of {"<part>": {"model", "optim"}} for each trained part
-                     ("policy", and "critic" for PPO): the sharded state of every rank
-                     (trainable parameters only: with LoRA, the adapters); under
-                     DeepSpeed each part's ZeRO files in step-N/<part>/ instead,
+                     ("policy", and "critic" for PPO) as each part's engine gives
+                     them (engine/: `dcp_state`; FSDP2: the sharded state of every rank,
+                     trainable parameters only, with LoRA the adapters); an engine
+                     with files of its own (DeepSpeed) writes them in step-N/<part>/,
                      trainer_state.json (step, data position), rng-rank<R>.pt
   step-N/COMPLETE    written LAST, after every rank finished; only then does the
                      checkpoint count (`rlhf_contract.outputs` reads this layout)
@@ -21,22 +22,18 @@ import logging
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_state_dict,
-)
 
 from rlhf_contract.outputs import (MARKER, checkpoint_step as _step_of, complete_checkpoints, damage, latest_checkpoint,
                                    manifest)
 
-from .parallel.deepspeed_engine import is_partitioned, is_zero
+if TYPE_CHECKING:
+    from .engine import Engine
 
 __all__ = ["complete_checkpoints", "latest_checkpoint", "load_checkpoint", "resume_checkpoint", "save_checkpoint",
            "save_final"]
@@ -44,29 +41,13 @@ __all__ = ["complete_checkpoints", "latest_checkpoint", "load_checkpoint", "resu
 
 log = logging.getLogger(__name__)
 
-Parts = dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]
+Parts = dict[str, "Engine"]
+"""The trained parts of a run by checkpoint name ("policy", "critic"): their engines."""
 
 
-TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
-"""Checkpoints hold what trains: with LoRA (models/lora.py) the adapters, not the frozen
-base, which is read again from `model.path` on resume."""
-LOAD_TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)
-"""Loading: the frozen parameters are absent by design; every trained one was requested
-from the checkpoint by `dcp.load` (which fails on a missing key), so nothing else is."""
-
-
-def _zero_parts(parts: Parts) -> tuple[Parts, Parts]:
-    """(the parts DeepSpeed trains, which write their own ZeRO files; the others, in DCP)."""
-    zero = {n: p for n, p in parts.items() if is_zero(p[1])}
-    return zero, {n: p for n, p in parts.items() if n not in zero}
-
-
-def _state(parts: Parts) -> dict[str, Any]:
-    state = {}
-    for name, (model, optimizer) in parts.items():
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=TRAINED_ONLY)
-        state[name] = {"model": model_sd, "optim": optim_sd}
-    return state
+def _dcp_state(parts: Parts) -> dict[str, Any]:
+    """The state every part saves with torch.distributed.checkpoint, by part name."""
+    return {name: state for name, engine in parts.items() if (state := engine.dcp_state()) is not None}
 
 
 def save_checkpoint(output_dir: str | Path, step: int, parts: Parts, trainer_state: dict[str, Any], *, keep: int) -> Path:
@@ -80,11 +61,11 @@ def save_checkpoint(output_dir: str | Path, step: int, parts: Parts, trainer_sta
         shutil.rmtree(path)  # a partial one left by a crash
     dist.barrier()
     try:
-        zero, plain = _zero_parts(parts)
-        if plain:
-            dcp.save(_state(plain), checkpoint_id=str(path))
-        for name, (_, optimizer) in zero.items():  # DeepSpeed: `<step-N>/<part>/` in ZeRO's own files
-            optimizer.save(str(path), tag=name)
+        state = _dcp_state(parts)
+        if state:
+            dcp.save(state, checkpoint_id=str(path))
+        for name, engine in parts.items():  # an engine's own files (DeepSpeed: `<step-N>/<part>/`)
+            engine.save_files(path, name)
         rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()
@@ -165,15 +146,13 @@ def resume_checkpoint(output_dir: str | Path) -> Path | None:
 def load_checkpoint(path: Path, parts: Parts) -> dict[str, Any]:
     """Collective: restore every part's model and optimizer, and the RNG; returns the
     trainer state."""
-    zero, plain = _zero_parts(parts)
-    for name, (_, optimizer) in zero.items():
-        optimizer.load(str(path), tag=name)
-    state = _state(plain)
-    if plain:
+    for name, engine in parts.items():
+        engine.load_files(path, name)
+    state = _dcp_state(parts)
+    if state:
         dcp.load(state, checkpoint_id=str(path))
-    for name, (model, optimizer) in plain.items():
-        set_state_dict(model, optimizer, model_state_dict=state[name]["model"], optim_state_dict=state[name]["optim"],
-                       options=LOAD_TRAINED)
+    for name, part in state.items():
+        parts[name].load_dcp_state(part)
     rng_file = path / f"rng-rank{dist.get_rank()}.pt"
     if rng_file.exists():
         rng = torch.load(rng_file, weights_only=False)
@@ -189,7 +168,8 @@ MAX_SHARD_BYTES = 5 * 1024**3
 
 
 def save_final(output_dir: str | Path, model: torch.nn.Module, tokenizer: Any,
-               max_shard_bytes: int = MAX_SHARD_BYTES, *, lora: tuple[Any, str] | None = None) -> Path | None:
+               max_shard_bytes: int = MAX_SHARD_BYTES, *, lora: tuple[Any, str] | None = None,
+               tensors: tuple[list, Any] | None = None, gather: Any = None) -> Path | None:
     """Collective: write the model as a Hugging Face directory, in the dtype its source
     checkpoint declared (`model._rlhf_export_dtype`, set when it was loaded; else fp32).
 
@@ -200,7 +180,9 @@ def save_final(output_dir: str | Path, model: torch.nn.Module, tokenizer: Any,
 
     A model with LoRA adapters is written merged (models/lora.py: W + scaling x B A), and,
     given `lora` = (the `model.lora` spec, the base model's path), its adapters in peft's
-    format under `final/adapter/`."""
+    format under `final/adapter/`. `tensors`: (specs, whole tensors) as a training engine
+    gathers them (engine/base.py `full_tensors`), with its `gather` for the adapters; by
+    default the model's state dict, merged."""
     from safetensors.torch import save_file
 
     from .models.lora import merged_tensors, save_adapter
@@ -224,10 +206,8 @@ def save_final(output_dir: str | Path, model: torch.nn.Module, tokenizer: Any,
             files.append((name, list(shards[-1])))
         shards[-1], size = {}, 0
 
-    # ZeRO-3's state_dict() holds empty partitions: its parameters (named, gathered one by one)
-    partitioned = any(is_partitioned(p) for p in model.parameters())
-    specs, tensors = merged_tensors(model, model.named_parameters() if partitioned else model.state_dict().items())
-    for (name, _, _), full in zip(specs, tensors):  # collective for DTensors: every rank gathers each
+    specs, whole = tensors if tensors is not None else merged_tensors(model, model.state_dict().items())
+    for (name, _, _), full in zip(specs, whole):  # collective for DTensors: every rank gathers each
         if not rank0 or (tied and name == "lm_head.weight"):
             continue
         full = full.detach().to("cpu", dtype, copy=True).contiguous()
@@ -256,7 +236,7 @@ def save_final(output_dir: str | Path, model: torch.nn.Module, tokenizer: Any,
             model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
     if lora is not None:
-        save_adapter(tmp / "adapter", model, *lora)
+        save_adapter(tmp / "adapter", model, *lora, **({"full": gather} if gather is not None else {}))
     if rank0:
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)

@@ -4,9 +4,10 @@ steps and at the end, evaluation (before the first step, every `evaluation.every
 and after the last), the step's row in `metrics.jsonl` / Prometheus / the trackers
 (tracking.py) and on the job's status (rank 0), the final export, and clean-up in `finally`.
 
-A method is a subclass (rl/loop.py, offline/loop.py) that provides `parts()` (the trained
-models and optimizers a checkpoint holds), `run_step()` (one step; its metrics row on the
-process that records, else None), `final_model()`, and optionally `start()`,
+A method is a subclass (rl/loop.py, offline/loop.py) that provides `parts()` (the engines of
+the trained models a checkpoint holds, engine/; "policy" is the one exported),
+`run_step()` (one step; its metrics row on the process that records, else None), and
+optionally `start()`,
 `evaluate(step)`, `extra_state()` / `load_extra_state(state)`, `finish()` and `close()`.
 """
 
@@ -21,9 +22,8 @@ import torch
 
 from rlhf_contract.trainer_config import TrainerConfig
 
-from .checkpoint import Parts, latest_checkpoint, load_checkpoint, resume_checkpoint, save_checkpoint, save_final
+from .checkpoint import Parts, latest_checkpoint, load_checkpoint, resume_checkpoint, save_checkpoint
 from .distributed import DistInfo, broadcast_object
-from .models.lora import trainable_parameters
 
 log = logging.getLogger("rlhf_trainer")
 
@@ -58,10 +58,6 @@ class LoopBase(ABC):
 
     @abstractmethod
     def run_step(self) -> dict[str, Any] | None:
-        """See the module docstring."""
-
-    @abstractmethod
-    def final_model(self) -> torch.nn.Module:
         """See the module docstring."""
 
     def start(self) -> None:
@@ -135,11 +131,10 @@ class LoopBase(ABC):
 
                 self.trackers = Trackers(self.config.tracking, self.output_dir, job_name=self.config.job_name,
                                          resume_step=self.step)
-            model = self.final_model()
-            self.trainable_parameters = trainable_parameters(model)
-            total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: whole sizes
-            log.info("%s: %d parameters, %d trained%s", type(model).__name__, total, self.trainable_parameters,
-                     " (LoRA adapters)" if self.config.lora else "")
+            final = self.parts()["policy"]
+            self.trainable_parameters = final.trainable_parameters()
+            log.info("%s: %d parameters, %d trained%s", type(final.model).__name__, final.total_parameters(),
+                     self.trainable_parameters, " (LoRA adapters)" if self.config.lora else "")
             self.start()
             before = self.evaluate(0) if self.step == 0 else {}
             while self.step < s.total_steps:
@@ -157,9 +152,7 @@ class LoopBase(ABC):
                     self.record(row)
             if s.save_every:
                 self.save()
-            final = self.final_model()
-            adapter = (self.config.lora, self.config.model_path) if self.config.lora and hasattr(final, "lm_head") else None
-            save_final(self.output_dir, final, self.tokenizer, lora=adapter)
+            final.export(self.output_dir, self.tokenizer)
             if self.progress is not None:
                 self.report(self.last_row)  # the final checkpoint
             self.finish()

@@ -1,22 +1,18 @@
-"""The optimizer side shared by every method: AdamW over a model's trainable parameters,
-learning-rate schedules as a pure function of the optimizer step, and one optimizer step
-that clips and steps, or skips a non-finite step.
+"""The optimizer side shared by every method: AdamW over a model's trainable parameters
+and learning-rate schedules as a pure function of the optimizer step (the engines of
+engine/ step, clip and skip).
 
 Schedules: linear warmup from 0, then constant, linear or cosine decay to
 `min_ratio x peak` at the last step (as TRL and OpenRLHF offer). A pure function of the
 step, so a resumed run needs no scheduler state; the optimizer's base rate is kept in
-each parameter group's `initial_lr` and scaled per step (`scale_lr`).
+each parameter group's `initial_lr` and scaled per step (engine/base.py `scale_lr`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 import torch
-
-from .parallel.deepspeed_engine import is_zero
-from .parallel.grad_norm import clip_grad_norm
 
 
 def lr_factor(step: int, *, total: int, warmup: int = 0, kind: str = "constant", min_ratio: float = 0.0) -> float:
@@ -57,44 +53,3 @@ def adamw(model: torch.nn.Module, optim, learning_rate: float | None = None) -> 
     fused = uniform and all(p.device.type == "cuda" for p in params)
     return torch.optim.AdamW(params, lr=learning_rate or optim.learning_rate, weight_decay=optim.weight_decay,
                              fused=fused, foreach=uniform and not fused)
-
-
-def scale_lr(optimizers: Iterable[torch.optim.Optimizer | None], factor: float) -> None:
-    """Set every parameter group's rate to `factor` x its base rate."""
-    for opt in optimizers:
-        if opt is not None:
-            for group in opt.param_groups:
-                group["lr"] = group.setdefault("initial_lr", group["lr"]) * factor
-
-
-def optimizer_for(model: torch.nn.Module, optim, learning_rate: float | None = None):
-    """The optimizer of a trained model under the job's engine: AdamW (FSDP2), or the
-    optimizer side of a DeepSpeed engine that takes `model` over (parallel/deepspeed_engine.py)."""
-    if optim.engine == "deepspeed":
-        from .parallel.deepspeed_engine import train_with_zero
-
-        return train_with_zero(model, optim, learning_rate)
-    return adamw(model, optim, learning_rate)
-
-
-def backward(optimizer, loss: torch.Tensor, *, last: bool) -> None:
-    """The backward pass of one micro-batch's loss (`last`: the optimizer step's last);
-    DeepSpeed's engine runs its own."""
-    if is_zero(optimizer):
-        optimizer.backward(loss, last=last)
-    else:
-        loss.backward()
-
-
-def step_or_skip(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float) -> torch.Tensor | None:
-    """Clip `model`'s gradients to `max_grad_norm` and step; a non-finite norm skips the
-    step and drops the gradients. Returns the norm (a device tensor), or None if skipped.
-    The one host sync of an optimizer step. Under DeepSpeed, its engine clips and steps."""
-    if is_zero(optimizer):
-        return optimizer.step_or_skip()
-    norm = clip_grad_norm(model.parameters(), max_grad_norm)
-    if bool(torch.isfinite(norm)):
-        optimizer.step()
-        return norm
-    optimizer.zero_grad(set_to_none=True)
-    return None

@@ -26,9 +26,8 @@ from rlhf_contract.api.models import DeepSpeedSpec, PreferenceSpec  # noqa: E402
 from rlhf_contract.trainer_config import OptimConfig  # noqa: E402
 from rlhf_trainer.models.builtin import build_tiny_qwen2  # noqa: E402
 from rlhf_trainer.models.logprob_head import attach_logprob_head  # noqa: E402
-from rlhf_trainer.optim import optimizer_for  # noqa: E402
 from rlhf_trainer.orchestrator.types import RolloutBatch, RolloutStats  # noqa: E402
-from rlhf_trainer.parallel.deepspeed_engine import frozen_with_zero, gathered, is_partitioned  # noqa: E402
+from rlhf_trainer.engine import engine_type  # noqa: E402
 from rlhf_trainer.parallel.parallelize import parallelize_models, zero_layout  # noqa: E402
 
 STEPS = 3
@@ -45,7 +44,7 @@ def optim_config(engine: str) -> OptimConfig:
 
 
 def models(engine: str, world: int):
-    """(policy, optimizer, reference, layout) laid out for `engine`."""
+    """(the policy's training engine, reference, layout, optim config) laid out for `engine`."""
     optim = optim_config(engine)
     policy, ref = build_tiny_qwen2(0), build_tiny_qwen2(0).eval().requires_grad_(False)
     if engine == "fsdp2":
@@ -57,31 +56,40 @@ def models(engine: str, world: int):
     for m in (policy, ref):
         attach_logprob_head(m)
     if engine != "fsdp2":
+        from rlhf_trainer.engine.zero import frozen_with_zero
+
         frozen_with_zero(ref, optim)
-    return policy, optimizer_for(policy, optim), ref, layout, optim
+    return engine_type(optim).train(policy, optim), ref, layout, optim
 
 
-def full_params(model: torch.nn.Module) -> dict[str, list[float]]:
-    out = {}
-    for name, p in model.named_parameters():
-        full = gathered(p) if is_partitioned(p) else (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
-        out[name] = full.float().reshape(-1).tolist()
-    return out
+def full_params(engine) -> dict[str, list[float]]:
+    """The engine's whole parameters by Hugging Face name (what the weight sync sends)."""
+    specs, tensors = engine.full_tensors()
+    return {name: t.float().reshape(-1).tolist() for (name, _, _), t in zip(specs, tensors)}
+
+
+def cycle(engine, offload: bool) -> None:
+    """Colocation between steps: the engine's state to the host and back."""
+    if offload:
+        engine.offload()
+        engine.reload()
 
 
 def run_grpo(engine: str, world: int) -> dict:
     from rlhf_trainer.rl.models import Models
     from rlhf_trainer.rl.step import TrainStep
 
-    policy, optimizer, ref, layout, optim = models(engine, world)
+    engine, offload = engine.removesuffix("+offload"), engine.endswith("+offload")
+    trained, ref, layout, optim = models(engine, world)
     step = TrainStep(resolved("token-mean-2mb").model_copy(update={"kl_coef": 0.05}),
-                     Models(policy, optimizer, ref), layout, max_tokens_per_micro_batch=24, max_grad_norm=0.3,
+                     Models(trained, ref), layout, max_tokens_per_micro_batch=24, max_grad_norm=0.3,
                      temperature=1.0, device=torch.device("cpu"))
     batch = RolloutBatch(rows(), GROUP, RolloutStats(*[0] * 12))
     metrics = []
     for _ in range(STEPS):
         metrics.append(step(batch, step.prepare(batch)))
-    return {"metrics": metrics, "params": full_params(policy)}
+        cycle(trained, offload)
+    return {"metrics": metrics, "params": full_params(trained)}
 
 
 def run_dpo(engine: str, world: int) -> dict:
@@ -89,12 +97,16 @@ def run_dpo(engine: str, world: int) -> dict:
 
     from rlhf_trainer.offline.step import OfflineStep
 
-    policy, optimizer, ref, layout, optim = models(engine, world)
+    engine, offload = engine.removesuffix("+offload"), engine.endswith("+offload")
+    trained, ref, layout, optim = models(engine, world)
     config = SimpleNamespace(method="dpo", preference=PreferenceSpec(beta=0.5), optim=optim,
                              schedule=SimpleNamespace(prompts_per_step=6))
-    step = OfflineStep(config, policy, ref, optimizer, layout, torch.device("cpu"))
-    metrics = [step(examples("dpo"), lr_factor=1.0) for _ in range(STEPS)]
-    return {"metrics": metrics, "params": full_params(policy)}
+    step = OfflineStep(config, trained, ref, layout, torch.device("cpu"))
+    metrics = []
+    for _ in range(STEPS):
+        metrics.append(step(examples("dpo"), lr_factor=1.0))
+        cycle(trained, offload)
+    return {"metrics": metrics, "params": full_params(trained)}
 
 
 def main() -> None:

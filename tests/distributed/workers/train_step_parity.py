@@ -24,6 +24,7 @@ from rlhf_trainer.orchestrator.types import RolloutBatch, RolloutStats
 from rlhf_trainer.parallel.parallelize import parallelize_models
 from rlhf_trainer.models.logprob_head import attach_logprob_head
 from rlhf_trainer.rl.models import Models
+from rlhf_trainer.engine import Fsdp2Engine
 from rlhf_trainer.rl.step import TrainStep
 
 VARIANTS = {
@@ -154,9 +155,9 @@ def run(layout: tuple[int, int, int], variant: str, temperature: float,
     for m in (policy, ref):
         if m is not None:
             attach_logprob_head(m, tensor_parallel=tp > 1)
-    models = Models(policy, torch.optim.AdamW(policy.parameters(), lr=1e-2), ref, critic=critic,
-                    critic_optimizer=torch.optim.AdamW(critic.parameters(), lr=1e-2) if critic is not None else None,
-                    reward_model=reward_model)
+    models = Models(Fsdp2Engine(policy, torch.optim.AdamW(policy.parameters(), lr=1e-2)), ref,
+                    critic_engine=Fsdp2Engine(critic, torch.optim.AdamW(critic.parameters(), lr=1e-2))
+                    if critic is not None else None, reward_model=reward_model)
     step = TrainStep(a, models, lay, max_tokens_per_micro_batch=24, max_grad_norm=0.3, temperature=temperature,
                      device=device, reward_model_weight=0.5)
     batch = RolloutBatch(rows(), GROUP, RolloutStats(*[0] * 12))

@@ -140,10 +140,8 @@ def load_models(config: TrainerConfig, info: DistInfo, *, trained: torch.nn.Modu
     """Build the trained model (the causal LM of `model.path`, or `trained` when given,
     e.g. a score model), the frozen reference (`with_ref`), lay them out with the optional
     critic and the reward model, and fill the sharded ones from the checkpoint; causal LMs get the
-    chunked log-prob head. Returns (trained, reference, layout). With `trainer.engine:
-    deepspeed` the models are read whole and handed to ZeRO (`_load_for_zero`)."""
-    if config.optim.engine == "deepspeed":
-        return _load_for_zero(config, info, trained, with_ref, critic, reward_model)
+    chunked log-prob head. Returns (trained, reference, layout). The layout of FSDP2 (the
+    default engine); DeepSpeed's is engine/zero.py `load_for_zero`."""
     sharded = info.world_size > 1 or info.device.type == "cuda"
     new = empty_causal_lm if sharded else (lambda path, dtype: load_causal_lm(path, info.device, dtype))
     lm = trained is None
@@ -171,32 +169,4 @@ def load_models(config: TrainerConfig, info: DistInfo, *, trained: torch.nn.Modu
             attach_logprob_head(m, tensor_parallel=p.tensor_parallel > 1)
     if with_ref and not separate_ref:
         ref = AdaptersOff(model)
-    return model, ref, layout
-
-
-def _load_for_zero(config: TrainerConfig, info: DistInfo, trained: torch.nn.Module | None, with_ref: bool,
-                   critic: torch.nn.Module | None, reward_model: torch.nn.Module | None
-                   ) -> tuple[torch.nn.Module, torch.nn.Module | None, Layout]:
-    """DeepSpeed: every rank reads the models whole on the host (GPUs) or its device (CPU);
-    the trained ones go to ZeRO with their optimizer (optim.py `optimizer_for`), the frozen
-    ones here (ZeRO-3 inference at stage 3). Packed attention and checkpointing as under
-    FSDP2."""
-    from ..parallel.deepspeed_engine import frozen_with_zero
-    from ..parallel.parallelize import zero_layout
-
-    host = host_until_sharded(info.device)
-    lm = trained is None
-    model = load_causal_lm(config.model_path, host) if lm else trained
-    ref_dtype = torch.bfloat16 if info.device.type == "cuda" else torch.float32
-    ref = load_causal_lm(config.model_path, host, ref_dtype).eval().requires_grad_(False) if with_ref else None
-    # decided once before any model loads (main.py: preflight.with_checkpointing_decided)
-    checkpointing = bool(config.optim.parallelism.activation_checkpointing)
-    layout = zero_layout(model, ref=ref, critic=critic, reward_model=reward_model, world_size=info.world_size,
-                         activation_checkpointing=checkpointing)
-    for m in ((model, ref) if lm else (ref,)):
-        if m is not None:
-            attach_logprob_head(m)
-    for frozen in (ref, reward_model):
-        if frozen is not None:
-            frozen_with_zero(frozen, config.optim)
     return model, ref, layout

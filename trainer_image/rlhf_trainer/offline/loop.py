@@ -18,15 +18,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import torch
-
 from rlhf_contract.trainer_config import TrainerConfig
 
 from ..checkpoint import Parts
 from ..distributed import DistInfo
 from ..loop import LoopBase
-from ..models.loading import host_until_sharded, load_models
-from ..optim import optimizer_for, schedule_factor
+from ..engine import build_engine, load_models
+from ..models.loading import host_until_sharded
+from ..optim import schedule_factor
 from .data import OfflineData
 from .step import OfflineStep
 
@@ -49,14 +48,11 @@ class OfflineLoop(LoopBase):
             trained = ScoreModel(config.model_path, self.tokenizer.pad_token_id).to(host_until_sharded(info.device))
         self.model, self.ref, self.layout = load_models(config, info, trained=trained,
                                                         with_ref=config.method == "dpo")
-        self.optimizer = optimizer_for(self.model, o)
-        self.train_step = OfflineStep(config, self.model, self.ref, self.optimizer, self.layout, info.device)
+        self.engine = build_engine(self.model, config, causal_lm=trained is None)
+        self.train_step = OfflineStep(config, self.engine, self.ref, self.layout, info.device)
 
     def parts(self) -> Parts:
-        return {"policy": (self.model, self.optimizer)}
-
-    def final_model(self) -> torch.nn.Module:
-        return self.model
+        return {"policy": self.engine}
 
     def extra_state(self) -> dict[str, Any]:
         return {"method": self.config.method}

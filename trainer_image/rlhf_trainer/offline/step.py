@@ -21,7 +21,7 @@ from ..accumulator import MetricAccumulator
 from ..data.micro_batches import MicroBatch, plan
 from ..data.sequences import Row
 from ..models.forward import last_token_scores, policy_forward
-from ..optim import backward, scale_lr, step_or_skip
+from ..engine import Engine
 from ..parallel.parallelize import Layout
 from .data import Example
 from .losses import bradley_terry_loss, dpo_loss, sft_loss_sum
@@ -46,9 +46,9 @@ def sizes(examples: list[Example]) -> tuple[float, int]:
 
 
 class OfflineStep:
-    def __init__(self, config: TrainerConfig, model: torch.nn.Module, ref: torch.nn.Module | None,
-                 optimizer: torch.optim.Optimizer, layout: Layout, device: torch.device):
-        self.config, self.model, self.ref, self.optimizer = config, model, ref, optimizer
+    def __init__(self, config: TrainerConfig, engine: Engine, ref: torch.nn.Module | None, layout: Layout,
+                 device: torch.device):
+        self.config, self.engine, self.model, self.ref = config, engine, engine.model, ref
         self.layout, self.device = layout, device
 
     def plan(self, examples: list[Example]) -> tuple[list[Row], list[MicroBatch]]:
@@ -106,14 +106,14 @@ class OfflineStep:
         rows, micro = self.plan(examples)
         num_tokens, num_pairs = sizes(examples)
         self.model.train()
-        scale_lr([self.optimizer], lr_factor)
-        self.optimizer.zero_grad(set_to_none=True)
+        self.engine.scale_lr(lr_factor)
+        self.engine.zero_grad()
         for j, mb in enumerate(micro):  # gradients reduce-scattered after each micro-batch (FSDP2's default)
             loss = self.micro_batch_loss(rows, mb, acc, num_tokens=num_tokens, num_pairs=num_pairs)
             # gradients are summed over data-parallel ranks: each loss is its share
-            backward(self.optimizer, loss, last=j == len(micro) - 1)
+            self.engine.backward(loss, last=j == len(micro) - 1)
             acc.add("loss", loss.detach())
-        norm = step_or_skip(self.model, self.optimizer, self.config.optim.max_grad_norm)
+        norm = self.engine.step_or_skip(self.config.optim.max_grad_norm)
         if norm is not None:
             acc.add("grad_norm", norm)
         else:

@@ -66,7 +66,7 @@ class RunLoop(LoopBase):
         self.prefetcher = None
         self.data_position: dict | None = None  # after the last batch taken (maxStaleness >= 1)
         self.orchestrator = self.sender = None
-        self.num_params = sum(p.numel() for p in self.models.policy.parameters())  # a DTensor's numel is global
+        self.num_params = self.models.engine.total_parameters()
         if info.is_main:
             from ..orchestrator.orchestrator import Orchestrator
             from ..weight_sync import WeightSyncSender
@@ -78,9 +78,6 @@ class RunLoop(LoopBase):
 
     def parts(self) -> Parts:
         return self.models.parts()
-
-    def final_model(self) -> torch.nn.Module:
-        return self.models.policy
 
     def lr_factor(self, k: int) -> float:
         """The learning-rate factor of this step's k-th optimizer step."""
@@ -105,8 +102,7 @@ class RunLoop(LoopBase):
 
     def start(self) -> None:
         if self.info.is_main:
-            self.orchestrator.check_servers()
-            self.sender.init()
+            self.sender.init(self.orchestrator.check_servers())  # one handshake, used by both
         self.sync_weights()  # servers start from exactly the trainer's weights (also after a resume)
         if self.max_staleness and self.info.is_main:
             from ..orchestrator.prefetch import Prefetcher
@@ -132,7 +128,7 @@ class RunLoop(LoopBase):
 
     def sync_weights(self) -> float:
         """Collective: the servers get the policy's weights (tagged with its version)."""
-        seconds = push_weights(self.models.policy, self.sender, weight_version=str(self.policy_version))
+        seconds = push_weights(self.models.engine, self.sender, weight_version=str(self.policy_version))
         self.served_version = self.policy_version
         return seconds
 

@@ -16,33 +16,43 @@ import torch
 from rlhf_contract.trainer_config import TrainerConfig
 
 from ..distributed import DistInfo
-from ..models.loading import host_until_sharded, load_models
-from ..optim import optimizer_for
+from ..engine import Engine, build_engine, load_models
+from ..models.loading import host_until_sharded
 from ..parallel.parallelize import Layout
 
 
 @dataclass
 class Models:
-    """What the train step updates and reads."""
+    """What the train step updates (through the engines) and reads."""
 
-    policy: torch.nn.Module
-    optimizer: torch.optim.Optimizer
+    engine: Engine
+    """The policy's engine (its `model` is the policy)."""
     ref: torch.nn.Module | None = None
-    critic: torch.nn.Module | None = None
-    critic_optimizer: torch.optim.Optimizer | None = None
+    critic_engine: Engine | None = None
     reward_model: torch.nn.Module | None = None
     """The reward model (`reward.model`), frozen."""
 
-    def parts(self) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]:
-        """The trained (model, optimizer) pairs by checkpoint name."""
-        parts = {"policy": (self.policy, self.optimizer)}
-        if self.critic is not None:
-            parts["critic"] = (self.critic, self.critic_optimizer)
+    @property
+    def policy(self) -> torch.nn.Module:
+        return self.engine.model
+
+    @property
+    def critic(self) -> torch.nn.Module | None:
+        return self.critic_engine.model if self.critic_engine is not None else None
+
+    def engines(self) -> list[Engine]:
+        return [e for e in (self.engine, self.critic_engine) if e is not None]
+
+    def parts(self) -> dict[str, Engine]:
+        """The trained parts by checkpoint name."""
+        parts = {"policy": self.engine}
+        if self.critic_engine is not None:
+            parts["critic"] = self.critic_engine
         return parts
 
 
 def build_models(config: TrainerConfig, info: DistInfo, pad_token_id: int | None = None) -> tuple[Models, Layout]:
-    a, o = config.algorithm, config.optim
+    a = config.algorithm
     critic = reward_model = None
     if a.critic:
         from ..models.critic import ValueModel
@@ -55,5 +65,5 @@ def build_models(config: TrainerConfig, info: DistInfo, pad_token_id: int | None
         reward_model = load_reward_model(config.reward.model.path, host_until_sharded(info.device), pad_token_id,
                                          torch.bfloat16 if info.device.type == "cuda" else torch.float32)
     policy, ref, layout = load_models(config, info, with_ref=bool(a.kl_coef), critic=critic, reward_model=reward_model)
-    critic_optimizer = optimizer_for(critic, o, a.critic_learning_rate) if critic is not None else None
-    return Models(policy, optimizer_for(policy, o), ref, critic, critic_optimizer, reward_model), layout
+    critic_engine = build_engine(critic, config, a.critic_learning_rate, causal_lm=False) if critic is not None else None
+    return Models(build_engine(policy, config), ref, critic_engine, reward_model), layout

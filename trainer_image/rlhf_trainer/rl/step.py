@@ -27,8 +27,8 @@ from ..accumulator import MetricAccumulator
 from ..algorithms.losses import agg_weights, compose_loss, explained_variance, value_token_loss
 from ..data.micro_batches import MicroBatch, plan
 from ..data.sequences import Row
+from ..engine import Engine
 from ..models.forward import critic_forward, local, policy_forward
-from ..optim import backward, scale_lr, step_or_skip
 from ..orchestrator.types import RolloutBatch
 from ..parallel.parallelize import Layout
 from .models import Models
@@ -104,21 +104,21 @@ class TrainStep:
             m.critic.train()
         for k in range(a.num_mini_batches):
             if lr_factor is not None:
-                scale_lr([m.optimizer, m.critic_optimizer], lr_factor(k))
+                for engine in m.engines():
+                    engine.scale_lr(lr_factor(k))
             idx = list(range(k * per_mini, (k + 1) * per_mini))
             mask_k = t.mask[idx]
             width = max(max(len(rows[i].response_ids) for i in idx), 1)
             coef = agg_weights(mask_k, a.loss_agg, num_tokens=float(mask_k.sum()), num_seqs=per_mini, width=width)
             value_coef = agg_weights(mask_k, "token-mean")
-            m.optimizer.zero_grad(set_to_none=True)
-            if m.critic_optimizer is not None:
-                m.critic_optimizer.zero_grad(set_to_none=True)
+            for engine in m.engines():
+                engine.zero_grad()
             micro = self._plan(rows, idx)
             for j, mb in enumerate(micro):  # FSDP reduce-scatters each micro-batch's gradients
                 self.micro_step(rows, t, mb, coef, value_coef, base=idx[0], acc=acc, last=j == len(micro) - 1)
-            self._clip_and_step(m.policy, m.optimizer, acc, "grad_norm")
-            if m.critic is not None:
-                self._clip_and_step(m.critic, m.critic_optimizer, acc, "critic_grad_norm")
+            self._clip_and_step(m.engine, acc, "grad_norm")
+            if m.critic_engine is not None:
+                self._clip_and_step(m.critic_engine, acc, "critic_grad_norm")
         acc.reduce(self.layout.reduce_group)
         host = acc.to_host()
         tokens = max(host["clip_fraction"][1], 1.0)
@@ -168,7 +168,7 @@ class TrainStep:
             a, logp=logp, entropy=entropy, old=old, advantages=per_token(t.advantages), coef=c,
             ref=per_token(t.ref_logprobs) if t.ref_logprobs is not None else None,
             rollout=per_token(t.rollout_logprobs) if a.tis_cap is not None else None)
-        backward(m.optimizer, loss, last=last)  # gradients are SUMMED over data x context ranks: each loss is a share
+        m.engine.backward(loss, last=last)  # gradients are SUMMED over data x context ranks: each loss is a share
         num_tokens = mask.sum()
         acc.add("loss", loss)
         acc.add("clip_fraction", (terms.clip_active.float() * mask).sum(), num_tokens)
@@ -180,12 +180,11 @@ class TrainStep:
             values = critic_forward(m.critic, mb, cp_mesh, dev)
             vl, _ = value_token_loss(values, per_token(t.values), per_token(t.returns), a.value_clip)
             vloss = (vl * per_token(value_coef, relative=True)).sum()
-            backward(m.critic_optimizer, vloss, last=last)
+            m.critic_engine.backward(vloss, last=last)
             acc.add("value_loss", vloss)
 
-    def _clip_and_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, acc: MetricAccumulator,
-                       name: str) -> None:
-        norm = step_or_skip(model, optimizer, self.max_grad_norm)
+    def _clip_and_step(self, engine: Engine, acc: MetricAccumulator, name: str) -> None:
+        norm = engine.step_or_skip(self.max_grad_norm)
         if norm is not None:
             acc.add(name, norm)
         else:

@@ -1,0 +1,170 @@
+"""The training-engine seam: what the loops, the checkpoints, the weight sync and the export
+ask of a trained model, whatever trains it (FSDP2 with torch's AdamW: engine/fsdp2.py;
+DeepSpeed ZeRO: engine/zero.py) and whether it carries LoRA adapters.
+
+One `Engine` per trained model (the policy; the critic of PPO). Its `model` is the module
+the loops call forward on. The loops then ask the engine, never the model or the
+optimizer: `backward(loss, last=...)` per micro-batch, `step_or_skip(max_grad_norm)` per
+optimizer step, `zero_grad()`, `scale_lr(factor)`; checkpoints ask for its state
+(`dcp_state` / `load_dcp_state` for the parts saved with torch.distributed.checkpoint,
+`save_files` / `load_files` for an engine's own files); the weight sync and the final export
+ask for `full_tensors()` (Hugging Face names, whole tensors, LoRA adapters merged);
+colocation asks it to `offload()` its parameters and optimizer state to the host while the
+rollout engine runs on the same GPU, and to `reload()` them before the next update.
+
+Not here: how models are laid out (parallel/parallelize.py) and loaded (models/loading.py);
+an engine's `load_models` only picks which of those applies.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..checkpoint import save_final
+from ..models import lora
+
+TensorSpecs = list[tuple[str, list[int], torch.dtype]]
+
+
+class EngineStateError(RuntimeError):
+    """The engine was asked to compute while its state is offloaded (call `reload()` first)."""
+
+
+class Engine(ABC):
+    """See the module docstring. `adapter`: (the `model.lora` spec, the base model's path)
+    when the model is a causal LM with LoRA adapters, whose peft files the export writes."""
+
+    def __init__(self, model: torch.nn.Module, *, adapter: tuple[Any, str] | None = None):
+        self.model = model
+        self.adapter = adapter
+        self.offloaded = False
+
+    # ---- one optimizer step ---------------------------------------------------------
+
+    @abstractmethod
+    def backward(self, loss: torch.Tensor, *, last: bool) -> None:
+        """The backward of one micro-batch's loss, this rank's SHARE of the global loss
+        (gradients are summed over ranks); `last`: the optimizer step's last micro-batch."""
+
+    @abstractmethod
+    def step_or_skip(self, max_grad_norm: float) -> torch.Tensor | None:
+        """Clip to `max_grad_norm` and step; a non-finite norm skips the step and drops
+        the gradients. The norm before clipping (a tensor), or None when skipped."""
+
+    @abstractmethod
+    def zero_grad(self) -> None:
+        """Drop the gradients (set to None)."""
+
+    @property
+    @abstractmethod
+    def param_groups(self) -> list[dict]:
+        """The optimizer's parameter groups (their `lr` is what `scale_lr` sets)."""
+
+    def scale_lr(self, factor: float) -> None:
+        """Set every parameter group's rate to `factor` x its base rate (kept in `initial_lr`)."""
+        for group in self.param_groups:
+            group["lr"] = group.setdefault("initial_lr", group["lr"]) * factor
+
+    def train(self) -> None:
+        self._check_loaded("train")
+        self.model.train()
+
+    def eval(self) -> None:
+        self._check_loaded("eval")
+        self.model.eval()
+
+    # ---- checkpoints ------------------------------------------------------------------
+
+    def dcp_state(self) -> dict[str, Any] | None:
+        """Collective: {"model", "optim"} state dicts saved by torch.distributed.checkpoint
+        with the other parts in the step's directory; None when the engine writes files of
+        its own (`save_files`)."""
+        return None
+
+    def load_dcp_state(self, state: dict[str, Any]) -> None:
+        """Restore what `dcp_state()` returned, after `dcp.load` filled it."""
+
+    def save_files(self, directory: Path, tag: str) -> None:
+        """Collective: write this part's own files under `directory` (engines that do not
+        use `dcp_state`)."""
+
+    def load_files(self, directory: Path, tag: str) -> None:
+        """Collective: restore what `save_files` wrote."""
+
+    # ---- whole parameters ---------------------------------------------------------------
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Collective: the whole of one parameter or state entry, on every rank."""
+        return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach()
+
+    def export_items(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The named tensors the final export writes (parameters and persistent buffers)."""
+        return self.model.state_dict().items()
+
+    def full_tensors(self, items: Iterable[tuple[str, torch.Tensor]] | None = None
+                     ) -> tuple[TensorSpecs, Iterator[torch.Tensor]]:
+        """(name, shape, dtype) of every parameter as the merged Hugging Face model names
+        it, and a generator of the whole tensors (LoRA: W + scaling x B A). Collective:
+        every rank must run the generator to its end."""
+        self._check_loaded("gather parameters")
+        return lora.merged_tensors(self.model, self.model.named_parameters() if items is None else items,
+                                   full=self.gather, shape=self.full_shape)
+
+    def full_shape(self, tensor: torch.Tensor) -> list[int]:
+        return list(tensor.shape)
+
+    def numel(self, tensor: torch.Tensor) -> int:
+        """A parameter's global size (a DTensor's numel is global already)."""
+        return tensor.numel()
+
+    def trainable_parameters(self) -> int:
+        return sum(self.numel(p) for p in self.model.parameters() if p.requires_grad)
+
+    def total_parameters(self) -> int:
+        return sum(self.numel(p) for p in self.model.parameters())
+
+    def export(self, output_dir: str | Path, tokenizer: Any) -> Path | None:
+        """Collective: the final model as a Hugging Face directory (`<output>/final/`), with
+        the adapters in peft's format under `final/adapter/` when the model has them."""
+        return save_final(output_dir, self.model, tokenizer, tensors=self.full_tensors(self.export_items()),
+                          lora=self.adapter, gather=self.gather)
+
+    # ---- colocation ---------------------------------------------------------------------
+
+    @abstractmethod
+    def _move_states(self, device: torch.device) -> None:
+        """Move the parameters, gradients and optimizer state to `device`."""
+
+    def offload(self) -> None:
+        """Move parameters and optimizer state to the host (idempotent) and release the
+        accelerator's cached blocks, so a rollout engine may use the memory."""
+        if self.offloaded:
+            return
+        self.zero_grad()
+        self._move_states(torch.device("cpu"))
+        self.offloaded = True
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def reload(self) -> None:
+        """Bring back what `offload` moved (idempotent)."""
+        if not self.offloaded:
+            return
+        self._move_states(self.device)
+        self.offloaded = False
+
+    @property
+    def device(self) -> torch.device:
+        """Where the engine computes."""
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _check_loaded(self, what: str) -> None:
+        if self.offloaded:
+            raise EngineStateError(f"cannot {what}: the engine's state is offloaded to the host; call reload() first")
