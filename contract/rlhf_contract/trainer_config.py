@@ -178,7 +178,7 @@ class TrainerConfig(_Config):
         validated, so the rules can be checked on it one by one."""
         s, o = self.sampling, self.optim
         return RLHFJobSpec.model_construct(
-            method=self.method, model=ModelSpec(path=self.model_path, lora=self.lora), data=self.data,
+            method=Method(self.method), model=ModelSpec(path=self.model_path, lora=self.lora), data=self.data,
             reward=self.reward, environment=self.environment, algorithm=self.algorithm, schedule=self.schedule,
             preference=self.preference, evaluation=self.evaluation,
             rollout=RolloutSpec.model_construct(samples_per_prompt=s.samples_per_prompt, max_tokens=s.max_tokens,

@@ -122,7 +122,7 @@ class RLHFJobSpec(SpecModel):
     @property
     def offline(self) -> bool:
         """SFT, RM and DPO train from the dataset alone: no rollout servers."""
-        return self.method.offline
+        return Method(self.method).offline  # Method(): a model_copy(update=...) may hold the string
 
     @property
     def trainer_world_size(self) -> int:
