@@ -11,6 +11,7 @@ each field. This module does not check cross-field rules (rules.py does).
 
 from __future__ import annotations
 
+import math
 import re
 import types
 import typing
@@ -94,14 +95,20 @@ class SpecModel(BaseModel):
             raise ValueError(f"must be a number, not {str(value).lower()}")
         if kind is int and isinstance(value, str):  # YAML reads 1e-6 as text, so floats may be
             raise ValueError(f"must be an integer, not the string {value!r:.40}")
+        if kind is int and isinstance(value, float) and not math.isnan(value):
+            return _int64(value)  # 1.0e+30: said as such, not as pydantic's parse failure
         return value
 
     @field_validator("*")
     @classmethod
     def _int64(cls, value: Any) -> Any:
-        if type(value) is int and not INT64_MIN <= value <= INT64_MAX:
-            raise ValueError(f"must be between {INT64_MIN} and {INT64_MAX} (the API server stores int64)")
-        return value
+        return _int64(value) if type(value) is int else value
+
+
+def _int64(value: int | float) -> int | float:
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(f"must be between {INT64_MIN} and {INT64_MAX} (the API server stores int64)")
+    return value
 
 
 class ApiJsonSchema(GenerateJsonSchema):
