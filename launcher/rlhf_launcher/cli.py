@@ -15,7 +15,7 @@ from rlhf_contract.exit_codes import ExitCode
 def _check_data(job):
     """The trainer's data checks (rlhf_trainer/preflight/data.py) on the datasets that are on
     this machine, measured with the model's tokenizer when it is here too (a built-in model
-    is written to a temporary directory, as local mode does) and transformers is installed."""
+    tokenizer is written to a temporary directory, without its weights) and transformers is installed."""
     import tempfile
 
     from rlhf_contract.trainer_config import TrainerConfig
@@ -26,9 +26,9 @@ def _check_data(job):
             path = job.spec.model.path
             try:
                 if path.startswith("builtin://"):
-                    from rlhf_trainer.models.builtin import materialize
+                    from rlhf_trainer.models.builtin import materialize_tokenizer
 
-                    path = str(materialize(path, tmp, seed=job.spec.schedule.seed))
+                    path = str(materialize_tokenizer(path, tmp))
                 return load_tokenizer(path) if Path(path).is_dir() else None
             except ImportError:
                 return None
@@ -57,16 +57,17 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan_model_config(path: str, seed: int) -> dict:
-    """The config.json of `model.path` (a built-in model's own config), or a ValueError."""
+def _plan_model_config(path: str) -> dict:
+    """The config.json of `model.path` (a built-in model's own config, built without its
+    weights or model code), or a ValueError."""
     from rlhf_trainer.preflight.memory_plan import read_model_config
-    from rlhf_trainer.models.builtin import BUILTIN_MODELS, BUILTIN_PREFIX, build_tiny_qwen2
+    from rlhf_trainer.models.builtin import BUILTIN_MODELS, BUILTIN_PREFIX, tiny_qwen2_config
 
     if path.startswith(BUILTIN_PREFIX):
         name = path[len(BUILTIN_PREFIX):]
         if name not in BUILTIN_MODELS:
             raise ValueError(f"model.path: unknown built-in model {path!r}")
-        return build_tiny_qwen2(seed, name).config.to_dict()
+        return tiny_qwen2_config(name).to_dict()
     config = read_model_config(path)
     if config is None:
         raise ValueError(f"model.path: {path} has no readable config.json on this machine (the plan reads only "
@@ -100,8 +101,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return 1
     try:
         model = (json.loads(Path(args.model_config).read_text()) if args.model_config
-                 else _plan_model_config(config.model_path, config.schedule.seed))
-        rm = _plan_model_config(config.reward.model.path, 0) if config.reward.model is not None else None
+                 else _plan_model_config(config.model_path))
+        rm = _plan_model_config(config.reward.model.path) if config.reward.model is not None else None
         result = plan(config, model, world, gpu, reward_model_config=rm)
     except (OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)

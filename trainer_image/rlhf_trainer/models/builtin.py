@@ -48,12 +48,11 @@ HEADS = {"tiny-qwen2": (4, 2), "tiny-qwen2-hd32": (2, 1)}
 vLLM's CPU attention refuses head_dim 16; `tiny-qwen2-hd32` is the one a real vLLM serves."""
 
 
-def build_tiny_qwen2(seed: int = 0, name: str = "tiny-qwen2"):
-    """The tiny Qwen2 causal LM `name` with seeded random weights (float32)."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def tiny_qwen2_config(name: str = "tiny-qwen2"):
+    """The Qwen2Config of the built-in model `name` (no model code imported: cheap)."""
+    from transformers import Qwen2Config
 
-    config = Qwen2Config(
+    return Qwen2Config(
         vocab_size=len(VOCAB),
         hidden_size=64,
         intermediate_size=128,
@@ -67,6 +66,14 @@ def build_tiny_qwen2(seed: int = 0, name: str = "tiny-qwen2"):
         pad_token_id=VOCAB.index(PAD),
         torch_dtype="float32",
     )
+
+
+def build_tiny_qwen2(seed: int = 0, name: str = "tiny-qwen2"):
+    """The tiny Qwen2 causal LM `name` with seeded random weights (float32)."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    config = tiny_qwen2_config(name)
     gen = torch.random.fork_rng()
     with gen:
         torch.manual_seed(seed)
@@ -94,6 +101,26 @@ def materialize(uri: str, directory: str | Path, seed: int = 0) -> Path:
     _save_without_deepspeed_probe(build_tiny_qwen2(seed, name), directory)
     build_tokenizer().save_pretrained(directory)
     marker.write_text(f"{name} seed={seed}")
+    return directory
+
+
+def materialize_tokenizer(uri: str, directory: str | Path) -> Path:
+    """Write what AutoTokenizer reads of the built-in model `uri` (its tokenizer files and
+    config.json, as `materialize` writes them) but no weights: `rlhfctl validate` measures
+    prompts with it without importing the model's code (about 3 s: transformers' modeling
+    imports torch._dynamo and sympy)."""
+    name = uri[len(BUILTIN_PREFIX):]
+    if name not in BUILTIN_MODELS:
+        raise ValueError(
+            f"model.path: unknown built-in model {uri!r}; choose one of "
+            + ", ".join(BUILTIN_PREFIX + m for m in BUILTIN_MODELS)
+        )
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = tiny_qwen2_config(name)
+    config.architectures = ["Qwen2ForCausalLM"]  # as the model's save writes it
+    config.save_pretrained(directory)
+    build_tokenizer().save_pretrained(directory)
     return directory
 
 
