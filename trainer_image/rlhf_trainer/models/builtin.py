@@ -81,18 +81,24 @@ def build_tiny_qwen2(seed: int = 0, name: str = "tiny-qwen2"):
     return model
 
 
-def materialize(uri: str, directory: str | Path, seed: int = 0) -> Path:
-    """Write the built-in model `uri` as a Hugging Face directory; return its path.
-
-    The directory is reused when it already holds the same model (same seed), so every
-    process of a run loads identical weights.
-    """
+def _builtin_name(uri: str) -> str:
+    """The name of the built-in model `uri`, or a ValueError naming model.path."""
     name = uri[len(BUILTIN_PREFIX):]
     if name not in BUILTIN_MODELS:
         raise ValueError(
             f"model.path: unknown built-in model {uri!r}; choose one of "
             + ", ".join(BUILTIN_PREFIX + m for m in BUILTIN_MODELS)
         )
+    return name
+
+
+def materialize(uri: str, directory: str | Path, seed: int = 0) -> Path:
+    """Write the built-in model `uri` as a Hugging Face directory; return its path.
+
+    The directory is reused when it already holds the same model (same seed), so every
+    process of a run loads identical weights.
+    """
+    name = _builtin_name(uri)
     directory = Path(directory)
     marker = directory / ".builtin"
     if marker.exists() and marker.read_text() == f"{name} seed={seed}":
@@ -109,12 +115,7 @@ def materialize_tokenizer(uri: str, directory: str | Path) -> Path:
     config.json, as `materialize` writes them) but no weights: `rlhfctl validate` measures
     prompts with it without importing the model's code (about 3 s: transformers' modeling
     imports torch._dynamo and sympy)."""
-    name = uri[len(BUILTIN_PREFIX):]
-    if name not in BUILTIN_MODELS:
-        raise ValueError(
-            f"model.path: unknown built-in model {uri!r}; choose one of "
-            + ", ".join(BUILTIN_PREFIX + m for m in BUILTIN_MODELS)
-        )
+    name = _builtin_name(uri)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     config = tiny_qwen2_config(name)
