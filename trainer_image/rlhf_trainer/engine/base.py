@@ -137,8 +137,9 @@ class Engine(ABC):
     # ---- colocation ---------------------------------------------------------------------
 
     @abstractmethod
-    def _move_states(self, device: torch.device) -> None:
-        """Move the parameters, gradients and optimizer state to `device`."""
+    def _move_states(self, device: torch.device, *, offload: bool) -> None:
+        """Move the parameters and optimizer state to `device` (`offload`: to the host,
+        else back to where the engine computes; on a CPU-only machine both are the CPU)."""
 
     def offload(self) -> None:
         """Move parameters and optimizer state to the host (idempotent) and release the
@@ -146,7 +147,7 @@ class Engine(ABC):
         if self.offloaded:
             return
         self.zero_grad()
-        self._move_states(torch.device("cpu"))
+        self._move_states(torch.device("cpu"), offload=True)
         self.offloaded = True
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -155,7 +156,7 @@ class Engine(ABC):
         """Bring back what `offload` moved (idempotent)."""
         if not self.offloaded:
             return
-        self._move_states(self.device)
+        self._move_states(self.device, offload=False)
         self.offloaded = False
 
     @property

@@ -74,7 +74,7 @@ class Fsdp2Engine(Engine):
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=LOAD_TRAINED)
 
-    def _move_states(self, device: torch.device) -> None:
+    def _move_states(self, device: torch.device, *, offload: bool) -> None:
         self.model.to(device)
         for per_param in self.optimizer.state.values():
             for key, value in per_param.items():

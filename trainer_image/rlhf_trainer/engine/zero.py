@@ -164,12 +164,12 @@ class ZeroEngine(Engine):
         """ZeRO-3's state_dict() holds empty partitions: its parameters, gathered one by one."""
         return self.model.named_parameters()
 
-    def _move_states(self, device: torch.device) -> None:
+    def _move_states(self, device: torch.device, *, offload: bool) -> None:
         """DeepSpeed's own `offload_states` / `reload_states` (ZeRO-1/2/3); nothing to move
         when its optimizer or parameters already live on the host."""
         if self.offloads:
             return
-        if device.type == "cpu":
+        if offload:
             from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 
             self.ds.offload_states(device=OffloadDeviceEnum.cpu, pin_memory=torch.cuda.is_available())
