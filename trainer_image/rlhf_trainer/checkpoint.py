@@ -22,7 +22,7 @@ import logging
 import random
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -32,8 +32,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from rlhf_contract.outputs import (MARKER, checkpoint_step as _step_of, complete_checkpoints, damage, latest_checkpoint,
                                    manifest)
 
-if TYPE_CHECKING:
-    from .engine import Engine
 
 __all__ = ["complete_checkpoints", "latest_checkpoint", "load_checkpoint", "resume_checkpoint", "save_checkpoint",
            "save_final"]
@@ -41,8 +39,20 @@ __all__ = ["complete_checkpoints", "latest_checkpoint", "load_checkpoint", "resu
 
 log = logging.getLogger(__name__)
 
-Parts = dict[str, "Engine"]
-"""The trained parts of a run by checkpoint name ("policy", "critic"): their engines."""
+class Part(Protocol):
+    """What a checkpoint asks of a trained part: its training engine (engine/base.py)."""
+
+    def dcp_state(self) -> dict[str, Any] | None: ...
+
+    def load_dcp_state(self, state: dict[str, Any]) -> None: ...
+
+    def save_files(self, directory: Path, tag: str) -> None: ...
+
+    def load_files(self, directory: Path, tag: str) -> None: ...
+
+
+Parts = dict[str, Part]
+"""The trained parts of a run by checkpoint name ("policy", "critic")."""
 
 
 def _dcp_state(parts: Parts) -> dict[str, Any]:
