@@ -67,9 +67,9 @@ def _check_modules_to_save(model: torch.nn.Module, names: list[str]) -> None:
     """ValueError naming `model.lora.modulesToSave` for a name that matches no module (by
     name suffix, as peft matches: `norm` also matches `input_layernorm`) or a module that
     holds an embedding tied to the other one."""
-    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
-    embeddings = [getattr(model, f, lambda: None)() for f in ("get_input_embeddings", "get_output_embeddings")]
-    shared = {id(e.weight) for e in embeddings if tied and e is not None}
+    shared = set()
+    if names and getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        shared = {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
     for target in names:
         matched = [m for n, m in model.named_modules() if n.endswith(target)]
         if not matched:
