@@ -82,6 +82,8 @@ RECEIVER = textwrap.dedent('''
             path = self.path.split("?")[0]
             if path == "/health":
                 return self.reply({})
+            if path == "/version":
+                return self.reply({"version": "0.33.0"})  # the handshake's first question
             if path == "/get_world_size":
                 return self.reply({"world_size": 1})
             if path == "/server_info":

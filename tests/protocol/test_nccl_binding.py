@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlhf_trainer.rollout.servers import package_version
 from rlhf_trainer.weight_sync import nccl
 from rlhf_trainer.weight_sync.transport import NcclTransport
 
@@ -113,6 +114,6 @@ def test_a_missing_library_is_named_with_the_fix(monkeypatch, tmp_path):
 
 def test_server_nccl_version_is_read_from_vllms_pip_list():
     listing = "numpy==2.2.6\nnvidia-nccl-cu13==2.30.7\ntorch==2.14.0\nnvidia-cublas==13.1.1.3"
-    assert nccl.package_version(listing) == (2, 30, 7)
-    assert nccl.package_version("torch==2.14.0") is None
+    assert package_version(listing) == (2, 30, 7)
+    assert package_version("torch==2.14.0") is None
     assert "nccl" in FACTS["server_info_pip_patterns"]  # vLLM's /server_info keeps these lines

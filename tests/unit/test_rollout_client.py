@@ -157,15 +157,18 @@ def vllm_replies(version="0.33.0", transfer={"backend": "nccl"}, dev_mode=True, 
 
 def test_startup_check_reports_every_servers_capabilities(engines):
     from rlhf_contract.images import VLLM_VERSION
-    from rlhf_trainer.rollout import ServerInfo, check_rollout_servers
+    from rlhf_trainer.rollout import handshake
 
     fake = _FakeServer(vllm_replies(world_size=4))
     try:
-        infos = check_rollout_servers([*engines, fake.url], startup_timeout_s=30)
+        infos = handshake([*engines, fake.url], startup_timeout_s=30)
     finally:
         fake.close()
-    assert infos == [ServerInfo(engines[0], VLLM_VERSION, "gloo", 1), ServerInfo(engines[1], VLLM_VERSION, "gloo", 1),
-                     ServerInfo(fake.url, "0.33.0", "nccl", 4)]
+    assert [(i.endpoint, i.version, i.weight_transfer_backend, i.world_size) for i in infos] == [
+        (engines[0], VLLM_VERSION, "gloo", 1), (engines[1], VLLM_VERSION, "gloo", 1), (fake.url, "0.33.0", "nccl", 4)]
+    release = FACTS_NCCL["nccl_requirement"].partition("==")[2]
+    assert infos[2].nccl == tuple(int(x) for x in release.split(".")) and infos[2].dtype is None
+    assert infos[0].dtype == "torch.float32"  # the CPU engine's model_config.dtype, what the sender casts to
 
 
 @pytest.mark.parametrize("replies, says", [
@@ -179,12 +182,16 @@ def test_startup_check_reports_every_servers_capabilities(engines):
     (vllm_replies(transfer=None), "no --weight-transfer-config"),
 ])
 def test_startup_check_exits_2_naming_rollout_image(replies, says, capsys):
-    from rlhf_trainer.rollout import RolloutImageError, check_rollout_servers
+    """The handshake refuses what no trainer could work with; the sender, forming its group
+    from the handshake's result, refuses a server of another NCCL release."""
+    from rlhf_trainer.rollout import RolloutImageError, handshake
+    from rlhf_trainer.weight_sync import WeightSyncSender
 
     fake = _FakeServer(replies)
     try:
         with pytest.raises(RolloutImageError) as info:
-            check_rollout_servers([fake.url], startup_timeout_s=30)
+            servers = handshake([fake.url], startup_timeout_s=30)
+            WeightSyncSender([fake.url], "127.0.0.1", 0).init(servers)
     finally:
         fake.close()
     assert isinstance(info.value, SystemExit) and info.value.code == 2
@@ -195,18 +202,18 @@ def test_startup_check_exits_2_naming_rollout_image(replies, says, capsys):
 def test_startup_check_waits_as_long_as_allowed_and_no_longer():
     import time
 
-    from rlhf_trainer.rollout import check_rollout_servers
+    from rlhf_trainer.rollout import handshake
 
     slow = _FakeServer(vllm_replies(), healthy_after_s=2.0)
     try:
         start = time.monotonic()
-        assert check_rollout_servers([slow.url], startup_timeout_s=30)[0].world_size == 2
+        assert handshake([slow.url], startup_timeout_s=30)[0].world_size == 2
         assert time.monotonic() - start >= 2.0
         never = _FakeServer(vllm_replies(), healthy_after_s=1e9)
         try:
             start = time.monotonic()
             with pytest.raises(RolloutError, match="not ready after 1.5 s"):
-                check_rollout_servers([never.url], startup_timeout_s=1.5)
+                handshake([never.url], startup_timeout_s=1.5)
             assert time.monotonic() - start < 10
         finally:
             never.close()

@@ -265,10 +265,10 @@ def test_the_trainers_probe_refuses_this_release_naming_what_to_change(server):
     """Our start-up check against the real /version: 0.32 lacks the weight-sync rounds this
     trainer sends (empty metadata from the second round), so it exits 2 naming 0.33."""
     url, _, _ = server
-    from rlhf_trainer.rollout.client import RolloutImageError, check_rollout_servers
+    from rlhf_trainer.rollout.servers import RolloutImageError, handshake
 
     with pytest.raises(RolloutImageError) as err:
-        check_rollout_servers([url], startup_timeout_s=60)
+        handshake([url], startup_timeout_s=60)
     assert err.value.code == 2
     assert f"runs vLLM {VERSION}" in str(err.value) and "0.33" in str(err.value) and "rollout.image" in str(err.value)
 
@@ -277,12 +277,13 @@ def test_the_nccl_check_reads_the_real_server_info(server):
     """vLLM's own `pip list` in /server_info: our check finds the server's NCCL wheel in it
     (this server's torch 2.13.0 brings nvidia-nccl 2.29.7, ours 2.30.7) and refuses."""
     url, _, _ = server
-    from rlhf_trainer.weight_sync.nccl import load, package_version, release_mismatch
+    from rlhf_trainer.rollout.servers import package_version
+    from rlhf_trainer.weight_sync.nccl import load, release_mismatch
 
     system_env = httpx.get(url + "/server_info", params={"config_format": "json"}).json()["system_env"]
     theirs = package_version(system_env["pip_packages"])
     assert theirs is not None and theirs[:2] == (2, 29)
-    message = release_mismatch(url, system_env)
+    message = release_mismatch(url, theirs)
     assert message and ".".join(map(str, theirs)) in message and ".".join(map(str, load().version())) in message
 
 

@@ -17,6 +17,7 @@ from typing import Any
 from rlhf_contract.trainer_config import TrainerConfig
 
 from ..data.sequences import Row
+from ..rollout.servers import ServerInfo, handshake
 from .filtering import collect_groups
 from .sampler import Sampler
 from .types import RolloutBatch, RolloutStats
@@ -54,13 +55,11 @@ class Orchestrator:
 
     # ---- the rollout client's lifecycle -------------------------------------------
 
-    def check_servers(self) -> None:
-        """Wait for the rollout servers (as long as their startup allowance) and check
-        what they are; exits 2 naming `rollout.image` for a server without weight transfer."""
-        from ..rollout.client import check_rollout_servers
-
-        check_rollout_servers(self.sampler.client.endpoints,
-                              startup_timeout_s=self.config.rollout_startup_timeout_seconds)
+    def check_servers(self) -> list[ServerInfo]:
+        """The handshake (rollout/servers.py): wait for the rollout servers (as long as their
+        startup allowance) and read what they are; exits 2 naming `rollout.image` for a server
+        without weight transfer. The weight-sync sender forms its group from the result."""
+        return handshake(self.sampler.client.endpoints, startup_timeout_s=self.config.rollout_startup_timeout_seconds)
 
     @property
     def requests_sent(self) -> dict[str, int]:

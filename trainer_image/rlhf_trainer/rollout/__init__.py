@@ -1,8 +1,7 @@
 """Async rollout client: prompts as token ids to OpenAI-compatible servers, samples back
-as token ids + logprobs."""
+as token ids + logprobs; the one start-up handshake with those servers (servers.py)."""
 
-from .client import (RolloutClient, RolloutError, RolloutImageError, Sample, ServerInfo, check_rollout_servers,
-                     prompt_seed)
+from .client import RolloutClient, RolloutError, Sample, prompt_seed
+from .servers import RolloutImageError, ServerInfo, handshake
 
-__all__ = ["RolloutClient", "RolloutError", "RolloutImageError", "Sample", "ServerInfo", "check_rollout_servers",
-           "prompt_seed"]
+__all__ = ["RolloutClient", "RolloutError", "RolloutImageError", "Sample", "ServerInfo", "handshake", "prompt_seed"]

@@ -18,10 +18,8 @@ whatever endpoint serves it (as long as the servers hold the same weights). Ever
 field vLLM would otherwise fill from the model's generation_config.json is sent explicitly
 (neutral penalties, min_p 0).
 
-`check_rollout_servers` is the trainer's start-up check: it waits for every server as
-long as its startup probe allows, then asks each for its version and capabilities, and
-ends the process with exit code 2 (a permanent failure for the operator) and a message
-naming `rollout.image` when a server cannot take part in weight transfer.
+What each server is (version, weight-transfer engine) is asked once at start, by the
+handshake (servers.py); `wait_ready` is its wait for /health.
 """
 
 from __future__ import annotations
@@ -31,8 +29,6 @@ import hashlib
 import itertools
 import threading
 import logging
-import re
-import sys
 import time
 from dataclasses import dataclass
 
@@ -46,8 +42,6 @@ RETRY_STATUS = (502, 503, 504)
 PAUSED_POLL_S = 0.2
 """How often a request answered 503 (a server paused for a weight update) is sent again;
 such retries last until the client timeout and do not count against `max_retries`."""
-MIN_VLLM_VERSION = (0, 33)  # the first release whose /update_weights takes empty metadata as "same as last round"
-EXIT_INCOMPATIBLE = 2  # permanent for the operator: a restart cannot fix the image
 # Errors where the request surely or probably did not run to completion on the server.
 # A read timeout is not retried: the server may still be generating it.
 RETRY_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout,
@@ -268,98 +262,6 @@ class RolloutClient:
     def wait_ready(self, timeout_s: float = 1800.0) -> None:
         """Block until every endpoint's /health answers 200 (RolloutError on timeout)."""
         asyncio.run(self.wait_ready_async(timeout_s))
-
-
-@dataclass(frozen=True)
-class ServerInfo:
-    """What a rollout server says about itself at start."""
-
-    endpoint: str
-    version: str  # vLLM's version (the CPU engine reports the release whose protocol it speaks)
-    weight_transfer_backend: str  # "nccl" (vLLM) or "gloo" (CPU engine)
-    world_size: int  # workers that join the weight-transfer group
-
-
-class RolloutImageError(SystemExit):
-    """A rollout server cannot take part in weight transfer: exit code 2, `str()` says why."""
-
-    def __init__(self, message: str):
-        super().__init__(EXIT_INCOMPATIBLE)
-        self.message = message
-
-    def __str__(self) -> str:
-        return self.message
-
-
-def check_rollout_servers(endpoints: list[str], *, startup_timeout_s: float,
-                          request_timeout_s: float = 60.0) -> list[ServerInfo]:
-    """Wait up to `startup_timeout_s` for every server's /health, then check each one's
-    version (GET /version, at least 0.33) and weight-transfer engine (GET /server_info:
-    VLLM_SERVER_DEV_MODE=1 routes and `--weight-transfer-config`; GET /get_world_size).
-
-    Raises `RolloutImageError` (SystemExit with code 2, after logging the message) when
-    a server cannot do weight transfer, and `RolloutError` when one does not start in time.
-    """
-    RolloutClient(endpoints).wait_ready(startup_timeout_s)
-    infos = []
-    with httpx.Client(timeout=httpx.Timeout(request_timeout_s)) as http:
-        for endpoint in (e.rstrip("/") for e in endpoints):
-            try:
-                infos.append(_server_info(http, endpoint))
-            except RolloutImageError as exc:
-                log.error("%s", exc)
-                print(f"ERROR: {exc}", file=sys.stderr, flush=True)
-                raise
-    return infos
-
-
-def _server_info(http: httpx.Client, endpoint: str) -> ServerInfo:
-    def get(path: str, **params) -> httpx.Response:
-        try:
-            return http.get(endpoint + path, params=params)
-        except httpx.HTTPError as exc:
-            raise RolloutError(f"GET {endpoint}{path} failed: {exc!r}") from exc
-
-    image_hint = ("set rollout.image to an image with vLLM >= {}.{} and its weight-transfer API "
-                  "(the default image runs the pinned release)").format(*MIN_VLLM_VERSION)
-    reply = get("/version")
-    version = str(reply.json().get("version", "")) if reply.status_code == 200 else ""
-    parsed = _version_tuple(version)
-    if parsed is None or parsed < MIN_VLLM_VERSION:
-        raise RolloutImageError(
-            f"rollout.image: the server at {endpoint} runs vLLM {version or '(no /version)'}, older than the "
-            f"weight-transfer API this trainer speaks ({MIN_VLLM_VERSION[0]}.{MIN_VLLM_VERSION[1]}); {image_hint}")
-    reply = get("/server_info", config_format="json")
-    if reply.status_code == 404:
-        raise RolloutImageError(
-            f"rollout.image: the server at {endpoint} (vLLM {version}) does not serve the weight-transfer "
-            "routes: it must run with VLLM_SERVER_DEV_MODE=1 (the operator sets it; an image whose "
-            f"entry point drops it cannot be used); {image_hint}")
-    if reply.status_code != 200:
-        raise RolloutError(f"GET {endpoint}/server_info answered HTTP {reply.status_code}: {reply.text[:500]}")
-    config = reply.json().get("vllm_config")
-    transfer = config.get("weight_transfer_config") if isinstance(config, dict) else None
-    if not transfer or not transfer.get("backend"):
-        raise RolloutImageError(
-            f"rollout.image: the server at {endpoint} (vLLM {version}) runs without a weight-transfer "
-            f"engine (no --weight-transfer-config); {image_hint}")
-    if transfer["backend"] == "nccl":
-        from ..weight_sync.nccl import release_mismatch
-
-        mismatch = release_mismatch(endpoint, reply.json().get("system_env"))
-        if mismatch:
-            raise RolloutImageError(f"rollout.image: the server at {endpoint} (vLLM {version}) {mismatch}")
-    reply = get("/get_world_size")
-    if reply.status_code != 200:
-        raise RolloutImageError(
-            f"rollout.image: the server at {endpoint} (vLLM {version}) has no /get_world_size "
-            f"(HTTP {reply.status_code}); {image_hint}")
-    return ServerInfo(endpoint, version, str(transfer["backend"]), int(reply.json()["world_size"]))
-
-
-def _version_tuple(version: str) -> tuple[int, int] | None:
-    match = re.match(r"v?(\d+)\.(\d+)", version)
-    return (int(match.group(1)), int(match.group(2))) if match else None
 
 
 def _samples(reply: dict, prompt: list[int], n: int) -> list[Sample]:

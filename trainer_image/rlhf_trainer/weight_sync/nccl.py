@@ -11,7 +11,7 @@ Which library: `RLHF_NCCL_LIBRARY` (a path) if set, else the `nvidia-nccl-cu13` 
 `nvidia/nccl/lib/libnccl.so.2` (the file torch itself loads, so the process holds one
 NCCL), else `libnccl.so.2` from the loader's path. The trainer pins torch to the pinned
 vLLM's torch, so both sides load the same NCCL release (NCCL refuses peers of another
-version when a communicator forms); `check_versions` compares them before any rank joins.
+version when a communicator forms); `release_mismatch` compares them before any rank joins.
 
 What works without a GPU: loading, `version()`, `unique_id()` (NCCL's bootstrap only needs
 a network interface). `CommInitRank` and the collectives need CUDA; without it NCCL
@@ -161,34 +161,20 @@ def load() -> Nccl:
     return _LOADED
 
 
-def package_version(pip_packages: str) -> tuple[int, int, int] | None:
-    """The NCCL release of an `nvidia-nccl-cuXX==X.Y.Z` line in `pip list --format=freeze`
-    output (what vLLM's /server_info reports as `system_env.pip_packages`)."""
-    for line in pip_packages.splitlines():
-        name, _, version = line.strip().partition("==")
-        if name.lower().replace("_", "-").startswith("nvidia-nccl-cu"):
-            parts = version.split(".")[:3]
-            if len(parts) == 3 and all(p.isdigit() for p in parts):
-                return int(parts[0]), int(parts[1]), int(parts[2])
-    return None
-
-
-def release_mismatch(endpoint: str, system_env) -> str | None:
+def release_mismatch(endpoint: str, theirs: tuple[int, int, int] | None) -> str | None:
     """NCCL refuses peers of another release when the weight-sync communicator forms (the
-    servers would sit in ncclCommInitRank): compare the server's NCCL wheel (vLLM's
-    /server_info lists its `pip list` as `system_env.pip_packages`) with the library this
-    trainer opens. Returns what is wrong and what to change, or None."""
+    servers would sit in ncclCommInitRank): compare a server's NCCL wheel (`theirs`, from its
+    /server_info at the handshake: rollout/servers.py) with the library this trainer opens.
+    Returns what is wrong and what to change, or None."""
     import logging
 
     ours = load().version()
-    packages = system_env.get("pip_packages") if isinstance(system_env, dict) else None
-    theirs = package_version(packages) if isinstance(packages, str) else None
     if theirs is None:
         logging.getLogger(__name__).warning(
             "%s/server_info names no nvidia-nccl package: cannot check that it runs NCCL %s as the trainer does",
             endpoint, ".".join(map(str, ours)))
         return None
-    if theirs == ours:
+    if tuple(theirs) == ours:
         return None
     a, b = ".".join(map(str, theirs)), ".".join(map(str, ours))
     return (f"runs NCCL {a}, the trainer runs NCCL {b} ({load().path}); NCCL refuses peers of another release, so "

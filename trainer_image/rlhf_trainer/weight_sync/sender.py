@@ -1,13 +1,15 @@
 """Trainer rank 0's side of a weight sync, speaking vLLM's weight-transfer HTTP API exactly
 as the pinned release (see `rlhf_contract.pod.VLLM_VERSION`) expects it.
 
-`init()` forms the group once:
-  1. GET /get_world_size on every server (TP x PP x DP workers); world = 1 + their sum,
+`init(servers)` forms the group once, from what the start-up handshake
+(rollout/servers.py) read of every server (read then, when not given):
+  1. each server's workers (GET /get_world_size: TP x PP x DP); world = 1 + their sum,
      server i gets `rank_offset` = 1 + the sizes before it (vLLM ranks its workers
      rank_offset + dp_rank x TP x PP + worker rank);
   2. the transport (transport.py) is chosen from the servers' own configuration
-     (GET /server_info: `vllm_config.weight_transfer_config.backend`, "nccl" for vLLM,
-     "gloo" for the CPU engine) unless given;
+     (`vllm_config.weight_transfer_config.backend` of /server_info, "nccl" for vLLM,
+     "gloo" for the CPU engine) unless given; for NCCL each server's NCCL release must be
+     the trainer's (nccl.py `release_mismatch`: else exit code 2 naming rollout.image);
   3. POST /init_weight_transfer_engine {"init_info": {rendezvous fields, rank_offset,
      world_size, packed: true, packed_buffer_size_bytes, packed_num_buffers}} to every
      server, concurrently with this process joining as rank 0. The packed settings live
@@ -63,6 +65,8 @@ from collections.abc import Callable, Iterable, Iterator
 import httpx
 import torch
 
+from ..rollout.servers import RolloutImageError, ServerInfo, read_servers
+from . import nccl
 from .buckets import DEFAULT_BUCKET_BYTES, BufferRing, as_bytes, dtype_name, pack_buckets
 from .threads import Watchdog, WeightSyncError, exit_process, put_watching, run_in_thread, wait_all
 from .transport import BACKENDS, Transport, make_transport
@@ -154,12 +158,16 @@ class WeightSyncSender:
 
     # ---- group -------------------------------------------------------------------
 
-    def init(self) -> None:
-        """Form the broadcast group with every server (blocks until all have joined)."""
+    def init(self, servers: list[ServerInfo] | None = None) -> None:
+        """Form the broadcast group with every server (blocks until all have joined), from
+        the handshake's `servers` (one per endpoint, in order; read now when None)."""
         self.calls = []
         deadline = time.monotonic() + self.timeout_s
-        sizes = [int(self._call("GET", ep, "/get_world_size")["world_size"]) for ep in self.endpoints]
-        backend, self.serving_dtype = self._servers_config()
+        servers = servers if servers is not None else read_servers(self.endpoints, request_timeout_s=self.timeout_s)
+        if [s.endpoint for s in servers] != self.endpoints:
+            raise ValueError(f"the handshake's servers {[s.endpoint for s in servers]} are not {self.endpoints}")
+        sizes = [s.world_size for s in servers]
+        backend, self.serving_dtype = _servers_config(servers)
         if self.backend is None:
             self.backend = backend
         self.world_size = 1 + sum(sizes)
@@ -176,26 +184,6 @@ class WeightSyncSender:
             raise
         self.group = group
         self._sent_metadata = None
-
-    def _servers_config(self) -> tuple[str, torch.dtype | None]:
-        """The servers' weight-transfer backend and the dtype they serve in (vLLM's
-        `model_config.dtype`); every server must agree on both."""
-        backends, dtypes = set(), set()
-        for ep in self.endpoints:
-            config = (self._call("GET", ep, "/server_info", params={"config_format": "json"})
-                      .get("vllm_config") or {})
-            transfer = config.get("weight_transfer_config") if isinstance(config, dict) else None
-            if not transfer:
-                raise WeightSyncError(f"{ep} runs without --weight-transfer-config: its weight-transfer "
-                                      "engine is off")
-            backends.add(transfer.get("backend"))
-            dtypes.add(_dtype(((config.get("model_config") or {}).get("dtype"))))
-        if len(backends) != 1 or not backends <= set(BACKENDS):
-            raise WeightSyncError(f"the rollout servers use weight-transfer backends {sorted(map(str, backends))}; "
-                                  f"the trainer needs one of {', '.join(BACKENDS)}, the same on every server")
-        if len(dtypes) != 1:
-            raise WeightSyncError(f"the rollout servers serve in different dtypes {sorted(map(str, dtypes))}")
-        return backends.pop(), dtypes.pop()
 
     # ---- one round -----------------------------------------------------------------
 
@@ -326,6 +314,26 @@ class WeightSyncSender:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _servers_config(servers: list[ServerInfo]) -> tuple[str, torch.dtype | None]:
+    """The servers' weight-transfer backend and the dtype they serve in (vLLM's
+    `model_config.dtype`); every server must agree on both, and on NCCL run the trainer's
+    NCCL release."""
+    backends = {s.weight_transfer_backend for s in servers}
+    dtypes = {_dtype(s.dtype) for s in servers}
+    if len(backends) != 1 or not backends <= set(BACKENDS):
+        raise WeightSyncError(f"the rollout servers use weight-transfer backends {sorted(map(str, backends))}; "
+                              f"the trainer needs one of {', '.join(BACKENDS)}, the same on every server")
+    if len(dtypes) != 1:
+        raise WeightSyncError(f"the rollout servers serve in different dtypes {sorted(map(str, dtypes))}")
+    backend = backends.pop()
+    for server in servers if backend == "nccl" else ():
+        mismatch = nccl.release_mismatch(server.endpoint, server.nccl)
+        if mismatch:
+            raise RolloutImageError.reported(
+                f"rollout.image: the server at {server.endpoint} (vLLM {server.version}) {mismatch}")
+    return backend, dtypes.pop()
 
 
 def _dtype(name) -> torch.dtype | None:
