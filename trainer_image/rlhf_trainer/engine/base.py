@@ -169,3 +169,14 @@ class Engine(ABC):
     def _check_loaded(self, what: str) -> None:
         if self.offloaded:
             raise EngineStateError(f"cannot {what}: the engine's state is offloaded to the host; call reload() first")
+
+
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Move a torch optimizer's state tensors to `device`. AdamW's `step` counter is a host
+    scalar unless the kernel is fused or capturable: it stays where the optimizer keeps it."""
+    group = optimizer.param_groups[0] if optimizer.param_groups else {}
+    step_on_device = bool(group.get("fused") or group.get("capturable"))
+    for per_param in optimizer.state.values():
+        for key, value in per_param.items():
+            if isinstance(value, torch.Tensor) and (step_on_device or not (key == "step" and value.dim() == 0)):
+                per_param[key] = value.to(device)

@@ -21,7 +21,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from ..parallel.grad_norm import clip_grad_norm
-from .base import Engine
+from .base import Engine, move_optimizer_state
 
 TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
 """Checkpoints hold what trains: with LoRA (models/lora.py) the adapters, not the frozen
@@ -76,15 +76,4 @@ class Fsdp2Engine(Engine):
 
     def _move_states(self, device: torch.device, *, offload: bool) -> None:
         self.model.to(device)
-        for per_param in self.optimizer.state.values():
-            for key, value in per_param.items():
-                # AdamW's `step` counter is a host scalar unless the kernel is fused or
-                # capturable: it stays where the optimizer keeps it
-                if isinstance(value, torch.Tensor) and not (key == "step" and value.dim() == 0 and
-                                                            not self._device_step):
-                    per_param[key] = value.to(device)
-
-    @property
-    def _device_step(self) -> bool:
-        group = self.optimizer.param_groups[0] if self.optimizer.param_groups else {}
-        return bool(group.get("fused") or group.get("capturable"))
+        move_optimizer_state(self.optimizer, device)

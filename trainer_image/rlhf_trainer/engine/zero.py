@@ -45,7 +45,7 @@ import torch.distributed as dist
 from ..models.loading import host_until_sharded, load_causal_lm
 from ..models.logprob_head import attach_logprob_head
 from ..parallel.parallelize import zero_layout
-from .base import Engine
+from .base import Engine, move_optimizer_state
 
 
 def ds_config(optim, *, trains: bool, cuda: bool) -> dict[str, Any]:
@@ -165,16 +165,27 @@ class ZeroEngine(Engine):
         return self.model.named_parameters()
 
     def _move_states(self, device: torch.device, *, offload: bool) -> None:
-        """DeepSpeed's own `offload_states` / `reload_states` (ZeRO-1/2/3); nothing to move
-        when its optimizer or parameters already live on the host."""
+        """DeepSpeed's own `offload_states` / `reload_states`; nothing to move when its
+        optimizer or parameters already live on the host. ZeRO-3 moves the fp32 master
+        partitions and the optimizer's moments only for its own FusedAdam: with torch's
+        AdamW (our client optimizer) they are moved here, the rest by DeepSpeed."""
+        from deepspeed.ops.adam import FusedAdam
+        from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
+
         if self.offloads:
             return
+        zero = self.ds.optimizer
+        by_hand = self.ds.zero_optimization_stage() == 3 and not isinstance(zero.optimizer, FusedAdam)
         if offload:
-            from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
-
-            self.ds.offload_states(device=OffloadDeviceEnum.cpu, pin_memory=torch.cuda.is_available())
+            include = ([OffloadStateTypeEnum.lp_params, OffloadStateTypeEnum.lp_grads,
+                        OffloadStateTypeEnum.contiguous_grad_buffer] if by_hand else None)
+            self.ds.offload_states(include=include, device=OffloadDeviceEnum.cpu, pin_memory=torch.cuda.is_available())
         else:
             self.ds.reload_states()
+        if by_hand:
+            for flat in zero.fp32_partitioned_groups_flat:
+                flat.data = flat.data.to(device)
+            move_optimizer_state(zero.optimizer, device)
 
 
 def _partitioned(t: torch.Tensor) -> bool:
