@@ -126,7 +126,7 @@ def run_offline(layout: tuple[int, int, int], method: str, device: torch.device,
     config = SimpleNamespace(method=method, preference=PreferenceSpec(beta=0.5),
                              optim=SimpleNamespace(max_tokens_per_micro_batch=24, max_grad_norm=0.3),
                              schedule=SimpleNamespace(prompts_per_step=6))
-    step = OfflineStep(config, model, ref, torch.optim.AdamW(model.parameters(), lr=1e-2), lay, device)
+    step = OfflineStep(config, Fsdp2Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2)), ref, lay, device)
     metrics = step(examples(method), lr_factor=1.0)
     metrics.update({f"eval_{k}": v for k, v in step.evaluate(examples(method)).items()})
     return metrics, model
