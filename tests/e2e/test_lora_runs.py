@@ -1,8 +1,9 @@
 """`model.lora` end to end with `rlhfctl run`: the demo task learned by adapters alone,
 FSDP over 2 processes equal to 1 process, the rollout servers computing with the merged
 weights after every sync (trainer and server log-probs agree), checkpoints of adapters
-only, a SIGKILLed trainer resumed exactly as an uninterrupted run, the exports (peft's
-adapter format, merged for transformers alone, `rlhfctl export`), and the offline methods."""
+(and the head trained whole, `model.lora.modulesToSave`) only, a SIGKILLed trainer resumed
+exactly as an uninterrupted run, the exports (peft's adapter format, merged for
+transformers alone, `rlhfctl export`), and the offline methods."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ EXAMPLE = ROOT / "examples" / "local-grpo.yaml"
 SMALL = ["schedule.promptsPerStep=4", "rollout.samplesPerPrompt=4", "trainer.maxTokensPerMicroBatch=40",
          "rollout.replicas=1"]
 LORA = ["model.lora.rank=8", "model.lora.alpha=16"]
+HEAD = ["model.lora.modulesToSave=[lm_head]"]
+"""The output head trains whole beside the adapters (a copy; the reference keeps the original)."""
 
 pytestmark = pytest.mark.slow
 
@@ -47,12 +50,13 @@ def logits(model, ids=torch.tensor([[3, 4, 5, 13, 6, 7, 8, 15, 9]])) -> torch.Te
         return model.eval()(input_ids=ids).logits
 
 
-def adapter_parameters(config, rank: int) -> int:
-    """r x (in + out) for every linear layer of the decoder (all-linear), from the config."""
+def adapter_parameters(config, rank: int, head: bool = False) -> int:
+    """r x (in + out) for every linear layer of the decoder (all-linear), from the config;
+    with `head`, the output head's vocab x hidden too."""
     h, i, heads, kv = config.hidden_size, config.intermediate_size, config.num_attention_heads, config.num_key_value_heads
     d = h // heads
     shapes = [(h, heads * d), (h, kv * d), (h, kv * d), (heads * d, h), (h, i), (h, i), (i, h)]
-    return config.num_hidden_layers * sum(rank * (a + b) for a, b in shapes)
+    return config.num_hidden_layers * sum(rank * (a + b) for a, b in shapes) + head * config.vocab_size * h
 
 
 def test_lora_learns_the_demo_task(tmp_path):
@@ -72,10 +76,11 @@ def test_lora_learns_the_demo_task(tmp_path):
 
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory) -> dict[str, Path]:
-    """The same LoRA run (KL against the base in the loss, two mini-batches so the trainer's
-    log-probs of the rollouts are computed) on 1 process and on 2 (FSDP)."""
+    """The same LoRA run with the head trained whole (KL against the base in the loss, two
+    mini-batches so the trainer's log-probs of the rollouts are computed) on 1 process and on
+    2 (FSDP)."""
     root = tmp_path_factory.mktemp("lora")
-    common = [*SMALL, *LORA, "algorithm.numMiniBatches=2", "algorithm.klCoef=0.05", "algorithm.klMode=loss",
+    common = [*SMALL, *LORA, *HEAD, "algorithm.numMiniBatches=2", "algorithm.klCoef=0.05", "algorithm.klMode=loss",
               "schedule.totalSteps=3", "schedule.saveEvery=3", "trainer.learningRate=0.01"]
     out = {}
     for name, procs in (("single", 1), ("fsdp2", 2)):
@@ -106,8 +111,8 @@ def test_servers_hold_the_merged_weights_and_the_reference_is_the_base(layouts, 
     for r in rows:
         # trainer (adapters) and server (merged weights, sent after every step) score the sampled tokens alike
         assert r["logprob_mismatch"] < 1e-5, r
-        assert r["trainable_parameters"] == adapter_parameters(config, 8)
-    assert rows[0]["kl"] == 0.0  # B = 0: the policy starts as the reference, the base with adapters off
+        assert r["trainable_parameters"] == adapter_parameters(config, 8, head=True)
+    assert rows[0]["kl"] == 0.0  # B = 0 and the head's copy: the policy starts as the reference, the base
     assert rows[-1]["kl"] > 0.0
 
 
@@ -119,11 +124,14 @@ def test_checkpoints_hold_adapters_and_the_exports_load_with_peft_and_transforme
     out = layouts["fsdp2"]
     step = out / "checkpoints" / "step-3"
     keys = [k for k in dcp.FileSystemReader(str(step)).read_metadata().state_dict_metadata if k.startswith("policy.model.")]
-    assert keys and all(".lora_A." in k or ".lora_B." in k for k in keys)  # the frozen base is not saved
+    # the frozen base (the head's original included) is not saved; the head's trained copy is
+    assert "policy.model.lm_head.modules_to_save.default.weight" in keys
+    assert all(".lora_A." in k or ".lora_B." in k or ".modules_to_save." in k for k in keys)
     base = AutoModelForCausalLM.from_pretrained(out / "builtin-model")
     merged = AutoModelForCausalLM.from_pretrained(out / "final")  # transformers alone
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(out / "builtin-model"), out / "final" / "adapter")
     assert not torch.allclose(logits(merged), logits(base), atol=1e-4)  # trained
+    assert not torch.allclose(merged.lm_head.weight, base.lm_head.weight)  # the head too
     torch.testing.assert_close(logits(adapted), logits(merged), rtol=1e-5, atol=1e-5)
     # rlhfctl export of the last checkpoint is the run's final/, bit for bit (adapters on the recorded base)
     res = rlhfctl("export", str(step), str(out / "exported"))
@@ -177,7 +185,7 @@ def run_killed_once(out: Path, overrides: list[str], at_step: int) -> int:
 
 
 def test_a_sigkilled_lora_run_resumes_exactly_like_an_uninterrupted_one(tmp_path):
-    common = [*SMALL, *LORA, "schedule.saveEvery=2", "schedule.totalSteps=6", "trainer.learningRate=0.01"]
+    common = [*SMALL, *LORA, *HEAD, "schedule.saveEvery=2", "schedule.totalSteps=6", "trainer.learningRate=0.01"]
     straight = run(tmp_path / "straight", *common)
     out = tmp_path / "killed"
     assert run_killed_once(out, common, at_step=2)
@@ -191,6 +199,7 @@ def test_a_sigkilled_lora_run_resumes_exactly_like_an_uninterrupted_one(tmp_path
 
     a = load_file(tmp_path / "straight" / "final" / "adapter" / "adapter_model.safetensors")
     b = load_file(out / "final" / "adapter" / "adapter_model.safetensors")
+    assert "base_model.model.lm_head.weight" in a  # the head's trained copy, restored on resume
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
