@@ -1,6 +1,7 @@
 """Admission: the generated CRD (crds/rlhfjobs.yaml) makes the real API server reject bad
-RLHFJobs at `kubectl apply`, naming the field: OpenAPI constraints and the CEL rules of
-api/rules.py. Server-side dry runs, so nothing is stored."""
+RLHFJobs at `kubectl apply`, naming the field: OpenAPI constraints (the numbers' bounds of
+api/common.py among them) and the CEL rules of api/rules.py. Server-side dry runs, so
+nothing is stored."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import yaml
 
 from rlhf_contract.api import JobError, validate_job
+from rlhf_contract.api.common import INT_MAX
 
 from .harness import Cluster
 
@@ -147,6 +149,63 @@ INVALID = [
      with_("spec.method", "sft", with_("spec.trainer", {"nprocPerNode": 2, "parallelism": {"contextParallel": 2}})),
      ["spec.trainer.parallelism.contextParallel", "must be 1 for method sft"]),
 ]
+
+
+# Numbers (api/common.py): a sample of each kind, each refused by the API server as by
+# `rlhfctl validate`: a float, an int64, a field bounded to what works.
+BAD_NUMBERS = [
+    ("float true", with_("spec.trainer", {"learningRate": True}), ["spec.trainer.learningRate", "must be of type number"]),
+    ("int true", with_("spec.schedule", {"totalSteps": True}), ["spec.schedule.totalSteps", "must be of type integer"]),
+    ("int beyond int64", with_("spec.schedule", {"totalSteps": 2**63}), ["spec.schedule.totalSteps"]),
+    ("int beyond the bound", with_("spec.schedule", {"totalSteps": INT_MAX + 1}), ["spec.schedule.totalSteps"]),
+    ("int 1e30", with_("spec.schedule", {"totalSteps": 1e30}), ["spec.schedule.totalSteps"]),
+    ("negative seed", with_("spec.schedule", {"seed": -1}), ["spec.schedule.seed", "greater than or equal to 0"]),
+    ("seed beyond 2^32", with_("spec.schedule", {"seed": 2**32}), ["spec.schedule.seed", "less than or equal to"]),
+    ("replicas beyond int32", with_("spec.rollout", {"replicas": 2**31}),
+     ["spec.rollout.replicas", "less than or equal to"]),
+    ("temperature 0", with_("spec.rollout", {"temperature": 0}), ["spec.rollout.temperature", "greater than 0"]),
+    ("batch of 0", with_("spec.schedule", {"promptsPerStep": 0}), ["spec.schedule.promptsPerStep", "greater than or equal to 1"]),
+    ("timeout beyond int32 seconds", with_("spec.rollout", {"requestTimeoutSeconds": 1e12}),
+     ["spec.rollout.requestTimeoutSeconds", "less than or equal to"]),
+    ("component weight 1e7", with_("spec.reward", {"type": "math", "components": [
+        {"name": "fmt", "type": "exact_match", "weight": 1e7}]}), ["spec.reward.components[0].weight", "less than or equal to"]),
+    ("tensor parallel with the critic", with_("spec.algorithm", {"preset": "ppo"}, with_(
+        "spec.trainer", {"nprocPerNode": 2, "parallelism": {"tensorParallel": 2}})),
+     ["spec.trainer.parallelism.tensorParallel", "must be 1 with algorithm.critic"]),
+    ("tensor parallel with a reward model", with_("spec.reward", {"type": "model", "model": {"path": "/rm"}}, with_(
+        "spec.trainer", {"nprocPerNode": 2, "parallelism": {"tensorParallel": 2}})),
+     ["spec.trainer.parallelism.tensorParallel", "must be 1 with reward.model"]),
+]
+GOOD_NUMBERS = [
+    with_("spec.schedule", {"totalSteps": INT_MAX, "seed": 2**32 - 1, "promptsPerStep": 2**31 - 1}),
+    with_("spec.rollout", {"temperature": 1e-3, "requestTimeoutSeconds": 2**31 - 1, "replicas": 2**31 - 1,
+                           "samplesPerPrompt": 2}),
+    with_("spec.trainer", {"learningRate": 1e-300, "maxGradNorm": 1e300, "nprocPerNode": 2,
+                           "parallelism": {"tensorParallel": 2}}),
+    with_("spec.reward", {"type": "math", "components": [{"name": "fmt", "type": "exact_match", "weight": -1e6}]}),
+]
+
+
+@pytest.mark.parametrize("what, doc, expected", BAD_NUMBERS, ids=[w for w, _, _ in BAD_NUMBERS])
+def test_bad_numbers_are_refused_as_by_rlhfctl(cluster: Cluster, ns: str, what, doc, expected):
+    test_invalid_spec_is_rejected_naming_the_field(cluster, ns, what, doc, expected)
+
+
+@pytest.mark.parametrize("doc", GOOD_NUMBERS)
+def test_good_numbers_at_the_bounds_are_accepted(cluster: Cluster, ns: str, doc):
+    validate_job(copy.deepcopy(doc))
+    proc = dry_run(cluster, ns, doc)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf"])
+def test_nan_and_infinity_cannot_reach_the_api_server(cluster: Cluster, ns: str, value):
+    """JSON has no NaN or infinity: kubectl cannot send them (the models refuse them too)."""
+    text = yaml.safe_dump(VALID).replace("spec:\n", f"spec:\n  trainer: {{learningRate: {value}}}\n", 1)
+    with pytest.raises(JobError):
+        validate_job(yaml.safe_load(text))
+    proc = cluster.kubectl("create", "--dry-run=server", "-n", ns, "-f", "-", input=text, check=False)
+    assert proc.returncode != 0, proc.stdout
 
 
 @pytest.mark.parametrize("what, doc, expected", INVALID, ids=[w for w, _, _ in INVALID])

@@ -4,7 +4,7 @@ unknown fields refused, numbers checked as the API server checks them), Kubernet
 and objects, and the pod template fields.
 
 Numbers: every `int` or `float` field of a `SpecModel` refuses a boolean, NaN and infinity,
-and an integer outside int64 (what the API server stores); `ApiJsonSchema` puts the same
+and an integer outside int64 (what the API server stores; `INT_MAX`); `ApiJsonSchema` puts the same
 int64 bounds into the CRD. Bounds that make a value work (a batch of at least 1) stay on
 each field. This module does not check cross-field rules (rules.py does).
 """
@@ -32,8 +32,10 @@ PLURAL = "rlhfjobs"
 SHORT_NAME = "rlj"
 MAX_NAME_LENGTH = 40  # `<name>-rollout-<hash>` and `<name>-trainer-worker-N` stay within 63
 
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-"""The integers the API server stores (a CRD integer is an int64)."""
+INT_MIN, INT_MAX = -(2**63), 2**63 - 1024
+"""The integers a spec field may hold: int64, as the API server stores them, with the top
+end rounded down to a float64 (a CRD's `maximum` is one: 2**63 - 1 would round up to 2**63,
+which the API server reads back as int64's minimum and then refuses every value)."""
 INT32_MAX = 2**31 - 1
 """Kubernetes' own counts are int32 (replicas, a probe's failureThreshold, JobSet's
 maxRestarts): a spec field that becomes one is bounded by this."""
@@ -106,8 +108,8 @@ class SpecModel(BaseModel):
 
 
 def _int64(value: int | float) -> int | float:
-    if not INT64_MIN <= value <= INT64_MAX:
-        raise ValueError(f"must be between {INT64_MIN} and {INT64_MAX} (the API server stores int64)")
+    if not INT_MIN <= value <= INT_MAX:
+        raise ValueError(f"must be between {INT_MIN} and {INT_MAX} (the API server stores int64)")
     return value
 
 
@@ -118,9 +120,9 @@ class ApiJsonSchema(GenerateJsonSchema):
         out = super().int_schema(schema)
         out["format"] = "int64"
         if "minimum" not in out and "exclusiveMinimum" not in out:
-            out["minimum"] = INT64_MIN
+            out["minimum"] = INT_MIN
         if "maximum" not in out and "exclusiveMaximum" not in out:
-            out["maximum"] = INT64_MAX
+            out["maximum"] = INT_MAX
         return out
 
 
