@@ -27,13 +27,13 @@ def main() -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     config = TrainerConfig.from_json(Path(os.environ[ENV_TRAINER_CONFIG]).read_text())
     endpoints = [e for e in os.environ.get(ENV_ROLLOUT_ENDPOINTS, "").split(",") if e]
-    if not endpoints and config.method == "rl":
+    if not endpoints and not config.method.offline:
         raise SystemExit(f"{ENV_ROLLOUT_ENDPOINTS} is empty: the trainer needs at least one rollout server")
     info = init_distributed(timeout_s=collective_timeout_s(config))
     output_dir = os.environ.get(ENV_OUTPUT_DIR) or config.output.dir or "/output"
     try:
         config = with_checkpointing_decided(config, info.world_size, info.device)  # once, before any model loads
-        if config.method == "rl":
+        if not config.method.offline:
             from .rl.loop import RunLoop
 
             loop = RunLoop(config, info, endpoints=endpoints, weight_sync_addr=os.environ[ENV_WEIGHT_SYNC_ADDR],
