@@ -22,6 +22,7 @@ from typing import Any
 import kopf
 
 from rlhf_contract.api.models import API_GROUP, API_VERSION, PLURAL
+from rlhf_contract.exit_codes import ExitCode
 
 from . import health, metrics
 from .health import Heartbeat
@@ -181,7 +182,7 @@ def run(namespaces: list[str], *, metrics_port: int = 8080, lease_namespace: str
 
     def lost() -> None:
         log.error("lost the leader lease; exiting so that only one operator acts")
-        os._exit(1)
+        os._exit(ExitCode.FAILED)
 
     STATE.queue.start()
     threading.Thread(target=lease.hold, args=(stop, lost), daemon=True, name="lease").start()
