@@ -65,7 +65,8 @@ def test_lora_learns_the_demo_task(tmp_path):
     built-in model's output head and final norm are random and frozen under LoRA, which
     caps p(answer) near 0.19 at temperature 1 (|h| = 8 after the norm, head rows of norm
     ~0.16: logits within +-1.3); adapters cannot sharpen the distribution beyond that, a
-    pretrained head can. LoRA's usual ~3x learning rate."""
+    pretrained head can (or `model.lora.modulesToSave: [lm_head]`: examples/local-grpo-lora.yaml).
+    LoRA's usual ~3x learning rate."""
     rows = run(tmp_path / "run", "model.lora.rank=16", "trainer.learningRate=0.003", "rollout.temperature=0.25",
                "rollout.maxTokens=1", "algorithm.klCoef=0", "schedule.totalSteps=120", "schedule.saveEvery=0",
                "rollout.replicas=1")
