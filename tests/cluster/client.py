@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import yaml
@@ -58,6 +59,21 @@ class KubeClient:
         if check and proc.returncode != 0:
             raise ClusterError(f"kubectl {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
         return proc
+
+    def wait_established(self, crd: str, timeout_s: float = 60) -> None:
+        """Wait until a CRD serves. `kubectl wait` fails at once (".status.conditions
+        accessor error") when it reads the CRD before the API server wrote any condition:
+        that answer is retried, any other failure raised."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = max(int(deadline - time.monotonic()), 1)
+            proc = self.kubectl("wait", "--for=condition=Established", f"--timeout={left}s", f"crd/{crd}",
+                                check=False)
+            if proc.returncode == 0:
+                return
+            if "accessor error" not in proc.stderr or time.monotonic() > deadline:
+                raise ClusterError(f"crd/{crd} not Established ({proc.returncode}):\n{proc.stderr}")
+            time.sleep(0.2)
 
     def helm(self, *args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
         proc = subprocess.run([self.bin("helm"), f"--kubeconfig={self.kubeconfig}", *args],

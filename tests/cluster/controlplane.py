@@ -276,8 +276,7 @@ class Cluster(KubeClient, FakeNodes):
                            "operations": ["CREATE", "UPDATE"], "resources": ["pytorchjobs"]}],
             }],
         })
-        self.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                     "crd/pytorchjobs.kubeflow.org")
+        self.wait_established("pytorchjobs.kubeflow.org")
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "MY_POD_NAMESPACE": pki.TO_NAMESPACE}
         self._spawn("training-operator", [
             self.bin("training-operator"),
@@ -325,7 +324,7 @@ class Cluster(KubeClient, FakeNodes):
             "metrics": {"bindAddress": "0"},
             "health": {"healthProbeBindAddress": f"127.0.0.1:{self.ports['js_health']}"},
         }))
-        self.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/jobsets.jobset.x-k8s.io")
+        self.wait_established("jobsets.jobset.x-k8s.io")
         self._spawn("jobset", [self.bin("jobset"), f"--config={config}", "--zap-log-level=info"],
                     env={**os.environ, "KUBECONFIG": str(self.kubeconfig)})
         wait_for(lambda: self._check_alive("jobset")

@@ -26,7 +26,7 @@ CRD = REPO / "crds" / "rlhfjobs.yaml"
 
 def install_crd(cluster: Cluster) -> None:
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "--field-manager=rlhf-tests", "-f", str(CRD))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/rlhfjobs.rlhf.dev")
+    cluster.wait_established("rlhfjobs.rlhf.dev")
 
 
 @pytest.fixture(scope="module")
