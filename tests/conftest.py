@@ -14,21 +14,24 @@ import httpx
 import pytest
 from rlhf_launcher.local import free_port  # noqa: E402  (one definition)
 
-TESTS = Path(__file__).resolve().parent
-SHARED_TIERS = {"cluster"}
+SHARED_TIERS = ("tests/cluster/",)
 """Tiers whose tests share one session-wide process group (tests/cluster/: the control
 plane), so they run on one worker."""
 
 
-def pytest_collection_modifyitems(config, items):
-    """`make test` runs two pytest-xdist workers with `--dist loadgroup`: each file's tests
-    run on one worker (a module fixture, such as a torchrun of every case, is built once),
-    and the tiers of SHARED_TIERS on one worker (one control plane). Without xdist the
-    marker does nothing."""
-    for item in items:
-        rel = Path(str(item.fspath)).resolve().relative_to(TESTS)
-        group = rel.parts[0] if rel.parts[0] in SHARED_TIERS else rel.as_posix()
-        item.add_marker(pytest.mark.xdist_group(group))
+def pytest_xdist_make_scheduler(config, log):
+    """`make test` runs two pytest-xdist workers: each file's tests run on one worker (a
+    module fixture, such as a torchrun of every case, is built once) and the tiers of
+    SHARED_TIERS on one worker (one control plane). (A scheduler of our own: pytest 9.2
+    ignores the node ids that xdist 3.8's `--dist loadgroup` rewrites.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return next((tier for tier in SHARED_TIERS if path.startswith(tier)), path)
+
+    return FileScheduling(config, log)
 
 
 @pytest.fixture(scope="session")
