@@ -53,11 +53,13 @@ def test_helm_install_then_the_operator_with_the_chart_permissions_runs_a_job(cl
         changed = tmp_path / "chart"
         shutil.copytree(CHART, changed)
         crd_file = changed / "files" / "rlhfjobs.crd.yaml"
-        assert "description: Sampling temperature." in crd_file.read_text()
-        crd_file.write_text(crd_file.read_text().replace("description: Sampling temperature.",
-                                                         "description: Sampling temperature (changed by an upgrade)."))
-        for chart, expected in ((changed, "Sampling temperature (changed by an upgrade)."),
-                                (CHART, "Sampling temperature.")):
+        new = yaml.safe_load(crd_file.read_text())
+        temperature = new["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"][
+            "rollout"]["properties"]["temperature"]
+        original = temperature["description"]
+        temperature["description"] = original + " (changed by an upgrade)"
+        crd_file.write_text(yaml.safe_dump(new, sort_keys=False))
+        for chart, expected in ((changed, temperature["description"]), (CHART, original)):
             out = cluster.helm("upgrade", release, str(chart), "--namespace", release_ns,
                                "--set", f"watchNamespaces={{{jobs_ns}}}", "--wait=false")
             assert out.returncode == 0, out.stderr

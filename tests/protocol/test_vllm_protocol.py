@@ -268,7 +268,7 @@ def test_rank_offsets_and_world_size_across_tensor_parallel_servers():
     def serve(world_size: int) -> http.server.ThreadingHTTPServer:
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):
-                replies = {"/get_world_size": {"world_size": world_size},
+                replies = {"/version": {"version": "0.33.0"}, "/get_world_size": {"world_size": world_size},
                            "/server_info": {"vllm_config": {"weight_transfer_config": {"backend": "gloo"}}}}
                 body = json.dumps(replies.get(self.path.split("?")[0], {})).encode()
                 self.send_response(200)
