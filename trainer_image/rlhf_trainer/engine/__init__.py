@@ -26,10 +26,6 @@ def engine_type(optim) -> type[Engine]:
 def load_models(config, info, **kwargs) -> tuple[torch.nn.Module, torch.nn.Module | None, Any]:
     """Load and lay out the job's models for its engine (models/loading.py `load_models`
     under FSDP2, engine/zero.py `load_for_zero` under DeepSpeed): (trained, reference, layout)."""
-    if engine_type(config.optim) is Fsdp2Engine:
-        from ..models.loading import load_models as load_fsdp2
-
-        return load_fsdp2(config, info, **kwargs)
     return engine_type(config.optim).load_models(config, info, **kwargs)
 
 

@@ -44,6 +44,12 @@ class Engine(ABC):
         self.adapter = adapter
         self.offloaded = False
 
+    @classmethod
+    @abstractmethod
+    def load_models(cls, config, info, **kwargs) -> tuple[torch.nn.Module, torch.nn.Module | None, Any]:
+        """Load and lay out the job's models as this engine trains them: (trained,
+        reference, layout)."""
+
     # ---- one optimizer step ---------------------------------------------------------
 
     @abstractmethod
@@ -69,14 +75,6 @@ class Engine(ABC):
         """Set every parameter group's rate to `factor` x its base rate (kept in `initial_lr`)."""
         for group in self.param_groups:
             group["lr"] = group.setdefault("initial_lr", group["lr"]) * factor
-
-    def train(self) -> None:
-        self._check_loaded("train")
-        self.model.train()
-
-    def eval(self) -> None:
-        self._check_loaded("eval")
-        self.model.eval()
 
     # ---- checkpoints ------------------------------------------------------------------
 

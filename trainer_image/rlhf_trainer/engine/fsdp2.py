@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from ..models.loading import load_models
 from ..parallel.grad_norm import clip_grad_norm
 from .base import Engine, move_optimizer_state
 
@@ -44,6 +45,11 @@ class Fsdp2Engine(Engine):
         from ..optim import adamw
 
         return cls(model, adamw(model, optim, learning_rate), adapter=adapter)
+
+    @classmethod
+    def load_models(cls, config, info, **kwargs):
+        """models/loading.py's layout (TP, CP, checkpointing, `fully_shard`, sharded loading)."""
+        return load_models(config, info, **kwargs)
 
     @property
     def param_groups(self) -> list[dict]:
