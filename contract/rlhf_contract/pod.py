@@ -77,6 +77,7 @@ def serve_command(spec: RLHFJobSpec, *, model_path: str, host: str, port: int, n
             # `auto`: float32, the trainer's master weights (vLLM's `auto` serves a float32
             # checkpoint in bfloat16: tests/vllm checks the explicit choice against it)
             *(["--dtype", spec.model.dtype] if spec.model.dtype != "auto" else []),
+            *(["--enable-sleep-mode"] if r.placement == "colocated" else []),
         ]
     return [
         "vllm", "serve", model_path, "--host", host, "--port", str(port),
@@ -88,6 +89,7 @@ def serve_command(spec: RLHFJobSpec, *, model_path: str, host: str, port: int, n
         "--generation-config", "vllm",
         "--weight-transfer-config", json.dumps({"backend": "nccl"}),
         "--logprobs-mode", LOGPROBS_MODE,
+        *(["--enable-sleep-mode"] if r.placement == "colocated" else []),
         *vllm_flags(r.vllm),
     ]
 

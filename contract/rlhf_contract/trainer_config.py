@@ -16,7 +16,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from .api.common import SpecModel
-from .api.models import (AlgorithmSpec, DataSpec, DeepSpeedSpec, EnvironmentSpec, EvaluationSpec, LoraSpec, Method, ModelSpec, ParallelismSpec, PreferenceSpec, RewardSpec,
+from .api.models import (AlgorithmSpec, ColocatedSpec, DataSpec, DeepSpeedSpec, EnvironmentSpec, EvaluationSpec, LoraSpec, Method, ModelSpec, ParallelismSpec, PreferenceSpec, RewardSpec,
                          RLHFJob, RLHFJobSpec, RolloutSpec, ScheduleSpec, TrackingSpec, TrainerSpec)
 from .api.rules import violations
 
@@ -42,6 +42,9 @@ class SamplingConfig(_Config):
     """Top-k; -1 disables it."""
     max_staleness: int = Field(default=0, ge=0)
     """Policy versions a sample may lag behind the trainer (0: synchronous)."""
+    colocated: ColocatedSpec | None = None
+    """Set when the rollout servers share the trainer's devices (`rollout.placement:
+    colocated`): they sleep while it trains."""
 
 
 class OptimConfig(_Config):
@@ -153,7 +156,8 @@ class TrainerConfig(_Config):
             data=s.data, reward=s.reward, environment=s.environment, algorithm=algorithm,
             sampling=SamplingConfig(samples_per_prompt=r.samples_per_prompt, max_tokens=r.max_tokens,
                                     temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                    max_staleness=r.max_staleness),
+                                    max_staleness=r.max_staleness,
+                                    colocated=r.colocated if r.placement == "colocated" else None),
             optim=OptimConfig(learning_rate=t.learning_rate, weight_decay=t.weight_decay,
                               max_grad_norm=t.max_grad_norm, lr_scheduler=t.lr_scheduler, warmup_steps=t.warmup_steps,
                               min_learning_rate_ratio=t.min_learning_rate_ratio,
@@ -183,7 +187,8 @@ class TrainerConfig(_Config):
             preference=self.preference, evaluation=self.evaluation,
             rollout=RolloutSpec.model_construct(samples_per_prompt=s.samples_per_prompt, max_tokens=s.max_tokens,
                                                 temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                                max_staleness=s.max_staleness),
+                                                max_staleness=s.max_staleness,
+                                                placement="colocated" if s.colocated else "separate"),
             trainer=TrainerSpec.model_construct(num_nodes=1, nproc_per_node=world_size, parallelism=o.parallelism,
                                                 max_tokens_per_micro_batch=o.max_tokens_per_micro_batch,
                                                 engine=o.engine, deepspeed=o.deepspeed))

@@ -145,6 +145,8 @@ INVALID = [
     ("parameter offload at zero stage 2",
      with_("spec.trainer", {"engine": "deepspeed", "deepspeed": {"zeroStage": 2, "offloadParams": True}}),
      ["spec.trainer.deepspeed.offloadParams", "parameter offload needs ZeRO stage 3"]),
+    ("colocated and stale", with_("spec.rollout", {"placement": "colocated", "maxStaleness": 1}),
+     ["spec.rollout.maxStaleness", "must be 0 with rollout.placement colocated"]),
     ("sft with context parallel",
      with_("spec.method", "sft", with_("spec.trainer", {"nprocPerNode": 2, "parallelism": {"contextParallel": 2}})),
      ["spec.trainer.parallelism.contextParallel", "must be 1 for method sft"]),
@@ -216,6 +218,13 @@ def test_invalid_spec_is_rejected_naming_the_field(cluster: Cluster, ns: str, wh
     assert proc.returncode != 0, f"{what}: accepted by the API server"
     for text in expected:
         assert text in proc.stderr, f"{what}: {text!r} not in {proc.stderr!r}"
+
+
+def test_a_colocated_job_runs_locally_but_the_api_server_refuses_it_for_now(cluster: Cluster, ns: str):
+    doc = with_("spec.rollout", {"placement": "colocated"})
+    validate_job(copy.deepcopy(doc))  # a valid job: `rlhfctl run` runs it
+    proc = dry_run(cluster, ns, doc)
+    assert proc.returncode != 0 and "spec.rollout.placement: colocated runs in local mode only" in proc.stderr
 
 
 def test_spec_is_immutable_but_suspend_and_run_policy(cluster: Cluster, ns: str):

@@ -16,7 +16,7 @@ from rlhf_launcher.local import free_port
 
 @pytest.fixture(scope="session")
 def engine(start_engines, tiny_model_dir):
-    with start_engines(tiny_model_dir, 1) as urls:
+    with start_engines(tiny_model_dir, 1, "--enable-sleep-mode") as urls:  # colocated runs use it too
         yield urls[0]
 
 

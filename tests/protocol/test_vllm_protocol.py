@@ -257,6 +257,25 @@ def test_serve_command_for_every_dtype_is_accepted():
         assert dict(_flags(command))["--dtype"] in FACTS["serve_options"]["--dtype"]
 
 
+def test_a_colocated_jobs_servers_get_sleep_mode_from_flags_vllms_parser_accepts():
+    """Colocated placement: `--enable-sleep-mode` (vLLM's /sleep and /wake_up routes, with
+    VLLM_SERVER_DEV_MODE=1); refused in extraArgs, where it would bypass the placement."""
+    from rlhf_contract.api.load import JobError, validate_job
+
+    doc = yaml.safe_load((ROOT / "examples/rlhfjob.yaml").read_text())
+    separate = validate_job(doc)
+    doc["spec"]["rollout"]["placement"] = "colocated"
+    job = validate_job(doc)
+    command = serve_command(job.spec, model_path="/m", host="h", port=1, name="n")
+    assert "--enable-sleep-mode" in command
+    assert "--enable-sleep-mode" not in serve_command(separate.spec, model_path="/m", host="h", port=1, name="n")
+    for flag, value in _flags(command):
+        assert flag in FACTS["serve_options"], flag
+    doc["spec"]["rollout"]["vllm"] = {"extraArgs": ["--enable-sleep-mode"]}
+    with pytest.raises(JobError, match="rollout.placement"):
+        validate_job(doc)
+
+
 def test_rank_offsets_and_world_size_across_tensor_parallel_servers():
     """Two servers with 2 and 4 workers (tensorParallelSize): world = 1 + 2 + 4, the
     second server's workers start at rank 3 (vLLM ranks a worker rank_offset + its rank)."""

@@ -10,7 +10,7 @@ import yaml
 
 from rlhf_contract.api import JobError, RLHFJob, load_job, validate_job
 from rlhf_contract.api.crd import crd, crd_yaml
-from rlhf_contract.api.rules import IMMUTABLE_FIELDS, MUTABLE_FIELDS, RULES
+from rlhf_contract.api.rules import CLUSTER_RULES, IMMUTABLE_FIELDS, MUTABLE_FIELDS, RULES
 from rlhf_launcher.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -145,7 +145,9 @@ def test_crd_is_structural_and_carries_the_rules():
     spec = schema["properties"]["spec"]
     rules = [v["rule"] for v in spec["x-kubernetes-validations"]]
     assert rules[:len(RULES)] == [r.cel for r in RULES]
-    transitions = spec["x-kubernetes-validations"][len(RULES):]
+    n = len(RULES) + len(CLUSTER_RULES)  # then what the operator cannot build yet
+    assert rules[len(RULES):n] == [r.cel for r in CLUSTER_RULES]
+    transitions = spec["x-kubernetes-validations"][n:]
     *transitions, jobset_budget = transitions
     assert jobset_budget["fieldPath"] == ".runPolicy" and "oldSelf" in jobset_budget["rule"]
     assert [t["fieldPath"] for t in transitions] == [f".{f}" for f in IMMUTABLE_FIELDS]

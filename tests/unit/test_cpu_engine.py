@@ -267,6 +267,12 @@ def test_pause_wait_and_abort_reject_new_requests_with_503_until_resume(engine_u
     assert _completion(engine_url).status_code == 200
 
 
+def test_sleep_needs_the_sleep_mode_flag_as_vllm(engine_url):
+    reply = httpx.post(engine_url + "/sleep", params={"level": 1}, timeout=30)
+    assert reply.status_code == 400 and "--enable-sleep-mode" in reply.text
+    assert httpx.get(engine_url + "/is_sleeping").json() == {"is_sleeping": False}
+
+
 def test_reset_prefix_cache_succeeds_when_idle_and_is_counted(engine_url):
     before = httpx.get(engine_url + "/stats").json()["prefix_cache_resets"]
     assert httpx.post(engine_url + "/reset_prefix_cache").json() == {"success": True}

@@ -19,7 +19,7 @@ from .common import ApiJsonSchema
 from .models import (
     API_GROUP, API_VERSION, KIND, MAX_NAME_LENGTH, PLURAL, SHORT_NAME, RLHFJobSpec, RLHFJobStatus, RunPolicy,
 )
-from .rules import IMMUTABLE_FIELDS, MUTABLE_FIELDS, RULES, immutable_cel
+from .rules import CLUSTER_RULES, IMMUTABLE_FIELDS, MUTABLE_FIELDS, RULES, immutable_cel
 
 _DROP = {"title", "additionalProperties"}
 
@@ -73,7 +73,7 @@ def spec_schema() -> dict[str, Any]:
     schema = _schema(RLHFJobSpec)
     schema["x-kubernetes-validations"] = [
         {"rule": r.cel, "message": f"spec.{r.field_path}: {r.message}", "fieldPath": f".{r.field_path}"}
-        for r in RULES
+        for r in (*RULES, *CLUSTER_RULES)
     ] + [
         {"rule": immutable_cel(f), "fieldPath": f".{f}",
          "message": f"spec.{f} cannot change once the job exists (only "

@@ -137,6 +137,14 @@ RULES: tuple[Rule, ...] = (
         check=lambda s: (s.data.path == "builtin://gem") == (s.environment is not None and s.environment.gem is not None),
     ),
     required_for_reward("http", "url", "the reward service endpoint"),
+    Rule(
+        field_path="rollout.maxStaleness",
+        cel="self.rollout.placement != 'colocated' || self.rollout.maxStaleness == 0",
+        message="must be 0 with rollout.placement colocated: colocated servers sleep while the trainer "
+        "trains, so nothing is generated ahead; use placement separate to overlap generation and training",
+        check=lambda s: s.rollout.placement != "colocated" or s.rollout.max_staleness == 0,
+        detail=lambda s: f"got {s.rollout.max_staleness}",
+    ),
     required_for_component("python", "file", "the file defining the reward function"),
     required_for_component("http", "url", "the reward service endpoint"),
     Rule(
@@ -267,6 +275,20 @@ so the operator only ignores them)."""
 MUTABLE_FIELDS: tuple[str, ...] = ("suspend", "runPolicy")
 """Spec fields an update may change: the operator acts on them at once (suspend scales
 everything to zero; runPolicy's budget, deadline and TTL are read on every reconcile)."""
+
+CLUSTER_RULES: tuple[Rule, ...] = (
+    Rule(
+        field_path="rollout.placement",
+        cel="self.rollout.placement != 'colocated'",
+        message="colocated runs in local mode only (rlhfctl run) in this release: on a cluster the servers "
+        "would need the trainer pods' own GPUs and CUDA IPC weight transfer, which the operator does not "
+        "build yet; use placement separate",
+        check=lambda s: s.rollout.placement != "colocated",
+    ),
+)
+"""Rules of what the operator can build (the CRD's CEL and the operator's builders), not of
+what a job means: local mode runs these jobs."""
+
 
 IMMUTABLE_FIELDS: tuple[str, ...] = ("method", "model", "data", "reward", "environment", "algorithm", "rollout",
                                      "trainer", "schedule", "output", "pod", "sandboxService", "preference",

@@ -23,6 +23,7 @@ OWN_SERVE_FLAGS = {
     "--max-num-batched-tokens": "rollout.vllm.maxNumBatchedTokens",
     "--enable-prefix-caching": "rollout.vllm.enablePrefixCaching",
     "--no-enable-prefix-caching": "rollout.vllm.enablePrefixCaching", "--enforce-eager": "rollout.vllm.enforceEager",
+    "--enable-sleep-mode": "rollout.placement",
 }
 
 
@@ -63,6 +64,20 @@ class VllmSpec(SpecModel):
                 raise ValueError(f"{flag} is not an option of vLLM {VLLM_VERSION}'s `vllm serve`"
                                  + (f" (similar: {', '.join(close)})" if close else ""))
         return args
+
+
+class ColocatedSpec(SpecModel):
+    """How colocated rollout servers (`rollout.placement: colocated`) and the trainer take turns
+    on the same devices."""
+
+    sleep_level: Literal[1, 2] = 2
+    """The servers' sleep while the trainer trains (vLLM `POST /sleep?level=`): 2 discards
+    their weights and KV cache (the trainer then pushes every weight before they generate
+    again); 1 keeps a copy of their weights in host memory (host RAM of one model copy per
+    server)."""
+    offload_trainer: bool = True
+    """Move the trainer's parameters and optimizer state to host memory while the servers
+    generate (through the training engine), and back before the update."""
 
 
 class RolloutSpec(SpecModel):
@@ -108,6 +123,12 @@ class RolloutSpec(SpecModel):
     train). k >= 1: the rollouts of the next k steps are generated while the trainer trains
     (weights are pushed between requests), stale samples are corrected by truncated
     importance sampling (`algorithm.tisCap`, 2.0 when unset)."""
+    placement: Literal["separate", "colocated"] = "separate"
+    """`separate`: the rollout servers have devices of their own. `colocated`: they share the
+    trainer's devices and take turns with it: generate, sleep while the trainer trains, wake
+    for the weight update (synchronous only; local mode only for now)."""
+    colocated: ColocatedSpec = Field(default_factory=ColocatedSpec)
+    """Sleep level and trainer offload of `placement: colocated`."""
 
 
 class ParallelismSpec(SpecModel):

@@ -41,6 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "generation_config.json (as vLLM); 'vllm': neutral defaults")
     p.add_argument("--logprobs-mode", default="raw_logprobs", choices=["raw_logprobs", "processed_logprobs"],
                    help="as vLLM: log-probs before or after temperature / top-k / top-p")
+    p.add_argument("--enable-sleep-mode", action="store_true",
+                   help="as vLLM: POST /sleep and /wake_up (the trainer's colocated placement)")
     p.add_argument("--log-level", default="warning")
     return p.parse_args(argv)
 
@@ -69,7 +71,8 @@ def main(argv: list[str] | None = None) -> None:
                     max_model_len=args.max_model_len, logprobs_mode=args.logprobs_mode)
     app = build_app(engine, model_name=args.served_model_name or args.model,
                     model_path=args.model, weight_timeout_s=args.weight_transfer_timeout,
-                    generation_defaults=generation_defaults(args.model, args.generation_config))
+                    generation_defaults=generation_defaults(args.model, args.generation_config),
+                    enable_sleep_mode=args.enable_sleep_mode)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:

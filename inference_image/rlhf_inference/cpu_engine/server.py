@@ -11,6 +11,7 @@ VLLM_SERVER_DEV_MODE=1; tests/protocol/ checks them against its source):
        /update_weights {"update_info": {...}}, /finish_weight_update {"weight_version"},
        /update_weight_version {"new_version"}, /weight_checker {"action", "baseline"}
   GET  /stats   (CPU engine only: counters, e.g. forward passes, to check batching)
+  POST /sleep, /wake_up; GET /is_sleeping (with --enable-sleep-mode: sleep.py)
 
 The weight-update state machine is vLLM's worker's (`gpu_worker.py`): update_weights
 needs an active update (start_weight_update), start needs none active, finish needs one,
@@ -43,6 +44,7 @@ from rlhf_contract.images import VLLM_VERSION
 from . import protocol
 from .engine import PAUSE_MODES, Engine
 from .protocol import RequestError, error_body
+from .sleep import Sleeper, SleepStateError, sleep_router
 from .weights import InitInfo, UpdateInfo, WeightReceiver, WeightUpdateError, copy_into
 
 WEIGHT_TRANSFER_BACKEND = "gloo"  # what /server_info reports as weight_transfer_config.backend
@@ -62,6 +64,7 @@ class ServerState:
     model_name: str
     model_path: str
     receiver: WeightReceiver
+    sleeper: Sleeper
     version: str = VLLM_VERSION
     generation_defaults: dict = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -106,7 +109,8 @@ def add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(str(exc), exc.param, 400), status_code=400)
 
     @app.exception_handler(WeightStateError)
-    async def _state_error(_: Request, exc: WeightStateError):
+    @app.exception_handler(SleepStateError)
+    async def _state_error(_: Request, exc: RuntimeError):
         return JSONResponse(error_body(str(exc), None, 500), status_code=500)
 
     @app.exception_handler(Exception)
@@ -152,6 +156,7 @@ def openai_router(s: ServerState) -> APIRouter:
         if req.model is not None and req.model != s.model_name:
             raise RequestError(f"The model `{req.model}` does not exist.", "model", 404)
         protocol.validate(req, vocab_size=engine.vocab_size)
+        s.sleeper.check_generate()
         if engine.rejects_new_requests:
             raise RequestError("The engine is paused for a weight update; retry after /resume", None, 503)
         prompts = protocol.prompts_as_ids(req, engine.tokenizer, engine.vocab_size,
@@ -201,7 +206,7 @@ def control_router(s: ServerState) -> APIRouter:
 
     @router.get("/stats")
     async def stats():
-        return {**engine.stats(), "weight_update_active": s.update_active,
+        return {**engine.stats(), "weight_update_active": s.update_active, "sleep": s.sleeper.stats(),
                 "prefix_cache_resets": s.prefix_cache_resets, "weight_calls": list(s.calls)}
 
     return router
@@ -243,12 +248,17 @@ def weight_transfer_router(s: ServerState) -> APIRouter:
         if not s.update_active:
             raise WeightStateError("start_weight_update must be called before update_weights.")
         try:
+            s.sleeper.check_weight_update()
             info = UpdateInfo.parse(update_info)
             targets = engine.named_weights()
 
             def receive() -> None:
                 with engine.hold():
-                    receiver.receive(info, targets, lambda pairs: copy_into(targets, pairs))
+                    receiver.receive(info, targets, load)
+
+            def load(pairs) -> None:
+                copy_into(targets, pairs)
+                s.sleeper.loaded(name for name, _ in pairs)
 
             async with s.weight_lock:
                 await asyncio.to_thread(receive)
@@ -267,6 +277,7 @@ def weight_transfer_router(s: ServerState) -> APIRouter:
         if not s.update_active:
             raise WeightStateError("finish_weight_update called without a matching start_weight_update.")
         s.update_active = False
+        s.sleeper.weight_update_finished()
         if version is not None:
             engine.weight_version = version
         return {"message": "Weight update finished"}
@@ -316,11 +327,12 @@ def weight_info_router(s: ServerState) -> APIRouter:
 
 def build_app(engine: Engine, *, model_name: str, model_path: str,
               weight_timeout_s: float = 600.0, version: str = VLLM_VERSION,
-              generation_defaults: dict | None = None) -> FastAPI:
+              generation_defaults: dict | None = None, enable_sleep_mode: bool = False) -> FastAPI:
     app = FastAPI(title="rlhf-operator CPU rollout engine")
-    state = ServerState(engine, model_name, model_path, WeightReceiver(timeout_s=weight_timeout_s), version,
-                        generation_defaults or {})
+    state = ServerState(engine, model_name, model_path, WeightReceiver(timeout_s=weight_timeout_s),
+                        Sleeper(engine, enable_sleep_mode), version, generation_defaults or {})
     add_error_handlers(app)
     for router in (openai_router, control_router, weight_transfer_router, weight_info_router):
         app.include_router(router(state))
+    app.include_router(sleep_router(state.sleeper))
     return app

@@ -66,6 +66,11 @@ class PodSettings:
                 f"metadata.annotations[{POD_SETTINGS_ANNOTATION}] is no longer read: move its keys to spec.pod "
                 "(nodeSelector, tolerations, affinity, priorityClassName, imagePullSecrets, volumes, volumeMounts) "
                 "and delete the annotation")
+        from rlhf_contract.api.rules import CLUSTER_RULES
+
+        for rule in CLUSTER_RULES:
+            if not rule.check(job.spec):
+                raise PodSettingsError(rule.problem())
         p = job.spec.pod
         names = {v["name"] for v in p.volumes}
         taken = sorted(names & set(RESERVED_VOLUMES))

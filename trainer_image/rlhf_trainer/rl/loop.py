@@ -67,6 +67,7 @@ class RunLoop(LoopBase):
         self.data_position: dict | None = None  # after the last batch taken (maxStaleness >= 1)
         self.orchestrator = self.sender = None
         self.num_params = self.models.engine.total_parameters()
+        self.colocation = None
         if info.is_main:
             from ..orchestrator.orchestrator import Orchestrator
             from ..weight_sync import WeightSyncSender
@@ -75,6 +76,11 @@ class RunLoop(LoopBase):
             host, port = weight_sync_addr.rsplit(":", 1)
             self.sender = WeightSyncSender(endpoints, host, int(port),
                                            timeout_s=config.rollout_weight_sync_timeout_seconds)
+        if config.sampling.colocated is not None:
+            from .colocation import Colocation, ServerSleep
+
+            servers = ServerSleep(endpoints, config.rollout_weight_sync_timeout_seconds) if info.is_main else None
+            self.colocation = Colocation(config.sampling.colocated, self.models.engines(), servers)
 
     def parts(self) -> Parts:
         return self.models.parts()
@@ -112,7 +118,12 @@ class RunLoop(LoopBase):
                                          served_version=lambda: self.served_version)
 
     def evaluate(self, step: int) -> dict[str, Any]:
-        return self.orchestrator.evaluate(step) if self.orchestrator is not None else {}
+        if self.colocation is None or self.config.evaluation is None or not self.config.evaluation.datasets:
+            return self.orchestrator.evaluate(step) if self.orchestrator is not None else {}
+        self.colocation.to_generation()
+        scores = self.orchestrator.evaluate(step) if self.orchestrator is not None else {}
+        self.sync_weights()  # back to the state between steps: servers asleep but for their weights
+        return scores
 
     def finish(self) -> None:
         if self.orchestrator is not None:
@@ -125,9 +136,13 @@ class RunLoop(LoopBase):
             self.orchestrator.close()
         if self.sender is not None:
             self.sender.close()
+        if self.colocation is not None:
+            self.colocation.close()
 
     def sync_weights(self) -> float:
         """Collective: the servers get the policy's weights (tagged with its version)."""
+        if self.colocation is not None:
+            self.colocation.before_sync()
         seconds = push_weights(self.models.engine, self.sender, weight_version=str(self.policy_version))
         self.served_version = self.policy_version
         return seconds
@@ -148,18 +163,23 @@ class RunLoop(LoopBase):
         timings: dict[str, float] = {}
         with span(timings, "step_seconds"):
             with span(timings, "rollout_seconds"):  # with maxStaleness >= 1: waiting for a prefetched batch
+                if self.colocation is not None:
+                    self.colocation.to_generation()
                 batch = self._next_batch() if self.info.is_main else None
                 batch = broadcast_object(batch)
+                if self.colocation is not None:
+                    self.colocation.to_training()
             with span(timings, "train_seconds"):
                 tensors = self.train_step.prepare(batch)
                 train = self.train_step(batch, tensors, lr_factor=self.lr_factor)
-            if train["skipped_steps"] < self.config.algorithm.num_mini_batches:
+            changed = train["skipped_steps"] < self.config.algorithm.num_mini_batches
+            if changed:
                 self.policy_version += 1
-                timings["weight_sync_seconds"] = self.sync_weights()
             else:
-                log.warning("step %d: every optimizer step had a non-finite gradient norm; weights unchanged, "
-                            "no weight sync", self.step)
-                timings["weight_sync_seconds"] = 0.0
+                log.warning("step %d: every optimizer step had a non-finite gradient norm; weights unchanged%s",
+                            self.step, "" if self.colocation else ", no weight sync")
+            # colocated servers slept through the update (level 2 discards their weights): always sync
+            timings["weight_sync_seconds"] = self.sync_weights() if changed or self.colocation else 0.0
         if not self.info.is_main:
             return None
         return self._row(batch, tensors, train, timings)
