@@ -1,56 +1,122 @@
-"""Step time of synchronous rollouts (rollout.maxStaleness = 0) against bounded off-policy
-ones (k = 1), in one run: the demo job in local mode (built-in tiny Qwen2, 1 CPU rollout
-server, 1 trainer process), with enough samples per step that generation and training
-take similar time. Prints each mean step time (steps after the first few), the ratio
-k=1 / k=0 (ideal 0.5 when the two phases are equal and the machine has a core for each),
-and where the k=0 step goes.
+"""Placements and staleness at equal resources: step time of the demo job (built-in tiny
+Qwen2, one CPU rollout server, one trainer process) in three modes, with the machine's cores
+standing in for GPUs and each process pinned to its cores (`taskset`), as devices are on a
+cluster:
 
-    .venv/bin/python bench/async_rollouts.py [--steps 30] [--k 1]
+  separate k=0   server on half the cores, trainer on the other half; generate, then train
+                 (each phase leaves the other half idle)
+  separate k=1   the same split, the next step's rollouts generated while the trainer trains
+                 (rollout.maxStaleness = 1)
+  colocated      server and trainer on ALL the cores, taking turns (rollout.placement =
+                 colocated: the server sleeps while the trainer trains)
+
+Prints each mean step time (steps after the first few), where the time goes, and the ratios
+to separate k=0. On 2 cores each side of the split has one core: separate k=1 can at best
+halve the step when the phases are equal; colocated gives each phase both cores.
+
+    .venv/bin/python bench/async_rollouts.py [--steps 30]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+import httpx
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 SKIP = 4  # start-up steps left out
+MODES = {"separate k=0": ("separate", 0), "separate k=1": ("separate", 1), "colocated": ("colocated", 0)}
 
 
-def run(out: Path, steps: int, k: int, extra: list[str]) -> list[dict]:
-    sets = [f"schedule.totalSteps={steps}", "schedule.saveEvery=0", "rollout.replicas=1", f"rollout.maxStaleness={k}",
-            *extra]
-    cmd = [sys.executable, "-m", "rlhf_launcher.cli", "run", str(ROOT / "examples" / "local-grpo.yaml"),
-           "--output", str(out), *[a for s in sets for a in ("--set", s)]]
-    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+def free_port() -> int:
+    from rlhf_launcher.local import free_port as port
+
+    return port()
+
+
+@contextlib.contextmanager
+def server(model_dir: Path, cores: list[int], sleep_mode: bool, log: Path):
+    port = free_port()
+    cmd = ["taskset", "-c", ",".join(map(str, cores)), sys.executable, "-m", "rlhf_inference.cpu_engine",
+           "--model", str(model_dir), "--port", str(port), "--num-threads", str(len(cores)),
+           "--served-model-name", "bench", "--generation-config", "vllm", "--logprobs-mode", "processed_logprobs",
+           *(["--enable-sleep-mode"] if sleep_mode else [])]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"the server did not start: {log.read_text()[-2000:]}")
+            time.sleep(0.3)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def run(tmp: Path, name: str, steps: int, extra: list[str], model_dir: Path) -> list[dict]:
+    from rlhf_contract.api import load_job
+    from rlhf_contract.trainer_config import TrainerConfig
+
+    placement, k = MODES[name]
+    cores = sorted(os.sched_getaffinity(0))
+    half = max(1, len(cores) // 2)
+    server_cores, trainer_cores = (cores, cores) if placement == "colocated" else (cores[:half], cores[half:] or cores)
+    sets = [f"schedule.totalSteps={steps}", "schedule.saveEvery=0", "rollout.replicas=1",
+            f"rollout.maxStaleness={k}", f"rollout.placement={placement}", f"model.path={model_dir}", *extra]
+    job = load_job(ROOT / "examples" / "local-grpo.yaml", sets)
+    out = tmp / name.replace(" ", "-").replace("=", "")
+    out.mkdir()
+    config = out / "trainer.json"
+    config.write_text(TrainerConfig.from_job(job).to_json())
+    with server(model_dir, server_cores, placement == "colocated", out / "server.log") as url:
+        env = {**os.environ, "RLHF_TRAINER_CONFIG": str(config), "RLHF_ROLLOUT_ENDPOINTS": url,
+               "RLHF_WEIGHT_SYNC_ADDR": f"127.0.0.1:{free_port()}", "RLHF_OUTPUT_DIR": str(out),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": str(len(trainer_cores))}
+        cmd = ["taskset", "-c", ",".join(map(str, trainer_cores)), sys.executable, "-m", "rlhf_trainer"]
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if res.returncode:
-        raise SystemExit(res.stderr[-3000:])
+        raise SystemExit(f"{name}: {res.stderr[-3000:]}")
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--k", type=int, default=1)
     parser.add_argument("--set", action="append", default=["rollout.samplesPerPrompt=16", "rollout.maxTokens=8",
                                                            "schedule.promptsPerStep=16"],
                         help="extra spec overrides (the default balances rollout and training on 2 cores)")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        sync = run(Path(tmp) / "k0", args.steps, 0, args.set)[SKIP:]
-        ahead = run(Path(tmp) / f"k{args.k}", args.steps, args.k, args.set)[SKIP:]
+    from rlhf_trainer.models.builtin import materialize
+
+    job = yaml.safe_load((ROOT / "examples" / "local-grpo.yaml").read_text())
     mean = lambda rows, key: statistics.mean(r[key] for r in rows)  # noqa: E731
-    s0, s1 = mean(sync, "step_seconds"), mean(ahead, "step_seconds")
-    print(f"k=0: {s0:.3f} s/step (rollout {mean(sync, 'rollout_seconds'):.3f}, train {mean(sync, 'train_seconds'):.3f}, "
-          f"weight sync {mean(sync, 'weight_sync_seconds'):.3f})")
-    print(f"k={args.k}: {s1:.3f} s/step (waiting for rollouts {mean(ahead, 'rollout_seconds'):.3f}, "
-          f"train {mean(ahead, 'train_seconds'):.3f}; staleness mean {mean(ahead, 'staleness_mean'):.2f})")
-    print(f"ratio k={args.k} / k=0: {s1 / s0:.2f}  (ideal 0.5 with equal phases)")
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = materialize(job["spec"]["model"]["path"], Path(tmp) / "model", seed=job["spec"]["schedule"]["seed"])
+        for name in MODES:
+            results[name] = run(Path(tmp), name, args.steps, args.set, model_dir)[SKIP:]
+    base = mean(results["separate k=0"], "step_seconds")
+    print(f"{len(os.sched_getaffinity(0))} cores; mean of steps {SKIP + 1}-{args.steps}")
+    for name, rows in results.items():
+        step = mean(rows, "step_seconds")
+        print(f"{name:13s} {step:.3f} s/step  x{step / base:.2f} of separate k=0  (rollout {mean(rows, 'rollout_seconds'):.3f}, "
+              f"train {mean(rows, 'train_seconds'):.3f}, weight sync {mean(rows, 'weight_sync_seconds'):.3f})")
 
 
 if __name__ == "__main__":

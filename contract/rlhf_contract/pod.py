@@ -99,6 +99,8 @@ def vllm_flags(v) -> list[str]:
     flags = []
     if v.gpu_memory_utilization is not None:
         flags += ["--gpu-memory-utilization", str(v.gpu_memory_utilization)]
+    if v.kv_cache_memory_bytes is not None:
+        flags += ["--kv-cache-memory-bytes", str(v.kv_cache_memory_bytes)]
     if v.max_num_seqs is not None:
         flags += ["--max-num-seqs", str(v.max_num_seqs)]
     if v.max_num_batched_tokens is not None:

@@ -187,8 +187,7 @@ class TrainerConfig(_Config):
             preference=self.preference, evaluation=self.evaluation,
             rollout=RolloutSpec.model_construct(samples_per_prompt=s.samples_per_prompt, max_tokens=s.max_tokens,
                                                 temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                                max_staleness=s.max_staleness,
-                                                placement="colocated" if s.colocated else "separate"),
+                                                max_staleness=s.max_staleness),
             trainer=TrainerSpec.model_construct(num_nodes=1, nproc_per_node=world_size, parallelism=o.parallelism,
                                                 max_tokens_per_micro_batch=o.max_tokens_per_micro_batch,
                                                 engine=o.engine, deepspeed=o.deepspeed))

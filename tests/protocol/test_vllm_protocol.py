@@ -265,9 +265,12 @@ def test_a_colocated_jobs_servers_get_sleep_mode_from_flags_vllms_parser_accepts
     doc = yaml.safe_load((ROOT / "examples/rlhfjob.yaml").read_text())
     separate = validate_job(doc)
     doc["spec"]["rollout"]["placement"] = "colocated"
+    with pytest.raises(JobError, match="rollout.vllm.kvCacheMemoryBytes: is required"):
+        validate_job(doc)  # the KV cache in bytes: the trainer's state shares the GPU
+    doc["spec"]["rollout"]["vllm"] = {"kvCacheMemoryBytes": 20 * 2**30}
     job = validate_job(doc)
     command = serve_command(job.spec, model_path="/m", host="h", port=1, name="n")
-    assert "--enable-sleep-mode" in command
+    assert "--enable-sleep-mode" in command and dict(_flags(command))["--kv-cache-memory-bytes"] == str(20 * 2**30)
     assert "--enable-sleep-mode" not in serve_command(separate.spec, model_path="/m", host="h", port=1, name="n")
     for flag, value in _flags(command):
         assert flag in FACTS["serve_options"], flag

@@ -145,6 +145,15 @@ RULES: tuple[Rule, ...] = (
         check=lambda s: s.rollout.placement != "colocated" or s.rollout.max_staleness == 0,
         detail=lambda s: f"got {s.rollout.max_staleness}",
     ),
+    Rule(
+        field_path="rollout.vllm.kvCacheMemoryBytes",
+        cel="self.rollout.placement != 'colocated' || self.rollout.engine != 'vllm' || "
+        "(has(self.rollout.vllm) && has(self.rollout.vllm.kvCacheMemoryBytes))",
+        message="is required with rollout.placement colocated and engine vllm: the KV cache is set in bytes, "
+        "not as what gpuMemoryUtilization leaves, because the trainer's state shares the GPU",
+        check=lambda s: (s.rollout.placement != "colocated" or s.rollout.engine != "vllm"
+                         or s.rollout.vllm.kv_cache_memory_bytes is not None),
+    ),
     required_for_component("python", "file", "the file defining the reward function"),
     required_for_component("http", "url", "the reward service endpoint"),
     Rule(

@@ -23,7 +23,8 @@ OWN_SERVE_FLAGS = {
     "--max-num-batched-tokens": "rollout.vllm.maxNumBatchedTokens",
     "--enable-prefix-caching": "rollout.vllm.enablePrefixCaching",
     "--no-enable-prefix-caching": "rollout.vllm.enablePrefixCaching", "--enforce-eager": "rollout.vllm.enforceEager",
-    "--enable-sleep-mode": "rollout.placement",
+    "--enable-sleep-mode": "rollout.placement", "--no-enable-sleep-mode": "rollout.placement",
+    "--disable-sleep-mode": "rollout.placement", "--kv-cache-memory-bytes": "rollout.vllm.kvCacheMemoryBytes",
 }
 
 
@@ -33,6 +34,10 @@ class VllmSpec(SpecModel):
     gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
     """Fraction of each GPU's memory vLLM may use (weights, activations, KV cache):
     `--gpu-memory-utilization` (vLLM's default 0.9)."""
+    kv_cache_memory_bytes: int | None = Field(default=None, ge=1)
+    """Bytes of KV cache per GPU (`--kv-cache-memory-bytes`), instead of what is left under
+    gpuMemoryUtilization: a fixed size that does not grow with the vLLM release or with what
+    else is on the GPU (required with rollout.placement colocated)."""
     max_num_seqs: int | None = Field(default=None, ge=1)
     """Sequences a server runs at once: `--max-num-seqs`."""
     max_num_batched_tokens: int | None = Field(default=None, ge=1)
