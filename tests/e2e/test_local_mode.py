@@ -262,13 +262,15 @@ def test_stopped_and_resumed_run_repeats_the_uninterrupted_one(tmp_path):
 def test_grpo_learns_the_toy_task_and_its_held_out_scores_rise(tmp_path):
     """The demo's task learned in 120 steps (one-token answers, no KL), with spec.evaluation:
     held-out prompts scored before the first step, every 40 steps and after the last,
-    greedy and with k = 4 samples; training reward and held-out scores rise."""
+    greedy and with k = 4 samples; training reward and held-out scores rise. Run colocated
+    (the server sleeps at level 2 while the trainer trains, wakes for evaluation and the
+    push): tests/e2e/test_colocated.py shows a colocated run is the separate run bit for bit."""
     out = tmp_path / "run"
     evaluation = ('evaluation={"datasets": [{"name": "digits", "path": "builtin://last-digit", "maxPrompts": 32}],'
                   ' "everySteps": 40, "samplesPerPrompt": 4}')
     res = rlhfctl("run", str(EXAMPLE), "--output", str(out),
                   *sets("rollout.replicas=1", "rollout.maxTokens=1", "algorithm.klCoef=0", "schedule.totalSteps=120",
-                        "schedule.saveEvery=0", evaluation), timeout=580)
+                        "schedule.saveEvery=0", "rollout.placement=colocated", evaluation), timeout=580)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = metrics(out)
     rewards = [r["reward_mean"] for r in rows]
