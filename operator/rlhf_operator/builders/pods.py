@@ -6,7 +6,8 @@ user's scheduling settings and volumes (`spec.pod`).
 volumes, volumeMounts) goes into every pod; `spec.output.claimName` mounts a
 PersistentVolumeClaim at the output directory of the trainer pods. `PodSettings.from_job`
 also refuses a job whose model, data or output directory is on no mounted volume (the
-pods could not read or keep them), naming the field; `builtin://` paths need none. The
+pods could not read or keep them), naming the field; `builtin://`, `hf://` and `s3://` paths need none
+(storage.py downloads the latter). The
 old annotation `rlhf.dev/pod-settings` is refused with a pointer to `spec.pod`. The Kueue
 queue label (`kueue.x-k8s.io/queue-name`) is copied from the job's labels
 (meta.job_labels).
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf_contract.api.models import GPU_RESOURCE, Resources, RLHFJob
+from rlhf_contract.api.uris import is_remote
 from .meta import config_map_name
 
 POD_SETTINGS_ANNOTATION = "rlhf.dev/pod-settings"
@@ -94,7 +96,7 @@ class PodSettings:
         s = job.spec
         problems = []
         for where, path in (("spec.model.path", s.model.path), ("spec.data.path", s.data.path)):
-            if not path.startswith(BUILTIN_PREFIX) and _mount_of(path, self.volume_mounts) is None:
+            if not path.startswith(BUILTIN_PREFIX) and not is_remote(path) and _mount_of(path, self.volume_mounts) is None:
                 problems.append(f"{where}: {path!r} is on no mounted volume; add a spec.pod.volumes entry (e.g. a "
                                 "persistentVolumeClaim) and a spec.pod.volumeMounts entry whose mountPath contains it")
         if not self.output_claim:
@@ -221,4 +223,7 @@ def pod_spec(job: RLHFJob, settings: PodSettings, containers: list[dict[str, Any
         spec["priorityClassName"] = settings.priority_class_name
     if settings.image_pull_secrets:
         spec["imagePullSecrets"] = [{"name": s} for s in settings.image_pull_secrets]
+    from .storage import apply_storage
+
+    apply_storage(job, settings, spec, trainer=trainer)
     return spec
