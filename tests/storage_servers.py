@@ -40,7 +40,9 @@ class S3Server:
 
     def __init__(self, root: Path):
         self.root = root / "data"
+        self.iam = root / "iam"  # versitygw's own accounts (add_user)
         self.root.mkdir(parents=True, exist_ok=True)
+        self.iam.mkdir(exist_ok=True)
         out = subprocess.run(["bash", str(REPO / "tests/s3server/build.sh")], capture_output=True, text=True, check=True)
         self.binary = Path(out.stdout.strip()) / "versitygw"
         self.log = root / "versitygw.log"
@@ -53,8 +55,14 @@ class S3Server:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [str(self.binary), "--access", S3_ACCESS_KEY, "--secret", S3_SECRET_KEY, "--port", f"127.0.0.1:{self.port}",
-                 "posix", str(self.root)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                 "--iam-dir", str(self.iam), "posix", str(self.root)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         _wait(self.endpoint, self.proc, self.log)
+
+    def add_user(self, access: str, secret: str) -> None:
+        """An account with the `user` role: it reaches only the buckets it owns."""
+        subprocess.run([str(self.binary), "admin", "--access", S3_ACCESS_KEY, "--secret", S3_SECRET_KEY,
+                        "--endpoint-url", self.endpoint, "create-user", "--access", access, "--secret", secret,
+                        "--role", "user"], check=True, capture_output=True)
 
     def kill(self) -> None:
         """SIGKILL: gone at once, mid-transfer."""
