@@ -118,7 +118,7 @@ class RLHFJobSpec(SpecModel):
     prompt sets (`method: rl`) or a held-out fraction of `data.path` (`sft`, `rm`, `dpo`)."""
     tracking: TrackingSpec = TrackingSpec()
     """Experiment trackers (TensorBoard by default, Weights & Biases, MLflow) and sample tables."""
-    storage_secret: str | None = Field(default=None, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", max_length=253)
+    storage_secret: str | None = Field(default=None, min_length=1, max_length=253)
     """A Secret (in the job's namespace) with the credentials of `hf://` and `s3://` models,
     data and outputs, by key, each optional: HF_TOKEN, HF_ENDPOINT (a Hub-compatible
     server), AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_ENDPOINT_URL

@@ -270,7 +270,7 @@ everything to zero; runPolicy's budget, deadline and TTL are read on every recon
 
 IMMUTABLE_FIELDS: tuple[str, ...] = ("method", "model", "data", "reward", "environment", "algorithm", "rollout",
                                      "trainer", "schedule", "output", "pod", "sandboxService", "preference",
-                                     "evaluation", "backend", "tracking")
+                                     "evaluation", "backend", "tracking", "storageSecret")
 """Spec fields (YAML names under spec) that an update may not change. Each is read once,
 when the pods start (the config file, the trainer's world and endpoints, the servers'
 command line), so a change on a running job would be half-applied. The CRD carries one

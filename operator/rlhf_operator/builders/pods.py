@@ -96,11 +96,11 @@ class PodSettings:
         s = job.spec
         problems = []
         for where, path in (("spec.model.path", s.model.path), ("spec.data.path", s.data.path)):
-            if not path.startswith(BUILTIN_PREFIX) and not is_remote(path) and _mount_of(path, self.volume_mounts) is None:
+            if not path.startswith(BUILTIN_PREFIX) and not is_remote(path) and mount_of(path, self.volume_mounts) is None:
                 problems.append(f"{where}: {path!r} is on no mounted volume; add a spec.pod.volumes entry (e.g. a "
                                 "persistentVolumeClaim) and a spec.pod.volumeMounts entry whose mountPath contains it")
         if not self.output_claim:
-            mount = _mount_of(self.output_dir, self.volume_mounts)
+            mount = mount_of(self.output_dir, self.volume_mounts)
             if mount is None:
                 problems.append(
                     f"spec.output.dir: {self.output_dir!r} is on no mounted volume, so checkpoints would be lost "
@@ -125,7 +125,7 @@ class PodSettings:
         return vols
 
 
-def _mount_of(path: str, mounts: list[dict[str, Any]]) -> dict[str, Any] | None:
+def mount_of(path: str, mounts: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The deepest mount whose mountPath contains `path` (None: no mount does)."""
     best = None
     for m in mounts:
@@ -223,7 +223,4 @@ def pod_spec(job: RLHFJob, settings: PodSettings, containers: list[dict[str, Any
         spec["priorityClassName"] = settings.priority_class_name
     if settings.image_pull_secrets:
         spec["imagePullSecrets"] = [{"name": s} for s in settings.image_pull_secrets]
-    from .storage import apply_storage
-
-    apply_storage(job, settings, spec, trainer=trainer)
     return spec

@@ -20,7 +20,7 @@ from rlhf_contract import pod as contract
 from rlhf_contract.api.models import GPU_RESOURCE, RLHFJob
 from rlhf_contract.sources import ENV_STORAGE_SECRET, SOURCES_DIR, plan
 
-from .pods import PodSettings, _mount_of, container_security_context, env_list, output_dir
+from .pods import PodSettings, mount_of, container_security_context, env_list, output_dir
 
 SOURCES_VOLUME = "sources"
 FETCH_CONTAINER = "fetch"
@@ -35,17 +35,17 @@ def secret_env(job: RLHFJob) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
 
 
 def _rollout_needs_volume(job: RLHFJob, settings: PodSettings) -> bool:
-    return bool(plan(job, output_dir(job), model_only=True)) and _mount_of(
+    return bool(plan(job, output_dir(job), model_only=True)) and mount_of(
         f"{output_dir(job)}/{SOURCES_DIR}", settings.volume_mounts) is None
 
 
-def apply_storage(job: RLHFJob, settings: PodSettings, spec: dict[str, Any], *, trainer: bool) -> None:
-    """Add the download step (and a rollout pod's sources volume) to a pod spec in place."""
+def with_storage(job: RLHFJob, settings: PodSettings, spec: dict[str, Any], *, trainer: bool) -> dict[str, Any]:
+    """The pod spec with the download step (and a rollout pod's sources volume) added in place."""
     out = output_dir(job)
     restore = job.spec.output.uri if trainer else None
     proc = contract.fetch_process(plan(job, out, model_only=not trainer), restore_uri=restore, output_dir=out)
     if proc is None:
-        return
+        return spec
     main = spec["containers"][0]
     if not trainer and _rollout_needs_volume(job, settings):
         spec["volumes"].append({"name": SOURCES_VOLUME, "emptyDir": {}})
@@ -67,3 +67,4 @@ def apply_storage(job: RLHFJob, settings: PodSettings, spec: dict[str, Any], *, 
     if env_from:
         init["envFrom"] = env_from
     spec["initContainers"] = [init]
+    return spec

@@ -23,7 +23,7 @@ from .meta import (
     LABEL_ATTEMPT, LABEL_JOB, LABEL_ROLE, RJOB_ROLLOUT, ROLE_ROLLOUT, ROLE_TRAINER, job_labels, jobset_name, metadata,
     namespace_of, pod_labels, rollout_name, trainer_name, weight_sync_name,
 )
-from .storage import secret_env
+from .storage import secret_env, with_storage
 from .pods import (
     CONFIG_PATH, PodSettings, container_resources, container_security_context, env_list, output_dir, pod_spec,
     volume_mounts,
@@ -112,7 +112,8 @@ def build_rollout_statefulset(job: RLHFJob, attempt: int, settings: PodSettings)
             "selector": {"matchLabels": selector},
             "template": {
                 "metadata": {"labels": labels},
-                "spec": pod_spec(job, settings, [container], restart_policy="Always", service_account=None),
+                "spec": with_storage(job, settings, pod_spec(job, settings, [container], restart_policy="Always",
+                                                             service_account=None), trainer=False),
             },
         },
     }
@@ -156,8 +157,9 @@ def build_trainer_pytorchjob(job: RLHFJob, attempt: int, settings: PodSettings) 
                                   weight_sync_addr=weight_sync_addr(job))
     template = {
         "metadata": {"labels": pod_labels(job, ROLE_TRAINER, attempt)},
-        "spec": pod_spec(job, settings, [container], restart_policy="Never",
-                         service_account=trainer_name(job.metadata.name), trainer=True),
+        "spec": with_storage(job, settings, pod_spec(job, settings, [container], restart_policy="Never",
+                                                     service_account=trainer_name(job.metadata.name), trainer=True),
+                             trainer=True),
     }
     replicas = {"Master": {"replicas": 1, "restartPolicy": "Never", "template": template}}
     if t.num_nodes > 1:

@@ -23,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", help="the output directory")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for noisy in ("httpx", "httpx2", "huggingface_hub"):  # one line per request
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     from ..exits import write_termination_message
     from .fetch import fetch_all
     from .publish import restore_checkpoint
