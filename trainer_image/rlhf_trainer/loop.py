@@ -41,7 +41,7 @@ class LoopBase(ABC):
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
         torch.manual_seed(config.schedule.seed)
         self.step = 0
-        self.metrics = self.progress = self.trackers = self.publisher = None
+        self.metrics = self.progress = self.trackers = self.publisher = self.published = None
         self.last_row: dict[str, Any] = {}
         self.trainable_parameters = 0
         if info.is_main:
@@ -107,8 +107,9 @@ class LoopBase(ABC):
         """Collective: a checkpoint of this step (then, on rank 0, to `output.uri` / `output.hub`)."""
         state = broadcast_object(self.extra_state())
         path = save_checkpoint(self.output_dir, self.step, self.parts(), state, keep=self.config.output.keep_checkpoints)
-        if self.publisher is not None:
+        if self.publisher is not None and path != self.published:  # the last step's is saved twice
             self.publisher.checkpoint(path)
+            self.published = path
 
     def publish_final(self) -> None:
         """Rank 0: `final/README.md` (the model card), then `final/` to `output.uri` / `output.hub`."""
