@@ -130,3 +130,26 @@ def test_sandbox_pods_never_get_the_secret():
     job = validate_job(data)
     sandbox = [c for c in build_children(job, 1) if c["metadata"]["name"] == "remote-sandbox" and c["kind"] == "StatefulSet"]
     assert sandbox and SECRET not in json.dumps(sandbox)
+
+
+def test_model_card_records_base_model_reward_scores_and_spec(tmp_path):
+    import yaml
+
+    from rlhf_contract.pod import run_config
+    from rlhf_trainer.storage.model_card import write_card
+
+    job = validate_job(job_data(reward={"type": "exact_match"},
+                                evaluation={"datasets": [{"name": "held", "path": "hf://org/evalset"}]}))
+    (tmp_path / "final").mkdir()
+    rows = [{"step": 1, "reward_mean": 0.25, "eval/held/greedy_score": 0.125},
+            {"step": 2, "reward_mean": 0.5, "eval/held/greedy_score": None},  # not scored at this step
+            {"step": 3, "reward_mean": 0.75, "eval/held/greedy_score": 0.625, "eval/held/pass@1": 0.5}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = write_card(tmp_path / "final", run_config(job), tmp_path).read_text()
+    front = yaml.safe_load(text.split("---")[1])
+    assert front["base_model"] == "Qwen/Qwen2.5-0.5B" and "rlhf-operator" in front["tags"]
+    assert "from `hf://Qwen/Qwen2.5-0.5B@v1.0`" in text and '"type": "exact_match"' in text
+    assert "| eval/held/greedy_score | 0.625 |" in text and "| eval/held/pass@1 | 0.5 |" in text
+    assert "| reward_mean | 0.75 |" in text and "## Last step (3)" in text
+    spec = yaml.safe_load(text.split("```yaml")[1].split("```")[0])
+    assert spec == job.to_config()["spec"]

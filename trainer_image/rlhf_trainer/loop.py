@@ -117,8 +117,9 @@ class LoopBase(ABC):
         from .tracking import run_config
 
         final_dir = self.output_dir / FINAL
-        write_card(final_dir, run_config(self.config.job_name), self.output_dir)
-        self.publisher.final(final_dir)
+        if final_dir.is_dir():
+            write_card(final_dir, run_config(self.config.job_name), self.output_dir)
+            self.publisher.final(final_dir)
 
     def report(self, row: dict[str, Any]) -> None:
         """status.progress of the job (rank 0; rate-limited, never raises)."""
