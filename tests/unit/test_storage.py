@@ -153,3 +153,16 @@ def test_model_card_records_base_model_reward_scores_and_spec(tmp_path):
     assert "| reward_mean | 0.75 |" in text and "## Last step (3)" in text
     spec = yaml.safe_load(text.split("```yaml")[1].split("```")[0])
     assert spec == job.to_config()["spec"]
+
+
+def test_a_hub_push_without_a_token_is_refused_before_training(monkeypatch):
+    from rlhf_contract.trainer_config import TrainerConfig
+    from rlhf_trainer.preflight.checks import output_problems
+
+    config = TrainerConfig.from_job(validate_job(job_data(storageSecret=SECRET, output={"hub": {"repo": "team/out"}})))
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("RLHF_STORAGE_SECRET", SECRET)
+    problem, = output_problems(config)
+    assert problem.startswith("spec.output.hub.repo:") and f"HF_TOKEN (none set) from the Secret '{SECRET}'" in problem
+    monkeypatch.setenv("HF_TOKEN", "hf_x")
+    assert output_problems(config) == []

@@ -219,3 +219,18 @@ def test_outputs_up_and_resume_from_the_bucket(bucket, tmp_path, monkeypatch):
     with pytest.raises(StorageError) as err:  # the step proves it may write before training starts
         restore_checkpoint("s3://team-runs/jobs/a", str(tmp_path / "other"))
     assert err.value.permanent and "spec.output.uri" in str(err.value)
+
+
+def test_local_mode_stops_before_anything_starts(hub, tmp_path, monkeypatch):
+    """`rlhfctl run`'s first step is the pods' download step: a missing repository is a
+    config error (exit 2) and no server or trainer was started."""
+    from rlhf_contract.api import validate_job
+    from rlhf_launcher.local import LocalConfigError, run_local
+
+    monkeypatch.setenv("HF_ENDPOINT", hub[0].endpoint)
+    job = validate_job({"apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob", "metadata": {"name": "missing"},
+                        "spec": {"model": {"path": "hf://org/not-there@v2"}, "data": {"path": "builtin://last-digit"}}})
+    with pytest.raises(LocalConfigError) as err:
+        run_local(job, output=str(tmp_path / "out"))
+    assert "spec.model.path: hf://org/not-there@v2: no model repository 'org/not-there'" in str(err.value)
+    assert sorted(p.name for p in (tmp_path / "out" / "logs").iterdir()) == ["fetch.log"]
