@@ -166,3 +166,16 @@ def test_a_hub_push_without_a_token_is_refused_before_training(monkeypatch):
     assert problem.startswith("spec.output.hub.repo:") and f"HF_TOKEN (none set) from the Secret '{SECRET}'" in problem
     monkeypatch.setenv("HF_TOKEN", "hf_x")
     assert output_problems(config) == []
+
+
+def test_a_finished_download_step_is_no_failure_its_exit_2_is():
+    from helpers import fake_pod
+    from rlhf_operator.failures import pod_failure
+
+    pod = fake_pod("remote-rollout-0", {"rlhf.dev/role": "rollout"})
+    done = {"name": "fetch", "restartCount": 0, "state": {"terminated": {"exitCode": 0, "reason": "Completed"}}}
+    pod["status"]["initContainerStatuses"] = [done]
+    assert pod_failure(pod) is None  # a rollout server that exits is a failure; its init step exiting 0 is not
+    done["state"]["terminated"].update(exitCode=2, reason="Error", message="config error: spec.model.path: ...")
+    failure = pod_failure(pod)
+    assert (failure.container, failure.exit_code) == ("fetch", 2)
