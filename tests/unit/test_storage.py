@@ -120,6 +120,16 @@ def test_rendered_pods_download_first_with_the_secret():
     assert "envFrom" not in server and SECRET not in json.dumps(server)
 
 
+def test_jobset_backend_has_the_same_download_steps():
+    job = validate_job(job_data(storageSecret=SECRET, backend="JobSet"))
+    jobset, = [c for c in build_children(job, 1) if c["kind"] == "JobSet"]
+    specs = {r["name"]: r["template"]["spec"]["template"]["spec"] for r in jobset["spec"]["replicatedJobs"]}
+    fields = {name: [f.field for f in plan_from_json(spec["initContainers"][0]["command"][4])]
+              for name, spec in specs.items()}
+    assert fields == {"trainer": ["spec.model.path", "spec.data.path"], "rollout": ["spec.model.path"]}
+    assert all(spec["initContainers"][0]["envFrom"] == [{"secretRef": {"name": SECRET}}] for spec in specs.values())
+
+
 def test_local_paths_need_no_download_step():
     pods = _pods(job_data(model={"path": "builtin://tiny-qwen2"}, data={"path": "builtin://last-digit"}))
     assert "initContainers" not in pods["trainer"] and "initContainers" not in pods["rollout"]
