@@ -12,6 +12,7 @@ the job's next attempt tries again)."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -38,8 +39,19 @@ def is_complete(fetch: Fetch) -> bool:
 def _fetch_one(fetch: Fetch) -> str:
     if is_complete(fetch):
         return f"{fetch.field}: {fetch.uri} already at {fetch.local}"
-    start = time.monotonic()
     marker = Path(fetch.marker())
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    # pods sharing the volume (trainer nodes on a ReadWriteMany claim) download one at a
+    # time: the second finds the first's marker
+    with open(marker.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_complete(fetch):
+            return f"{fetch.field}: {fetch.uri} already at {fetch.local} (downloaded by another pod)"
+        return _download(fetch, marker)
+
+
+def _download(fetch: Fetch, marker: Path) -> str:
+    start = time.monotonic()
     staging = marker.parent.parent / ".partial" / marker.stem
     shutil.rmtree(staging, ignore_errors=True)  # an earlier attempt's leftovers are never trusted
     staging.mkdir(parents=True)
@@ -58,7 +70,6 @@ def _fetch_one(fetch: Fetch) -> str:
         os.replace(staging / "content", target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    marker.parent.mkdir(parents=True, exist_ok=True)
     tmp = marker.with_suffix(".tmp")
     tmp.write_text(json.dumps({"uri": fetch.uri, "local": fetch.local, **record}, indent=1))
     os.replace(tmp, marker)  # written last: the copy counts from here on
