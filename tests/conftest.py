@@ -86,3 +86,23 @@ def start_engines(tmp_path_factory):
                 log.close()
 
     return start
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A real S3-compatible server (versitygw, tests/storage_servers.py) for the session."""
+    from storage_servers import S3Server
+
+    server = S3Server(tmp_path_factory.mktemp("s3"))
+    yield server
+    server.kill()
+
+
+@pytest.fixture(scope="session")
+def hub_server(tmp_path_factory):
+    """A real Hub-protocol server (olah, offline, tests/storage_servers.py) for the session."""
+    from storage_servers import HubServer
+
+    server = HubServer(tmp_path_factory.mktemp("hub"))
+    yield server
+    server.stop()

@@ -22,6 +22,7 @@ import json
 from dataclasses import dataclass, field
 
 from .api.models import RLHFJob, RLHFJobSpec
+from .sources import Fetch, plan_json
 
 ENV_TRAINER_CONFIG = "RLHF_TRAINER_CONFIG"
 ENV_ROLLOUT_ENDPOINTS = "RLHF_ROLLOUT_ENDPOINTS"
@@ -164,3 +165,18 @@ def trainer_process(
     if metrics_port:
         env[ENV_METRICS_PORT] = str(metrics_port)
     return Process(command, env)
+
+
+def fetch_process(fetches: list[Fetch], *, restore_uri: str | None = None, output_dir: str | None = None,
+                  python: str = "python") -> Process | None:
+    """The download step (`python -m rlhf_trainer.storage`, the trainer image): the job's
+    `hf://` / `s3://` models and data into its sources directory (rlhf_contract.sources),
+    and with `restore_uri` (`output.uri`) the bucket's newest checkpoint into an output
+    directory that holds none. Exit 2 names the field and the Secret; None: nothing to do.
+    An init container on a cluster; in local mode it runs before anything else starts."""
+    if not fetches and not restore_uri:
+        return None
+    command = [python, "-m", "rlhf_trainer.storage", "--plan", plan_json(fetches)]
+    if restore_uri:
+        command += ["--restore", restore_uri, "--output", output_dir]
+    return Process(command, {})

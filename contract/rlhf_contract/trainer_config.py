@@ -16,7 +16,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from .api.common import SpecModel
-from .api.models import (AlgorithmSpec, ColocatedSpec, DataSpec, DeepSpeedSpec, EnvironmentSpec, EvaluationSpec, LoraSpec, Method, ModelSpec, ParallelismSpec, PreferenceSpec, RewardSpec,
+from .api.models import (AlgorithmSpec, ColocatedSpec, DataSpec, DeepSpeedSpec, EnvironmentSpec, EvaluationSpec, HubOutputSpec, LoraSpec, Method, ModelSpec, ParallelismSpec, PreferenceSpec, RewardSpec,
                          RLHFJob, RLHFJobSpec, RolloutSpec, ScheduleSpec, TrackingSpec, TrainerSpec)
 from .api.rules import violations
 
@@ -83,6 +83,10 @@ class OutputConfig(_Config):
     """Complete checkpoints kept."""
     save_rollouts: bool = False
     """Write every step's samples to `rollouts/step-N.jsonl`."""
+    uri: str | None = None
+    """`s3://` location receiving each checkpoint and `final/` (`output.uri`)."""
+    hub: HubOutputSpec | None = None
+    """Hub repository receiving `final/` (`output.hub`)."""
 
 
 DEFAULT_STALE_TIS_CAP = 2.0
@@ -164,7 +168,8 @@ class TrainerConfig(_Config):
                               max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, parallelism=t.parallelism,
                               gpu_memory_gib=t.gpu_memory_gib, engine=t.engine, deepspeed=t.deepspeed),
             schedule=s.schedule,
-            output=OutputConfig(dir=o.dir, keep_checkpoints=o.keep_checkpoints, save_rollouts=o.save_rollouts),
+            output=OutputConfig(dir=o.dir, keep_checkpoints=o.keep_checkpoints, save_rollouts=o.save_rollouts,
+                                uri=o.uri, hub=o.hub),
             rollout_startup_timeout_seconds=r.startup_timeout_seconds,
             rollout_request_timeout_seconds=r.request_timeout_seconds,
             rollout_weight_sync_timeout_seconds=r.weight_sync_timeout_seconds,

@@ -33,7 +33,8 @@ from rlhf_contract.api.models import RLHFJob
 from rlhf_contract.exit_codes import ExitCode, is_permanent, meaning
 from rlhf_contract.outputs import complete_checkpoints
 from rlhf_contract.trainer_config import TrainerConfig
-from rlhf_contract.pod import JOB_FILE, Process, rollout_process, run_config, trainer_process
+from rlhf_contract.pod import JOB_FILE, Process, fetch_process, rollout_process, run_config, trainer_process
+from rlhf_contract.sources import localize, plan
 
 from .plot import plot_runs
 
@@ -129,6 +130,27 @@ def _resolve_model(job: RLHFJob, output: Path) -> str:
     return path
 
 
+def fetch_sources(job: RLHFJob, out: Path, resume: bool, console) -> RLHFJob:
+    """The pods' download step, run here before anything starts: the job's `hf://` / `s3://`
+    models and data into `<out>/sources` (and with --resume and `output.uri`, the bucket's
+    newest checkpoint when `out` holds none). Returns the job reading the local copies (the
+    job itself when it names nothing remote)."""
+    proc = fetch_process(plan(job, str(out)), restore_uri=job.spec.output.uri if resume else None,
+                         output_dir=str(out), python=sys.executable)
+    if proc is None:
+        return job
+    console.print("downloading the job's models and data (logs/fetch.log)", markup=False)
+    with open(out / "logs" / "fetch.log", "ab") as log:
+        code = subprocess.run(proc.command, env={**os.environ, **proc.env}, stdout=log, stderr=subprocess.STDOUT,
+                              stdin=subprocess.DEVNULL).returncode
+    if code:
+        lines = (out / "logs" / "fetch.log").read_text(errors="replace").splitlines()
+        message = next((line for line in reversed(lines) if line.startswith(("config error", "download failed"))),
+                       "\n".join(lines[-20:]))
+        raise (LocalConfigError if code == ExitCode.CONFIG_ERROR else LocalRunError)(message)
+    return localize(job, str(out))
+
+
 def _read_metrics(path: Path) -> list[dict]:
     if not path.exists():
         return []
@@ -201,9 +223,10 @@ def run_local(job: RLHFJob, *, output: str | None = None, resume: bool = False, 
         raise LocalRunError(f"spec.trainer.numNodes: local mode runs one trainer node, got {spec.trainer.num_nodes}; use --set trainer.numNodes=1")
     out = Path(output or spec.output.dir or f"runs/{job.metadata.name}").resolve()
     _prepare_output(job, out, resume, overwrite)
-    model_path = _resolve_model(job, out)
+    localized = fetch_sources(job, out, resume, console)
+    model_path = _resolve_model(localized, out)
 
-    resolved = job.model_copy(deep=True)
+    resolved = localized.model_copy(deep=True)
     resolved.spec.model.path = model_path
     resolved.spec.rollout.engine = "cpu"
     resolved.spec.output.dir = str(out)
@@ -215,7 +238,10 @@ def run_local(job: RLHFJob, *, output: str | None = None, resume: bool = False, 
         raise LocalConfigError("config error: " + "; ".join(problems))
     config_path = out / "trainer.json"
     config_path.write_text(trainer_config.to_json())
-    (out / JOB_FILE).write_text(json.dumps(run_config(resolved), indent=1))  # what the trackers log
+    recorded = resolved if localized is job else job.model_copy(
+        update={"spec": job.spec.model_copy(update={"output": resolved.spec.output, "rollout": resolved.spec.rollout})})
+    # what the trackers log and the model card shows: the hf:// / s3:// addresses as written
+    (out / JOB_FILE).write_text(json.dumps(run_config(recorded), indent=1))
 
     budget = spec.run_policy.max_restarts
     for restarts in range(budget + 1):

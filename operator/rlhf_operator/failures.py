@@ -62,15 +62,17 @@ def labels(obj: dict[str, Any]) -> dict[str, str]:
 
 def pod_failure(pod: dict[str, Any]) -> Failure | None:
     """The first sign that a pod failed: a container that terminated (any exit code for a
-    rollout server, which must never exit; non-zero for a trainer), a container restart,
-    or a Failed phase (evictions)."""
+    rollout server, which must never exit; non-zero for a trainer or an init container), a
+    container restart, or a Failed phase (evictions)."""
     role = labels(pod).get(LABEL_ROLE, "?")
     name = pod["metadata"]["name"]
     st = pod.get("status") or {}
-    for cs in (st.get("initContainerStatuses") or []) + (st.get("containerStatuses") or []):
+    init = st.get("initContainerStatuses") or []
+    for cs in init + (st.get("containerStatuses") or []):
         for key in ("state", "lastState"):
             term = (cs.get(key) or {}).get("terminated")
-            if term and (term.get("exitCode", 0) != 0 or role == ROLE_ROLLOUT):
+            # an init container (the download step) is meant to exit: only its failure counts
+            if term and (term.get("exitCode", 0) != 0 or (role == ROLE_ROLLOUT and cs not in init)):
                 return Failure(name, role, cs.get("name"), term.get("exitCode"), term.get("reason") or "",
                                term.get("message") or "")
         if role == ROLE_ROLLOUT and cs.get("restartCount", 0) > 0:

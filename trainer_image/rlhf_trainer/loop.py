@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from rlhf_contract.outputs import FINAL
 from rlhf_contract.trainer_config import TrainerConfig
 
 from .checkpoint import Parts, latest_checkpoint, load_checkpoint, resume_checkpoint, save_checkpoint
@@ -40,7 +41,7 @@ class LoopBase(ABC):
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
         torch.manual_seed(config.schedule.seed)
         self.step = 0
-        self.metrics = self.progress = self.trackers = None
+        self.metrics = self.progress = self.trackers = self.publisher = self.published = None
         self.last_row: dict[str, Any] = {}
         self.trainable_parameters = 0
         if info.is_main:
@@ -49,6 +50,9 @@ class LoopBase(ABC):
 
             self.metrics = MetricsWriter(self.output_dir)
             self.progress = ProgressReporter.from_config(config)  # no-op outside a cluster
+            from .storage.publish import Publisher
+
+            self.publisher = Publisher(config.output.uri, config.output.hub, self.output_dir)
 
     # ---- what a method provides -----------------------------------------------------
 
@@ -100,9 +104,22 @@ class LoopBase(ABC):
         log.info("resumed from %s (step %d)", path, self.step)
 
     def save(self) -> None:
-        """Collective: a checkpoint of this step."""
+        """Collective: a checkpoint of this step (then, on rank 0, to `output.uri` / `output.hub`)."""
         state = broadcast_object(self.extra_state())
-        save_checkpoint(self.output_dir, self.step, self.parts(), state, keep=self.config.output.keep_checkpoints)
+        path = save_checkpoint(self.output_dir, self.step, self.parts(), state, keep=self.config.output.keep_checkpoints)
+        if self.publisher is not None and path != self.published:  # the last step's is saved twice
+            self.publisher.checkpoint(path)
+            self.published = path
+
+    def publish_final(self) -> None:
+        """Rank 0: `final/README.md` (the model card), then `final/` to `output.uri` / `output.hub`."""
+        from .storage.model_card import write_card
+        from .tracking import run_config
+
+        final_dir = self.output_dir / FINAL
+        if final_dir.is_dir():
+            write_card(final_dir, run_config(self.config.job_name), self.output_dir)
+            self.publisher.final(final_dir)
 
     def report(self, row: dict[str, Any]) -> None:
         """status.progress of the job (rank 0; rate-limited, never raises)."""
@@ -153,6 +170,8 @@ class LoopBase(ABC):
             if s.save_every:
                 self.save()
             final.export(self.output_dir, self.tokenizer)
+            if self.publisher is not None:
+                self.publish_final()
             if self.progress is not None:
                 self.report(self.last_row)  # the final checkpoint
             self.finish()

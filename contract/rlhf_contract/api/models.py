@@ -22,7 +22,7 @@ from .task import ModelSpec, DataSpec, SandboxServiceSpec, RewardSpec, Environme
 from .training import RolloutSpec, TrainerSpec, ScheduleSpec, OutputSpec, RunPolicy, EvaluationSpec, PreferenceSpec, TrackingSpec
 from .common import API_GROUP, API_VERSION, KIND, PLURAL, SHORT_NAME, KubeObject, GPU_RESOURCE, Quantity, Resources, VolumeMount  # noqa: F401  (re-exported)
 from .task import CodeSandboxSpec, LoraSpec, RewardModelSpec, RewardComponentSpec, Estimator, ESTIMATORS, LossAgg  # noqa: F401  (re-exported)
-from .training import ColocatedSpec, DeepSpeedSpec, ParallelismSpec, EvalDatasetSpec, WandbSpec, MlflowSpec, SecretKeyRef  # noqa: F401  (re-exported)
+from .training import ColocatedSpec, DeepSpeedSpec, HubOutputSpec, ParallelismSpec, EvalDatasetSpec, WandbSpec, MlflowSpec, SecretKeyRef  # noqa: F401  (re-exported)
 
 __all__ = [
     "API_GROUP",
@@ -118,6 +118,12 @@ class RLHFJobSpec(SpecModel):
     prompt sets (`method: rl`) or a held-out fraction of `data.path` (`sft`, `rm`, `dpo`)."""
     tracking: TrackingSpec = TrackingSpec()
     """Experiment trackers (TensorBoard by default, Weights & Biases, MLflow) and sample tables."""
+    storage_secret: str | None = Field(default=None, min_length=1, max_length=253)
+    """A Secret (in the job's namespace) with the credentials of `hf://` and `s3://` models,
+    data and outputs, by key, each optional: HF_TOKEN, HF_ENDPOINT (a Hub-compatible
+    server), AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_ENDPOINT_URL
+    (an S3-compatible server), AWS_REGION. Given to the download step and the trainer
+    only (never to rollout servers or the code sandbox). Locally: this environment's."""
 
     @property
     def offline(self) -> bool:

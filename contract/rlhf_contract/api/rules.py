@@ -301,7 +301,7 @@ what a job means: local mode runs these jobs."""
 
 IMMUTABLE_FIELDS: tuple[str, ...] = ("method", "model", "data", "reward", "environment", "algorithm", "rollout",
                                      "trainer", "schedule", "output", "pod", "sandboxService", "preference",
-                                     "evaluation", "backend", "tracking")
+                                     "evaluation", "backend", "tracking", "storageSecret")
 """Spec fields (YAML names under spec) that an update may not change. Each is read once,
 when the pods start (the config file, the trainer's world and endpoints, the servers'
 command line), so a change on a running job would be half-applied. The CRD carries one

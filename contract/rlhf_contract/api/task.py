@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from .common import INT32_MAX, MAX_SECONDS, SpecModel
+from .uris import check_path
 
 MAX_REWARD_WEIGHT = 1e6
 """Rewards are float32 (about 7 significant digits): beyond this a weight drowns every other term."""
@@ -39,13 +40,20 @@ class ModelSpec(SpecModel):
     """The policy model to train."""
 
     path: str = Field(min_length=1)
-    """Hugging Face model directory (in Kubernetes: a path on a mounted volume), or a
-    built-in model: `builtin://tiny-qwen2` (or `builtin://tiny-qwen2-hd32`)."""
+    """Hugging Face model directory (in Kubernetes: a path on a mounted volume), a Hub
+    repository `hf://<org>/<name>[@<revision>]`, an S3 location `s3://<bucket>/<prefix>`
+    (both downloaded once per job before anything starts), or a built-in model:
+    `builtin://tiny-qwen2` (or `builtin://tiny-qwen2-hd32`)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights dtype for the rollout servers (`vllm serve --dtype`)."""
     lora: LoraSpec | None = None
     """Train low-rank adapters on the frozen model instead of every weight (null: full
     training)."""
+
+    @field_validator("path")
+    @classmethod
+    def _remote(cls, value: str) -> str:
+        return check_path(value)
 
 
 class DataSpec(SpecModel):
@@ -53,8 +61,10 @@ class DataSpec(SpecModel):
 
     path: str = Field(min_length=1)
     """A local dataset (in Kubernetes: on a mounted volume): a JSON, JSONL, CSV, Parquet or
-    Arrow file, a directory of them, or a `save_to_disk` directory; or a built-in task:
-    `builtin://last-digit`, `builtin://sum-mod-10`."""
+    Arrow file, a directory of them, or a `save_to_disk` directory; a Hub dataset repository
+    `hf://<org>/<name>[@<revision>]` or an S3 location `s3://<bucket>/<prefix>` holding
+    them (downloaded once per job); or a built-in task: `builtin://last-digit`,
+    `builtin://sum-mod-10`."""
     split: str = "train"
     """Split to read from a dataset with several."""
     prompt_key: str = "prompt"
@@ -75,6 +85,11 @@ class DataSpec(SpecModel):
     """`method: rm` / `dpo`: column of the preferred response (text or an assistant message)."""
     rejected_key: str = "rejected"
     """`method: rm` / `dpo`: column of the dispreferred response."""
+
+    @field_validator("path")
+    @classmethod
+    def _remote(cls, value: str) -> str:
+        return check_path(value)
 
 
 class CodeSandboxSpec(SpecModel):
@@ -117,9 +132,15 @@ class RewardModelSpec(SpecModel):
 
     path: str = Field(min_length=1)
     """Directory of a Hugging Face sequence classifier with one label (what `method: rm`
-    exports to `<output>/final`); the score of a sequence is at its last token."""
+    exports to `<output>/final`), or its `hf://` / `s3://` address as `model.path`; the
+    score of a sequence is at its last token."""
     weight: float = Field(default=1.0, ge=-MAX_REWARD_WEIGHT, le=MAX_REWARD_WEIGHT)
     """The step reward is the verifiable reward (0 for `type: model`) + weight x score."""
+
+    @field_validator("path")
+    @classmethod
+    def _remote(cls, value: str) -> str:
+        return check_path(value)
 
 
 RewardType = Literal["exact_match", "prefix_match", "math", "code", "python", "http"]

@@ -10,6 +10,7 @@ from pydantic import Field, field_validator, model_validator
 
 from ..images import INFERENCE_IMAGE, TRAINER_IMAGE
 from .common import INT32_MAX, MAX_SECONDS, SEED_MAX, SpecModel, Resources
+from .uris import check_path, parse_remote
 
 
 # Flags the operator sets itself (contract/rlhf_contract/pod.py serve_command), with the
@@ -226,6 +227,18 @@ class ScheduleSpec(SpecModel):
     NumPy and vLLM's `--seed` take)."""
 
 
+class HubOutputSpec(SpecModel):
+    """Where `final/` goes on the Hugging Face Hub (or a Hub-compatible server, HF_ENDPOINT)."""
+
+    repo: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
+    """Model repository `<org>/<name>`, created when missing."""
+    every: int = Field(default=0, ge=0)
+    """Also push every this-many steps' checkpoint, as a Hugging Face model in the folder
+    `checkpoint-<N>/` of the repository (0: `final/` only)."""
+    private: bool = True
+    """Create the repository private."""
+
+
 class OutputSpec(SpecModel):
     """Where results go."""
 
@@ -241,6 +254,20 @@ class OutputSpec(SpecModel):
     save_rollouts: bool = False
     """Write every step's samples (token ids, loss mask, text, reward) to
     `rollouts/step-N.jsonl` for inspection."""
+    uri: str | None = Field(default=None, pattern=r"^s3://")
+    """`s3://<bucket>/<prefix>`: each complete checkpoint and `final/` are uploaded there
+    after they are written locally (`<prefix>/checkpoints/step-N/`, `COMPLETE` last;
+    `<prefix>/final/`), and a job whose output directory holds no complete checkpoint
+    resumes from the newest one there. Credentials: `storageSecret`."""
+    hub: HubOutputSpec | None = None
+    """Push `final/` (with its model card) to a Hub model repository at the end."""
+
+    @field_validator("uri")
+    @classmethod
+    def _s3_uri(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_remote(value)
+        return value
 
 
 class SecretKeyRef(SpecModel):
@@ -321,11 +348,16 @@ class EvalDatasetSpec(SpecModel):
     name: str = Field(min_length=1, max_length=40, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     """Name in the metrics (`eval/<name>/...`, Prometheus label `dataset`)."""
     path: str = Field(min_length=1)
-    """A file or directory as `data.path` (or a built-in task: 64 prompts unseen in training)."""
+    """A file or directory, `hf://` or `s3://` address, as `data.path` (or a built-in task: 64 prompts unseen in training)."""
     split: str = "train"
     """Split of a dataset with several."""
     max_prompts: int | None = Field(default=None, ge=1)
     """Score only the first this-many prompts (null: all)."""
+
+    @field_validator("path")
+    @classmethod
+    def _remote(cls, value: str) -> str:
+        return check_path(value)
 
 
 class EvaluationSpec(SpecModel):

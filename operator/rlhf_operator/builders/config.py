@@ -10,15 +10,17 @@ from typing import Any
 
 from rlhf_contract.api.models import RLHFJob
 from rlhf_contract.pod import JOB_FILE, run_config
+from rlhf_contract.sources import localize
 from rlhf_contract.trainer_config import TrainerConfig
 
 from .meta import config_map_name, metadata
-from .pods import CONFIG_FILE
+from .pods import CONFIG_FILE, output_dir
 
 
 def trainer_config(job: RLHFJob) -> TrainerConfig:
-    """What the trainer pods read; it changes only when the spec (or the name) does."""
-    return TrainerConfig.from_job(job)
+    """What the trainer pods read; it changes only when the spec (or the name) does. Its
+    `hf://` / `s3://` paths are those of the copies the download step makes (storage.py)."""
+    return TrainerConfig.from_job(localize(job, output_dir(job)))
 
 
 def build_config_map(job: RLHFJob) -> dict[str, Any]:

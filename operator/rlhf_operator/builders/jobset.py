@@ -37,6 +37,7 @@ from .meta import (
     metadata, namespace_of, pod_labels, trainer_name,
 )
 from .pods import PodSettings, pod_spec
+from .storage import with_storage
 from .workloads import rollout_container, rollout_endpoints, trainer_container, weight_sync_addr
 
 JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
@@ -83,16 +84,17 @@ def build_jobset(job: RLHFJob, settings: PodSettings) -> dict[str, Any]:
                                 weight_sync_addr=weight_sync_addr(job), name="trainer", extra_env=node_env)
     trainer_template = {
         "metadata": {"labels": _pod_labels(job, ROLE_TRAINER)},
-        "spec": pod_spec(job, settings, [trainer], restart_policy="Never",
-                         service_account=trainer_name(job.metadata.name), trainer=True),
+        "spec": with_storage(job, settings, pod_spec(job, settings, [trainer], restart_policy="Never",
+                                                     service_account=trainer_name(job.metadata.name), trainer=True),
+                             trainer=True),
     }
     replicated = [{"name": RJOB_TRAINER, "replicas": 1,
                    "template": {"spec": _job_spec(trainer_template, t.num_nodes)}}]
     if not job.spec.offline:
         rollout_template = {
             "metadata": {"labels": _pod_labels(job, ROLE_ROLLOUT)},
-            "spec": pod_spec(job, settings, [rollout_container(job, settings)], restart_policy="Never",
-                             service_account=None),
+            "spec": with_storage(job, settings, pod_spec(job, settings, [rollout_container(job, settings)],
+                                                         restart_policy="Never", service_account=None), trainer=False),
         }
         replicated.append({"name": RJOB_ROLLOUT, "replicas": job.spec.rollout.replicas,
                            "template": {"spec": _job_spec(rollout_template, 1)}})

@@ -6,7 +6,8 @@ user's scheduling settings and volumes (`spec.pod`).
 volumes, volumeMounts) goes into every pod; `spec.output.claimName` mounts a
 PersistentVolumeClaim at the output directory of the trainer pods. `PodSettings.from_job`
 also refuses a job whose model, data or output directory is on no mounted volume (the
-pods could not read or keep them), naming the field; `builtin://` paths need none. The
+pods could not read or keep them), naming the field; `builtin://`, `hf://` and `s3://` paths need none
+(storage.py downloads the latter). The
 old annotation `rlhf.dev/pod-settings` is refused with a pointer to `spec.pod`. The Kueue
 queue label (`kueue.x-k8s.io/queue-name`) is copied from the job's labels
 (meta.job_labels).
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf_contract.api.models import GPU_RESOURCE, Resources, RLHFJob
+from rlhf_contract.api.uris import is_remote
 from .meta import config_map_name
 
 POD_SETTINGS_ANNOTATION = "rlhf.dev/pod-settings"
@@ -99,11 +101,11 @@ class PodSettings:
         s = job.spec
         problems = []
         for where, path in (("spec.model.path", s.model.path), ("spec.data.path", s.data.path)):
-            if not path.startswith(BUILTIN_PREFIX) and _mount_of(path, self.volume_mounts) is None:
+            if not path.startswith(BUILTIN_PREFIX) and not is_remote(path) and mount_of(path, self.volume_mounts) is None:
                 problems.append(f"{where}: {path!r} is on no mounted volume; add a spec.pod.volumes entry (e.g. a "
                                 "persistentVolumeClaim) and a spec.pod.volumeMounts entry whose mountPath contains it")
         if not self.output_claim:
-            mount = _mount_of(self.output_dir, self.volume_mounts)
+            mount = mount_of(self.output_dir, self.volume_mounts)
             if mount is None:
                 problems.append(
                     f"spec.output.dir: {self.output_dir!r} is on no mounted volume, so checkpoints would be lost "
@@ -128,7 +130,7 @@ class PodSettings:
         return vols
 
 
-def _mount_of(path: str, mounts: list[dict[str, Any]]) -> dict[str, Any] | None:
+def mount_of(path: str, mounts: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The deepest mount whose mountPath contains `path` (None: no mount does)."""
     best = None
     for m in mounts:

@@ -18,10 +18,12 @@ from typing import Any
 
 from rlhf_contract import pod as contract
 from rlhf_contract.api.models import RLHFJob
+from rlhf_contract.sources import localize
 from .meta import (
     LABEL_ATTEMPT, LABEL_JOB, LABEL_ROLE, RJOB_ROLLOUT, ROLE_ROLLOUT, ROLE_TRAINER, job_labels, jobset_name, metadata,
     namespace_of, pod_labels, rollout_name, trainer_name, weight_sync_name,
 )
+from .storage import secret_env, with_storage
 from .pods import (
     CONFIG_PATH, PodSettings, container_resources, container_security_context, env_list, output_dir, pod_spec,
     volume_mounts,
@@ -56,7 +58,7 @@ def _probe(period: int, failures: int, timeout: int = 5) -> dict[str, Any]:
 def rollout_container(job: RLHFJob, settings: PodSettings) -> dict[str, Any]:
     """The rollout server's container (both backends)."""
     r = job.spec.rollout
-    proc = contract.rollout_process(job, model_path=job.spec.model.path, host="0.0.0.0",
+    proc = contract.rollout_process(job, model_path=localize(job, output_dir(job)).spec.model.path, host="0.0.0.0",
                                     port=contract.ROLLOUT_PORT)
     container = {
         "name": "server",
@@ -110,7 +112,8 @@ def build_rollout_statefulset(job: RLHFJob, attempt: int, settings: PodSettings)
             "selector": {"matchLabels": selector},
             "template": {
                 "metadata": {"labels": labels},
-                "spec": pod_spec(job, settings, [container], restart_policy="Always", service_account=None),
+                "spec": with_storage(job, settings, pod_spec(job, settings, [container], restart_policy="Always",
+                                                             service_account=None), trainer=False),
             },
         },
     }
@@ -129,7 +132,7 @@ def trainer_container(job: RLHFJob, settings: PodSettings, *, rollout_endpoints:
         "name": name,
         "image": t.image,
         "command": proc.command,
-        "env": env_list(proc.env) + list(extra_env) + tracking_env(job) + list(job.spec.pod.env),
+        "env": env_list(proc.env) + list(extra_env) + tracking_env(job) + secret_env(job)[0] + list(job.spec.pod.env),
         "ports": [
             {"name": "pytorchjob-port", "containerPort": contract.TRAINER_MASTER_PORT, "protocol": "TCP"},
             {"name": "weight-sync", "containerPort": contract.WEIGHT_SYNC_PORT, "protocol": "TCP"},
@@ -141,8 +144,9 @@ def trainer_container(job: RLHFJob, settings: PodSettings, *, rollout_endpoints:
         "volumeMounts": volume_mounts(settings, trainer=True),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
-    if job.spec.pod.env_from:
-        container["envFrom"] = list(job.spec.pod.env_from)
+    env_from = secret_env(job)[1] + list(job.spec.pod.env_from)  # uploads to output.uri / output.hub
+    if env_from:
+        container["envFrom"] = env_from
     return container
 
 
@@ -153,8 +157,9 @@ def build_trainer_pytorchjob(job: RLHFJob, attempt: int, settings: PodSettings) 
                                   weight_sync_addr=weight_sync_addr(job))
     template = {
         "metadata": {"labels": pod_labels(job, ROLE_TRAINER, attempt)},
-        "spec": pod_spec(job, settings, [container], restart_policy="Never",
-                         service_account=trainer_name(job.metadata.name), trainer=True),
+        "spec": with_storage(job, settings, pod_spec(job, settings, [container], restart_policy="Never",
+                                                     service_account=trainer_name(job.metadata.name), trainer=True),
+                             trainer=True),
     }
     replicas = {"Master": {"replicas": 1, "restartPolicy": "Never", "template": template}}
     if t.num_nodes > 1:

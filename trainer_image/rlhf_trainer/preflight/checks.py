@@ -87,6 +87,17 @@ def tracking_problems(config: TrainerConfig) -> list[str]:
     return problems
 
 
+def output_problems(config: TrainerConfig) -> list[str]:
+    """`output.hub` pushes at the end of the run: its token must be there before it starts
+    (`output.uri`'s key is proven writable by the download step)."""
+    if config.output.hub is None or os.environ.get("HF_TOKEN"):
+        return []
+    from ..storage import credentials_source
+
+    return [f"spec.output.hub.repo: pushing to {config.output.hub.repo!r} needs a Hub token and none is set: "
+            f"{credentials_source('HF_TOKEN')}"]
+
+
 def gpu_memory_bytes(config: TrainerConfig) -> int | None:
     """One trainer GPU's memory: `trainer.gpuMemoryGiB`, else `nvidia-smi`'s, else None
     (no GPU: local CPU mode)."""
@@ -122,7 +133,7 @@ def check(config: TrainerConfig, world_size: int) -> list[str]:
         problems.append(error)
     data = config.data.path
     problems += _data_problems(config, model_ok=error is None)
-    problems += tracking_problems(config)
+    problems += tracking_problems(config) + output_problems(config)
     problems += memory_problems(config, world_size, model)
     problems += config.rule_problems(world_size)  # the contract's cross-field rules, on the real world size
     if config.method.offline:

@@ -1,0 +1,127 @@
+"""Real storage servers for the tests of `hf://` and `s3://` (defined once; fixtures in
+conftest.py): versitygw (an S3-compatible gateway, posix backend over a directory, built by
+tests/s3server/build.sh) and olah (a Hub mirror that serves local git repositories fully
+offline, in its own venv: make olah). Each on a free port, started and stopped by the test."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+from rlhf_launcher.local import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+OLAH_PYTHON = Path(os.environ.get("RLHF_OLAH_PYTHON", Path.home() / ".cache/rlhf-operator/olah-0.5.4/bin/python"))
+S3_ACCESS_KEY, S3_SECRET_KEY = "rlhf-test-access", "rlhf-test-secret-key"
+
+
+def _wait(url: str, proc: subprocess.Popen, log: Path, ok=lambda r: True, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}: {log.read_text()[-2000:]}")
+        try:
+            if ok(httpx.get(url, timeout=2)):
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not answer in {timeout} s: {log.read_text()[-2000:]}")
+
+
+class S3Server:
+    """versitygw on 127.0.0.1:<port>, serving `root` (one directory per bucket)."""
+
+    def __init__(self, root: Path):
+        self.root = root / "data"
+        self.iam = root / "iam"  # versitygw's own accounts (add_user)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.iam.mkdir(exist_ok=True)
+        out = subprocess.run(["bash", str(REPO / "tests/s3server/build.sh")], capture_output=True, text=True, check=True)
+        self.binary = Path(out.stdout.strip()) / "versitygw"
+        self.log = root / "versitygw.log"
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [str(self.binary), "--access", S3_ACCESS_KEY, "--secret", S3_SECRET_KEY, "--port", f"127.0.0.1:{self.port}",
+                 "--iam-dir", str(self.iam), "posix", str(self.root)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        _wait(self.endpoint, self.proc, self.log)
+
+    def add_user(self, access: str, secret: str) -> None:
+        """An account with the `user` role: it reaches only the buckets it owns."""
+        subprocess.run([str(self.binary), "admin", "--access", S3_ACCESS_KEY, "--secret", S3_SECRET_KEY,
+                        "--endpoint-url", self.endpoint, "create-user", "--access", access, "--secret", secret,
+                        "--role", "user"], check=True, capture_output=True)
+
+    def kill(self) -> None:
+        """SIGKILL: gone at once, mid-transfer."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def env(self, **changes: str) -> dict[str, str]:
+        """The variables a job's pods get from its storageSecret."""
+        return {"AWS_ACCESS_KEY_ID": S3_ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET_KEY,
+                "AWS_ENDPOINT_URL": self.endpoint, "AWS_REGION": "us-east-1", **changes}
+
+    def client(self):
+        from minio import Minio
+
+        return Minio(f"127.0.0.1:{self.port}", access_key=S3_ACCESS_KEY, secret_key=S3_SECRET_KEY, secure=False,
+                     region="us-east-1")
+
+    def put_dir(self, bucket: str, prefix: str, directory: Path) -> None:
+        c = self.client()
+        if not c.bucket_exists(bucket):
+            c.make_bucket(bucket)
+        for f in sorted(directory.rglob("*")):
+            if f.is_file():
+                c.fput_object(bucket, f"{prefix}/{f.relative_to(directory).as_posix()}", str(f))
+
+
+class HubServer:
+    """olah on 127.0.0.1:<port>, offline, serving the git repositories under `root/mirrors`."""
+
+    def __init__(self, root: Path):
+        if not OLAH_PYTHON.exists():
+            raise RuntimeError(f"{OLAH_PYTHON} is missing: run `make olah` (or set RLHF_OLAH_PYTHON)")
+        self.root, self.mirrors = root, root / "mirrors"
+        self.mirrors.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        config = root / "olah.toml"
+        config.write_text(
+            f'[basic]\nhost = "127.0.0.1"\nport = {self.port}\nrepos-path = "{root / "repos"}"\n'
+            f'mirror-netloc = "127.0.0.1:{self.port}"\nmirror-lfs-netloc = "127.0.0.1:{self.port}"\n'
+            f'mirrors-path = ["{self.mirrors}"]\n\n[accessibility]\noffline = true\n')
+        self.log = root / "olah.log"
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen([str(OLAH_PYTHON), "-m", "olah.server", "-c", str(config)], cwd=root,
+                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        _wait(self.endpoint, self.proc, self.log, timeout=120)
+
+    def add_repo(self, repo: str, directory: Path, *, kind: str = "model", tag: str | None = None) -> str:
+        """Commit `directory`'s files as the repository `repo` (branch main, and `tag`); returns the commit."""
+        target = self.mirrors / f"{kind}s" / repo
+        shutil.copytree(directory, target)
+        git = ["git", "-c", "user.name=test", "-c", "user.email=test@example.com", "-c", "init.defaultBranch=main"]
+        for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "add"], *([["tag", tag]] if tag else [])):
+            subprocess.run([*git, *args], cwd=target, check=True, capture_output=True)
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=target, check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(10)
