@@ -27,17 +27,17 @@ TERMINAL = ("Succeeded", "Failed")
 _EXIT_IN_MESSAGE = re.compile(r"exited with code (\d+)")
 
 
-def _cluster_command(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+def _cluster_command(fn: Callable[..., int]) -> Callable[..., int]:
     """Runs a command; a cluster that cannot be reached or refuses a request is exit 1 with
     the API server's message."""
 
     @functools.wraps(fn)
-    def run(args: argparse.Namespace) -> int:
+    def run(args: argparse.Namespace, *more: Any) -> int:
         from kubernetes.client.rest import ApiException
         from urllib3.exceptions import HTTPError
 
         try:
-            return fn(args)
+            return fn(args, *more)
         except ClusterError as err:
             print(f"error: {err}", file=sys.stderr)
         except ApiException as err:
