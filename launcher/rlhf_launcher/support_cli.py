@@ -41,7 +41,7 @@ def _cuda() -> dict[str, Any]:
     return out
 
 
-def _cluster(args: argparse.Namespace) -> dict[str, Any]:
+def cluster_report(args: argparse.Namespace) -> dict[str, Any]:
     """The API server, its Kubernetes version and the operator Deployments (image, version
     label); `error` says why not when the cluster cannot be asked."""
     try:
@@ -76,7 +76,7 @@ def _cmd_env(args: argparse.Namespace) -> int:
         "vllm_pin": VLLM_VERSION,
         "images": {"trainer": TRAINER_IMAGE, "inference": INFERENCE_IMAGE, "operator": OPERATOR_IMAGE},
         "cuda": _cuda(),
-        "cluster": {"skipped": "--no-cluster"} if args.no_cluster else _cluster(args),
+        "cluster": {"skipped": "--no-cluster"} if args.no_cluster else cluster_report(args),
     }
     if args.output_format:
         emit(report, args.output_format)
