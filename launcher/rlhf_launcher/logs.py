@@ -16,6 +16,9 @@ from rlhf_operator.builders.meta import LABEL_ATTEMPT, LABEL_JOB, LABEL_ROLE
 
 from .kubeaccess import TIMEOUT, ClusterError, Kube, api_message, connect, namespace_of
 
+FOLLOW_READ_S = 7 * 86400
+"""A followed log may stay silent for long (the client takes no `None` for "no read limit")."""
+
 
 def selector(job: str, role: str) -> str:
     """The pods of `role` (a sandbox pod is labelled apart from the job's: rlhf_contract.sandbox)."""
@@ -35,16 +38,16 @@ def newest_attempt(pods: list[Any]) -> list[Any]:
 def _stream(kube: Kube, pod: Any, namespace: str, args: argparse.Namespace, prefix: str, lock: threading.Lock,
             failures: list[str]) -> None:
     from kubernetes.client.rest import ApiException
+    from kubernetes.watch.watch import iter_resp_lines
 
     name = pod.metadata.name
     try:
         resp = kube.core.read_namespaced_pod_log(
             name, namespace, container=pod.spec.containers[0].name, follow=args.follow, tail_lines=args.tail,
-            _preload_content=False, _request_timeout=(TIMEOUT[0], None) if args.follow else TIMEOUT)
-        for line in resp.stream():  # chunks; split on newlines so prefixes stay at line starts
-            text = line.decode(errors="replace")
+            _preload_content=False, _request_timeout=(TIMEOUT[0], FOLLOW_READ_S) if args.follow else TIMEOUT)
+        for line in iter_resp_lines(resp):  # each line as it arrives (the client's own splitting)
             with lock:
-                sys.stdout.write("".join(f"{prefix}{part}" for part in text.splitlines(keepends=True)))
+                sys.stdout.write(f"{prefix}{line}\n")
                 sys.stdout.flush()
     except ApiException as err:
         failures.append(f"cannot read the log of pod {name}: {api_message(err)}")

@@ -20,7 +20,8 @@ from typing import Iterable
 
 import yaml
 
-from .procs import free_port, http_ok, terminate, wait_for
+from .pki import make_cert
+from .procs import free_port, terminate, wait_for
 
 KWOK_ANNOTATION = "kwok.x-k8s.io/node"
 DEFAULT_GROUP = "fake"
@@ -136,17 +137,26 @@ class FakeNodes:
         cfg.write_text(self._kwok_stages())  # the same every time (a state directory of an older harness gets the logs)
         if not (self.root / POD_LOG).exists():
             self.append_pod_log("a container of a kwok node started")
+        if not (self.pki / "kwok.crt").exists():
+            make_cert(self.pki, "kwok", "ca", "/CN=kwok", ["subjectAltName=IP:127.0.0.1", "extendedKeyUsage=serverAuth",
+                                                           "keyUsage=critical,digitalSignature,keyEncipherment"])
         # Each group its own pod CIDR so that two kwok processes hand out distinct pod IPs.
         index = 0 if group == DEFAULT_GROUP else 1 + sum(n.startswith("kwok-") for n in self.pids)
+        port = self.ports[port_key]
+        # The nodes' address is this kwok's HTTPS server, as a kubelet's is its own: the API
+        # server reaches it for `kubectl logs` (it does not verify a kubelet's certificate
+        # unless --kubelet-certificate-authority is given).
         self._spawn(name, [
             self.bin("kwok"), f"--kubeconfig={self.kubeconfig}", f"--config={cfg}",
             "--manage-all-nodes=false",
             f"--manage-nodes-with-annotation-selector={KWOK_ANNOTATION}={group}",
             f"--node-lease-duration-seconds={NODE_LEASE_SECONDS}",
-            f"--server-address=127.0.0.1:{self.ports[port_key]}",
-            f"--cidr=10.{244 + index}.0.1/16", "--node-ip=10.240.0.1",
+            f"--server-address=127.0.0.1:{port}", f"--node-ip=127.0.0.1", f"--node-port={port}",
+            f"--tls-cert-file={self.pki / 'kwok.crt'}", f"--tls-private-key-file={self.pki / 'kwok.key'}",
+            f"--cidr=10.{244 + index}.0.1/16",
         ])
-        wait_for(lambda: self._check_alive(name) and http_ok(f"http://127.0.0.1:{self.ports[port_key]}/healthz"),
+        wait_for(lambda: self._check_alive(name) and self._https_get(f"https://127.0.0.1:{port}/healthz",
+                                                                     client_cert=False, verify=False)[0] == 200,
                  timeout, f"{name} /healthz")
         return name
 

@@ -3,17 +3,19 @@ operator (`rlhfctl operator`) in a `restricted` namespace: a working directory g
 ConfigMap owned by the job and the operator's pods mount it where the rewritten job reads
 it; `--wait` ends with the run's own exit code; a too-large directory creates nothing.
 
-Logs: kwok serves no kubelet endpoint the API server can reach (the fake nodes' address is
-10.240.0.1, port 0), so every pod log request fails there; the tests check that `logs`
-finds the pods of the role and names the pod and the API server's answer. Reading and
-following real log lines is not tested here."""
+Logs come through the API server from kwok, which plays each fake node's kubelet and serves
+every container's log from one file (`Cluster.append_pod_log`): what is tested is finding
+the pods of a role and attempt, prefixes, `--tail` and `--follow`, not what a trainer
+writes."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -81,11 +83,7 @@ def test_submit_with_a_working_dir_then_get_logs_delete(cluster: Cluster, setup,
     code, out, _ = rlhfctl(cluster, capsys, "get", name, "-n", ns)
     assert code == 0 and "Running" in out and "AllPodsRunning" in out
 
-    trainer = next(p["metadata"]["name"] for p in pods if p["metadata"]["labels"]["rlhf.dev/role"] == "trainer")
-    code, _, err = rlhfctl(cluster, capsys, "logs", name, "-n", ns)
-    assert code == 1 and f"cannot read the log of pod {trainer}:" in err  # kwok: see the module docstring
-    code, _, err = rlhfctl(cluster, capsys, "logs", name, "-n", ns, "--role", "sandbox")
-    assert code == 1 and f"rlhfjob {name} has no sandbox pods in namespace {ns}" in err
+    check_logs(cluster, capsys, ns, name)
 
     # a second submit of the same name creates nothing
     code, _, err = rlhfctl(cluster, capsys, "submit", str(tmp_path / "job.yaml"), "--working-dir", str(wd), "-n", ns)
@@ -98,6 +96,32 @@ def test_submit_with_a_working_dir_then_get_logs_delete(cluster: Cluster, setup,
              "the working-directory ConfigMap collected with its job")
     code, _, err = rlhfctl(cluster, capsys, "delete", name, "-n", ns)
     assert code == 1 and "not found" in err
+
+
+def check_logs(cluster: Cluster, capsys, ns: str, name: str) -> None:
+    line = f"step 7 reward 0.25 {uuid.uuid4().hex}"
+    cluster.append_pod_log(line)
+    code, out, _ = rlhfctl(cluster, capsys, "logs", name, "-n", ns)  # one trainer pod: its lines as they are
+    assert code == 0 and out.splitlines()[-1] == line
+    code, out, _ = rlhfctl(cluster, capsys, "logs", name, "-n", ns, "--role", "rollout", "--tail", "1")
+    assert code == 0 and out.splitlines() == [f"[{name}-rollout-0] {line}", f"[{name}-rollout-1] {line}"]
+    code, _, err = rlhfctl(cluster, capsys, "logs", name, "-n", ns, "--role", "sandbox")
+    assert code == 1 and f"rlhfjob {name} has no sandbox pods in namespace {ns}" in err
+
+    proc = subprocess.Popen([sys.executable, "-m", "rlhf_launcher.cli", "logs", name, "-n", ns, "--follow"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cluster.env)
+    seen: list[str] = []
+    reader = threading.Thread(target=lambda: seen.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        wait_for(lambda: line + "\n" in seen, 60, "the log so far")
+        later = f"step 8 reward 0.5 {uuid.uuid4().hex}"
+        cluster.append_pod_log(later)
+        wait_for(lambda: later + "\n" in seen, 30, "a line written after --follow started")
+        assert proc.poll() is None  # still following
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_submit_wait_ends_with_the_runs_exit_code(cluster: Cluster, setup, tmp_path):
