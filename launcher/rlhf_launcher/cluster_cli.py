@@ -20,7 +20,9 @@ from typing import Any, Callable
 
 from rlhf_contract.exit_codes import ExitCode
 
-from .kubeaccess import ClusterError, Kube, add_cluster_args, api_message, connect, context_namespace, namespace_of
+from .kubeaccess import (
+    DEFAULT_NAMESPACE, ClusterError, Kube, add_cluster_args, api_message, connect, context_namespace, namespace_of,
+)
 from .output import add_output_arg, dump, dump_objects
 
 TERMINAL = ("Succeeded", "Failed")
@@ -64,7 +66,7 @@ def _prepare(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, 
     if args.namespace and written and args.namespace != written:
         raise ValueError(f"metadata.namespace: {written!r} differs from --namespace {args.namespace}; "
                          "remove one of them")
-    namespace = args.namespace or written or context_namespace(args) or "default"
+    namespace = args.namespace or written or context_namespace(args) or DEFAULT_NAMESPACE
     config_maps: list[dict[str, Any]] = []
     cwd = Path.cwd()
     if args.working_dir:
@@ -104,8 +106,17 @@ def _create(kube: Kube, config_maps: list[dict[str, Any]], doc: dict[str, Any]) 
     return created
 
 
-def wait_for(kube: Kube, namespace: str, name: str, poll_s: float = 2.0) -> int:
-    """Follow the job's phase and step (on stderr) until it ends; its result as an exit code."""
+def wait_until_done(kube: Kube, namespace: str, name: str, poll_s: float = 2.0) -> int:
+    """Follow the job's phase and step (on stderr) until it ends; its result as an exit code.
+    Ctrl-C stops waiting, not the job."""
+    try:
+        return _wait(kube, namespace, name, poll_s)
+    except KeyboardInterrupt:
+        print(f"stopped waiting; rlhfjob {name} goes on (rlhfctl get {name} -n {namespace})", file=sys.stderr)
+        return ExitCode.INTERRUPTED
+
+
+def _wait(kube: Kube, namespace: str, name: str, poll_s: float) -> int:
     seen = None
     while True:
         job = kube.job(namespace, name)
@@ -168,7 +179,7 @@ def _submit(args: argparse.Namespace, config_maps: list[dict[str, Any]], doc: di
             print(f"configmap/{cm['metadata']['name']} created ({len(files)} files, "
                   f"{human(sum(len(v) for v in files.values()))}, owned by the job)")
         print(f"rlhfjob/{name} created in namespace {ns}")
-    return wait_for(kube, ns, name) if args.wait else ExitCode.OK
+    return wait_until_done(kube, ns, name) if args.wait else ExitCode.OK
 
 
 # ---- get
@@ -232,11 +243,14 @@ def _cmd_get(args: argparse.Namespace) -> int:
     kube = connect(args)
     namespace = None if args.all_namespaces else namespace_of(args)
     if args.name:
-        job = kube.job(namespace or namespace_of(args), args.name)
+        job = kube.job(namespace_of(args), args.name)
         if job is None:
-            print(f"error: rlhfjob {args.name} not found in namespace {namespace}", file=sys.stderr)
+            print(f"error: rlhfjob {args.name} not found in namespace {namespace_of(args)}", file=sys.stderr)
             return ExitCode.FAILED
-        sys.stdout.write(dump(job, args.output_format)) if args.output_format else _print_job(job)
+        if args.output_format:
+            sys.stdout.write(dump(job, args.output_format))
+        else:
+            _print_job(job)
         return ExitCode.OK
     jobs = sorted(kube.jobs(namespace), key=lambda j: (j["metadata"].get("namespace", ""), j["metadata"]["name"]))
     if args.output_format:

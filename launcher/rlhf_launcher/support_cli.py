@@ -32,8 +32,8 @@ def _installed(name: str) -> str | None:
 def _cuda() -> dict[str, Any]:
     try:
         import torch
-    except ImportError:
-        return {"torch": "not installed"}
+    except (ImportError, OSError) as err:  # not installed, or its CUDA libraries do not load
+        return {"torch": f"cannot import: {err}"}
     out: dict[str, Any] = {"built_with": torch.version.cuda, "available": torch.cuda.is_available()}
     if out["available"]:
         out["devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]

@@ -25,6 +25,7 @@ from rlhf_launcher.cli import main
 from rlhf_launcher.workdir import MIB, WORKDIR_MOUNT, WORKDIR_VOLUME
 
 from .harness import Cluster, wait_for
+from .test_chart_install import sa_kubeconfig
 from .test_operator import job_doc, operator_in_namespace, running_pods, wait_job
 
 pytestmark = pytest.mark.cluster
@@ -148,4 +149,22 @@ def test_too_large_working_dir_creates_nothing(cluster: Cluster, setup, tmp_path
     assert code == 2 and "big.jsonl alone does not fit in one ConfigMap" in err and "1.5 MiB" in err
     time.sleep(1)
     assert cluster.kubectl("get", "rlhfjob", name, "-n", ns, check=False).returncode != 0
+    assert not cluster.get("configmaps", namespace=ns, selector=f"rlhf.dev/workdir-of={name}")["items"]
+
+
+def test_a_refused_job_leaves_no_config_maps(cluster: Cluster, setup, tmp_path, capsys):
+    """Someone who may write ConfigMaps but not create RLHFJobs: the API server refuses the job,
+    and the ConfigMaps made for it are deleted again. No `-n`: the kubeconfig context's namespace."""
+    ns, name = setup["ns"], "refused"
+    cluster.kubectl("create", "serviceaccount", "cm-only", "-n", ns)
+    cluster.apply({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+                   "metadata": {"name": "cm-only", "namespace": ns},
+                   "rules": [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "create", "delete", "patch"]},
+                             {"apiGroups": ["rlhf.dev"], "resources": ["rlhfjobs"], "verbs": ["get"]}]})
+    cluster.kubectl("create", "rolebinding", "cm-only", "-n", ns, "--role=cm-only", f"--serviceaccount={ns}:cm-only")
+    config = sa_kubeconfig(cluster, ns, "cm-only", tmp_path / "kubeconfig")
+    wd = workdir_job(tmp_path, name)
+    code = main(["submit", str(tmp_path / "job.yaml"), "--working-dir", str(wd), "--kubeconfig", str(config)])
+    err = capsys.readouterr().err
+    assert code == 1 and "forbidden" in err and "rlhfjobs" in err
     assert not cluster.get("configmaps", namespace=ns, selector=f"rlhf.dev/workdir-of={name}")["items"]
