@@ -304,7 +304,7 @@ def add_cluster_commands(sub: argparse._SubParsersAction, add_job_args: Callable
                         "job; the job's paths inside DIR are rewritten to where the pods mount them")
     submit.add_argument("--dry-run", action="store_true", help="print every object it would create, create none")
     submit.add_argument("--wait", action="store_true", help="follow the job until it ends; exit with its result")
-    add_cluster_args(submit)
+    add_cluster_args(submit, "metadata.namespace, else the context's, else default")
     add_output_arg(submit, "the objects created (with --dry-run: to be created; default YAML)")
     submit.set_defaults(func=_cmd_submit)
 

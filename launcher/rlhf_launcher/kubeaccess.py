@@ -19,11 +19,11 @@ class ClusterError(RuntimeError):
     """The cluster could not be reached or refused a request; the message says which and why."""
 
 
-def add_cluster_args(p: argparse.ArgumentParser, namespace: bool = True) -> None:
+def add_cluster_args(p: argparse.ArgumentParser, namespace: str | None = "the context's, else default") -> None:
     p.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, else ~/.kube/config)")
     p.add_argument("--context", help="kubeconfig context (default: the current one)")
     if namespace:
-        p.add_argument("-n", "--namespace", help="namespace (default: the context's, else default)")
+        p.add_argument("-n", "--namespace", help=f"namespace (default: {namespace})")
 
 
 def _config_file(args: argparse.Namespace) -> str:

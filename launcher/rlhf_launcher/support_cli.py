@@ -101,7 +101,7 @@ def _cmd_completion(args: argparse.Namespace) -> int:
 def add_support_commands(sub: argparse._SubParsersAction) -> None:
     env = sub.add_parser("env", help="print what a bug report needs: versions here, CUDA, the operator's version")
     env.add_argument("--no-cluster", action="store_true", help="do not ask the cluster")
-    add_cluster_args(env, namespace=False)
+    add_cluster_args(env, namespace=None)
     add_output_arg(env, "the report")
     env.set_defaults(func=_cmd_env)
 
