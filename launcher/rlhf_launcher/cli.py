@@ -348,6 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
     crd = sub.add_parser("crd", help="print the RLHFJob CustomResourceDefinition")
     crd.set_defaults(func=_cmd_crd)
     add_support_commands(sub)
+    for command in sub.choices.values():
+        command.epilog = command.epilog or "exit codes: 0 ok, 1 failed, 2 usage error or invalid job (rlhfctl --help)"
     return parser
 
 
