@@ -74,6 +74,7 @@ class Packed:
 
 
 def human(n: float) -> str:
+    """A byte count as people read it: `784 B`, `3.2 KiB`, `5.1 MiB`."""
     for unit in ("B", "KiB", "MiB"):
         if n < 1024 or unit == "MiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -82,6 +83,7 @@ def human(n: float) -> str:
 
 
 def scan(workdir: Path) -> list[WorkdirFile]:
+    """Every regular file under `workdir` but hidden entries and `SKIPPED`, by path."""
     if not workdir.is_dir():
         raise WorkdirError(f"--working-dir {workdir}: not a directory")
     files = []
