@@ -1,11 +1,12 @@
 """`rlhfctl`: run a job locally, validate a job file, plan its GPU memory, render the
-manifests the operator would create for it, export a checkpoint as a model, plot runs'
-metrics, print the CRD."""
+manifests the operator would create for it, submit it to a cluster and follow it there
+(get, logs, delete), export a checkpoint as a model, plot runs' metrics, print the CRD."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -37,24 +38,34 @@ def _check_data(job):
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
-    from rlhf_contract.api import JobError, load_job
+    from rlhf_contract.api import JobError, job_source, load_job
 
+    from .output import emit
+
+    source = job_source(args.job)
     try:
         job = load_job(args.job, args.set)
     except JobError as err:
+        if args.output_format:
+            emit({"valid": False, "source": source, "problems": [vars(p) for p in err.problems]}, args.output_format)
         print(err, file=sys.stderr)
-        return 1
+        return ExitCode.CONFIG_ERROR
     report = _check_data(job)
+    if args.output_format:
+        emit({"valid": not report.problems, "source": source, "name": job.metadata.name,
+              "problems": [{"path": None, "message": p} for p in report.problems], "warnings": list(report.warnings),
+              "notes": list(report.unchecked)}, args.output_format)
     for line in report.unchecked:
         print(f"note: {line}", file=sys.stderr)
     for line in report.warnings:
         print(f"warning: {line}", file=sys.stderr)
     if report.problems:
-        print(f"{args.job}: the data cannot work as configured:\n" + "\n".join(f"  {p}" for p in report.problems),
+        print(f"{source}: the data cannot work as configured:\n" + "\n".join(f"  {p}" for p in report.problems),
               file=sys.stderr)
-        return 1
-    print(f"{args.job}: valid RLHFJob {job.metadata.name!r}")
-    return 0
+        return ExitCode.CONFIG_ERROR
+    if not args.output_format:
+        print(f"{source}: valid RLHFJob {job.metadata.name!r}")
+    return ExitCode.OK
 
 
 def _plan_model_config(path: str) -> dict:
@@ -75,6 +86,18 @@ def _plan_model_config(path: str) -> dict:
     return config
 
 
+def _emit_plan(job, world: int, gpu: int, result, fmt: str) -> int:
+    """`plan -o json|yaml`: the plan's numbers (bytes), and the same exit code as the table."""
+    from .output import emit
+
+    emit({"name": job.metadata.name, "gpus": world, "gpuBytes": gpu, "fits": result.fits, "totalBytes": result.total,
+          "peakPhase": result.peak_phase, "maxTokensPerMicroBatch": result.tokens,
+          "activationCheckpointing": result.activation_checkpointing,
+          "terms": [{"name": t.name, "phase": t.phase, "bytes": t.bytes, "note": t.note} for t in result.terms],
+          "notes": list(result.notes), "message": None if result.fits else result.message()}, fmt)
+    return ExitCode.OK if result.fits else ExitCode.CONFIG_ERROR
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     """The trainer's GPU memory plan (rlhf_trainer/preflight/memory_plan.py) for a job: a table, and
     exit 2 with the preflight's message when it does not fit."""
@@ -89,7 +112,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         job = load_job(args.job, args.set)
     except JobError as err:
         print(err, file=sys.stderr)
-        return 1
+        return ExitCode.CONFIG_ERROR
     config = TrainerConfig.from_job(job)
     t = job.spec.trainer
     world = args.gpus or t.num_nodes * t.nproc_per_node
@@ -98,7 +121,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if gpu is None:
         print("error: no GPU here to read its memory from: give --gpu-memory-gib N (or set trainer.gpuMemoryGiB)",
               file=sys.stderr)
-        return 1
+        return ExitCode.CONFIG_ERROR
     try:
         model = (json.loads(Path(args.model_config).read_text()) if args.model_config
                  else _plan_model_config(config.model_path))
@@ -106,7 +129,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         result = plan(config, model, world, gpu, reward_model_config=rm)
     except (OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
-        return 1
+        return ExitCode.CONFIG_ERROR
+    if args.output_format:
+        return _emit_plan(job, world, gpu, result, args.output_format)
     p = config.optim.parallelism
     table = Table(title=f"{job.metadata.name}: memory per GPU, {world} trainer GPUs of {gpu / GIB:.1f} GiB "
                         f"(tensorParallel {p.tensor_parallel}, contextParallel {p.context_parallel}, "
@@ -147,7 +172,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         job = load_job(args.job, args.set)
     except JobError as err:
         print(err, file=sys.stderr)
-        return 1
+        return ExitCode.CONFIG_ERROR
     try:
         return run_local(job, output=args.output, resume=args.resume, overwrite=args.overwrite)
     except LocalRunError as err:
@@ -172,19 +197,18 @@ PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"
 
 def _cmd_render(args: argparse.Namespace) -> int:
     """The children the operator creates for this job (its own builders, attempt 0), as
-    YAML documents: for review before `kubectl apply` (GitOps). The job's uid is only known
-    once the API server has it: `--uid` (owner references, pod labels) or a placeholder."""
-    import yaml
-
+    YAML documents (or a JSON List): for review before `kubectl apply` (GitOps). The job's uid
+    is only known once the API server has it: `--uid` (owner references, pod labels) or a placeholder."""
     from rlhf_contract.api import JobError, load_job
     from rlhf_operator.builders import build_support, build_workloads
     from rlhf_operator.builders.pods import PodSettings, PodSettingsError
+    from .output import dump_objects
 
     try:
         job = load_job(args.job, [*args.set, *([f"backend={args.backend}"] if args.backend else [])])
     except JobError as err:
         print(err, file=sys.stderr)
-        return 1
+        return ExitCode.CONFIG_ERROR
     extra = dict(job.metadata.model_extra or {})
     extra["uid"] = args.uid or extra.get("uid") or PLACEHOLDER_UID
     job = job.model_copy(update={"metadata": job.metadata.model_copy(update={
@@ -194,10 +218,10 @@ def _cmd_render(args: argparse.Namespace) -> int:
         settings = PodSettings.from_job(job)
     except PodSettingsError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 1
+        return ExitCode.CONFIG_ERROR
     objects = [*build_support(job), *build_workloads(job, args.attempt, settings)]
-    sys.stdout.write(yaml.safe_dump_all(objects, sort_keys=False))
-    return 0
+    sys.stdout.write(dump_objects(objects, args.output_format or "yaml"))
+    return ExitCode.OK
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
@@ -224,58 +248,19 @@ def _version() -> str:
     return f"rlhfctl {ours} (trainer image {TRAINER_IMAGE}, vLLM {VLLM_VERSION})"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlhfctl", description=__doc__)
-    parser.add_argument("--version", action="version", version=_version())
-    sub = parser.add_subparsers(dest="command", required=True)
+def exit_codes_help() -> str:
+    """The exit-code convention of every subcommand (the --help epilog)."""
+    from rlhf_contract.exit_codes import TABLE
 
-    def add_job_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("job", help="RLHFJob YAML file")
-        p.add_argument(
-            "--set", action="append", default=[], metavar="FIELD=VALUE",
-            help="override a spec field, e.g. --set rollout.replicas=2 (repeatable)",
-        )
+    run_codes = ", ".join(f"{int(m.code)} {m.text}" for m in TABLE if m.code > ExitCode.CONFIG_ERROR)
+    return (f"exit codes (every subcommand): {int(ExitCode.OK)} ok; {int(ExitCode.FAILED)} failed (a run or a "
+            f"request failed, the cluster cannot be reached, a job or pod not found); {int(ExitCode.CONFIG_ERROR)} "
+            "usage error or invalid job (a bad option, a job file, its data or --working-dir that cannot work, "
+            "a plan that does not fit, a job the API server refuses). `run` and `submit --wait` end with the "
+            f"run's own codes as they are: {run_codes}.")
 
-    run = sub.add_parser("run", help="run a job on this machine (local mode)")
-    add_job_args(run)
-    run.add_argument("--output", help="output directory (default: spec.output.dir or runs/<name>)")
-    run.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
-    run.add_argument("--overwrite", action="store_true", help="start afresh in an output directory that has checkpoints")
-    run.set_defaults(func=_cmd_run)
 
-    validate = sub.add_parser("validate", help="check a job file and report every problem")
-    add_job_args(validate)
-    validate.set_defaults(func=_cmd_validate)
-
-    plan_cmd = sub.add_parser("plan", help="print the trainer's GPU memory plan of a job; exit 2 when it does not fit")
-    add_job_args(plan_cmd)
-    plan_cmd.add_argument("--gpu-memory-gib", type=float, help="memory of one trainer GPU (default: "
-                          "trainer.gpuMemoryGiB, else this machine's GPU)")
-    plan_cmd.add_argument("--gpus", type=int, help="trainer GPUs (default: trainer.numNodes x trainer.nprocPerNode)")
-    plan_cmd.add_argument("--model-config", metavar="FILE",
-                          help="the model's config.json, when model.path is not on this machine")
-    plan_cmd.set_defaults(func=_cmd_plan)
-
-    render = sub.add_parser("render", help="print the manifests the operator would create for a job (YAML)")
-    add_job_args(render)
-    render.add_argument("--backend", choices=["PyTorchJob", "JobSet"], help="override spec.backend")
-    render.add_argument("--namespace", help="the job's namespace (default: metadata.namespace or default)")
-    render.add_argument("--uid", help=f"the job's metadata.uid, once the API server gave it (default {PLACEHOLDER_UID})")
-    render.add_argument("--attempt", type=int, default=0, help="the attempt (status.restarts) to render")
-    render.set_defaults(func=_cmd_render)
-
-    export = sub.add_parser("export", help="write a checkpoint (checkpoints/step-N) as a Hugging Face model directory")
-    export.add_argument("checkpoint", metavar="CHECKPOINT", help="a complete <output>/checkpoints/step-N directory")
-    export.add_argument("out", metavar="OUT", help="the model directory to write")
-    export.add_argument("--model", help="the model the run started from (default: what <output>/job.json names)")
-    export.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
-    export.set_defaults(func=_cmd_export)
-
-    plot = sub.add_parser("plot", help="draw the metrics of one or more runs (overlaid) into one PNG")
-    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="output directory of a run (holds metrics.jsonl)")
-    plot.add_argument("--output", help="PNG to write (default: <first RUN_DIR>/plot.png)")
-    plot.set_defaults(func=_cmd_plot)
-
+def _add_operator_command(sub: argparse._SubParsersAction) -> None:
     op = sub.add_parser("operator", help="run the Kubernetes operator (kopf) against the current kubeconfig")
     op.add_argument("--namespace", action="append", default=[], help="watch only this namespace (repeatable; default: all)")
     op.add_argument("--metrics-port", type=int, default=8080, help="Prometheus metrics port (0: off)")
@@ -297,13 +282,84 @@ def build_parser() -> argparse.ArgumentParser:
 
     op.set_defaults(func=_cmd_operator)
 
+
+def build_parser() -> argparse.ArgumentParser:
+    from .cluster_cli import add_cluster_commands
+    from .output import add_output_arg
+    from .support_cli import add_support_commands
+
+    parser = argparse.ArgumentParser(prog="rlhfctl", description=__doc__, epilog=exit_codes_help())
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add_job_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("job", help="RLHFJob YAML file (-: read it from standard input)")
+        p.add_argument(
+            "--set", action="append", default=[], metavar="FIELD=VALUE",
+            help="override a spec field, e.g. --set rollout.replicas=2 (repeatable)",
+        )
+
+    run = sub.add_parser("run", help="run a job on this machine (local mode)")
+    add_job_args(run)
+    run.add_argument("--output", help="output directory (default: spec.output.dir or runs/<name>)")
+    run.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    run.add_argument("--overwrite", action="store_true", help="start afresh in an output directory that has checkpoints")
+    run.set_defaults(func=_cmd_run)
+
+    validate = sub.add_parser("validate", help="check a job file and report every problem")
+    add_job_args(validate)
+    add_output_arg(validate, "the result (valid, problems, warnings)")
+    validate.set_defaults(func=_cmd_validate)
+
+    plan_cmd = sub.add_parser("plan", help="print the trainer's GPU memory plan of a job; exit 2 when it does not fit")
+    add_job_args(plan_cmd)
+    plan_cmd.add_argument("--gpu-memory-gib", type=float, help="memory of one trainer GPU (default: "
+                          "trainer.gpuMemoryGiB, else this machine's GPU)")
+    plan_cmd.add_argument("--gpus", type=int, help="trainer GPUs (default: trainer.numNodes x trainer.nprocPerNode)")
+    plan_cmd.add_argument("--model-config", metavar="FILE",
+                          help="the model's config.json, when model.path is not on this machine")
+    add_output_arg(plan_cmd, "the plan (bytes)")
+    plan_cmd.set_defaults(func=_cmd_plan)
+
+    render = sub.add_parser("render", help="print the manifests the operator would create for a job (YAML)")
+    add_job_args(render)
+    render.add_argument("--backend", choices=["PyTorchJob", "JobSet"], help="override spec.backend")
+    render.add_argument("--namespace", help="the job's namespace (default: metadata.namespace or default)")
+    render.add_argument("--uid", help=f"the job's metadata.uid, once the API server gave it (default {PLACEHOLDER_UID})")
+    render.add_argument("--attempt", type=int, default=0, help="the attempt (status.restarts) to render")
+    add_output_arg(render, "the manifests (default YAML documents; json: a v1 List)")
+    render.set_defaults(func=_cmd_render)
+    add_cluster_commands(sub, add_job_args)
+
+    export = sub.add_parser("export", help="write a checkpoint (checkpoints/step-N) as a Hugging Face model directory")
+    export.add_argument("checkpoint", metavar="CHECKPOINT", help="a complete <output>/checkpoints/step-N directory")
+    export.add_argument("out", metavar="OUT", help="the model directory to write")
+    export.add_argument("--model", help="the model the run started from (default: what <output>/job.json names)")
+    export.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    export.set_defaults(func=_cmd_export)
+
+    plot = sub.add_parser("plot", help="draw the metrics of one or more runs (overlaid) into one PNG")
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="output directory of a run (holds metrics.jsonl)")
+    plot.add_argument("--output", help="PNG to write (default: <first RUN_DIR>/plot.png)")
+    plot.set_defaults(func=_cmd_plot)
+
+    _add_operator_command(sub)
+
     crd = sub.add_parser("crd", help="print the RLHFJob CustomResourceDefinition")
     crd.set_defaults(func=_cmd_crd)
+    add_support_commands(sub)
+    for command in sub.choices.values():
+        command.epilog = command.epilog or "exit codes: 0 ok, 1 failed, 2 usage error or invalid job (rlhfctl --help)"
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if "_ARGCOMPLETE" in os.environ:  # the shell asks for completions (rlhfctl completion bash|zsh)
+        import argcomplete
+
+        argcomplete.autocomplete(parser)
+    args = parser.parse_args(argv)
     return args.func(args)
 
 

@@ -4,7 +4,10 @@ kwok plays the kubelet of every node annotated `kwok.x-k8s.io/node=<group>`: one
 process per group ("fake" is started with the cluster). It renews each node's Lease in
 `kube-node-lease` as a kubelet does (`--node-lease-duration-seconds`), so the node
 lifecycle controller keeps the nodes Ready for as long as the cluster runs; without it
-every node went NotReady 40 s after it started. Killing a group's kwok process
+every node went NotReady 40 s after it started. kwok also serves the kubelet's log endpoint:
+every container's log is the file `pod-log.cri` in the state directory (a kwok ClusterLogs
+rule; `append_pod_log` writes to it), so `kubectl logs` works, `--follow` included. Killing a
+group's kwok process
 (`lose_nodes`) is a lost node: no more Lease renewals, no pod status updates, and pods
 deleted there stay Terminating, as on a real cluster whose kubelet is gone.
 """
@@ -17,7 +20,8 @@ from typing import Iterable
 
 import yaml
 
-from .procs import free_port, http_ok, terminate, wait_for
+from .pki import make_cert
+from .procs import free_port, terminate, wait_for
 
 KWOK_ANNOTATION = "kwok.x-k8s.io/node"
 DEFAULT_GROUP = "fake"
@@ -90,8 +94,24 @@ spec:
 """ % {"label": COMPLETE_LABEL}
 
 
+POD_LOG = "pod-log.cri"
+"""What every container of a fake node logs (CRI log format, as a kubelet reads it)."""
+
+
 class FakeNodes:
     """Mixin of `Cluster`: kwok processes, fake nodes, and chaos."""
+
+    def append_pod_log(self, *lines: str) -> None:
+        """Lines every container's log ends with from now on (kwok reads the file on each request)."""
+        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        with open(self.root / POD_LOG, "a") as fh:
+            fh.writelines(f"{now} stdout F {line}\n" for line in lines)
+
+    def _kwok_logs(self) -> str:
+        return yaml.safe_dump({"apiVersion": "kwok.x-k8s.io/v1alpha1", "kind": "ClusterLogs",
+                               "metadata": {"name": "every-container"},
+                               "spec": {"logs": [{"logsFile": str(self.root / POD_LOG), "follow": True}]}},
+                              sort_keys=False)
 
     def _kwok_stages(self) -> str:
         docs = []
@@ -104,6 +124,7 @@ class FakeNodes:
                     {"key": f'.metadata.labels["{JOBSET_NAME_LABEL}"]', "operator": "DoesNotExist"})
             docs.append(yaml.safe_dump(stage, sort_keys=False))
         docs.append(COMPLETE_STAGE)
+        docs.append(self._kwok_logs())
         return "\n---\n".join(d.strip("\n").removeprefix("---\n") for d in docs) + "\n"
 
     def start_kwok(self, group: str = DEFAULT_GROUP, timeout: float = 60) -> str:
@@ -113,19 +134,29 @@ class FakeNodes:
         if port_key not in self.ports:
             self.ports[port_key] = free_port()
         cfg = self.root / "kwok-stages.yaml"
-        if not cfg.exists():
-            cfg.write_text(self._kwok_stages())
+        cfg.write_text(self._kwok_stages())  # the same every time (a state directory of an older harness gets the logs)
+        if not (self.root / POD_LOG).exists():
+            self.append_pod_log("a container of a kwok node started")
+        if not (self.pki / "kwok.crt").exists():
+            make_cert(self.pki, "kwok", "ca", "/CN=kwok", ["subjectAltName=IP:127.0.0.1", "extendedKeyUsage=serverAuth",
+                                                           "keyUsage=critical,digitalSignature,keyEncipherment"])
         # Each group its own pod CIDR so that two kwok processes hand out distinct pod IPs.
         index = 0 if group == DEFAULT_GROUP else 1 + sum(n.startswith("kwok-") for n in self.pids)
+        port = self.ports[port_key]
+        # The nodes' address is this kwok's HTTPS server, as a kubelet's is its own: the API
+        # server reaches it for `kubectl logs` (it does not verify a kubelet's certificate
+        # unless --kubelet-certificate-authority is given).
         self._spawn(name, [
             self.bin("kwok"), f"--kubeconfig={self.kubeconfig}", f"--config={cfg}",
             "--manage-all-nodes=false",
             f"--manage-nodes-with-annotation-selector={KWOK_ANNOTATION}={group}",
             f"--node-lease-duration-seconds={NODE_LEASE_SECONDS}",
-            f"--server-address=127.0.0.1:{self.ports[port_key]}",
-            f"--cidr=10.{244 + index}.0.1/16", "--node-ip=10.240.0.1",
+            f"--server-address=127.0.0.1:{port}", f"--node-ip=127.0.0.1", f"--node-port={port}",
+            f"--tls-cert-file={self.pki / 'kwok.crt'}", f"--tls-private-key-file={self.pki / 'kwok.key'}",
+            f"--cidr=10.{244 + index}.0.1/16",
         ])
-        wait_for(lambda: self._check_alive(name) and http_ok(f"http://127.0.0.1:{self.ports[port_key]}/healthz"),
+        wait_for(lambda: self._check_alive(name) and self._https_get(f"https://127.0.0.1:{port}/healthz",
+                                                                     client_cert=False, verify=False)[0] == 200,
                  timeout, f"{name} /healthz")
         return name
 

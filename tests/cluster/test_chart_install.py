@@ -15,6 +15,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from rlhf_contract import images
+from rlhf_launcher.cli import build_parser
+from rlhf_launcher.support_cli import cluster_report
+
 from .harness import Cluster, wait_for
 from .test_operator import create, job_doc, new_namespace, wait_job
 
@@ -47,6 +51,11 @@ def test_helm_install_then_the_operator_with_the_chart_permissions_runs_a_job(cl
         assert out.returncode == 0, out.stderr
         crd = cluster.get("crd", "rlhfjobs.rlhf.dev")
         assert crd["spec"]["names"]["shortNames"] == ["rlj"]
+        # `rlhfctl env` reports the operator the chart installed: its Deployment's version label and image
+        env = build_parser().parse_args(["env", "--kubeconfig", str(cluster.kubeconfig)])
+        found = [d for d in cluster_report(env)["operator"] if d["namespace"] == release_ns]
+        assert found == [{"namespace": release_ns, "name": f"{release}-rlhf-operator", "version": images.VERSION,
+                          "image": images.OPERATOR_IMAGE}]
         assert crd["metadata"]["annotations"]["meta.helm.sh/release-name"] == release  # the release's now
 
         # `helm upgrade` installs a changed CRD (a new release's schema), and the next upgrade changes it back

@@ -38,5 +38,9 @@ def test_plan_of_a_builtin_model_and_missing_inputs(capsys):
     # the fixed CUDA context and NCCL alone exceed a 1 GiB GPU
     assert main(["plan", job, "--gpu-memory-gib", "1"]) == 2
     assert "spec.trainer: the plan needs" in capsys.readouterr().err
-    assert main(["plan", str(ROOT / "examples/rlhfjob.yaml"), "--gpu-memory-gib", "80"]) == 1
+    assert main(["plan", job, "--gpu-memory-gib", "1", "-o", "json"]) == 2  # the same plan, as numbers
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"] is False and plan["totalBytes"] > plan["gpuBytes"] == 2**30
+    assert plan["message"].startswith("spec.trainer: the plan needs") and "activations" in {t["name"] for t in plan["terms"]}
+    assert main(["plan", str(ROOT / "examples/rlhfjob.yaml"), "--gpu-memory-gib", "80"]) == 2  # usage: give --model-config
     assert "--model-config" in capsys.readouterr().err

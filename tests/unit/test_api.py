@@ -106,13 +106,13 @@ def test_cli_validate(tmp_path, capsys):
     assert main(["validate", str(EXAMPLE)]) == 0
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(with_spec(rollout={"replica": 2, "temperature": -1})))
-    assert main(["validate", str(bad)]) == 1
+    assert main(["validate", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "spec.rollout.replica: unknown field; did you mean 'replicas'?" in err
     assert "spec.rollout.temperature:" in err
     broken = tmp_path / "broken.yaml"
     broken.write_text("spec: [unclosed")
-    assert main(["validate", str(broken)]) == 1
+    assert main(["validate", str(broken)]) == 2
     assert "not valid YAML" in capsys.readouterr().err
 
 

@@ -162,7 +162,7 @@ def test_rlhfctl_validate_reports_the_data_problems(tmp_path, tiny_model_dir, ca
            "spec": {"model": {"path": str(tiny_model_dir)}, **RL,
                     "data": {"path": jsonl(tmp_path / "p.jsonl", [{"question": "1+1=", "answer": "2"}])}}}
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
-    assert main(["validate", str(tmp_path / "job.yaml")]) == 1
+    assert main(["validate", str(tmp_path / "job.yaml")]) == 2
     err = capsys.readouterr().err
     assert "spec.data.promptKey:" in err and "its columns are question, answer" in err
     assert main(["validate", str(tmp_path / "job.yaml"), "--set", "data.promptKey=question"]) == 0

@@ -1,6 +1,7 @@
 """The RLHFJob API models, rules and loading."""
 
-from .load import JobError, Problem, load_job, problems, validate_job
+from .load import STDIN, JobError, Problem, job_source, load_job, problems, read_job_document, validate_job
 from .models import RLHFJob, RLHFJobSpec
 
-__all__ = ["JobError", "Problem", "RLHFJob", "RLHFJobSpec", "load_job", "problems", "validate_job"]
+__all__ = ["STDIN", "JobError", "Problem", "RLHFJob", "RLHFJobSpec", "job_source", "load_job", "problems",
+           "read_job_document", "validate_job"]

@@ -4,6 +4,7 @@ reported by its field path (`spec.rollout.replicas: ...`)."""
 from __future__ import annotations
 
 import difflib
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -135,15 +136,28 @@ def validate_job(data: Any, overrides: list[str] = (), source: str = "") -> RLHF
         raise JobError(problems(err), source) from None
 
 
-def load_job(path: str | Path, overrides: list[str] = ()) -> RLHFJob:
-    """Read and validate a job YAML file."""
-    path = Path(path)
+STDIN = "-"
+"""The job file name that reads the job from standard input (`cat job.yaml | rlhfctl validate -`)."""
+
+
+def job_source(path: str | Path) -> str:
+    """How messages name a job file: its path, or `<stdin>`."""
+    return "<stdin>" if str(path) == STDIN else str(path)
+
+
+def read_job_document(path: str | Path) -> Any:
+    """The parsed YAML of a job file (`-`: standard input), or a `JobError`."""
+    source = job_source(path)
     try:
-        text = path.read_text()
+        text = sys.stdin.read() if str(path) == STDIN else Path(path).read_text()
     except OSError as err:
-        raise JobError([Problem("", f"cannot read {path}: {err.strerror}")], str(path)) from None
+        raise JobError([Problem("", f"cannot read {path}: {err.strerror}")], source) from None
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as err:
-        raise JobError([Problem("", f"not valid YAML: {err}")], str(path)) from None
-    return validate_job(data, overrides, str(path))
+        raise JobError([Problem("", f"not valid YAML: {err}")], source) from None
+
+
+def load_job(path: str | Path, overrides: list[str] = ()) -> RLHFJob:
+    """Read and validate a job YAML file (`-`: standard input)."""
+    return validate_job(read_job_document(path), overrides, job_source(path))

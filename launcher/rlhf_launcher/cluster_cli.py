@@ -1,0 +1,330 @@
+"""`rlhfctl submit | get | logs | delete`: a job on a cluster, through the user's kubeconfig
+(kubeaccess.py), as `kubectl` would do it but knowing the job.
+
+`submit` validates the job as `validate` does, carries `--working-dir` in ConfigMaps
+(workdir.py), refuses what the operator would refuse (its own `PodSettings` check), creates
+the ConfigMaps, then the job, then makes the job their owner (so they go with it). `--wait`
+follows the phase and ends with the run's result: 0 Succeeded, the exit code the failed
+pod's message names (2, 126, 127: permanent), else 1."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from rlhf_contract.exit_codes import ExitCode
+
+from .kubeaccess import (
+    DEFAULT_NAMESPACE, ClusterError, Kube, add_cluster_args, api_message, connect, context_namespace, namespace_of,
+)
+from .output import add_output_arg, dump, dump_objects
+
+TERMINAL = ("Succeeded", "Failed")
+_EXIT_IN_MESSAGE = re.compile(r"exited with code (\d+)")
+
+
+def _cluster_command(fn: Callable[..., int]) -> Callable[..., int]:
+    """Runs a command; a cluster that cannot be reached or refuses a request is exit 1 with
+    the API server's message."""
+
+    @functools.wraps(fn)
+    def run(args: argparse.Namespace, *more: Any) -> int:
+        from kubernetes.client.rest import ApiException
+        from urllib3.exceptions import HTTPError
+
+        try:
+            return fn(args, *more)
+        except ClusterError as err:
+            print(f"error: {err}", file=sys.stderr)
+        except ApiException as err:
+            print(f"error: the API server refused: {api_message(err)}", file=sys.stderr)
+        except HTTPError as err:
+            print(f"error: cannot reach the API server: {err}", file=sys.stderr)
+        return ExitCode.FAILED
+
+    return run
+
+
+# ---- submit
+
+def _prepare(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any], list[str]]:
+    """The ConfigMaps and the job document to create, and warnings; a `JobError`,
+    `WorkdirError`, `PodSettingsError` or `ValueError` for a job that cannot go."""
+    from rlhf_contract.api import job_source, read_job_document, validate_job
+    from rlhf_operator.builders.pods import PodSettings
+    from .workdir import left_behind, pack
+
+    doc = read_job_document(args.job)
+    job = validate_job(doc, args.set, job_source(args.job))  # `doc` now holds the overrides
+    written = job.metadata.namespace
+    if args.namespace and written and args.namespace != written:
+        raise ValueError(f"metadata.namespace: {written!r} differs from --namespace {args.namespace}; "
+                         "remove one of them")
+    namespace = args.namespace or written or context_namespace(args) or DEFAULT_NAMESPACE
+    config_maps: list[dict[str, Any]] = []
+    cwd = Path.cwd()
+    if args.working_dir:
+        packed = pack(doc, job, Path(args.working_dir), cwd, namespace)
+        doc, config_maps = packed.doc, packed.config_maps
+    doc.setdefault("metadata", {})["namespace"] = namespace
+    final = validate_job(copy.deepcopy(doc), (), job_source(args.job))
+    PodSettings.from_job(final)  # what the operator refuses, refused here
+    root = (cwd / args.working_dir).resolve() if args.working_dir else None
+    return config_maps, doc, left_behind(job, cwd, root)
+
+
+def _create(kube: Kube, config_maps: list[dict[str, Any]], doc: dict[str, Any]) -> dict[str, Any]:
+    from kubernetes.client.rest import ApiException
+    from rlhf_contract.api.models import API_GROUP, API_VERSION, PLURAL
+    from .kubeaccess import TIMEOUT, owner_reference
+
+    ns, name = doc["metadata"]["namespace"], doc["metadata"]["name"]
+    if kube.job(ns, name) is not None:
+        raise ClusterError(f"rlhfjob {name} already exists in namespace {ns}: delete it first "
+                           f"(rlhfctl delete {name} -n {ns}) or change metadata.name")
+    made: list[str] = []
+    try:
+        for cm in config_maps:
+            kube.core.create_namespaced_config_map(ns, cm, _request_timeout=TIMEOUT)
+            made.append(cm["metadata"]["name"])
+        created = kube.custom.create_namespaced_custom_object(API_GROUP, API_VERSION, ns, PLURAL, doc,
+                                                              _request_timeout=TIMEOUT)
+    except (ApiException, ClusterError):
+        for cm_name in made:  # the job was not created: nothing would own them
+            kube.core.delete_namespaced_config_map(cm_name, ns, _request_timeout=TIMEOUT)
+        raise
+    ref = owner_reference(created)
+    for cm_name in made:
+        kube.core.patch_namespaced_config_map(cm_name, ns, {"metadata": {"ownerReferences": [ref]}},
+                                              _request_timeout=TIMEOUT)
+    return created
+
+
+def wait_until_done(kube: Kube, namespace: str, name: str, poll_s: float = 2.0) -> int:
+    """Follow the job's phase and step (on stderr) until it ends; its result as an exit code.
+    Ctrl-C stops waiting, not the job."""
+    try:
+        return _wait(kube, namespace, name, poll_s)
+    except KeyboardInterrupt:
+        print(f"stopped waiting; rlhfjob {name} goes on (rlhfctl get {name} -n {namespace})", file=sys.stderr)
+        return ExitCode.INTERRUPTED
+
+
+def _wait(kube: Kube, namespace: str, name: str, poll_s: float) -> int:
+    seen = None
+    while True:
+        job = kube.job(namespace, name)
+        if job is None:
+            raise ClusterError(f"rlhfjob {name} was deleted in namespace {namespace} while waiting")
+        status = job.get("status") or {}
+        phase, step = status.get("phase", "Pending"), (status.get("progress") or {}).get("step", 0)
+        if (phase, step) != seen:
+            print(f"{name}: {phase}, step {step}" + (f": {status['message']}" if status.get("message") else ""),
+                  file=sys.stderr)
+            seen = (phase, step)
+        if phase == "Succeeded":
+            return ExitCode.OK
+        if phase == "Failed":
+            code = _EXIT_IN_MESSAGE.search(status.get("message", ""))
+            return int(code.group(1)) if code and 0 < int(code.group(1)) < 256 else ExitCode.FAILED
+        time.sleep(poll_s)
+
+
+def _cmd_submit(args: argparse.Namespace) -> int:
+    from rlhf_contract.api import JobError
+    from rlhf_operator.builders.pods import PodSettingsError
+    from .workdir import WorkdirError
+
+    try:
+        config_maps, doc, warnings = _prepare(args)
+    except JobError as err:
+        print(err, file=sys.stderr)
+        return ExitCode.CONFIG_ERROR
+    except (WorkdirError, PodSettingsError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return ExitCode.CONFIG_ERROR
+    for line in warnings:
+        print(f"warning: {line}", file=sys.stderr)
+    if args.dry_run:
+        sys.stdout.write(dump_objects([*config_maps, doc], args.output_format or "yaml"))
+        return ExitCode.OK
+    return _submit(args, config_maps, doc)
+
+
+@_cluster_command
+def _submit(args: argparse.Namespace, config_maps: list[dict[str, Any]], doc: dict[str, Any]) -> int:
+    from kubernetes.client.rest import ApiException
+    from .workdir import human
+
+    kube = connect(args)
+    try:
+        created = _create(kube, config_maps, doc)
+    except ApiException as err:
+        if err.status == 422:  # the CRD's schema or CEL rules refused it: an invalid job
+            print(f"error: the API server refused the job: {api_message(err)}", file=sys.stderr)
+            return ExitCode.CONFIG_ERROR
+        raise
+    ns, name = created["metadata"]["namespace"], created["metadata"]["name"]
+    if args.output_format:
+        sys.stdout.write(dump_objects([*config_maps, created], args.output_format))
+    else:
+        for cm in config_maps:
+            files = {**cm.get("data", {}), **cm.get("binaryData", {})}
+            print(f"configmap/{cm['metadata']['name']} created ({len(files)} files, "
+                  f"{human(sum(len(v) for v in files.values()))}, owned by the job)")
+        print(f"rlhfjob/{name} created in namespace {ns}")
+    return wait_until_done(kube, ns, name) if args.wait else ExitCode.OK
+
+
+# ---- get
+
+def _age(timestamp: str | None) -> str:
+    from datetime import datetime, timezone
+
+    if not timestamp:
+        return ""
+    seconds = int((datetime.now(timezone.utc) - datetime.fromisoformat(timestamp.replace("Z", "+00:00")))
+                  .total_seconds())
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{max(seconds, 0)}s"
+
+
+def _job_row(job: dict[str, Any], with_namespace: bool) -> list[str]:
+    status = job.get("status") or {}
+    progress = status.get("progress") or {}
+    reward = progress.get("rewardMean")
+    row = [job["metadata"]["name"], status.get("phase", ""),
+           f"{progress.get('step', 0)}/{progress.get('totalSteps', 0)}" if progress.get("totalSteps") else "",
+           f"{reward:.3f}" if isinstance(reward, (int, float)) else "", str(status.get("restarts", 0)),
+           _age(job["metadata"].get("creationTimestamp"))]
+    return ([job["metadata"].get("namespace", "")] if with_namespace else []) + row
+
+
+def _print_job(job: dict[str, Any]) -> None:
+    """One job's status, conditions and last reported metrics (status.progress)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(Console().width, 120))
+    status = job.get("status") or {}
+    meta = job["metadata"]
+    console.print(f"[bold]{meta['name']}[/bold] in {meta.get('namespace')}: {status.get('phase', 'Pending')}, "
+                  f"{status.get('restarts', 0)} restart(s), age {_age(meta.get('creationTimestamp'))}")
+    if status.get("message"):
+        console.print(f"message: {status['message']}", markup=False)
+    for key in ("startTime", "completionTime"):
+        if status.get(key):
+            console.print(f"{key}: {status[key]}")
+    progress = status.get("progress") or {}
+    if progress:
+        console.print("progress: " + ", ".join(f"{k} {v}" for k, v in progress.items()), markup=False)
+    table = Table(title="conditions")
+    for col in ("type", "status", "reason", "since", "message"):
+        table.add_column(col, overflow="fold")
+    for c in status.get("conditions", []):
+        table.add_row(c.get("type", ""), c.get("status", ""), c.get("reason", ""),
+                      _age(c.get("lastTransitionTime")), c.get("message", ""))
+    console.print(table)
+
+
+@_cluster_command
+def _cmd_get(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    kube = connect(args)
+    namespace = None if args.all_namespaces else namespace_of(args)
+    if args.name:
+        job = kube.job(namespace_of(args), args.name)
+        if job is None:
+            print(f"error: rlhfjob {args.name} not found in namespace {namespace_of(args)}", file=sys.stderr)
+            return ExitCode.FAILED
+        if args.output_format:
+            sys.stdout.write(dump(job, args.output_format))
+        else:
+            _print_job(job)
+        return ExitCode.OK
+    jobs = sorted(kube.jobs(namespace), key=lambda j: (j["metadata"].get("namespace", ""), j["metadata"]["name"]))
+    if args.output_format:
+        sys.stdout.write(dump({"apiVersion": "v1", "kind": "List", "items": jobs}, args.output_format))
+        return ExitCode.OK
+    if not jobs:
+        print(f"no rlhfjobs in {'any namespace' if namespace is None else f'namespace {namespace}'}",
+              file=sys.stderr)
+        return ExitCode.OK
+    table = Table(box=None, pad_edge=False)
+    for col in (["NAMESPACE"] if namespace is None else []) + ["NAME", "PHASE", "STEP", "REWARD", "RESTARTS", "AGE"]:
+        table.add_column(col, overflow="fold")
+    for job in jobs:
+        table.add_row(*_job_row(job, namespace is None))
+    Console(width=max(Console().width, 100)).print(table)
+    return ExitCode.OK
+
+
+# ---- delete
+
+@_cluster_command
+def _cmd_delete(args: argparse.Namespace) -> int:
+    from kubernetes.client.rest import ApiException
+    from rlhf_contract.api.models import API_GROUP, API_VERSION, PLURAL
+    from .kubeaccess import TIMEOUT
+
+    kube, namespace = connect(args), namespace_of(args)
+    try:
+        kube.custom.delete_namespaced_custom_object(API_GROUP, API_VERSION, namespace, PLURAL, args.name,
+                                                    propagation_policy="Background", _request_timeout=TIMEOUT)
+    except ApiException as err:
+        if err.status != 404:
+            raise
+        print(f"error: rlhfjob {args.name} not found in namespace {namespace}", file=sys.stderr)
+        return ExitCode.FAILED
+    print(f"rlhfjob/{args.name} deleted in namespace {namespace} (its pods, services and ConfigMaps go with it; "
+          "checkpoints stay on their volume)")
+    return ExitCode.OK
+
+
+def _cmd_logs(args: argparse.Namespace) -> int:
+    from .logs import cmd_logs
+
+    return cmd_logs(args)
+
+
+def add_cluster_commands(sub: argparse._SubParsersAction, add_job_args: Callable) -> None:
+    submit = sub.add_parser("submit", help="create a job on the cluster, with the files of a working directory")
+    add_job_args(submit)
+    submit.add_argument("--working-dir", metavar="DIR", help="send the files under DIR in ConfigMaps owned by the "
+                        "job; the job's paths inside DIR are rewritten to where the pods mount them")
+    submit.add_argument("--dry-run", action="store_true", help="print every object it would create, create none")
+    submit.add_argument("--wait", action="store_true", help="follow the job until it ends; exit with its result")
+    add_cluster_args(submit, "metadata.namespace, else the context's, else default")
+    add_output_arg(submit, "the objects created (with --dry-run: to be created; default YAML)")
+    submit.set_defaults(func=_cmd_submit)
+
+    get = sub.add_parser("get", help="the jobs of a namespace (a table), or one job's status and conditions")
+    get.add_argument("name", nargs="?", help="a job's name (default: every job)")
+    get.add_argument("-A", "--all-namespaces", action="store_true", help="every namespace")
+    add_cluster_args(get)
+    add_output_arg(get, "the job(s)")
+    get.set_defaults(func=_cmd_get)
+
+    logs = sub.add_parser("logs", help="the logs of a job's pods (its newest attempt)")
+    logs.add_argument("name", help="the job's name")
+    logs.add_argument("--role", choices=["trainer", "rollout", "sandbox"], default="trainer",
+                      help="whose logs (default: trainer)")
+    logs.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
+    logs.add_argument("--tail", type=int, help="only the last N lines of each pod")
+    add_cluster_args(logs)
+    logs.set_defaults(func=_cluster_command(_cmd_logs))
+
+    delete = sub.add_parser("delete", help="delete a job; its children and working-directory ConfigMaps go with it")
+    delete.add_argument("name", help="the job's name")
+    add_cluster_args(delete)
+    delete.set_defaults(func=_cmd_delete)

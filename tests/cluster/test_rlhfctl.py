@@ -1,0 +1,170 @@
+"""`rlhfctl submit / get / logs / delete / env` against the real API server, with a real
+operator (`rlhfctl operator`) in a `restricted` namespace: a working directory goes into a
+ConfigMap owned by the job and the operator's pods mount it where the rewritten job reads
+it; `--wait` ends with the run's own exit code; a too-large directory creates nothing.
+
+Logs come through the API server from kwok, which plays each fake node's kubelet and serves
+every container's log from one file (`Cluster.append_pod_log`): what is tested is finding
+the pods of a role and attempt, prefixes, `--tail` and `--follow`, not what a trainer
+writes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlhf_launcher.cli import main
+from rlhf_launcher.workdir import MIB, WORKDIR_MOUNT, WORKDIR_VOLUME
+
+from .harness import Cluster, wait_for
+from .test_chart_install import sa_kubeconfig
+from .test_operator import job_doc, operator_in_namespace, running_pods, wait_job
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def setup(cluster: Cluster, tmp_path_factory):
+    with operator_in_namespace(cluster, tmp_path_factory, "ctl") as s:
+        yield s
+
+
+def rlhfctl(cluster: Cluster, capsys, *argv: str) -> tuple[int, str, str]:
+    code = main([*argv, "--kubeconfig", str(cluster.kubeconfig)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def workdir_job(tmp_path: Path, name: str) -> Path:
+    wd = tmp_path / "wd"
+    (wd / "data").mkdir(parents=True)
+    (wd / "reward.py").write_text("def reward_fn(response, answer, extra_info):\n    return float(response == answer)\n")
+    (wd / "data" / "train.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    doc = job_doc(name, data={"path": str(wd / "data" / "train.jsonl")},
+                  reward={"type": "python", "file": str(wd / "reward.py")})
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(doc))
+    return wd
+
+
+def test_submit_with_a_working_dir_then_get_logs_delete(cluster: Cluster, setup, tmp_path, capsys):
+    ns, name = setup["ns"], "wd"
+    wd = workdir_job(tmp_path, name)
+    code, out, err = rlhfctl(cluster, capsys, "submit", str(tmp_path / "job.yaml"), "--working-dir", str(wd), "-n", ns)
+    assert code == 0, err
+    assert f"configmap/{name}-workdir created (2 files" in out and f"rlhfjob/{name} created in namespace {ns}" in out
+    j = wait_job(cluster, ns, name, "Running", 0, log=setup["log"])
+    cm = cluster.get("configmap", f"{name}-workdir", namespace=ns)
+    assert cm["data"] == {"reward.py": (wd / "reward.py").read_text(), "data--train.jsonl": (wd / "data/train.jsonl").read_text()}
+    assert cm["metadata"]["ownerReferences"] == [{"apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob", "name": name,
+                                                  "uid": j["metadata"]["uid"]}]
+    # the operator's children: every pod mounts it, and the trainer's config names the mounted files
+    config = json.loads(next(iter(cluster.get("configmap", f"{name}-config", namespace=ns)["data"].values())))
+    assert config["spec"]["reward"]["file"] == f"{WORKDIR_MOUNT}/reward.py"
+    assert config["spec"]["data"]["path"] == f"{WORKDIR_MOUNT}/data/train.jsonl"
+    pods = running_pods(cluster, ns, name, 0, count=3)  # 2 rollout servers, 1 trainer
+    for pod in pods:
+        (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == WORKDIR_VOLUME]
+        assert volume["projected"]["sources"] == [{"configMap": {"name": f"{name}-workdir", "items": [
+            {"key": "data--train.jsonl", "path": "data/train.jsonl"}, {"key": "reward.py", "path": "reward.py"}]}}]
+        mounts = pod["spec"]["containers"][0]["volumeMounts"]
+        assert {"name": WORKDIR_VOLUME, "mountPath": WORKDIR_MOUNT, "readOnly": True} in mounts, pod["metadata"]["name"]
+
+    code, out, _ = rlhfctl(cluster, capsys, "get", "-n", ns)
+    assert code == 0 and [line.split()[:2] for line in out.splitlines()[1:]] == [[name, "Running"]]
+    code, out, _ = rlhfctl(cluster, capsys, "get", name, "-n", ns, "-o", "json")
+    assert code == 0 and json.loads(out)["status"]["phase"] == "Running"
+    code, out, _ = rlhfctl(cluster, capsys, "get", name, "-n", ns)
+    assert code == 0 and "Running" in out and "AllPodsRunning" in out
+
+    check_logs(cluster, capsys, ns, name)
+
+    # a second submit of the same name creates nothing
+    code, _, err = rlhfctl(cluster, capsys, "submit", str(tmp_path / "job.yaml"), "--working-dir", str(wd), "-n", ns)
+    assert code == 1 and "already exists" in err
+
+    code, out, _ = rlhfctl(cluster, capsys, "delete", name, "-n", ns)
+    assert code == 0 and f"rlhfjob/{name} deleted" in out
+    selector = f"rlhf.dev/workdir-of={name}"
+    wait_for(lambda: not cluster.get("configmaps", namespace=ns, selector=selector)["items"], 60,
+             "the working-directory ConfigMap collected with its job")
+    code, _, err = rlhfctl(cluster, capsys, "delete", name, "-n", ns)
+    assert code == 1 and "not found" in err
+
+
+def check_logs(cluster: Cluster, capsys, ns: str, name: str) -> None:
+    line = f"step 7 reward 0.25 {uuid.uuid4().hex}"
+    cluster.append_pod_log(line)
+    code, out, _ = rlhfctl(cluster, capsys, "logs", name, "-n", ns)  # one trainer pod: its lines as they are
+    assert code == 0 and out.splitlines()[-1] == line
+    code, out, _ = rlhfctl(cluster, capsys, "logs", name, "-n", ns, "--role", "rollout", "--tail", "1")
+    assert code == 0 and out.splitlines() == [f"[{name}-rollout-0] {line}", f"[{name}-rollout-1] {line}"]
+    code, _, err = rlhfctl(cluster, capsys, "logs", name, "-n", ns, "--role", "sandbox")
+    assert code == 1 and f"rlhfjob {name} has no sandbox pods in namespace {ns}" in err
+
+    proc = subprocess.Popen([sys.executable, "-m", "rlhf_launcher.cli", "logs", name, "-n", ns, "--follow"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cluster.env)
+    seen: list[str] = []
+    reader = threading.Thread(target=lambda: seen.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        wait_for(lambda: line + "\n" in seen, 60, "the log so far")
+        later = f"step 8 reward 0.5 {uuid.uuid4().hex}"
+        cluster.append_pod_log(later)
+        wait_for(lambda: later + "\n" in seen, 30, "a line written after --follow started")
+        assert proc.poll() is None  # still following
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_submit_wait_ends_with_the_runs_exit_code(cluster: Cluster, setup, tmp_path):
+    ns, name = setup["ns"], "waited"
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job_doc(name)))
+    proc = subprocess.Popen([sys.executable, "-m", "rlhf_launcher.cli", "submit", str(tmp_path / "job.yaml"), "-n", ns,
+                             "--wait"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cluster.env)
+    try:
+        running_pods(cluster, ns, name, 0, count=3)
+        cluster.fail_pod(ns, f"{name}-trainer-master-0", exit_code=2, reason="Error", message="bad config")
+        out, err = proc.communicate(timeout=90)
+    finally:
+        proc.kill()
+    assert proc.returncode == 2, err  # the permanent code the pod exited with, as `rlhfctl run` would end
+    assert f"{name}: Failed, step 0: trainer pod {name}-trainer-master-0 container pytorch exited with code 2" in err
+    cluster.kubectl("delete", "rlhfjob", name, "-n", ns, "--wait=false")
+
+
+def test_too_large_working_dir_creates_nothing(cluster: Cluster, setup, tmp_path, capsys):
+    ns, name = setup["ns"], "toolarge"
+    wd = workdir_job(tmp_path, name)
+    (wd / "data" / "big.jsonl").write_text("x" * int(1.5 * MIB))
+    code, _, err = rlhfctl(cluster, capsys, "submit", str(tmp_path / "job.yaml"), "--working-dir", str(wd), "-n", ns)
+    assert code == 2 and "big.jsonl alone does not fit in one ConfigMap" in err and "1.5 MiB" in err
+    time.sleep(1)
+    assert cluster.kubectl("get", "rlhfjob", name, "-n", ns, check=False).returncode != 0
+    assert not cluster.get("configmaps", namespace=ns, selector=f"rlhf.dev/workdir-of={name}")["items"]
+
+
+def test_a_refused_job_leaves_no_config_maps(cluster: Cluster, setup, tmp_path, capsys):
+    """Someone who may write ConfigMaps but not create RLHFJobs: the API server refuses the job,
+    and the ConfigMaps made for it are deleted again. No `-n`: the kubeconfig context's namespace."""
+    ns, name = setup["ns"], "refused"
+    cluster.kubectl("create", "serviceaccount", "cm-only", "-n", ns)
+    cluster.apply({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+                   "metadata": {"name": "cm-only", "namespace": ns},
+                   "rules": [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "create", "delete", "patch"]},
+                             {"apiGroups": ["rlhf.dev"], "resources": ["rlhfjobs"], "verbs": ["get"]}]})
+    cluster.kubectl("create", "rolebinding", "cm-only", "-n", ns, "--role=cm-only", f"--serviceaccount={ns}:cm-only")
+    config = sa_kubeconfig(cluster, ns, "cm-only", tmp_path / "kubeconfig")
+    wd = workdir_job(tmp_path, name)
+    code = main(["submit", str(tmp_path / "job.yaml"), "--working-dir", str(wd), "--kubeconfig", str(config)])
+    err = capsys.readouterr().err
+    assert code == 1 and "forbidden" in err and "rlhfjobs" in err
+    assert not cluster.get("configmaps", namespace=ns, selector=f"rlhf.dev/workdir-of={name}")["items"]
