@@ -88,8 +88,9 @@ class RefusingServer(BaseHTTPRequestHandler):
 
 
 def test_a_failed_weight_sync_exits_75_through_torchrun_so_the_job_restarts(tmp_path, tiny_model_dir):
-    """torchrun turns the worker's exit into 1; the launcher passes the weight sync's own code
-    on (75: not permanent, so the operator restarts the job, its servers included)."""
+    """torchrun (two processes: a world of one runs without it) turns the worker's exit into 1;
+    the launcher passes the weight sync's own code on (75: not permanent, so the operator
+    restarts the job, its servers included)."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), RefusingServer)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
@@ -97,7 +98,8 @@ def test_a_failed_weight_sync_exits_75_through_torchrun_so_the_job_restarts(tmp_
         job = validate_job({"apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob", "metadata": {"name": "sync"},
                             "spec": {"model": {"path": str(tiny_model_dir)},
                                      "data": {"path": "builtin://last-digit", "maxPromptLength": 16},
-                                     "rollout": {"engine": "cpu", "maxTokens": 2}}})
+                                     "rollout": {"engine": "cpu", "maxTokens": 2},
+                                     "trainer": {"nprocPerNode": 2}}})
         config = tmp_path / "trainer.json"
         config.write_text(TrainerConfig.from_job(job).to_json())
         proc = trainer_process(job, config_path=str(config), rollout_endpoints=[url],

@@ -1,4 +1,5 @@
-"""The trainer pod's command: check the config, then become torchrun.
+"""The trainer pod's command: check the config, then run torchrun (or, for a world of one
+process, the trainer itself).
 
     python -m rlhf_trainer.launch --nnodes=N --nproc-per-node=P [torchrun options]
 
@@ -67,17 +68,36 @@ def main(argv: list[str] | None = None) -> int:
         write_termination_message(message)
         return ExitCode.CONFIG_ERROR
     serve_node_endpoint(args)
-    command = [sys.executable, "-m", "torch.distributed.run", *args, "-m", "rlhf_trainer"]
     marker = Path(tempfile.mkdtemp(prefix="rlhf-launch-")) / "config-error"
-    child = subprocess.Popen(command, env={**os.environ, ENV_CONFIG_ERROR_FILE: str(marker)})
+    env = {**os.environ, ENV_CONFIG_ERROR_FILE: str(marker)}
+    if _option(args, "--nnodes", 1) * _option(args, "--nproc-per-node", 1) == 1:
+        # a world of one needs no elastic agent: the trainer directly, ~3 s of torchrun's start-up saved
+        command = [sys.executable, "-m", "rlhf_trainer"]
+        env.update(single_process_env())
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", *args, "-m", "rlhf_trainer"]
+    child = subprocess.Popen(command, env=env)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
     code = child.wait()
+    if code < 0:  # killed by a signal (torchrun would have said 1): the shell's 128 + signal
+        code = 128 - code
     if code != 0:
         marked = marked_exit_code(marker)
         if marked is not None:
             return marked
     return code
+
+
+def single_process_env() -> dict[str, str]:
+    """What torchrun would give the one worker of a world of one, on a free loopback port."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
 
 
 if __name__ == "__main__":
