@@ -113,7 +113,15 @@ RULES: tuple[Rule, ...] = (
         check=lambda s: (s.algorithm.advantage_estimator == "gae") == s.algorithm.critic,
         detail=lambda s: f"critic={s.algorithm.critic}, advantageEstimator={s.algorithm.advantage_estimator}",
     ),
-    required_for_reward("python", "file", "the file defining the reward function"),
+    Rule(
+        field_path="reward.file",
+        cel="self.reward.type != 'python' || has(self.reward.file) || "
+        "(has(self.reward.function) && self.reward.function.contains(':'))",
+        message="is required when reward.type is python, unless reward.function is an import path "
+        "package.module:function",
+        check=lambda s: s.reward.type != "python" or bool(s.reward.file) or ":" in s.reward.function,
+    ),
+    required_for_reward("judge", "judge", "the judge model and its rubric"),
     required_for_reward("model", "model", "the reward model's directory, reward.model.path"),
     Rule(
         field_path="algorithm.dynamicSampling",
@@ -137,7 +145,17 @@ RULES: tuple[Rule, ...] = (
         check=lambda s: (s.data.path == "builtin://gem") == (s.environment is not None and s.environment.gem is not None),
     ),
     required_for_reward("http", "url", "the reward service endpoint"),
-    required_for_component("python", "file", "the file defining the reward function"),
+    Rule(
+        field_path="reward.components",
+        cel="!has(self.reward.components) || self.reward.components.all(c, c.type != 'python' || has(c.file) || "
+        "(has(c.function) && c.function.contains(':')))",
+        message="each component of type python needs file (the file defining the reward function) or a "
+        "function that is an import path package.module:function",
+        check=lambda s: all(c.type != "python" or bool(c.file) or ":" in c.function for c in s.reward.components),
+        detail=lambda s: "missing on " + ", ".join(c.name for c in s.reward.components
+                                                  if c.type == "python" and not c.file and ":" not in c.function),
+    ),
+    required_for_component("judge", "judge", "the judge model and its rubric"),
     required_for_component("http", "url", "the reward service endpoint"),
     Rule(
         field_path="reward.components",

@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from ..images import INFERENCE_IMAGE, TRAINER_IMAGE
-from .common import INT32_MAX, MAX_SECONDS, SEED_MAX, SpecModel, Resources
+from .common import INT32_MAX, MAX_SECONDS, SEED_MAX, SecretKeyRef, SpecModel, Resources
 
 
 # Flags the operator sets itself (contract/rlhf_contract/pod.py serve_command), with the
@@ -215,15 +215,6 @@ class OutputSpec(SpecModel):
     save_rollouts: bool = False
     """Write every step's samples (token ids, loss mask, text, reward) to
     `rollouts/step-N.jsonl` for inspection."""
-
-
-class SecretKeyRef(SpecModel):
-    """A key of a Secret in the job's namespace."""
-
-    name: str = Field(min_length=1)
-    """The Secret's name."""
-    key: str = Field(min_length=1)
-    """The key holding the value."""
 
 
 class WandbSpec(SpecModel):
