@@ -50,8 +50,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _NUMBER = r"[-+]?\d+(?:\.\d+)?"
-_LABELLED = re.compile(r"score\W{0,3}\s*(" + _NUMBER + r")", re.IGNORECASE)
-_ALONE = re.compile(r"^\W*(" + _NUMBER + r")\W*$")
+_LABELLED = re.compile(r"score(?:\s+is)?[^\w+-]{0,3}(" + _NUMBER + r")", re.IGNORECASE)
+_ALONE = re.compile(r"^[^\w+-]*(" + _NUMBER + r")[^\w+-]*$")
 _ANY = re.compile(_NUMBER)
 
 
