@@ -132,6 +132,31 @@ def rollout_process(
     return Process(command, env)
 
 
+def served_judge(spec: RLHFJobSpec):
+    """The `reward.judge` the job serves itself (a judge function without `judge.url`), or None.
+    A rule (api/rules.py) keeps every such judge to one model."""
+    if spec.offline:
+        return None
+    return next((f.judge for f in spec.reward.functions() if f.type == "judge" and f.judge and not f.judge.url), None)
+
+
+def judge_process(job: RLHFJob, *, host: str, port: int, python: str = "python") -> Process:
+    """One judge server for `served_judge(job.spec)`: `vllm serve` on the rollout servers'
+    GPUs per replica, or the CPU engine (`rollout.engine: cpu`), answering to
+    JUDGE_SERVED_MODEL. No weight transfer: the judge is frozen."""
+    spec, judge = job.spec, served_judge(job.spec)
+    if judge is None:
+        raise ValueError("the job serves no judge (no reward.judge without judge.url)")
+    if spec.rollout.engine == "cpu":
+        return Process([python, "-m", "rlhf_inference.cpu_engine", "--model", judge.model, "--host", host,
+                        "--port", str(port), "--seed", str(spec.schedule.seed), "--served-model-name",
+                        JUDGE_SERVED_MODEL, "--generation-config", "vllm"])
+    return Process(["vllm", "serve", judge.model, "--host", host, "--port", str(port),
+                    "--served-model-name", JUDGE_SERVED_MODEL,
+                    "--tensor-parallel-size", str(spec.rollout.tensor_parallel_size),
+                    "--seed", str(spec.schedule.seed), "--generation-config", "vllm"])
+
+
 def trainer_process(
     job: RLHFJob,
     *,

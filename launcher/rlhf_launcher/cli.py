@@ -195,7 +195,7 @@ def _cmd_render(args: argparse.Namespace) -> int:
     except PodSettingsError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    objects = [*build_support(job), *build_workloads(job, args.attempt, settings)]
+    objects = [*build_support(job, settings), *build_workloads(job, args.attempt, settings)]
     sys.stdout.write(yaml.safe_dump_all(objects, sort_keys=False))
     return 0
 

@@ -48,7 +48,7 @@ def raises(completions, **kwargs):
     raise KeyError("solution")
 
 def everything(**kwargs):
-    return [float(sorted(kwargs) == ["completion_ids", "completions", "level", "prompts", "solution"])] * len(
+    return [float(sorted(kwargs) == ["answer", "completion_ids", "completions", "level", "prompts", "solution"])] * len(
         kwargs["completions"])
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -136,8 +136,8 @@ def test_what_a_function_gets_wrong_is_an_error_naming_it(reward_file):
         python_reward(reward_file, "two")
     fn, where = load_function(reward_file, "accuracy")
     assert form_of(fn, where, {"prompt", "solution"}) == "trl"
-    with pytest.raises(RewardConfigError, match=r"requires solution \(the data's columns: answer\)"):
-        form_of(fn, where, {"prompt", "answer"})
+    with pytest.raises(RewardConfigError, match=r"requires solution \(the data's columns: label\)"):
+        form_of(fn, where, {"prompt", "label"})
 
 
 def job(**reward) -> TrainerConfig:

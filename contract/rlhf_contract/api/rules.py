@@ -67,6 +67,11 @@ def required_for_component(reward_type: str, field: str, what: str) -> Rule:
     )
 
 
+def _SERVED(f: str) -> str:  # noqa: N802 (reads as a CEL macro)
+    """CEL: reward function `f` is a judge the job serves (no judge.url)."""
+    return f"({f}.type == 'judge' && has({f}.judge) && !has({f}.judge.url))"
+
+
 _MAIN_NAME = "(has(self.reward.name) ? self.reward.name : self.reward.type)"
 
 TP_WITH_CRITIC = Rule(
@@ -156,6 +161,15 @@ RULES: tuple[Rule, ...] = (
                                                   if c.type == "python" and not c.file and ":" not in c.function),
     ),
     required_for_component("judge", "judge", "the judge model and its rubric"),
+    Rule(
+        field_path="reward",
+        cel=f"!has(self.reward.components) || self.reward.components.all(c, !{_SERVED('c')} || "
+        f"((!{_SERVED('self.reward')} || self.reward.judge.model == c.judge.model) && "
+        f"self.reward.components.all(d, !{_SERVED('d')} || d.judge.model == c.judge.model)))",
+        message="judges without judge.url must all name the same judge.model: the job serves one judge model",
+        check=lambda s: len({f.judge.model for f in s.reward.functions()
+                             if f.type == "judge" and f.judge is not None and not f.judge.url}) <= 1,
+    ),
     required_for_component("http", "url", "the reward service endpoint"),
     Rule(
         field_path="reward.components",

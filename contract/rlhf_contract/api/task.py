@@ -137,7 +137,7 @@ class JudgeSpec(SpecModel):
     url: str | None = Field(default=None, pattern=r"^https?://")
     """An OpenAI-compatible endpoint, up to its `/v1` (`https://api.example.com/v1`); null:
     the judge servers this job starts for `model` (`<job>-judge`; local mode starts them too)."""
-    model: str = Field(min_length=1)
+    model: str = Field(min_length=1, max_length=1024)
     """The judge model: its name at `url`; without `url`, the Hugging Face model directory
     (in Kubernetes: on a mounted volume, or a built-in model in local mode) the job's judge
     servers serve."""

@@ -8,7 +8,8 @@ recognised from its parameters (no field says which):
                 argument a keyword holding one entry per response. `prompts` are the rows'
                 prompt texts, or their chat turns for chat data, and `completions` then
                 `[{"role": "assistant", "content": text}]`; `completion_ids` the token ids;
-                every column of the row (but `prompt`) under its own name. A function
+                every column of the row (but `prompt`) under its own name, and `answer`
+                (data.answerKey's, e.g. a nested field) unless a column has that name. A function
                 without `**kwargs` gets only the keywords it names. `None` means "does not
                 apply": it adds 0 to the trained reward and is left out of
                 `reward/<name>_mean` (TRL's nansum and nanmean).
@@ -122,7 +123,7 @@ def form_of(fn: Callable, where: str, columns: set[str] | None = None) -> str:
                                     f"requires {', '.join(extra)}")
         return "verl"
     if names & set(TRL_KEYWORDS) or keywords_only:
-        known = set(TRL_KEYWORDS) | (columns - NOT_COLUMNS if columns is not None else set())
+        known = {*TRL_KEYWORDS, "answer"} | (columns - NOT_COLUMNS if columns is not None else set())
         bad = [p.name for p in _required(sig) if p.kind == p.POSITIONAL_ONLY
                or (columns is not None and p.name not in known)]
         if bad:
@@ -195,7 +196,8 @@ def python_reward(file: str | None, function: str) -> Callable[[Sequence[Any]], 
 
 def trl_arguments(samples: Sequence[Any]) -> dict[str, list]:
     """TRL's keywords for a batch: prompts, completions (chat data: one assistant turn each),
-    completion_ids and every column but the prompt, one entry per sample."""
+    completion_ids, every column but the prompt, and `answer` (unless a column is so named),
+    one entry per sample."""
     chat = [isinstance(s.prompt, list) for s in samples]
     args: dict[str, list] = {
         "prompts": [s.prompt for s in samples],
@@ -205,6 +207,7 @@ def trl_arguments(samples: Sequence[Any]) -> dict[str, list]:
     }
     columns = dict.fromkeys(k for s in samples for k in s.extra_info if k not in NOT_COLUMNS)
     args.update({k: [s.extra_info.get(k) for s in samples] for k in columns})
+    args.setdefault("answer", [s.answer for s in samples])  # data.answerKey's, e.g. a nested field
     return args
 
 
