@@ -10,8 +10,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from rlhf_trainer.rewards.custom import (RemoteReward, RewardError, load_reward_function,
-                                         normalize_result)
+from rlhf_trainer.rewards.custom import RemoteReward, RewardError, normalize_result
+from rlhf_trainer.rewards.forms import load_reward_function
 
 
 @pytest.mark.parametrize("value, expected", [

@@ -195,9 +195,9 @@ class RewardFunctionSpec(SpecModel):
     function: str = Field(default="reward_fn", min_length=1)
     """`python`: the function's name in `file`, or without `file` an import path
     `package.module:function` of a package installed in the trainer image. Its parameters
-    pick the form: `(response, answer, extra_info)` per response, TRL's batched
-    `(prompts, completions, completion_ids, **columns)`, or veRL's `compute_score(data_source,
-    solution_str, ground_truth, extra_info)` (docs/methods.md)."""
+    pick the form (docs/methods.md): TRL's batched `(prompts, completions, completion_ids,
+    **columns)`, veRL's `compute_score(data_source, solution_str, ground_truth, extra_info)`,
+    or `fn(response, answer, extra_info) -> float | {reward, score}`."""
     url: str | None = None
     """`http`: endpoint that answers {prompt, response, answer, extra_info} with {reward, score}."""
     timeout_seconds: float = Field(default=10.0, gt=0, le=MAX_SECONDS)

@@ -62,7 +62,13 @@ class Orchestrator:
     def check_servers(self) -> list[ServerInfo]:
         """The handshake (rollout/servers.py): wait for the rollout servers (as long as their
         startup allowance) and read what they are; exits 2 naming `rollout.image` for a server
-        without weight transfer. The weight-sync sender forms its group from the result."""
+        without weight transfer. The weight-sync sender forms its group from the result. The
+        job's own judge servers (RLHF_JUDGE_ENDPOINTS) are waited for first, as long."""
+        judges = [u for u in os.environ.get(ENV_JUDGE_ENDPOINTS, "").split(",") if u]
+        if judges:  # the job's own judge servers load their model meanwhile
+            from ..rewards.judge import wait_for_judges
+
+            wait_for_judges(judges, timeout_s=self.config.rollout_startup_timeout_seconds)
         return handshake(self.sampler.client.endpoints, startup_timeout_s=self.config.rollout_startup_timeout_seconds)
 
     @property

@@ -28,25 +28,13 @@ from __future__ import annotations
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from .sample import Sample
 
 if TYPE_CHECKING:
     from rlhf_contract.api.models import RewardSpec
     from rlhf_contract.api.task import RewardFunctionSpec
-
-
-class Sample(NamedTuple):
-    """What a reward function sees of one response."""
-
-    response: str
-    answer: str
-    """The row's reference answer (data.answerKey), "" when it has none."""
-    extra_info: dict
-    """Every column of the row, under its own name."""
-    prompt: str | list[dict] = ""
-    """The prompt: the row's text, or its chat turns (TRL's `prompts`)."""
-    completion_ids: Sequence[int] = ()
-    """The response's token ids."""
 
 
 Item = Sample | tuple[str, str, dict]

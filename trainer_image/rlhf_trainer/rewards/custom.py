@@ -72,25 +72,6 @@ def _number(value: Any, what: str) -> float:
     return number
 
 
-def load_reward_function(path: str | None, name: str = "reward_fn"
-                         ) -> Callable[[str, str, dict], RewardResult]:
-    """`fn(response, answer, extra_info)` giving `(reward, score)` for the python reward
-    `name` in the file `path` (or the import path `name`), whatever its form (forms.py; a
-    TRL-style function scores a batch of one, None counts 0). Errors (here and at call time)
-    name the file and function."""
-    from . import Sample
-    from .forms import python_reward
-
-    batch = python_reward(path, name)
-
-    def reward(response: str, answer: str, extra_info: dict) -> RewardResult:
-        [result] = batch([Sample(response, answer, extra_info)])
-        return result if result is not None else (0.0, 0.0)
-
-    reward.__name__ = name
-    return reward
-
-
 class RemoteReward:
     """A reward service at `url` (see the module docstring)."""
 
@@ -148,7 +129,7 @@ class RemoteReward:
     async def ascore_batch(self, items: Iterable[Any]) -> list[RewardResult]:
         """(reward, score) for each `Sample` (or (response, answer, extra_info)), up to
         `max_concurrency` requests in flight, results in input order."""
-        from . import Sample
+        from .sample import Sample
 
         samples = [x if isinstance(x, Sample) else Sample(*x) for x in items]
         payloads = [{"prompt": s.prompt, "response": s.response, "answer": s.answer, "extra_info": s.extra_info}

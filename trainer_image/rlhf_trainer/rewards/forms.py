@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Sequence
 
 from .custom import RewardError, RewardResult, normalize_result
+from .sample import Sample
 
 TRL_KEYWORDS = ("prompts", "completions", "completion_ids")
 VERL_KEYWORDS = ("data_source", "solution_str", "ground_truth", "extra_info")
@@ -229,3 +230,19 @@ def trl_results(values: Any, n: int, where: str) -> list[RewardResult | None]:
             raise RewardError(f"{where} returned NaN for completion {i}; return None for \"does not apply\"")
         out.append(_result(v, f"{where} (completion {i})"))
     return out
+
+
+def load_reward_function(path: str | None, name: str = "reward_fn"
+                         ) -> Callable[[str, str, dict], RewardResult]:
+    """`fn(response, answer, extra_info)` giving `(reward, score)` for the python reward
+    `name` in the file `path` (or the import path `name`), whatever its form (forms.py; a
+    TRL-style function scores a batch of one, None counts 0). Errors (here and at call time)
+    name the file and function."""
+    batch = python_reward(path, name)
+
+    def reward(response: str, answer: str, extra_info: dict) -> RewardResult:
+        [result] = batch([Sample(response, answer, extra_info)])
+        return result if result is not None else (0.0, 0.0)
+
+    reward.__name__ = name
+    return reward

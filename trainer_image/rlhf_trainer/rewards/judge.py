@@ -183,3 +183,22 @@ class Judge:
         with self._lock:
             counts, self._counts = self._counts, dict.fromkeys(self._counts, 0)
         return dict(counts)
+
+
+def wait_for_judges(urls: list[str], *, timeout_s: float, period_s: float = 2.0) -> None:
+    """Until each of the job's own judge servers answers /health (they load their model while
+    the trainer starts); RewardError naming the first that does not within `timeout_s`."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    for url in urls:
+        while True:
+            try:
+                if httpx.get(url.rstrip("/") + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RewardError(f"judge server {url} did not answer /health in {timeout_s:g} s "
+                                  "(rollout.startupTimeoutSeconds); see its log")
+            time.sleep(period_s)
