@@ -52,13 +52,21 @@ def processes_of(out: Path) -> list[int]:
 
 
 def test_two_trainer_processes_and_two_rollout_servers(tmp_path):
+    """...and a judge server of the job's own (`reward.judge` without url: a CPU engine
+    serving the built-in model), a zero-weight component that is logged and counted."""
     out = tmp_path / "run"
+    judge = {"model": "builtin://tiny-qwen2", "api": "completions", "template": "{response}=", "maxTokens": 2}
+    reward = json.dumps({"type": "exact_match", "components": [{"name": "judge", "type": "judge", "weight": 0,
+                                                                 "judge": judge}]})
     res = rlhfctl("run", str(EXAMPLE), "--output", str(out),
-                  *sets(*SMALL, "trainer.nprocPerNode=2", "rollout.replicas=2", "schedule.totalSteps=4", "schedule.saveEvery=2"))
+                  *sets(*SMALL, "trainer.nprocPerNode=2", "rollout.replicas=2", "schedule.totalSteps=4", "schedule.saveEvery=2",
+                        f"reward={reward}"))
     assert res.returncode == 0, res.stderr[-3000:]
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert REQUIRED_KEYS <= set(rows[0])
+    assert (out / "logs" / "judge-0.log").exists()  # its server: a process of the run, logged
+    assert all(r["reward/judge_judge_tokens"] >= 16 * 2 and 0 <= r["reward/judge_parse_failures"] <= 16 for r in rows)
     from rlhf_trainer.metrics import JSONL_ONLY, route
 
     undeclared = {k for r in rows for k, v in r.items() if isinstance(v, (int, float))
