@@ -120,8 +120,9 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         field_path="reward.file",
+        # `function` is a CEL reserved word: Kubernetes names the property __function__
         cel="self.reward.type != 'python' || has(self.reward.file) || "
-        "(has(self.reward.function) && self.reward.function.contains(':'))",
+        "(has(self.reward.__function__) && self.reward.__function__.contains(':'))",
         message="is required when reward.type is python, unless reward.function is an import path "
         "package.module:function",
         check=lambda s: s.reward.type != "python" or bool(s.reward.file) or ":" in s.reward.function,
@@ -153,7 +154,7 @@ RULES: tuple[Rule, ...] = (
     Rule(
         field_path="reward.components",
         cel="!has(self.reward.components) || self.reward.components.all(c, c.type != 'python' || has(c.file) || "
-        "(has(c.function) && c.function.contains(':')))",
+        "(has(c.__function__) && c.__function__.contains(':')))",
         message="each component of type python needs file (the file defining the reward function) or a "
         "function that is an import path package.module:function",
         check=lambda s: all(c.type != "python" or bool(c.file) or ":" in c.function for c in s.reward.components),

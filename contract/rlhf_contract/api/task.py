@@ -192,7 +192,7 @@ class RewardFunctionSpec(SpecModel):
     file: str | None = None
     """`python`: path of the file defining the reward function (null: `function` is an
     import path)."""
-    function: str = Field(default="reward_fn", min_length=1)
+    function: str = Field(default="reward_fn", min_length=1, max_length=512)
     """`python`: the function's name in `file`, or without `file` an import path
     `package.module:function` of a package installed in the trainer image. Its parameters
     pick the form (docs/methods.md): TRL's batched `(prompts, completions, completion_ids,
