@@ -30,6 +30,12 @@ ENV_WEIGHT_SYNC_ADDR = "RLHF_WEIGHT_SYNC_ADDR"
 ENV_OUTPUT_DIR = "RLHF_OUTPUT_DIR"
 ENV_RESUME = "RLHF_RESUME"
 ENV_METRICS_PORT = "RLHF_METRICS_PORT"
+ENV_JUDGE_ENDPOINTS = "RLHF_JUDGE_ENDPOINTS"
+"""The job's own judge servers (`reward.judge` without `url`), comma-separated base URLs."""
+ENV_JUDGE_API_KEY = "RLHF_JUDGE_API_KEY"
+"""The key of a judge at `reward.judge.url` (from `judge.apiKeySecret` in the trainer pods)."""
+JUDGE_SERVED_MODEL = "judge"
+"""The model name the job's own judge servers answer to (`--served-model-name`)."""
 
 JOB_FILE = "job.json"
 """Beside the trainer config: `run_config(job)` (what the trackers log as the run's config)."""
@@ -129,6 +135,31 @@ def rollout_process(
     if job.spec.rollout.engine == "vllm":
         env["VLLM_SERVER_DEV_MODE"] = "1"  # enables the weight-transfer HTTP routes
     return Process(command, env)
+
+
+def served_judge(spec: RLHFJobSpec):
+    """The `reward.judge` the job serves itself (a judge function without `judge.url`), or None.
+    A rule (api/rules.py) keeps every such judge to one model."""
+    if spec.offline:
+        return None
+    return next((f.judge for f in spec.reward.functions() if f.type == "judge" and f.judge and not f.judge.url), None)
+
+
+def judge_process(job: RLHFJob, *, host: str, port: int, python: str = "python") -> Process:
+    """One judge server for `served_judge(job.spec)`: `vllm serve` on the rollout servers'
+    GPUs per replica, or the CPU engine (`rollout.engine: cpu`), answering to
+    JUDGE_SERVED_MODEL. No weight transfer: the judge is frozen."""
+    spec, judge = job.spec, served_judge(job.spec)
+    if judge is None:
+        raise ValueError("the job serves no judge (no reward.judge without judge.url)")
+    if spec.rollout.engine == "cpu":
+        return Process([python, "-m", "rlhf_inference.cpu_engine", "--model", judge.model, "--host", host,
+                        "--port", str(port), "--seed", str(spec.schedule.seed), "--served-model-name",
+                        JUDGE_SERVED_MODEL, "--generation-config", "vllm"])
+    return Process(["vllm", "serve", judge.model, "--host", host, "--port", str(port),
+                    "--served-model-name", JUDGE_SERVED_MODEL,
+                    "--tensor-parallel-size", str(spec.rollout.tensor_parallel_size),
+                    "--seed", str(spec.schedule.seed), "--generation-config", "vllm"])
 
 
 def trainer_process(

@@ -219,7 +219,7 @@ def _cmd_render(args: argparse.Namespace) -> int:
     except PodSettingsError as err:
         print(f"error: {err}", file=sys.stderr)
         return ExitCode.CONFIG_ERROR
-    objects = [*build_support(job), *build_workloads(job, args.attempt, settings)]
+    objects = [*build_support(job, settings), *build_workloads(job, args.attempt, settings)]
     sys.stdout.write(dump_objects(objects, args.output_format or "yaml"))
     return ExitCode.OK
 

@@ -33,7 +33,8 @@ from rlhf_contract.api.models import RLHFJob
 from rlhf_contract.exit_codes import ExitCode, is_permanent, meaning
 from rlhf_contract.outputs import complete_checkpoints
 from rlhf_contract.trainer_config import TrainerConfig
-from rlhf_contract.pod import JOB_FILE, Process, fetch_process, rollout_process, run_config, trainer_process
+from rlhf_contract.pod import (ENV_JUDGE_ENDPOINTS, JOB_FILE, Process, fetch_process, judge_process, rollout_process,
+                               run_config, served_judge, trainer_process)
 from rlhf_contract.sources import localize, plan
 
 from .plot import plot_runs
@@ -119,14 +120,15 @@ def _prepare_output(job: RLHFJob, output: Path, resume: bool, overwrite: bool) -
     (output / "logs").mkdir(exist_ok=True)
 
 
-def _resolve_model(job: RLHFJob, output: Path) -> str:
-    path = job.spec.model.path
+def _resolve_model(job: RLHFJob, output: Path, path: str | None = None, field: str = "spec.model.path",
+                   folder: str = "builtin-model") -> str:
+    path = path or job.spec.model.path
     from rlhf_trainer.models.builtin import is_builtin, materialize
 
     if is_builtin(path):
-        return str(materialize(path, output / "builtin-model", seed=job.spec.schedule.seed))
+        return str(materialize(path, output / folder, seed=job.spec.schedule.seed))
     if not Path(path).exists():
-        raise LocalRunError(f"spec.model.path: {path!r} does not exist on this machine; give a local Hugging Face model directory or builtin://tiny-qwen2")
+        raise LocalRunError(f"{field}: {path!r} does not exist on this machine; give a local Hugging Face model directory or builtin://tiny-qwen2")
     return path
 
 
@@ -230,6 +232,9 @@ def run_local(job: RLHFJob, *, output: str | None = None, resume: bool = False, 
     resolved.spec.model.path = model_path
     resolved.spec.rollout.engine = "cpu"
     resolved.spec.output.dir = str(out)
+    judge = served_judge(resolved.spec)
+    if judge is not None:  # the job's own judge servers: CPU engines here, a built-in model made once
+        judge.model = _resolve_model(job, out, judge.model, "spec.reward.judge.model", "builtin-judge")
     trainer_config = TrainerConfig.from_job(resolved)
     from rlhf_trainer.preflight import check
 
@@ -303,7 +308,9 @@ def _attempt(resolved: RLHFJob, out: Path, config_path: Path, console, *, resume
                 if threads:
                     proc = dataclasses.replace(proc, command=[*proc.command, "--num-threads", str(threads["rollout"])])
                 children.append(_Child(f"rollout-{i}", proc, out / "logs" / f"rollout-{i}.log", attempt))
+            judge_urls = _start_judges(resolved, out, children, attempt)
             console.print(f"[bold]{resolved.metadata.name}[/] ({spec.method}): {len(ports)} rollout server(s), "
+                          + (f"{len(judge_urls)} judge server(s), " if judge_urls else "") +
                           f"{spec.trainer.nproc_per_node} trainer process(es); output in {out}"
                           + (f"; attempt {attempt}" if attempt > 1 else ""))
             # the trainer starts now, while the servers load: it builds its models and then waits
@@ -315,12 +322,27 @@ def _attempt(resolved: RLHFJob, out: Path, config_path: Path, console, *, resume
             )
             if threads:
                 trainer = dataclasses.replace(trainer, env={**trainer.env, "OMP_NUM_THREADS": str(threads["trainer"])})
+            if judge_urls:
+                trainer = dataclasses.replace(trainer, env={**trainer.env, ENV_JUDGE_ENDPOINTS: ",".join(judge_urls)})
             children.append(_Child("trainer", trainer, out / "logs" / "trainer.log", attempt))
             return _watch(children, out / "metrics.jsonl", spec.schedule.total_steps, console)
         except KeyboardInterrupt:
             kept = complete_checkpoints(out)
             console.print(f"\nstopped; last complete checkpoint: {kept[-1] if kept else 'none'}")
             return _Failure("you", ExitCode.INTERRUPTED, "interrupted")
+
+
+def _start_judges(resolved: RLHFJob, out: Path, children: list["_Child"], attempt: int) -> list[str]:
+    """The job's own judge servers (`reward.judge` without `url`), CPU engines on free ports;
+    their base URLs."""
+    judge = served_judge(resolved.spec)
+    urls = []
+    for i in range(judge.replicas if judge is not None else 0):
+        port = free_port()
+        proc = judge_process(resolved, host="127.0.0.1", port=port, python=sys.executable)
+        children.append(_Child(f"judge-{i}", proc, out / "logs" / f"judge-{i}.log", attempt))
+        urls.append(f"http://127.0.0.1:{port}")
+    return urls
 
 
 def _watch(children: list[_Child], metrics_path: Path, total: int, console) -> _Failure | None:

@@ -187,7 +187,7 @@ class Reconciler:
             kube.force_delete_pod(namespace, pod)
         # 3. Create or update what must run.
         if job is not None and plan.apply_support:
-            for obj in build_support(job):
+            for obj in build_support(job, settings):
                 self._apply(cache, obj)
         if job is not None and plan.create_workloads:
             missing = {"StatefulSet": observed.statefulset is None, "PyTorchJob": observed.pytorchjob is None,

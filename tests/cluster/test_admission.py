@@ -76,6 +76,12 @@ def test_valid_specs_are_accepted(cluster: Cluster, ns: str):
                 with_("spec.reward", {"type": "math", "components": [
                     {"name": "fmt", "type": "python", "file": "/work/fmt.py", "weight": 0.2},
                     {"name": "judge", "type": "http", "url": "http://judge:8000/score"}]}),
+                with_("spec.reward", {"type": "python", "function": "my_rewards.trl:accuracy", "components": [
+                    {"name": "verl", "type": "python", "function": "verl_rewards:compute_score"},
+                    {"name": "judge", "type": "judge", "judge": {"model": "/models/judge"}},
+                    {"name": "judge2", "type": "judge", "judge": {"model": "/models/judge", "choices": {"yes": 1}}},
+                    {"name": "api", "type": "judge", "judge": {"url": "https://api.example.com/v1", "model": "big",
+                                                               "apiKeySecret": {"name": "k", "key": "token"}}}]}),
                 with_("spec.tracking", {"wandb": {"project": "rl", "apiKeySecret": {"name": "w", "key": "k"}},
                                         "mlflow": {"trackingUri": "http://mlflow:5000"}, "samplesEvery": 5}),
                 with_("spec.model.lora", {"rank": 8, "targetModules": ["q_proj", "v_proj"]}),
@@ -128,6 +134,11 @@ INVALID = [
      ["spec.reward.model", "is required when reward.type is model"]),
     ("python component without file", with_("spec.reward", {"type": "math", "components": [
         {"name": "fmt", "type": "python"}]}), ["spec.reward.components", "each component of type python needs file"]),
+    ("judge component without judge", with_("spec.reward", {"type": "math", "components": [
+        {"name": "j", "type": "judge"}]}), ["spec.reward.components", "each component of type judge needs judge"]),
+    ("two judge models served", with_("spec.reward", {"type": "judge", "judge": {"model": "/m/a"}, "components": [
+        {"name": "j", "type": "judge", "judge": {"model": "/m/b"}}]}),
+     ["spec.reward", "judges without judge.url must all name the same judge.model"]),
     ("component named like the main reward", with_("spec.reward", {"type": "math", "components": [
         {"name": "math", "type": "exact_match"}]}), ["spec.reward.components", "names must be unique"]),
     ("two components of one name", with_("spec.reward", {"type": "math", "components": [

@@ -59,6 +59,10 @@ CASES = {
     "offline examples over the budget": ({}, {"method": "dpo", "data": {"path": "builtin://prefer-even"},
                                              "trainer": {"maxTokensPerMicroBatch": 4}},
                                          "spec.trainer.maxTokensPerMicroBatch", "each side of a pair gets half of 4"),
+    "a reward function of no form": ({"p.jsonl": PROMPTS, "r.py": "def grade(text, gold):\n    return 1.0\n"},
+                                     {**RL, "data": {"path": "p.jsonl"},
+                                      "reward": {"type": "python", "file": "r.py", "function": "grade"}},
+                                     "spec.reward.function", "fits no reward form"),
     "dpo without rejected": ({"p.jsonl": [{"prompt": "1:", "chosen": "2"}]},
                              {"method": "dpo", "data": {"path": "p.jsonl"}}, "spec.data.rejectedKey", "method dpo"),
 }
@@ -88,13 +92,15 @@ def write_files(folder: Path, files: dict) -> None:
 
 
 def resolve(spec: dict, folder: Path) -> dict:
-    """Relative data paths of `spec` -> paths under `folder`."""
+    """Relative data and reward file paths of `spec` -> paths under `folder`."""
     spec = json.loads(json.dumps(spec))
     data = spec["data"]
     if not data["path"].startswith("builtin://"):
         data["path"] = str(folder / data["path"])
     for d in spec.get("evaluation", {}).get("datasets", []):
         d["path"] = str(folder / d["path"])
+    if spec.get("reward", {}).get("file"):
+        spec["reward"]["file"] = str(folder / spec["reward"]["file"])
     return spec
 
 

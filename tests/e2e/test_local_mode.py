@@ -52,13 +52,21 @@ def processes_of(out: Path) -> list[int]:
 
 
 def test_two_trainer_processes_and_two_rollout_servers(tmp_path):
+    """...and a judge server of the job's own (`reward.judge` without url: a CPU engine
+    serving the built-in model), a zero-weight component that is logged and counted."""
     out = tmp_path / "run"
+    judge = {"model": "builtin://tiny-qwen2", "api": "completions", "template": "{response}=", "maxTokens": 2}
+    reward = json.dumps({"type": "exact_match", "components": [{"name": "judge", "type": "judge", "weight": 0,
+                                                                 "judge": judge}]})
     res = rlhfctl("run", str(EXAMPLE), "--output", str(out),
-                  *sets(*SMALL, "trainer.nprocPerNode=2", "rollout.replicas=2", "schedule.totalSteps=4", "schedule.saveEvery=2"))
+                  *sets(*SMALL, "trainer.nprocPerNode=2", "rollout.replicas=2", "schedule.totalSteps=4", "schedule.saveEvery=2",
+                        f"reward={reward}"))
     assert res.returncode == 0, res.stderr[-3000:]
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert REQUIRED_KEYS <= set(rows[0])
+    assert (out / "logs" / "judge-0.log").exists()  # its server: a process of the run, logged
+    assert all(r["reward/judge_judge_tokens"] >= 16 * 2 and 0 <= r["reward/judge_parse_failures"] <= 16 for r in rows)
     from rlhf_trainer.metrics import JSONL_ONLY, route
 
     undeclared = {k for r in rows for k, v in r.items() if isinstance(v, (int, float))
@@ -262,20 +270,31 @@ def test_stopped_and_resumed_run_repeats_the_uninterrupted_one(tmp_path):
 def test_grpo_learns_the_toy_task_and_its_held_out_scores_rise(tmp_path):
     """The demo's task learned in 120 steps (one-token answers, no KL), with spec.evaluation:
     held-out prompts scored before the first step, every 40 steps and after the last,
-    greedy and with k = 4 samples; training reward and held-out scores rise. Run colocated
-    (the server sleeps at level 2 while the trainer trains, wakes for evaluation and the
-    push): tests/e2e/test_colocated.py shows a colocated run is the separate run bit for bit."""
+    greedy and with k = 4 samples; training reward and held-out scores rise. The reward is
+    a TRL-style function as TRL users write it (examples/rewards/trl_style.py), by import
+    path (the main reward, its module on PYTHONPATH) and from its file (a component): the
+    trained reward is twice the accuracy, which leaves GRPO's normalised advantages as they
+    are with exact_match. Run colocated (the server sleeps at level 2 while the trainer
+    trains, wakes for evaluation and the push): tests/e2e/test_colocated.py shows a
+    colocated run is the separate run bit for bit."""
     out = tmp_path / "run"
     evaluation = ('evaluation={"datasets": [{"name": "digits", "path": "builtin://last-digit", "maxPrompts": 32}],'
                   ' "everySteps": 40, "samplesPerPrompt": 4}')
+    reward = json.dumps({"type": "python", "function": "trl_style:exact_answer", "name": "trl_import",
+                         "components": [{"name": "trl_file", "type": "python", "function": "exact_answer",
+                                         "file": str(ROOT / "examples" / "rewards" / "trl_style.py")}]})
     res = rlhfctl("run", str(EXAMPLE), "--output", str(out),
                   *sets("rollout.replicas=1", "rollout.maxTokens=1", "algorithm.klCoef=0", "schedule.totalSteps=120",
-                        "schedule.saveEvery=0", "rollout.placement=colocated", evaluation), timeout=580)
+                        "schedule.saveEvery=0", "rollout.placement=colocated", evaluation, f"reward={reward}"),
+                  timeout=580, env={**os.environ, "PYTHONPATH": str(ROOT / "examples" / "rewards")})
     assert res.returncode == 0, res.stderr[-3000:]
     rows = metrics(out)
-    rewards = [r["reward_mean"] for r in rows]
-    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    scores = [r["score_mean"] for r in rows]
+    first, last = sum(scores[:10]) / 10, sum(scores[-10:]) / 10
     assert last >= 0.6 and last >= 3 * first, (first, last)
+    for r in rows:  # each function's accuracy; the trained reward is their sum
+        assert r["reward/trl_import_mean"] == r["reward/trl_file_mean"] == pytest.approx(r["score_mean"])
+        assert r["reward_mean"] == pytest.approx(2 * r["score_mean"])
     assert not (out / "checkpoints").exists()
     scored = [r for r in rows if "eval/digits/mean_score" in r]
     assert [r["step"] for r in scored] == [1, 40, 80, 120]  # step 1's row holds the scores from before it

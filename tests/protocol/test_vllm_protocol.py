@@ -223,6 +223,24 @@ def test_the_example_jobs_rollout_command_is_accepted_by_vllms_parser(example):
     assert transfer == {"backend": "nccl"}
 
 
+def test_the_judge_servers_command_is_accepted_by_vllms_parser():
+    from rlhf_contract.pod import JUDGE_SERVED_MODEL, judge_process
+
+    doc = yaml.safe_load((ROOT / "examples/rlhfjob.yaml").read_text())
+    doc["spec"]["reward"] = {"type": "math", "components": [{"name": "judge", "type": "judge",
+                                                             "judge": {"model": "/models/judge"}}]}
+    from rlhf_contract.api.load import validate_job
+
+    command = judge_process(validate_job(doc), host="0.0.0.0", port=8000).command
+    assert command[:3] == ["vllm", "serve", "/models/judge"]
+    options = FACTS["serve_options"]
+    for flag, value in _flags(command):
+        assert flag in options, f"vLLM {VLLM_VERSION}'s `vllm serve` does not accept {flag}: {shlex.join(command)}"
+        if options[flag] is not None:
+            assert value in options[flag], f"{flag} {value}: vLLM accepts {options[flag]}"
+    assert dict(_flags(command))["--served-model-name"] == JUDGE_SERVED_MODEL
+
+
 def test_the_contracts_option_list_is_the_extracts():
     from rlhf_contract.vllm_options import SERVE_OPTIONS
 

@@ -10,8 +10,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from rlhf_trainer.rewards.custom import (RemoteReward, RewardError, load_reward_function,
-                                         normalize_result)
+from rlhf_trainer.rewards.custom import RemoteReward, RewardError, normalize_result
+from rlhf_trainer.rewards.forms import load_reward_function
 
 
 @pytest.mark.parametrize("value, expected", [
@@ -136,6 +136,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(200, "not json")
         if self.path == "/hang":
             time.sleep(2)
+        if self.path == "/prompt-length":  # the prompt reaches the service: text, or chat turns
+            return self._send(200, json.dumps({"reward": len(payload["prompt"])}))
         self._send(200, json.dumps({"reward": correct * payload["extra_info"].get("w", 1),
                                     "score": correct}))
 
@@ -155,6 +157,14 @@ def test_remote_reward_single_and_batch(server_url):
     assert remote("7", "7", {"w": 2}) == (2.0, 1.0)
     items = [(str(i), str(i % 2), {}) for i in range(6)]
     assert remote.score_batch(items) == [(1.0, 1.0), (1.0, 1.0)] + [(0.0, 0.0)] * 4
+
+
+def test_remote_reward_sees_the_prompt(server_url):
+    from rlhf_trainer.rewards import Sample
+
+    turns = [{"role": "system", "content": "S"}, {"role": "user", "content": "q"}]
+    assert RemoteReward(server_url + "/prompt-length").score_batch(
+        [Sample("r", "a", {}, "12345:"), Sample("r", "a", {}, turns)]) == [(6.0, 6.0), (2.0, 2.0)]
 
 
 def test_remote_reward_runs_concurrently(server_url):

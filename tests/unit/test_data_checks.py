@@ -168,3 +168,15 @@ def test_rlhfctl_validate_reports_the_data_problems(tmp_path, tiny_model_dir, ca
     assert main(["validate", str(tmp_path / "job.yaml"), "--set", "data.promptKey=question"]) == 0
     assert main(["validate", str(tmp_path / "job.yaml"), "--set", "data.path=/elsewhere/p.jsonl"]) == 0
     assert "note: spec.data.path: /elsewhere/p.jsonl is not on this machine" in capsys.readouterr().err
+
+
+def test_a_dotted_answer_key_is_checked_in_the_nested_field(tmp_path, tiny_model_dir, tokenizer):
+    """veRL's layout: the answer at reward_model.ground_truth, accepted by data.answerKey."""
+    rows = [{"prompt": [{"role": "user", "content": "1+1"}], "reward_model": {"style": "rule", "ground_truth": "2"}}]
+    path = jsonl(tmp_path / "p.jsonl", rows)
+    cfg = config(tiny_model_dir, **RL, data={"path": path, "answerKey": "reward_model.ground_truth"})
+    assert check_data(cfg, lambda: None).problems == []
+    cfg = config(tiny_model_dir, **RL, data={"path": path, "answerKey": "reward_model.answer"})
+    [problem] = check_data(cfg, lambda: None).problems
+    assert problem.startswith("spec.data.answerKey: reward.type exact_match compares") and \
+        "no 'reward_model.answer' column" in problem

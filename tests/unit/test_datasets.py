@@ -89,12 +89,13 @@ def test_text_prompts_and_system_prompt(tokenizer):
     prompts, dropped, skipped = to_prompts(ROWS, tokenizer=tokenizer, source="f.jsonl",
                                            max_prompt_length=100)
     assert dropped == 0 and skipped == 0
-    assert prompts[0] == PromptRecord("1+1=", tokenizer("1+1=")["input_ids"], "2", {})
+    assert prompts[0] == PromptRecord("1+1=", tokenizer("1+1=")["input_ids"], "2", ROWS[0], "1+1=")
     assert len(prompts[0].token_ids) == 4
 
     prompts, _, _ = to_prompts(ROWS[:1], tokenizer=tokenizer, source="f.jsonl",
                                system_prompt="Be brief.", max_prompt_length=100)
     assert prompts[0].text == "<system>Be brief.\n<user>1+1=\n<assistant>"
+    assert prompts[0].prompt == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1="}]
     assert len(prompts[0].token_ids) == len(prompts[0].text)
 
 
@@ -115,10 +116,25 @@ def test_messages_and_colossalchat_rows(tokenizer):
                                          "<system>Sys\n<user>sum\n<assistant>",
                                          "<system>S\n<user>q\n<assistant>"]
     assert [p.answer for p in prompts] == ["a", "3", "4"]
-    assert prompts[0].extra_info == {"extra_info": {"id": 7}}
-    assert prompts[1].extra_info == {"gt_answer": "3",
-                                     "test_cases": {"inputs": ["1 2\n"], "outputs": ["3\n"]}}
-    assert prompts[2].extra_info == {"data_source": "gsm8k"}
+    assert [p.extra_info for p in prompts] == rows  # every column, the prompt's and the answer's too
+    assert [p.prompt for p in prompts] == [  # the turns a reward sees: the system prompt where it was added
+        [{"role": "system", "content": "Sys"}, {"role": "user", "content": "hi"}],
+        [{"role": "system", "content": "Sys"}, {"role": "user", "content": "sum"}],
+        [{"role": "system", "content": "S"}, {"role": "user", "content": "q"}]]
+
+
+def test_dotted_keys_name_nested_fields_as_verl_lays_them_out(tokenizer):
+    rows = [{"prompt": [{"role": "user", "content": "2+2"}], "data_source": "gsm8k",
+             "reward_model": {"style": "rule", "ground_truth": "4"}},
+            {"prompt": [{"role": "user", "content": "3+3"}], "reward_model": {"style": "rule"}},  # no answer: ""
+            {"prompt": "p", "reward_model": "not a dict", "reward_model.ground_truth": "7"}]  # a column of that name wins
+    prompts, _, skipped = to_prompts(rows, tokenizer=tokenizer, source="f.parquet", answer_key="reward_model.ground_truth",
+                                     max_prompt_length=100)
+    assert skipped == 0 and [p.answer for p in prompts] == ["4", "", "7"]
+    assert prompts[0].extra_info["reward_model"] == {"style": "rule", "ground_truth": "4"}
+    prompts, _, _ = to_prompts([{"q": {"text": "abc"}, "a": 1}], tokenizer=tokenizer, source="f", prompt_key="q.text",
+                               answer_key="a", max_prompt_length=100)
+    assert prompts[0].text == "abc" and prompts[0].prompt == "abc"
 
 
 def test_custom_column_names_and_long_prompts_dropped(tokenizer):

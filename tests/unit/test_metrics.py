@@ -40,7 +40,8 @@ def test_prometheus_conventions_counters_ratios_and_labelled_families(tmp_path):
              "truncated_fraction": 0.25, "step_seconds": 2.0, "weight_sync_seconds": 0.5,
              "reward/format_mean": 0.5, "reward/math_mean": 0.25, "eval/gsm/pass@4": 0.75, "eval/gsm/greedy_score": 0.5},
             {"step": 2, "dropped_prompts": 5, "skipped_steps": 0, "num_tokens": 60, "tokens_per_second": 30.0,
-             "truncated_fraction": None, "step_seconds": 1.5, "weight_sync_seconds": 0.25, "reward/format_mean": 1.0}]
+             "truncated_fraction": None, "step_seconds": 1.5, "weight_sync_seconds": 0.25, "reward/format_mean": 1.0,
+             "reward/style_parse_failures": 3, "reward/style_judge_tokens": 1200, "reward/style_mean": 0.5}]
     for row in rows:
         writer.write(row)
     got = _samples(generate_latest(writer.registry).decode())
@@ -51,6 +52,9 @@ def test_prometheus_conventions_counters_ratios_and_labelled_families(tmp_path):
     assert got['rlhf_step_duration_seconds{phase="weight_sync"}'] == 0.25
     assert got['rlhf_reward_component_mean{component="format"}'] == 1.0
     assert got['rlhf_reward_component_mean{component="math"}'] == 0.25
+    assert got['rlhf_judge_parse_failures{component="style"}'] == 3.0  # a judge's counters, not its mean
+    assert got['rlhf_judge_tokens{component="style"}'] == 1200.0
+    assert got['rlhf_reward_component_mean{component="style"}'] == 0.5
     assert got['rlhf_eval_pass_at_k_ratio{dataset="gsm",k="4"}'] == 0.75
     assert got['rlhf_eval_greedy_score{dataset="gsm"}'] == 0.5
     assert str(got["rlhf_truncated_ratio"]) == "nan"  # null in the last row: no stale value

@@ -261,6 +261,31 @@ def test_pause_waits_for_requests_in_flight_then_resume(either):
     assert after.status_code == 200
 
 
+def test_an_llm_judge_scores_through_the_server(either):
+    """`reward.type: judge` against the server as its judge (a tiny random model: the plumbing,
+    the parsing and the counters, not the judgement): every answer is a score in 0..1 or a
+    counted parse failure, and the judge's tokens are the server's own usage counts."""
+    from transformers import AutoTokenizer
+
+    from rlhf_contract.api.task import JudgeSpec
+    from rlhf_trainer.rewards import Sample
+    from rlhf_trainer.rewards.judge import Judge, render
+
+    url, model, job = either
+    spec = JudgeSpec(url=url + "/v1", model=job.metadata.name, api="completions", template="{prompt}{response}",
+                     max_tokens=3, min_score=0, max_score=9)
+    judge = Judge(spec, timeout_s=60)
+    samples = [Sample(r, "", {}, "12:") for r in ["3", "45", "6", "789", "1", "22"]]
+    results = judge.score_batch(samples)
+    counts = judge.drain_counters()
+    assert len(results) == 6 and counts["parse_failures"] == sum(r is None for r in results)
+    assert all(0 <= r[0] <= 1 and r[0] == r[1] for r in results if r is not None)
+    tok = AutoTokenizer.from_pretrained(model)
+    prompt_tokens = sum(len(tok(render(spec, s))["input_ids"]) for s in samples)
+    assert prompt_tokens + 6 <= counts["judge_tokens"] <= prompt_tokens + 6 * 3  # 1 to 3 answer tokens each
+    assert judge.score_batch(samples) == results  # temperature 0: the same answers
+
+
 def test_the_trainers_probe_refuses_this_release_naming_what_to_change(server):
     """Our start-up check against the real /version: 0.32 lacks the weight-sync rounds this
     trainer sends (empty metadata from the second round), so it exits 2 naming 0.33."""

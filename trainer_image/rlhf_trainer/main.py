@@ -16,6 +16,7 @@ from rlhf_contract.pod import ENV_OUTPUT_DIR, ENV_RESUME, ENV_ROLLOUT_ENDPOINTS,
 from rlhf_contract.trainer_config import TrainerConfig
 
 from .data.datasets import DataError
+from .rewards.forms import RewardConfigError
 from .distributed import collective_timeout_s, init_distributed
 from .exits import mark_config_error, write_termination_message
 from .preflight import with_checkpointing_decided
@@ -46,7 +47,7 @@ def main() -> None:
             loop.resume_if_possible()
         loop.run()
     except BaseException as err:
-        if isinstance(err, DataError) or (isinstance(err, SystemExit) and err.code == ExitCode.CONFIG_ERROR):
+        if isinstance(err, (DataError, RewardConfigError)) or (isinstance(err, SystemExit) and err.code == ExitCode.CONFIG_ERROR):
             mark_config_error()  # the launcher exits 2: fail the job at once, no restart
         if not isinstance(err, KeyboardInterrupt):
             write_termination_message(f"rank {info.rank}: {type(err).__name__}: {err}".splitlines()[0])

@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 LAST_STEP_TIMESTAMP = "rlhf_last_step_timestamp_seconds"
 STEPS_TOTAL = "rlhf_steps_total"
 COMPONENT_FAMILY = "rlhf_reward_component_mean"
+JUDGE_FAMILIES = {"parse_failures": "rlhf_judge_parse_failures", "judge_tokens": "rlhf_judge_tokens"}
+"""`reward/<name>_<counter>` of a judge -> its family (label `component`: the function's name)."""
 PASS_AT_K_FAMILY = "rlhf_eval_pass_at_k_ratio"
 
 
@@ -76,6 +78,10 @@ FAMILIES: dict[str, Family] = {
     "rlhf_reward_max": _g("Largest reward of the step's samples."),
     COMPONENT_FAMILY: Family("Mean of each reward component before weighting (reward.components).", "gauge",
                              ("component",)),
+    JUDGE_FAMILIES["parse_failures"]: Family("Judge answers of the step that gave no score (reward.type judge; left "
+                                             "out of the reward).", "gauge", ("component",)),
+    JUDGE_FAMILIES["judge_tokens"]: Family("Tokens (prompt + answer) the step's judge requests used (reward.type "
+                                           "judge).", "gauge", ("component",)),
     "rlhf_score_mean": _g("Mean score (the logged task metric) of the step's samples."),
     "rlhf_response_length_mean": _g("Mean response length in tokens."),
     "rlhf_response_length_min": _g("Shortest response of the step in tokens."),
@@ -169,6 +175,7 @@ def exported_names() -> set[str]:
 
 
 _COMPONENT = re.compile(r"^reward/(.+)_mean$")
+_JUDGE = re.compile(r"^reward/(.+)_(parse_failures|judge_tokens)$")
 _PASS_AT = re.compile(r"^pass@(\d+)$")
 
 
@@ -176,6 +183,8 @@ def route(key: str) -> tuple[str, dict[str, str]] | None:
     """(family, labels) of a row key, or None if Prometheus does not export it."""
     if key in STEP_KEYS:
         return STEP_KEYS[key].family, STEP_KEYS[key].labels
+    if (m := _JUDGE.match(key)) is not None:
+        return JUDGE_FAMILIES[m.group(2)], {"component": m.group(1)}
     if (m := _COMPONENT.match(key)) is not None:
         return COMPONENT_FAMILY, {"component": m.group(1)}
     if key.startswith("eval/") and key.count("/") >= 2:

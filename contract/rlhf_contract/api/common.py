@@ -247,3 +247,10 @@ class PodTemplateSpec(SpecModel):
         return self
 
 
+class SecretKeyRef(SpecModel):
+    """A key of a Secret in the job's namespace."""
+
+    name: str = Field(min_length=1)
+    """The Secret's name."""
+    key: str = Field(min_length=1)
+    """The key holding the value."""

@@ -67,6 +67,11 @@ def required_for_component(reward_type: str, field: str, what: str) -> Rule:
     )
 
 
+def _SERVED(f: str) -> str:  # noqa: N802 (reads as a CEL macro)
+    """CEL: reward function `f` is a judge the job serves (no judge.url)."""
+    return f"({f}.type == 'judge' && has({f}.judge) && !has({f}.judge.url))"
+
+
 _MAIN_NAME = "(has(self.reward.name) ? self.reward.name : self.reward.type)"
 
 TP_WITH_CRITIC = Rule(
@@ -113,7 +118,16 @@ RULES: tuple[Rule, ...] = (
         check=lambda s: (s.algorithm.advantage_estimator == "gae") == s.algorithm.critic,
         detail=lambda s: f"critic={s.algorithm.critic}, advantageEstimator={s.algorithm.advantage_estimator}",
     ),
-    required_for_reward("python", "file", "the file defining the reward function"),
+    Rule(
+        field_path="reward.file",
+        # `function` is a CEL reserved word: Kubernetes names the property __function__
+        cel="self.reward.type != 'python' || has(self.reward.file) || "
+        "(has(self.reward.__function__) && self.reward.__function__.contains(':'))",
+        message="is required when reward.type is python, unless reward.function is an import path "
+        "package.module:function",
+        check=lambda s: s.reward.type != "python" or bool(s.reward.file) or ":" in s.reward.function,
+    ),
+    required_for_reward("judge", "judge", "the judge model and its rubric"),
     required_for_reward("model", "model", "the reward model's directory, reward.model.path"),
     Rule(
         field_path="algorithm.dynamicSampling",
@@ -154,7 +168,26 @@ RULES: tuple[Rule, ...] = (
         check=lambda s: (s.rollout.placement != "colocated" or s.rollout.engine != "vllm"
                          or s.rollout.vllm.kv_cache_memory_bytes is not None),
     ),
-    required_for_component("python", "file", "the file defining the reward function"),
+    Rule(
+        field_path="reward.components",
+        cel="!has(self.reward.components) || self.reward.components.all(c, c.type != 'python' || has(c.file) || "
+        "(has(c.__function__) && c.__function__.contains(':')))",
+        message="each component of type python needs file (the file defining the reward function) or a "
+        "function that is an import path package.module:function",
+        check=lambda s: all(c.type != "python" or bool(c.file) or ":" in c.function for c in s.reward.components),
+        detail=lambda s: "missing on " + ", ".join(c.name for c in s.reward.components
+                                                  if c.type == "python" and not c.file and ":" not in c.function),
+    ),
+    required_for_component("judge", "judge", "the judge model and its rubric"),
+    Rule(
+        field_path="reward",
+        cel=f"!has(self.reward.components) || self.reward.components.all(c, !{_SERVED('c')} || "
+        f"((!{_SERVED('self.reward')} || self.reward.judge.model == c.judge.model) && "
+        f"self.reward.components.all(d, !{_SERVED('d')} || d.judge.model == c.judge.model)))",
+        message="judges without judge.url must all name the same judge.model: the job serves one judge model",
+        check=lambda s: len({f.judge.model for f in s.reward.functions()
+                             if f.type == "judge" and f.judge is not None and not f.judge.url}) <= 1,
+    ),
     required_for_component("http", "url", "the reward service endpoint"),
     Rule(
         field_path="reward.components",

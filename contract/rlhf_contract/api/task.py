@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from .common import INT32_MAX, MAX_SECONDS, SpecModel
+from .common import INT32_MAX, MAX_SECONDS, SecretKeyRef, SpecModel
 from .uris import check_path
 
 MAX_REWARD_WEIGHT = 1e6
@@ -143,7 +143,67 @@ class RewardModelSpec(SpecModel):
         return check_path(value)
 
 
-RewardType = Literal["exact_match", "prefix_match", "math", "code", "python", "http"]
+DEFAULT_JUDGE_TEMPLATE = (
+    "Rate the response to the prompt below from {min_score} to {max_score} for correctness and "
+    "helpfulness; the reference answer, when given, is correct.\n\nPrompt:\n{prompt}\n\nReference "
+    "answer:\n{answer}\n\nResponse:\n{response}\n\nAnswer with the score alone, as a number.")
+"""The default rubric of `reward.judge.template`."""
+
+
+class JudgeSpec(SpecModel):
+    """An LLM judge (`type: judge`): a served model reads `template` filled with the prompt,
+    the response and the reference answer, and answers a score (a number in [minScore,
+    maxScore], scaled to 0..1) or one of `choices`."""
+
+    url: str | None = Field(default=None, pattern=r"^https?://")
+    """An OpenAI-compatible endpoint, up to its `/v1` (`https://api.example.com/v1`); null:
+    the judge servers this job starts for `model` (`<job>-judge`; local mode starts them too)."""
+    model: str = Field(min_length=1, max_length=1024)
+    """The judge model: its name at `url`; without `url`, the Hugging Face model directory
+    (in Kubernetes: on a mounted volume, or a built-in model in local mode) the job's judge
+    servers serve."""
+    api_key_secret: SecretKeyRef | None = None
+    """The Secret key holding the endpoint's API key (RLHF_JUDGE_API_KEY in the trainer pods;
+    locally the environment's RLHF_JUDGE_API_KEY)."""
+    api: Literal["chat", "completions"] = "chat"
+    """`chat`: POST /chat/completions with the rubric as one user turn; `completions`: POST
+    /completions with the rubric as the prompt (base models)."""
+    template: str = Field(default=DEFAULT_JUDGE_TEMPLATE, min_length=1)
+    """The rubric, with the placeholders {prompt}, {response}, {answer}, {min_score} and
+    {max_score} (a chat prompt is its turns as `role: content` lines)."""
+    min_score: float = 0.0
+    """Lowest score the rubric asks for (reward 0)."""
+    max_score: float = 10.0
+    """Highest score the rubric asks for (reward 1); a number outside the range is unparsable."""
+    choices: dict[str, float] = {}
+    """A choice judge: each answer word and its reward (`{"yes": 1, "no": 0}`), found as a
+    whole word, case-insensitive, the last one named wins; empty: a number is expected."""
+    max_tokens: int = Field(default=32, ge=1, le=INT32_MAX)
+    """Tokens the judge may answer with."""
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
+    """The judge's sampling temperature."""
+    max_concurrency: int = Field(default=16, ge=1, le=1024)
+    """Judge requests in flight at once."""
+    max_retries: int = Field(default=2, ge=0, le=10)
+    """Retries of a request that failed to connect, timed out or got 429 / 5xx, with backoff;
+    then the step fails (a judge that answers is scored, one that cannot be reached is not)."""
+    replicas: int = Field(default=1, ge=1, le=INT32_MAX)
+    """Without `url`: judge servers the job starts (each like a rollout server:
+    rollout.gpusPerReplica GPUs, rollout.image)."""
+
+    @model_validator(mode="after")
+    def _scores_and_template(self) -> "JudgeSpec":
+        if not self.choices and not self.min_score < self.max_score:
+            raise ValueError(f"judge.minScore ({self.min_score}) must be below judge.maxScore ({self.max_score})")
+        try:
+            self.template.format(prompt="", response="", answer="", min_score=0, max_score=1)
+        except (KeyError, IndexError, ValueError) as err:
+            raise ValueError(f"judge.template: {type(err).__name__} {err}; its placeholders are {{prompt}}, "
+                             "{response}, {answer}, {min_score} and {max_score} (write {{ and }} for braces)") from None
+        return self
+
+
+RewardType = Literal["exact_match", "prefix_match", "math", "code", "python", "http", "judge"]
 
 
 class RewardFunctionSpec(SpecModel):
@@ -151,13 +211,20 @@ class RewardFunctionSpec(SpecModel):
     and `score` (logged); the built-in ones return the same number for both."""
 
     file: str | None = None
-    """`python`: path of the file defining the reward function."""
-    function: str = "reward_fn"
-    """`python`: name of `fn(response, answer, extra_info) -> float | {reward, score}`."""
+    """`python`: path of the file defining the reward function (null: `function` is an
+    import path)."""
+    function: str = Field(default="reward_fn", min_length=1, max_length=512)
+    """`python`: the function's name in `file`, or without `file` an import path
+    `package.module:function` of a package installed in the trainer image. Its parameters
+    pick the form (docs/methods.md): TRL's batched `(prompts, completions, completion_ids,
+    **columns)`, veRL's `compute_score(data_source, solution_str, ground_truth, extra_info)`,
+    or `fn(response, answer, extra_info) -> float | {reward, score}`."""
     url: str | None = None
-    """`http`: endpoint that answers {response, answer, extra_info} with {reward, score}."""
+    """`http`: endpoint that answers {prompt, response, answer, extra_info} with {reward, score}."""
     timeout_seconds: float = Field(default=10.0, gt=0, le=MAX_SECONDS)
-    """`code`: wall-clock limit per test case; `math`: per answer; `http`: per request."""
+    """`code`: wall-clock limit per test case; `math`: per answer; `http` and `judge`: per request."""
+    judge: JudgeSpec | None = None
+    """`judge`: the judge model, its endpoint and its rubric."""
     all_or_nothing: bool = False
     """`code`: 1 only when every test case passes (default: the fraction that pass)."""
     require_sandbox_isolation: bool = True
@@ -189,12 +256,12 @@ class RewardSpec(RewardFunctionSpec):
     main reward + each component's weight x its reward + model.weight x the model's score;
     the logged `score` is the main function's."""
 
-    type: Literal["exact_match", "prefix_match", "math", "code", "python", "http", "model"] = "exact_match"
+    type: Literal["exact_match", "prefix_match", "math", "code", "python", "http", "judge", "model"] = "exact_match"
     """`exact_match` / `prefix_match`: the stripped response equals / starts with the answer;
     `math`: the final boxed or <answer> answer is equivalent to the answer (math-verify);
     `code`: the last fenced Python block passes the row's `test_cases` in a sandbox;
-    `python`: `function` from the user file `file`; `http`: POST to `url`; `model`: the
-    reward model `model` alone."""
+    `python`: `function` from the user file `file` or an import path; `http`: POST to `url`;
+    `judge`: an LLM judge (`judge`); `model`: the reward model `model` alone."""
     name: str | None = Field(default=None, max_length=40, pattern=r"^[a-z][a-z0-9_]{0,39}$")
     """The main function's name in the metrics when there are `components` (default: its type)."""
     components: list[RewardComponentSpec] = Field(default=[], max_length=8)

@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from ..images import INFERENCE_IMAGE, TRAINER_IMAGE
-from .common import INT32_MAX, MAX_SECONDS, SEED_MAX, SpecModel, Resources
+from .common import INT32_MAX, MAX_SECONDS, SEED_MAX, SecretKeyRef, SpecModel, Resources
 from .uris import check_path, parse_remote
 
 
@@ -268,15 +268,6 @@ class OutputSpec(SpecModel):
         if value is not None:
             parse_remote(value)
         return value
-
-
-class SecretKeyRef(SpecModel):
-    """A key of a Secret in the job's namespace."""
-
-    name: str = Field(min_length=1)
-    """The Secret's name."""
-    key: str = Field(min_length=1)
-    """The key holding the value."""
 
 
 class WandbSpec(SpecModel):

@@ -17,6 +17,7 @@ from .meta import (
 )
 from .pods import POD_SETTINGS_ANNOTATION, PodSettings, PodSettingsError
 from .sandbox import build_sandbox, wants_sandbox
+from .judge import build_judge
 from .services import build_network_policy, build_rollout_service, build_weight_sync_service
 from .jobset import build_jobset
 from .workloads import build_rollout_statefulset, build_trainer_pytorchjob, rollout_endpoints, weight_sync_addr
@@ -24,9 +25,10 @@ from .workloads import build_rollout_statefulset, build_trainer_pytorchjob, roll
 WORKLOAD_KINDS = ("StatefulSet", "PyTorchJob", "JobSet")
 
 
-def build_support(job: RLHFJob) -> list[dict[str, Any]]:
+def build_support(job: RLHFJob, settings: PodSettings | None = None) -> list[dict[str, Any]]:
     """Children that live as long as the job (not restarted): config, identity, network;
-    for `method: rl` also the rollout and weight-sync services (and the code sandbox)."""
+    for `method: rl` also the rollout and weight-sync services (and the code sandbox, and the
+    judge servers, which mount the volumes of `settings`)."""
     common = [build_config_map(job), build_service_account(job), build_role(job), build_role_binding(job)]
     if job.spec.offline:  # sft, rm, dpo: the trainer alone
         return [*common, build_network_policy(job)]
@@ -37,6 +39,7 @@ def build_support(job: RLHFJob) -> list[dict[str, Any]]:
         build_weight_sync_service(job),
         build_network_policy(job),
         *build_sandbox(job),  # reward.type code: the sandbox service, out of the trainer's pod
+        *build_judge(job, settings if settings is not None else PodSettings.from_job(job)),  # reward.type judge
     ]
 
 
@@ -54,7 +57,7 @@ def build_workloads(job: RLHFJob, attempt: int, settings: PodSettings) -> list[d
 
 def build_children(job: RLHFJob, attempt: int, settings: PodSettings | None = None) -> list[dict[str, Any]]:
     settings = settings if settings is not None else PodSettings.from_job(job)
-    return build_support(job) + build_workloads(job, attempt, settings)
+    return build_support(job, settings) + build_workloads(job, attempt, settings)
 
 
 __all__ = [

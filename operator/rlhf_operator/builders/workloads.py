@@ -23,6 +23,7 @@ from .meta import (
     LABEL_ATTEMPT, LABEL_JOB, LABEL_ROLE, RJOB_ROLLOUT, ROLE_ROLLOUT, ROLE_TRAINER, job_labels, jobset_name, metadata,
     namespace_of, pod_labels, rollout_name, trainer_name, weight_sync_name,
 )
+from .judge import judge_env
 from .storage import secret_env, with_storage
 from .pods import (
     CONFIG_PATH, PodSettings, container_resources, container_security_context, env_list, output_dir, pod_spec,
@@ -132,7 +133,8 @@ def trainer_container(job: RLHFJob, settings: PodSettings, *, rollout_endpoints:
         "name": name,
         "image": t.image,
         "command": proc.command,
-        "env": env_list(proc.env) + list(extra_env) + tracking_env(job) + secret_env(job)[0] + list(job.spec.pod.env),
+        "env": env_list(proc.env) + list(extra_env) + tracking_env(job) + secret_env(job)[0] + judge_env(job)
+        + list(job.spec.pod.env),
         "ports": [
             {"name": "pytorchjob-port", "containerPort": contract.TRAINER_MASTER_PORT, "protocol": "TCP"},
             {"name": "weight-sync", "containerPort": contract.WEIGHT_SYNC_PORT, "protocol": "TCP"},

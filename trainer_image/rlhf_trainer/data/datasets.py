@@ -50,6 +50,22 @@ rows; beyond it the data or its column mapping is wrong, and reading it is an er
 ROW_ERRORS = (ValueError, TypeError, KeyError, AttributeError)
 """What the row code raises for a row it cannot use (the row is skipped and counted)."""
 
+
+
+def column(row: dict, key: str, default: Any = None) -> Any:
+    """`row[key]`; for a dotted key that is not itself a column, the nested field it names
+    (`reward_model.ground_truth` is `row["reward_model"]["ground_truth"]`, veRL's layout);
+    `default` when absent."""
+    if key in row or "." not in key:
+        return row.get(key, default)
+    value: Any = row
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return default
+        value = value[part]
+    return value
+
+
 _SAVED_MARKERS = ("dataset_info.json", "dataset_dict.json", "state.json")
 
 

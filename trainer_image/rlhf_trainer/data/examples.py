@@ -31,8 +31,10 @@ from typing import Any, Callable
 
 from rlhf_contract.api.models import DataSpec, Method
 
-from .datasets import ROW_ERRORS, UnreadableRow
+from .datasets import ROW_ERRORS, UnreadableRow, column
 from .prompts import BUILTIN_TASKS
+
+_MISSING = object()
 
 PAIR_METHODS = tuple(m for m in Method if m.pairs)
 @dataclass(frozen=True)
@@ -113,10 +115,10 @@ class Tokenize:
 
     def _prompt(self, row: dict) -> list[int]:
         s = self.spec
-        if isinstance(row.get(s.messages_key), list):
-            return self._chat(row[s.messages_key], generation_prompt=True)
-        if isinstance(row.get(s.prompt_key), str):
-            return self.ids(row[s.prompt_key])
+        if isinstance(column(row, s.messages_key), list):
+            return self._chat(column(row, s.messages_key), generation_prompt=True)
+        if isinstance(column(row, s.prompt_key), str):
+            return self.ids(column(row, s.prompt_key))
         raise ValueError(f"data: a row has neither text under data.promptKey ({s.prompt_key!r}) nor turns under "
                          f"data.messagesKey ({s.messages_key!r}); it has {sorted(row)}")
 
@@ -126,18 +128,19 @@ class Tokenize:
             prompt = self._prompt(row)
             sides = []
             for key, where in ((s.chosen_key, "chosenKey"), (s.rejected_key, "rejectedKey")):
-                if key not in row:
+                value = column(row, key, _MISSING)
+                if value is _MISSING:
                     raise ValueError(f"data.{where}: a row has no column {key!r}; it has {sorted(row)}")
-                resp = self.ids(self._response_text(row[key], where)) + eos
+                resp = self.ids(self._response_text(value, where)) + eos
                 sides.append(Sequence(prompt, resp, [1] * len(resp)))
             return Example(tuple(sides))
-        turns = row.get(s.messages_key)
-        if isinstance(turns, list) and s.response_key not in row:
+        turns, response = column(row, s.messages_key), column(row, s.response_key, _MISSING)
+        if isinstance(turns, list) and response is _MISSING:
             return Example((self._multi_turn(turns),))
-        if s.response_key not in row:
+        if response is _MISSING:
             raise ValueError(f"data.responseKey: a row has no column {s.response_key!r} (and no chat turns under "
                              f"data.messagesKey); it has {sorted(row)}")
-        resp = self.ids(self._response_text(row[s.response_key], "responseKey")) + eos
+        resp = self.ids(self._response_text(response, "responseKey")) + eos
         return Example((Sequence(self._prompt(row), resp, [1] * len(resp)),))
 
     def _multi_turn(self, turns: list[dict]) -> Sequence:

@@ -116,7 +116,7 @@ class PromptSource:
             text, answer = self._task(rng)
             token_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             if 0 < len(token_ids) <= limit:
-                return PromptRecord(text, token_ids, answer, {})
+                return PromptRecord(text, token_ids, answer, {"prompt": text, "answer": answer})
             self.num_dropped += 1
         raise ValueError(f"data.maxPromptLength: {limit} tokens is shorter than {MAX_BUILTIN_ATTEMPTS} prompts of "
                          f"{self.spec.path} in a row; raise it")

@@ -9,8 +9,11 @@ row's prompt is either
     system prompt prepended when given and the turns hold none.
 ColossalChat rows are accepted too: `messages` as one {role, content} dict, the answer under
 `gt_answer`, `test_cases` ({"inputs": [...], "outputs": [...]}) for code.
-Every column other than the prompt and `answer_key` is kept in `extra_info` under its own name
-(a row's own `extra_info` column therefore arrives as `extra_info["extra_info"]`).
+Every column of the row (the prompt and the answer included) is kept in `extra_info` under its
+own name (a row's own `extra_info` column therefore arrives as `extra_info["extra_info"]`), and
+`prompt` holds the prompt as the rewards see it: the text, or the chat turns. `prompt_key`,
+`messages_key` and `answer_key` may name a nested field with dots (`reward_model.ground_truth`,
+veRL's layout; `datasets.column`).
 A malformed row (not an object, no prompt, a prompt of the wrong type, broken chat turns, an
 answer that is neither text nor a number) is skipped and counted; more than
 MAX_MALFORMED_FRACTION (datasets.py) of the rows malformed is an error naming the first one.
@@ -25,7 +28,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Iterable, NamedTuple
 
-from .datasets import ROW_ERRORS, MalformedRows, UnreadableRow
+from .datasets import ROW_ERRORS, MalformedRows, UnreadableRow, column
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +44,10 @@ class PromptRecord:
     answer: str
     """Gold answer for the reward ("" when the row has none, e.g. code with test cases)."""
     extra_info: dict[str, Any] = field(default_factory=dict)
-    """Every other column of the row, under its own name."""
+    """Every column of the row, under its own name."""
+    prompt: str | list[dict[str, str]] | None = None
+    """The prompt as a reward sees it (TRL's `prompts`): the row's text (before any chat
+    template), or its chat turns (with `system_prompt` when added); None: `text`."""
 
 
 def _has_chat_template(tokenizer: Any) -> bool:
@@ -72,7 +78,7 @@ def _render(tokenizer: Any, turns: list[dict[str, str]], where: str) -> str:
 
 
 def _answer(row: dict, answer_key: str, where: str) -> str:
-    value = row.get(answer_key)
+    value = column(row, answer_key)
     if value is None:
         value = row.get(_ANSWER_FALLBACK_KEY)
     if value is None:
@@ -93,31 +99,32 @@ def prompt_record(row: Any, index: int, *, tokenizer: Any, source: str, prompt_k
         raise ValueError(f"{where}: {row}")
     if not isinstance(row, dict):
         raise ValueError(f"{where} is a {type(row).__name__}, not an object with columns")
-    if row.get(prompt_key) is not None:
-        key, value = prompt_key, row[prompt_key]
-    elif row.get(messages_key) is not None:
-        key, value = messages_key, row[messages_key]
+    if column(row, prompt_key) is not None:
+        key, value = prompt_key, column(row, prompt_key)
+    elif column(row, messages_key) is not None:
+        key, value = messages_key, column(row, messages_key)
     else:
         raise ValueError(f"{where} has neither a {prompt_key!r} column (data.promptKey) nor a "
                          f"{messages_key!r} column (data.messagesKey)")
     where_col = f"{where}, column {key!r}"
     if isinstance(value, str):
+        prompt: str | list[dict[str, str]] = value
         if system_prompt is not None and _has_chat_template(tokenizer):
-            text = _render(tokenizer, [{"role": "system", "content": system_prompt},
-                                       {"role": "user", "content": value}], where_col)
+            prompt = [{"role": "system", "content": system_prompt}, {"role": "user", "content": value}]
+            text = _render(tokenizer, prompt, where_col)
         else:
             text = value
     elif isinstance(value, (list, dict)):
-        turns = _check_messages(value, where_col)
-        if system_prompt is not None and not any(t["role"] == "system" for t in turns):
-            turns = [{"role": "system", "content": system_prompt}, *turns]
-        text = _render(tokenizer, turns, where_col)
+        prompt = _check_messages(value, where_col)
+        if system_prompt is not None and not any(t["role"] == "system" for t in prompt):
+            prompt = [{"role": "system", "content": system_prompt}, *prompt]
+        text = _render(tokenizer, prompt, where_col)
     else:
         raise ValueError(f"{where_col}: expected prompt text or chat turns, got "
                          f"{type(value).__name__}")
     answer = _answer(row, answer_key, where)
     token_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return PromptRecord(text, token_ids, answer, {k: v for k, v in row.items() if k not in (key, answer_key)})
+    return PromptRecord(text, token_ids, answer, dict(row), prompt)
 
 
 class Prompts(NamedTuple):

@@ -11,9 +11,12 @@ generates through the same sampler.
 from __future__ import annotations
 
 import json
+import math
+import os
 from pathlib import Path
 from typing import Any
 
+from rlhf_contract.pod import ENV_JUDGE_ENDPOINTS
 from rlhf_contract.trainer_config import TrainerConfig
 
 from ..data.sequences import Row
@@ -49,7 +52,8 @@ class Orchestrator:
 
             env_step = load_environment(config.environment.file)
         data = PromptSource(config.data, tokenizer, seed=config.schedule.seed, gem_id=gem_id)
-        reward = build_reward(config.reward, job_name=config.job_name, namespace=config.namespace)
+        reward = build_reward(config.reward, job_name=config.job_name, namespace=config.namespace,
+                              judge_url=os.environ.get(ENV_JUDGE_ENDPOINTS))
         return cls(config, data=data, sampler=Sampler(config, RolloutClient(endpoints, timeout_s=config.rollout_request_timeout_seconds), reward, tokenizer, env_step),
                    output_dir=output_dir)
 
@@ -58,7 +62,13 @@ class Orchestrator:
     def check_servers(self) -> list[ServerInfo]:
         """The handshake (rollout/servers.py): wait for the rollout servers (as long as their
         startup allowance) and read what they are; exits 2 naming `rollout.image` for a server
-        without weight transfer. The weight-sync sender forms its group from the result."""
+        without weight transfer. The weight-sync sender forms its group from the result. The
+        job's own judge servers (RLHF_JUDGE_ENDPOINTS) are waited for first, as long."""
+        judges = [u for u in os.environ.get(ENV_JUDGE_ENDPOINTS, "").split(",") if u]
+        if judges:  # the job's own judge servers load their model meanwhile
+            from ..rewards.judge import wait_for_judges
+
+            wait_for_judges(judges, timeout_s=self.config.rollout_startup_timeout_seconds)
         return handshake(self.sampler.client.endpoints, startup_timeout_s=self.config.rollout_startup_timeout_seconds)
 
     @property
@@ -88,6 +98,7 @@ class Orchestrator:
             self._save_rollouts(step, rows)
         stats = rollout_stats(groups, sampled=sampled, dropped=dropped, dropped_prompts=getattr(self.data, "num_dropped", 0),
                               skipped_rows=getattr(self.data, "num_skipped", 0))
+        stats.reward_counters = self.sampler.reward.drain_counters()  # a judge's parse failures and tokens
         return RolloutBatch(rows, self.config.sampling.samples_per_prompt, stats)
 
     def _save_rollouts(self, step: int, rows: list[Row]) -> None:
@@ -132,5 +143,12 @@ def rollout_stats(groups: list[list[Row]], *, sampled: int, dropped: int, droppe
         num_tokens=sum(len(r.prompt_ids) + len(r.response_ids) for r in rows),
         dropped_prompts=dropped_prompts,
         skipped_rows=skipped_rows,
-        components={name: sum(r.components[name] for r in rows) / n for name in names},
+        components={name: _mean_of_applied([r.components[name] for r in rows]) for name in names},
     )
+
+
+def _mean_of_applied(values: list[float]) -> float:
+    """The mean of a reward function's values where it applied (NaN: it returned None), NaN
+    when it applied to none (TRL's nanmean)."""
+    applied = [v for v in values if not math.isnan(v)]
+    return sum(applied) / len(applied) if applied else math.nan

@@ -14,6 +14,7 @@ from rlhf_contract.trainer_config import TrainerConfig
 
 from ..algorithms.advantages import overlong_penalty
 from ..data.sequences import Row
+from ..rewards import Sample
 
 
 class Sampler:
@@ -40,8 +41,9 @@ class Sampler:
         settings = {**self.sampling, **(sampling or {})}
 
         def score(prompt: Any, samples: list[Any]) -> list[Any]:
-            items = [(self.tokenizer.decode(x.token_ids, skip_special_tokens=True), prompt.answer, prompt.extra_info)
-                     for x in samples]
+            shown = prompt.prompt if prompt.prompt is not None else prompt.text
+            items = [Sample(self.tokenizer.decode(x.token_ids, skip_special_tokens=True), prompt.answer,
+                            prompt.extra_info, shown, list(x.token_ids)) for x in samples]
             return self.reward.score_batch(items)
 
         async def one(i: int, prompt: Any, pool: Any) -> tuple[list[Any], list[Any]]:

@@ -33,6 +33,9 @@ class RolloutStats:
     """Malformed rows of the dataset skipped when it was read."""
     components: dict[str, float] = field(default_factory=dict)
     """`reward/<name>_mean` of each reward function with `reward.components`."""
+    reward_counters: dict[str, float] = field(default_factory=dict)
+    """`reward/<name>_<counter>`: what the reward functions counted this step (a judge's
+    `parse_failures` and `judge_tokens`)."""
 
 
 @dataclass

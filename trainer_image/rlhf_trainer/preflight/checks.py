@@ -1,7 +1,8 @@
 """Every error a user can fix, found before any model loads.
 
-`check(config, world_size)` reads only small files (the model's config.json, the reward
-and environment files), and of the data only the columns and a bounded sample, measured
+`check(config, world_size)` reads only small files (the model's config.json, the
+environment file; it imports the reward functions and matches their parameters to a form,
+rewards.py), and of the data only the columns and a bounded sample, measured
 with the model's tokenizer (data.py: no rows, missing columns, prompts longer than
 data.maxPromptLength, ...), and returns one message per problem, each naming the spec
 field and what to change; the data's warnings go to stderr. The launcher
@@ -24,6 +25,7 @@ from rlhf_contract.trainer_config import TrainerConfig
 
 from ..data.examples import BUILTIN_OFFLINE
 from .data import check_data, load_tokenizer
+from .rewards import reward_problems
 from .memory_plan import detect_gpu_bytes, gib, plan, read_model_config
 
 
@@ -160,11 +162,7 @@ def check(config: TrainerConfig, world_size: int) -> list[str]:
         elif rm is not None and len(rm.get("id2label") or {0: ""}) != 1:
             problems.append(f"spec.reward.model.path: {config.reward.model.path} is a classifier with "
                             f"{len(rm['id2label'])} labels; a reward model has 1 (what method: rm exports)")
-    if config.reward.type == "python":
-        problems += filter(None, [_readable_python(config.reward.file, "spec.reward.file")])
-    for i, c in enumerate(config.reward.components):
-        if c.type == "python":
-            problems += filter(None, [_readable_python(c.file, f"spec.reward.components[{i}].file")])
+    problems += reward_problems(config)
     if config.environment is not None and config.environment.file is not None:
         problems += filter(None, [_readable_python(config.environment.file, "spec.environment.file")])
     if config.environment is not None and config.environment.gem is not None:

@@ -20,7 +20,8 @@ and what to change:
     than the micro-batch budget allows) or tokenizing to nothing is an error; most of them
     a warning with the fraction and a length that keeps 95% of them. Built-in tasks are
     sampled (BUILTIN_SAMPLE prompts) the same way.
-A column counts as present when a sampled row holds a value in it. `tokenizer()` is called
+A column counts as present when a sampled row holds a value in it; a key with dots names a
+nested field (`reward_model.ground_truth`) as the trainer reads it (`datasets.column`). `tokenizer()` is called
 only when a length must be measured (the model's tokenizer: no weights); None skips the row
 and length checks (`unchecked` says so).
 
@@ -41,7 +42,7 @@ from typing import Any, Callable
 from rlhf_contract.api.models import DataSpec, Method
 from rlhf_contract.trainer_config import TrainerConfig
 
-from ..data.datasets import MAX_MALFORMED_FRACTION, ROW_ERRORS, DataSample, peek_records
+from ..data.datasets import MAX_MALFORMED_FRACTION, ROW_ERRORS, DataSample, column, peek_records
 from ..data.examples import BUILTIN_OFFLINE, PAIR_METHODS, Tokenize
 from ..data.prompts import BUILTIN_TASKS, PromptSource
 from ..data.rendering import prompt_record
@@ -163,7 +164,10 @@ def _check_file(config: TrainerConfig, s: _Set, tokenizer: Callable[[], Any], re
 
 def _missing_columns(config: TrainerConfig, s: _Set, sample: DataSample) -> list[str]:
     d, label = s.spec, s.label
-    present = {k for row in sample.rows if isinstance(row, dict) for k, v in row.items() if v is not None}
+    rows = [row for row in sample.rows if isinstance(row, dict)]
+    keys = (d.prompt_key, d.messages_key, d.answer_key, d.response_key, d.chosen_key, d.rejected_key,
+            "test_cases", "gt_answer")
+    present = {key for key in keys if any(column(row, key) is not None for row in rows)}  # dotted keys: nested
     found = f"its columns are {', '.join(sample.columns)}" if sample.columns else "it has no columns"
     problems = []
     if d.prompt_key not in present and d.messages_key not in present:

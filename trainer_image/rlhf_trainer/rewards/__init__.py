@@ -1,5 +1,7 @@
-"""Rewards, selected by `spec.reward.type`: every reward function maps a batch of
-(response, answer, extra_info) to (reward, score) pairs. `reward` feeds the advantages,
+"""Rewards, selected by `spec.reward.type`: every reward function maps a batch of `Sample`s
+(the response, the answer, the row's columns, the prompt: text or chat turns, and the
+response's token ids) to (reward, score) pairs, or None ("does not apply": 0 in the trained
+reward, left out of that function's `reward/<name>_mean`). `reward` feeds the advantages,
 `score` is logged (RL2's split); the built-in rewards return the same number for both.
 
   exact_match / prefix_match   string comparison with the answer
@@ -9,25 +11,34 @@
                                every (response x case) through ONE bounded sandbox queue, run
                                by the sandbox service (cluster) or bubblewrap here (local),
                                both `rlhf_trainer.sandbox`
-  python                       custom.load_reward_function: a user file's function
+  python                       forms.python_reward: a user function from a file or an import
+                               path, ours, TRL's or veRL's form, told by its parameters
   http                         custom.RemoteReward: a reward service
+  judge                        judge.Judge: an LLM judge behind an OpenAI-compatible endpoint
 
 `reward.components` adds weighted further functions (`CombinedReward`): the trained reward
 is the main reward + sum of weight x component reward, the score is the main function's,
-and each function's reward is kept by name (`reward/<name>_mean` in the metrics).
+and each function's reward is kept by name (`reward/<name>_mean` in the metrics). A function
+may also count events per step (a judge: `parse_failures`, `judge_tokens`), logged as
+`reward/<name>_<counter>` (`drain_counters`).
 """
 
 from __future__ import annotations
 
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from .sample import Sample
 
 if TYPE_CHECKING:
     from rlhf_contract.api.models import RewardSpec
     from rlhf_contract.api.task import RewardFunctionSpec
 
-Item = tuple[str, str, dict]
+
+Item = Sample | tuple[str, str, dict]
+"""A `Sample`, or its first three fields."""
 Result = tuple[float, float]
 
 
@@ -42,37 +53,56 @@ def prefix_match(response: str, answer: str) -> float:
 
 
 class RewardFunction:
-    """Scores a batch: with `batch_fn` in one call (code, math, http), else item by item with
-    `fn`, in a thread pool of `workers` when that is above 1."""
+    """Scores a batch: with `batch_fn` in one call (code, math, python, http, judge), else
+    item by item with `fn(response, answer, extra_info)`, in a thread pool of `workers` when
+    that is above 1. `counters()` (a judge's) are drained once per step."""
 
     def __init__(self, fn: Callable[[str, str, dict], Result] | None = None,
-                 batch_fn: Callable[[list[Item]], list[Result]] | None = None, workers: int = 1):
-        self._fn, self._batch_fn, self._workers = fn, batch_fn, workers
+                 batch_fn: Callable[[list[Sample]], list[Result | None]] | None = None, workers: int = 1,
+                 counters: Callable[[], dict[str, float]] | None = None):
+        self._fn, self._batch_fn, self._workers, self._counters = fn, batch_fn, workers, counters
 
-    def score_batch(self, items: list[Item]) -> list[Result]:
+    def score_all(self, items: Sequence[Item]) -> list[Result | None]:
+        """Each item's (reward, score), or None where the function does not apply."""
+        samples = [x if isinstance(x, Sample) else Sample(*x) for x in items]
         if self._batch_fn is not None:
-            return self._batch_fn(items)
+            return self._batch_fn(samples)
+        one = lambda s: self._fn(s.response, s.answer, s.extra_info)  # noqa: E731
         if self._workers <= 1:
-            return [self._fn(*item) for item in items]
+            return [one(s) for s in samples]
         with ThreadPoolExecutor(self._workers) as pool:
-            return list(pool.map(lambda item: self._fn(*item), items))
+            return list(pool.map(one, samples))
+
+    def score_batch(self, items: Sequence[Item]) -> list[Result]:
+        """`score_all` with "does not apply" as (0, 0)."""
+        return [r if r is not None else (0.0, 0.0) for r in self.score_all(items)]
+
+    def drain_counters(self) -> dict[str, float]:
+        """The events counted since the last call (judge: parse_failures, judge_tokens)."""
+        return self._counters() if self._counters is not None else {}
 
 
 class CombinedReward:
     """The main function and weighted components: each item's result is (total reward, main
-    score, {name: that function's reward})."""
+    score, {name: that function's reward, NaN where it does not apply})."""
 
     def __init__(self, parts: list[tuple[str, float, RewardFunction]], main: str | None):
         self.parts, self.main = parts, main
 
-    def score_batch(self, items: list[Item]) -> list[tuple[float, float, dict[str, float]]]:
-        results = {name: fn.score_batch(items) for name, _, fn in self.parts}
+    def score_batch(self, items: Sequence[Item]) -> list[tuple[float, float, dict[str, float]]]:
+        results = {name: fn.score_all(items) for name, _, fn in self.parts}
         out = []
         for i in range(len(items)):
-            total = sum(weight * results[name][i][0] for name, weight, _ in self.parts)
-            score = results[self.main][i][1] if self.main is not None else 0.0
-            out.append((total, score, {name: results[name][i][0] for name, _, _ in self.parts}))
+            own = {name: results[name][i] for name, _, _ in self.parts}
+            total = sum(weight * own[name][0] for name, weight, _ in self.parts if own[name] is not None)
+            main = own[self.main] if self.main is not None else None
+            out.append((total, main[1] if main is not None else 0.0,
+                        {name: r[0] if r is not None else math.nan for name, r in own.items()}))
         return out
+
+    def drain_counters(self) -> dict[str, float]:
+        """Each function's counters, as `<name>_<counter>`."""
+        return {f"{name}_{k}": v for name, _, fn in self.parts for k, v in fn.drain_counters().items()}
 
 
 def _same(value: float) -> Result:
@@ -111,25 +141,26 @@ def sandbox_runner(spec: "RewardFunctionSpec", sandbox_url: str | None = None, *
 
 
 def build_reward(spec: "RewardSpec", *, job_name: str | None = None, namespace: str | None = None,
-                 sandbox_url: str | None = None) -> RewardFunction | CombinedReward:
-    """The reward function of `spec` (a `CombinedReward` when it has components). Code only:
-    `job_name` and `namespace` are the job's (the trainer config's; no namespace in local
-    mode), which name its sandbox service on a cluster; `sandbox_url` is a sandbox service
-    to use instead. See `sandbox_url_for`."""
+                 sandbox_url: str | None = None, judge_url: str | None = None) -> RewardFunction | CombinedReward:
+    """The reward function of `spec` (a `CombinedReward` when it has components, or is a
+    judge, whose counters are logged by name). Code only: `job_name` and `namespace` are the
+    job's (the trainer config's; no namespace in local mode), which name its sandbox service
+    on a cluster; `sandbox_url` is a sandbox service to use instead. See `sandbox_url_for`.
+    `judge_url`: the job's own judge servers (comma-separated), for a judge without `judge.url`."""
+    where = dict(job_name=job_name, namespace=namespace, sandbox_url=sandbox_url, judge_url=judge_url)
     components = getattr(spec, "components", [])
-    if not components:
-        return build_function(spec, job_name=job_name, namespace=namespace, sandbox_url=sandbox_url)
+    if not components and spec.type != "judge":
+        return build_function(spec, **where)
     main = None if spec.type == "model" else spec.main_name
-    parts = [(main, 1.0, build_function(spec, job_name=job_name, namespace=namespace, sandbox_url=sandbox_url))] \
-        if main is not None else []
-    parts += [(c.name, c.weight, build_function(c, job_name=job_name, namespace=namespace, sandbox_url=sandbox_url))
-              for c in components]
+    parts = [(main, 1.0, build_function(spec, **where))] if main is not None else []
+    parts += [(c.name, c.weight, build_function(c, **where)) for c in components]
     return CombinedReward(parts, main)
 
 
 def build_function(spec: "RewardFunctionSpec", *, job_name: str | None = None, namespace: str | None = None,
-                   sandbox_url: str | None = None) -> RewardFunction:
-    """One reward function (`reward` or one of its components)."""
+                   sandbox_url: str | None = None, judge_url: str | None = None) -> RewardFunction:
+    """One reward function (`reward` or one of its components). `judge_url`: the job's own
+    judge servers, for a judge without `judge.url`."""
     t = spec.type
     if t == "exact_match":
         return RewardFunction(lambda r, a, e: _same(exact_match(r, a)))
@@ -140,7 +171,7 @@ def build_function(spec: "RewardFunctionSpec", *, job_name: str | None = None, n
 
         verifier = MathScorer(timeout_s=spec.timeout_seconds)
         return RewardFunction(batch_fn=lambda items: [_same(x) for x in verifier.score_many(
-            [(r, a) for r, a, _ in items])])
+            [(s.response, s.answer) for s in items])])
     if t == "code":
         from rlhf_trainer.sandbox import Limits
 
@@ -152,12 +183,12 @@ def build_function(spec: "RewardFunctionSpec", *, job_name: str | None = None, n
                         max_output_bytes=s.max_output_kb << 10)
         runner = sandbox_runner(spec, sandbox_url, job_name=job_name, namespace=namespace)
 
-        def code(items: list[Item]) -> list[Result]:
-            for i, (_, _, extra) in enumerate(items):
-                if "test_cases" not in extra:
+        def code(items: list[Sample]) -> list[Result | None]:
+            for i, s in enumerate(items):
+                if "test_cases" not in s.extra_info:
                     raise ValueError(f"reward.type code: data row {i} of the batch has no "
                                      "test_cases column")
-            scores = score_code_batch([(r, e["test_cases"]) for r, _, e in items],
+            scores = score_code_batch([(s.response, s.extra_info["test_cases"]) for s in items],
                                       spec.timeout_seconds, all_or_nothing=spec.all_or_nothing,
                                       limits=limits, runner=runner,
                                       require_isolation=spec.require_sandbox_isolation)
@@ -165,13 +196,18 @@ def build_function(spec: "RewardFunctionSpec", *, job_name: str | None = None, n
 
         return RewardFunction(batch_fn=code)
     if t == "python":
-        from .custom import load_reward_function
+        from .forms import python_reward
 
-        return RewardFunction(load_reward_function(spec.file, spec.function))
+        return RewardFunction(batch_fn=python_reward(spec.file, spec.function))
     if t == "http":
         from .custom import RemoteReward
 
         return RewardFunction(batch_fn=RemoteReward(spec.url, timeout_s=spec.timeout_seconds).score_batch)
+    if t == "judge":
+        from .judge import Judge
+
+        judge = Judge(spec.judge, timeout_s=spec.timeout_seconds, url=judge_url)
+        return RewardFunction(batch_fn=judge.score_batch, counters=judge.drain_counters)
     if t == "model":  # scored by the reward model in the trainer processes (rl/reward_model.py)
         return RewardFunction(lambda r, a, e: _same(0.0))
     raise ValueError(f"reward.type: unknown reward {t!r}")

@@ -4,32 +4,28 @@ Both give `(reward, score)` per response: `reward` feeds the advantages, `score`
 logged (e.g. the task's accuracy while `reward` adds format or length shaping); `score`
 defaults to `reward`.
 
-A reward file defines `reward_fn(response: str, answer: str, extra_info: dict)` (any name,
-`def` or `async def`) returning a float or a dict `{"reward": float, "score": float?}`.
-`extra_info` holds the data row's other columns (see `rlhf_trainer.data.datasets`).
+A reward function (forms.py: ours per response, TRL's batched, veRL's compute_score; from a
+file or an import path) returns a float or a dict `{"reward": float, "score": float?}` per
+response. `extra_info` holds every column of the data row (see `rlhf_trainer.data.rendering`).
 
-A reward service takes `POST <url>` with JSON `{"response", "answer", "extra_info"}` and
+A reward service takes `POST <url>` with JSON `{"prompt", "response", "answer", "extra_info"}`
+(`prompt`: the row's text, or its chat turns) and
 answers `{"reward": float, "score": float?}`. Connection errors, timeouts, 429 and 5xx are
 retried `max_retries` times with exponential backoff (`RemoteReward.retry_policy`); any other
 status, a malformed answer or running out of retries raises `RewardError` naming the URL.
 
 Simplifications: the user function runs in the trainer process, unsandboxed and trusted
 (it is the user's code, not the model's); an `async def` function gets a fresh event loop per
-call (`asyncio.run`), so it must not rely on state bound to one loop, and the returned
-function must not be called from inside a running event loop (use a worker thread).
+call (`asyncio.run`), so it must not rely on state bound to one loop, and it must not be
+called from inside a running event loop (the sampler scores on a worker thread).
 Non-finite rewards are rejected rather than clipped.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import importlib.util
-import inspect
 import math
-import sys
-from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import httpx
 
@@ -74,61 +70,6 @@ def _number(value: Any, what: str) -> float:
     if abs(number) > FLOAT32_MAX:  # the trainer's tensors are float32
         raise ValueError(f"{what} must be within +-{FLOAT32_MAX:.3g} (float32), got {number:.3g}")
     return number
-
-
-def load_reward_function(path: str, name: str = "reward_fn"
-                         ) -> Callable[[str, str, dict], RewardResult]:
-    """Import `name` from the Python file `path`; returns `fn(response, answer, extra_info)`
-    giving `(reward, score)`. Errors (here and at call time) name the file and function."""
-    file = Path(path)
-    where = f"reward function {name!r} in {path}"
-    if not file.is_file():
-        raise ValueError(f"reward file {path} does not exist; point it at a .py file that "
-                         f"defines {name}(response, answer, extra_info)")
-    module_name = "rlhf_user_reward_" + hashlib.sha1(str(file.resolve()).encode()).hexdigest()[:12]
-    spec = importlib.util.spec_from_file_location(module_name, file)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"reward file {path} cannot be imported as Python (is it a .py file?)")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module  # dataclasses and pickle in the user file need this
-    try:
-        spec.loader.exec_module(module)
-    except Exception as err:
-        del sys.modules[module_name]
-        raise ValueError(f"reward file {path} failed to import: "
-                         f"{type(err).__name__}: {err}") from err
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        defined = [k for k, v in vars(module).items()
-                   if inspect.isfunction(v) and v.__module__ == module_name]
-        raise ValueError(f"reward file {path} defines no function {name!r}; it defines "
-                         f"{', '.join(defined) or 'no functions'}")
-    try:
-        inspect.signature(fn).bind("response", "answer", {})
-    except TypeError as err:
-        raise ValueError(f"{where} must accept (response, answer, extra_info): {err}") from None
-    is_async = inspect.iscoroutinefunction(fn)
-
-    def reward(response: str, answer: str, extra_info: dict) -> RewardResult:
-        try:
-            value = fn(response, answer, extra_info)
-            if is_async or inspect.isawaitable(value):
-                value = asyncio.run(_await(value))
-        except (Exception, SystemExit) as err:  # exit() in a scoring thread would hang the rollout loop
-            raise RewardError(f"{where} raised {type(err).__name__}: {err}") from err
-        try:
-            return normalize_result(value)
-        except ValueError as err:
-            raise RewardError(f"{where} returned an invalid result: {err}; return a float or "
-                              "a dict with 'reward' and optional 'score'") from None
-
-    reward.__name__ = name
-    reward.__doc__ = f"{name} from {path}, normalised to (reward, score)."
-    return reward
-
-
-async def _await(value: Awaitable) -> Any:
-    return await value
 
 
 class RemoteReward:
@@ -185,10 +126,14 @@ class RemoteReward:
             raise RewardError(f"reward service {self.url} failed {self.max_retries + 1} times; "
                               f"last: {last}") from None
 
-    async def ascore_batch(self, items: Iterable[tuple[str, str, dict]]) -> list[RewardResult]:
-        """(reward, score) for each (response, answer, extra_info), up to `max_concurrency`
-        requests in flight, results in input order."""
-        payloads = [{"response": r, "answer": a, "extra_info": e} for r, a, e in items]
+    async def ascore_batch(self, items: Iterable[Any]) -> list[RewardResult]:
+        """(reward, score) for each `Sample` (or (response, answer, extra_info)), up to
+        `max_concurrency` requests in flight, results in input order."""
+        from .sample import Sample
+
+        samples = [x if isinstance(x, Sample) else Sample(*x) for x in items]
+        payloads = [{"prompt": s.prompt, "response": s.response, "answer": s.answer, "extra_info": s.extra_info}
+                    for s in samples]
         sem = asyncio.Semaphore(self.max_concurrency)
         limits = httpx.Limits(max_connections=self.max_concurrency)
         async with httpx.AsyncClient(timeout=self.timeout_s, limits=limits) as client:
