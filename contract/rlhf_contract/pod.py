@@ -29,6 +29,13 @@ ENV_WEIGHT_SYNC_ADDR = "RLHF_WEIGHT_SYNC_ADDR"
 ENV_OUTPUT_DIR = "RLHF_OUTPUT_DIR"
 ENV_RESUME = "RLHF_RESUME"
 ENV_METRICS_PORT = "RLHF_METRICS_PORT"
+ENV_NCCL_SOCKET_IFNAME = "NCCL_SOCKET_IFNAME"
+NCCL_SOCKET_IFNAME = "eth0"
+"""The interface NCCL bootstraps on in the operator's pods (trainer and rollout servers
+alike): the pod network's, which every CNI names eth0. Unset, each side picks its own
+first interface, and on RDMA nodes with secondary networks the two may pick interfaces
+that cannot reach each other, so ncclCommInitRank hangs until the sync's deadline. A
+`spec.pod.env` entry of that name replaces it (e.g. `net1` for a Multus network)."""
 
 JOB_FILE = "job.json"
 """Beside the trainer config: `run_config(job)` (what the trackers log as the run's config)."""
