@@ -74,7 +74,7 @@ from rlhf_contract.pod import ENV_NCCL_SOCKET_IFNAME
 from ..rollout.servers import RolloutImageError, ServerInfo, read_servers
 from . import nccl
 from .buckets import DEFAULT_BUCKET_BYTES, BufferRing, as_bytes, dtype_name, pack_buckets
-from .threads import Watchdog, WeightSyncError, exit_process, put_watching, run_in_thread, wait_all
+from .threads import Watchdog, WeightSyncError, exit_process, put_watching, raise_failed, run_in_thread, wait_all
 from .transport import BACKENDS, Transport, make_transport
 
 __all__ = ["WeightSyncError", "WeightSyncSender"]
@@ -312,9 +312,14 @@ class WeightSyncSender:
         # 3 buffers: one being broadcast, one in the queue, one being filled; this round's
         # only (freed when it ends: between rounds the memory belongs to training)
         ring = BufferRing(group.device, count=3)
+        def watched(flats: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
+            for flat in flats:  # a failure ends the round before the bucket fills (1 GiB of gathers)
+                raise_failed([*watch, helper])
+                yield flat
+
         try:
-            for bucket in pack_buckets(_checked_bytes(source, tensors, group.device, metadata), self.bucket_bytes,
-                                       ring):
+            for bucket in pack_buckets(watched(_checked_bytes(source, tensors, group.device, metadata)),
+                                       self.bucket_bytes, ring):
                 put_watching(ready, bucket, [*watch, helper], deadline)
         except BaseException:
             with contextlib.suppress(queue.Full):
