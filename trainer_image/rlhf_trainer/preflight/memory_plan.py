@@ -219,8 +219,8 @@ def _terms(config, model_config: dict, world_size: int, *, tokens: int, checkpoi
         from ..weight_sync.buckets import DEFAULT_BUCKET_BYTES
 
         terms.append(Term("weight-sync buffers (rank 0)", weight_sync_bytes(DEFAULT_BUCKET_BYTES, s.largest),
-                          "weight sync", f"{WEIGHT_SYNC_BUFFERS} + 1 x ({DEFAULT_BUCKET_BYTES / GIB:.0f} GiB bucket + "
-                                         "the largest tensor), that tensor gathered in fp32"))
+                          "weight sync", f"{WEIGHT_SYNC_BUFFERS + 1} x ({DEFAULT_BUCKET_BYTES / GIB:.0f} GiB bucket + the "
+                                         "largest tensor): ring and packing; that tensor gathered in fp32"))
     if cuda:
         comms = nccl_communicators(world_size, tp, cp, weight_sync=config.method == Method.RL)
         terms.append(Term("CUDA context + cuBLAS", CUDA_CONTEXT_BYTES, "fixed", "outside the caching allocator"))
