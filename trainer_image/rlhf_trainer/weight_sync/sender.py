@@ -71,11 +71,11 @@ import torch
 
 from rlhf_contract.pod import ENV_NCCL_SOCKET_IFNAME
 
-from ..rollout.servers import RolloutImageError, ServerInfo, read_servers
+from ..rollout.servers import ServerInfo, read_servers
 from . import nccl
 from .buckets import DEFAULT_BUCKET_BYTES, BufferRing, as_bytes, dtype_name, pack_buckets
 from .threads import Watchdog, WeightSyncError, exit_process, put_watching, raise_failed, run_in_thread, wait_all
-from .transport import BACKENDS, Transport, make_transport
+from .transport import BACKENDS, Transport, make_transport, servers_config
 
 __all__ = ["WeightSyncError", "WeightSyncSender"]
 
@@ -176,7 +176,7 @@ class WeightSyncSender:
         if [s.endpoint for s in servers] != self.endpoints:
             raise ValueError(f"the handshake's servers {[s.endpoint for s in servers]} are not {self.endpoints}")
         sizes = [s.world_size for s in servers]
-        backend, self.serving_dtype = _servers_config(servers)
+        backend, self.serving_dtype = servers_config(servers)
         if self.backend is None:
             self.backend = backend
         self.world_size = 1 + sum(sizes)
@@ -185,8 +185,9 @@ class WeightSyncSender:
             group = make_transport(self.backend, self.world_size, listen_host=self.listen_host,
                                    listen_port=self.listen_port, timeout_s=self.timeout_s)
         except nccl.NcclError as exc:  # ncclGetUniqueId: NCCL's bootstrap found no usable interface
-            raise WeightSyncError(f"cannot start the weight-sync group: {exc} (NCCL_SOCKET_IFNAME="
-                                  f"{os.environ.get(ENV_NCCL_SOCKET_IFNAME, '')!r} must name an interface of the trainer's pod: spec.pod.env)") from exc
+            ifname = os.environ.get(ENV_NCCL_SOCKET_IFNAME, "")
+            raise WeightSyncError(f"cannot start the weight-sync group: {exc} (NCCL_SOCKET_IFNAME={ifname!r} must "
+                                  "name an interface of the trainer's pod: set it in spec.pod.env)") from exc
         bodies = [{"init_info": init_info(group.rendezvous(), world_size=self.world_size, rank_offset=offset,
                                           bucket_bytes=self.bucket_bytes)} for offset in self.rank_offsets]
         replies = self._call_all("/init_weight_transfer_engine", bodies)
@@ -312,6 +313,7 @@ class WeightSyncSender:
         # 3 buffers: one being broadcast, one in the queue, one being filled; this round's
         # only (freed when it ends: between rounds the memory belongs to training)
         ring = BufferRing(group.device, count=3)
+
         def watched(flats: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
             for flat in flats:  # a failure ends the round before the bucket fills (1 GiB of gathers)
                 raise_failed([*watch, helper])
@@ -363,34 +365,6 @@ class WeightSyncSender:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _servers_config(servers: list[ServerInfo]) -> tuple[str, torch.dtype | None]:
-    """The servers' weight-transfer backend and the dtype they serve in (vLLM's
-    `model_config.dtype`); every server must agree on both, and on NCCL run the trainer's
-    NCCL release."""
-    backends = {s.weight_transfer_backend for s in servers}
-    dtypes = {_dtype(s.dtype) for s in servers}
-    if len(backends) != 1 or not backends <= set(BACKENDS):
-        raise WeightSyncError(f"the rollout servers use weight-transfer backends {sorted(map(str, backends))}; "
-                              f"the trainer needs one of {', '.join(BACKENDS)}, the same on every server")
-    if len(dtypes) != 1:
-        raise WeightSyncError(f"the rollout servers serve in different dtypes {sorted(map(str, dtypes))}")
-    backend = backends.pop()
-    for server in servers if backend == "nccl" else ():
-        mismatch = nccl.release_mismatch(server.endpoint, server.nccl)
-        if mismatch:
-            raise RolloutImageError.reported(
-                f"rollout.image: the server at {server.endpoint} (vLLM {server.version}) {mismatch}")
-    return backend, dtypes.pop()
-
-
-def _dtype(name) -> torch.dtype | None:
-    """"torch.bfloat16" or "bfloat16" (how /server_info dumps a torch.dtype) as a dtype."""
-    if not isinstance(name, str):
-        return None
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    return dtype if isinstance(dtype, torch.dtype) else None
 
 
 def _checked_bytes(metadata: list[TensorMeta], tensors: Iterable[torch.Tensor],

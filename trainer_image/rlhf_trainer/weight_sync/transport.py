@@ -20,6 +20,9 @@ workers}, with the trainer as rank 0. Two transports behind one interface; the s
 - `GlooTransport` (the CPU engine): vLLM's TCP rendezvous fields (`master_address`,
   `master_port`); rank 0 hosts a TCPStore there and forms a gloo group on the CPU
   (`ProcessGroupGloo(store, rank, world)`); the CPU engine joins as `rank_offset`.
+
+`servers_config` picks the backend, and the dtype weights travel in, from what the servers
+say of themselves at the handshake.
 """
 
 from __future__ import annotations
@@ -32,9 +35,11 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from ..rollout.servers import RolloutImageError, ServerInfo
 from . import nccl
 from .buckets import dtype_name
 from .nccl import Nccl
+from .threads import WeightSyncError
 
 log = logging.getLogger(__name__)
 
@@ -184,3 +189,31 @@ def make_transport(backend: str, world_size: int, *, listen_host: str, listen_po
     if backend == "gloo":
         return GlooTransport(world_size, listen_host=listen_host, listen_port=listen_port, timeout_s=timeout_s)
     raise ValueError(f"weight-transfer backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+
+
+def servers_config(servers: list[ServerInfo]) -> tuple[str, torch.dtype | None]:
+    """The servers' weight-transfer backend and the dtype they serve in (vLLM's
+    `model_config.dtype`); every server must agree on both, and on NCCL run the trainer's
+    NCCL release."""
+    backends = {s.weight_transfer_backend for s in servers}
+    dtypes = {_serving_dtype(s.dtype) for s in servers}
+    if len(backends) != 1 or not backends <= set(BACKENDS):
+        raise WeightSyncError(f"the rollout servers use weight-transfer backends {sorted(map(str, backends))}; "
+                              f"the trainer needs one of {', '.join(BACKENDS)}, the same on every server")
+    if len(dtypes) != 1:
+        raise WeightSyncError(f"the rollout servers serve in different dtypes {sorted(map(str, dtypes))}")
+    backend = backends.pop()
+    for server in servers if backend == "nccl" else ():
+        mismatch = nccl.release_mismatch(server.endpoint, server.nccl)
+        if mismatch:
+            raise RolloutImageError.reported(
+                f"rollout.image: the server at {server.endpoint} (vLLM {server.version}) {mismatch}")
+    return backend, dtypes.pop()
+
+
+def _serving_dtype(name) -> torch.dtype | None:
+    """"torch.bfloat16" or "bfloat16" (how /server_info dumps a torch.dtype) as a dtype."""
+    if not isinstance(name, str):
+        return None
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    return dtype if isinstance(dtype, torch.dtype) else None
