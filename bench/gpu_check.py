@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -37,8 +38,10 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 TOTAL_S = 420
 """The whole check's budget; each part gets min(its box, what is left)."""
-PARTS: dict[str, int] = {"nccl": 60, "attention": 60, "memory": 120, "throughput": 120, "demo": 140}
+PARTS: dict[str, int] = {"nccl": 90, "attention": 90, "memory": 120, "throughput": 120, "demo": 140}
 """Each part's time box in seconds, in the order they run."""
+DEADLINE_ENV = "GPU_CHECK_DEADLINE"
+"""Given to each part: the epoch second its box ends (the demo stops its job before it)."""
 
 
 def child_command(name: str, result: Path) -> list[str]:
@@ -48,18 +51,22 @@ def child_command(name: str, result: Path) -> list[str]:
 def run_part(name: str, command: list[str], result: Path, timeout_s: float) -> dict:
     """Run one part's process; its own JSON result, or why there is none."""
     start = time.monotonic()
+    env = {**os.environ, DEADLINE_ENV: str(time.time() + timeout_s)}
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)  # its own process group: a timeout ends all it started
     try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired as exc:
-        tail = (exc.stderr or b"")[-3000:]
+        _, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
         return {"status": "timed out", "seconds": round(time.monotonic() - start, 1), "timeout_s": timeout_s,
-                "stderr_tail": tail.decode(errors="replace") if isinstance(tail, bytes) else tail}
+                "stderr_tail": (stderr or "")[-3000:]}
     seconds = round(time.monotonic() - start, 1)
     try:
         data = json.loads(result.read_text())
     except (OSError, ValueError):
         return {"status": "failed", "seconds": seconds, "exit_code": proc.returncode,
-                "stderr_tail": proc.stderr[-3000:]}
+                "stderr_tail": (stderr or "")[-3000:]}
     return {**data, "seconds": seconds}
 
 
