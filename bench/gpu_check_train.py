@@ -95,9 +95,11 @@ def part_memory() -> dict:
         try:
             m = _train_steps(QWEN2_SHAPES[name], tokens, plan.activation_checkpointing)
         except torch.cuda.OutOfMemoryError as exc:
-            rows.append({**row, "measured": f"OOM: {str(exc)[:120]}"})
+            m = {"oom": str(exc)[:120]}
+        if "oom" in m:  # the plan said it fits (the frames that held the memory are gone now)
             gc.collect()
             torch.cuda.empty_cache()
+            rows.append({**row, "measured": f"OOM: {m['oom']}"})
             continue
         error = (plan.total - plan.fixed - m["reserved"]) / m["reserved"]
         worst = max(worst, abs(error))
