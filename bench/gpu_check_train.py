@@ -147,15 +147,19 @@ def part_demo() -> dict:
     command = [sys.executable, "-m", "rlhf_launcher.cli", "run", str(ROOT / "examples/local-grpo.yaml"),
                "--output", out, "--overwrite"]
     box_end = float(os.environ.get("GPU_CHECK_DEADLINE", time.time() + DEMO_TIMEOUT_S + 20))
-    timeout = max(10.0, min(DEMO_TIMEOUT_S, box_end - time.time() - 15))
+    timeout = max(10.0, min(DEMO_TIMEOUT_S, box_end - time.time() - 30))
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
         log, _ = proc.communicate(timeout=timeout)
         finished = True
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
+    except subprocess.TimeoutExpired:  # Ctrl-C: local mode stops its servers and trainer (their own sessions)
+        proc.send_signal(signal.SIGINT)
+        try:
+            log, _ = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            log, _ = proc.communicate()
         finished = False
     path = os.path.join(out, "metrics.jsonl")
     rows = [json.loads(line) for line in open(path).read().splitlines()] if os.path.exists(path) else []
