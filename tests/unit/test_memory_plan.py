@@ -248,3 +248,41 @@ def test_the_launcher_exits_2_on_a_plan_that_does_not_fit(tmp_path, monkeypatch,
     monkeypatch.setattr("subprocess.Popen", lambda *a, **k: pytest.fail("torchrun started"))
     assert launch.main(["--nnodes=1", "--nproc-per-node=8"]) == 2
     assert "spec.trainer: the plan needs" in capsys.readouterr().err
+
+
+def test_weight_sync_term_holds_the_packing_codes_peak_wherever_the_largest_tensor_falls():
+    """The sender's real packing (`_checked_bytes`: fp32 gathered, cast to bf16; `pack_buckets`
+    into its 3-buffer ring, two buckets in flight) over a 7B-like tensor sequence scaled to a
+    1 MiB bucket (embedding and head 1.015 buckets, layers of q, k, v, o and three MLP
+    weights): the plan's term is above the allocator's peak for every fill of the bucket the
+    head closes, and at most 15 % above the worst."""
+    import collections
+
+    from rlhf_trainer.weight_sync.buckets import BufferRing, pack_buckets
+    from rlhf_trainer.weight_sync.sender import _checked_bytes
+
+    bucket = 1 << 20
+    largest = int(1.015 * bucket / 2)  # elements: bf16 on the wire
+    layer = [int(f * bucket / 2) for f in (0.0239, 0.0034, 0.0034, 0.0239, 0.1265, 0.1265, 0.1265)]
+    planned = mp.weight_sync_bytes(bucket, largest)
+    worst = 0
+    for layers, filler in [(3, 0.0), (6, 0.5), (6, 1.0), (8, 0.7), (8, 0.95)]:
+        sizes = [largest, *layer * layers, *([int(filler * bucket / 2)] if filler else []), largest]
+        meta = [(f"t{i}", [n], torch.float32) for i, n in enumerate(sizes)]
+        wire = [(name, shape, torch.bfloat16) for name, shape, _ in meta]
+
+        def gathered():
+            for _, shape, _ in meta:
+                tensor = torch.ones(shape)  # held by the generator while it is cast, as a gather is
+                yield tensor
+
+        def round_():
+            in_flight = collections.deque(maxlen=2)  # one queued, one broadcasting
+            for packed in pack_buckets(_checked_bytes(meta, gathered(), torch.device("cpu"), wire), bucket,
+                                       BufferRing("cpu", 3)):
+                in_flight.append(packed)
+
+        measured = peak_bytes(round_)
+        assert measured <= planned, (layers, filler, measured / bucket)
+        worst = max(worst, measured)
+    assert planned <= 1.15 * worst, (planned / bucket, worst / bucket)

@@ -108,6 +108,26 @@ def test_segments_are_what_flash_varlen_takes(cp):
             assert out.shape == (seq, 4, 64)
 
 
+@pytest.mark.parametrize("features", [{"is_causal"}, {"window_size", "scale"}, {"window_size", "scale", "enable_gqa"}])
+def test_varlen_arguments_for_an_older_torch_keep_the_attention(features):
+    """What `varlen_arguments` hands a `varlen_attn` lacking `enable_gqa` or `scale` (torch
+    2.10 / 2.11 on the GPU machine) attends as GQA with the model's scale does: run
+    through SDPA as the kernel would take them (its default scale, no GQA where it has
+    none), against SDPA with `enable_gqa` and the scale."""
+    from rlhf_trainer.parallel.context_parallel import varlen_arguments
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(9, h, 16, generator=gen) for h in (6, 2, 2))
+    expected = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                              is_causal=True, scale=0.3, enable_gqa=True)
+    q2, k2, v2, kwargs = varlen_arguments(frozenset(features), q, k, v, 0.3, gqa=True)
+    assert kwargs.get("window_size", (-1, 0)) == (-1, 0) and kwargs.get("is_causal", True)
+    got = F.scaled_dot_product_attention(q2.transpose(0, 1), k2.transpose(0, 1), v2.transpose(0, 1), is_causal=True,
+                                         scale=kwargs.get("scale"), enable_gqa=kwargs.get("enable_gqa", False))
+    torch.testing.assert_close(got, expected)
+    assert (k2.shape[1] == 2) == ("enable_gqa" in features)  # K and V repeated only where the kernel cannot group
+
+
 def _rows(n: int, seed: int = 0) -> list[Row]:
     gen = torch.Generator().manual_seed(seed)
     out = []

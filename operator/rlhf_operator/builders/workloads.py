@@ -65,7 +65,7 @@ def rollout_container(job: RLHFJob, settings: PodSettings) -> dict[str, Any]:
         "name": "server",
         "image": r.image,
         "command": proc.command,
-        "env": env_list(proc.env) + list(job.spec.pod.env),
+        "env": env_list({**proc.env, **nccl_network_env(job)}) + list(job.spec.pod.env),
         "ports": [{"name": "http", "containerPort": contract.ROLLOUT_PORT, "protocol": "TCP"}],
         "resources": container_resources(r.tensor_parallel_size, r.resources),
         "securityContext": container_security_context(),
@@ -81,6 +81,15 @@ def rollout_container(job: RLHFJob, settings: PodSettings) -> dict[str, Any]:
     if job.spec.pod.env_from:
         container["envFrom"] = list(job.spec.pod.env_from)
     return container
+
+
+def nccl_network_env(job: RLHFJob) -> dict[str, str]:
+    """NCCL's bootstrap interface, the same in the trainer's and the rollout servers' pods
+    (`contract.NCCL_SOCKET_IFNAME`, why there), unless `spec.pod.env` sets it: then the
+    user's entry is the only one (a duplicate name would fail server-side apply)."""
+    if any(e.get("name") == contract.ENV_NCCL_SOCKET_IFNAME for e in job.spec.pod.env):
+        return {}
+    return {contract.ENV_NCCL_SOCKET_IFNAME: contract.NCCL_SOCKET_IFNAME}
 
 
 def tracking_env(job: RLHFJob) -> list[dict[str, Any]]:
@@ -133,8 +142,8 @@ def trainer_container(job: RLHFJob, settings: PodSettings, *, rollout_endpoints:
         "name": name,
         "image": t.image,
         "command": proc.command,
-        "env": env_list(proc.env) + list(extra_env) + tracking_env(job) + secret_env(job)[0] + judge_env(job)
-        + list(job.spec.pod.env),
+        "env": (env_list({**proc.env, **nccl_network_env(job)}) + list(extra_env) + tracking_env(job)
+                + secret_env(job)[0] + judge_env(job) + list(job.spec.pod.env)),
         "ports": [
             {"name": "pytorchjob-port", "containerPort": contract.TRAINER_MASTER_PORT, "protocol": "TCP"},
             {"name": "weight-sync", "containerPort": contract.WEIGHT_SYNC_PORT, "protocol": "TCP"},

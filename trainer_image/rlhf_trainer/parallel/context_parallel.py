@@ -16,7 +16,9 @@ segments with more keys than queries (the rank's first document when it began on
 earlier rank). So
 - on CUDA in bf16 / fp16, ONE `torch.nn.attention.varlen.varlen_attn` call per layer
   takes the whole micro-batch (flash attention over the segments' cumulative offsets,
-  grouped-query attention native: K and V never repeated);
+  grouped-query attention native: K and V never repeated). Its keywords are feature-detected
+  (`varlen_arguments`): an older torch without `enable_gqa` gets K and V repeated, one
+  without `scale` a pre-scaled query, one without `varlen_attn` the per-segment path below;
 - elsewhere (CPU, fp32) one `scaled_dot_product_attention` per segment: `is_causal`
   where queries and keys coincide, a lower-right triangular mask of that segment alone
   for a rank's first document; no [L/cp, L] mask is ever built (the CPU flash kernel has no varlen form and
@@ -48,7 +50,10 @@ size 1 (one packed row), no dropout, no sliding-window layers.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -145,18 +150,51 @@ def uses_varlen(query: torch.Tensor) -> bool:
     return query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)
 
 
+@functools.cache
+def varlen_features() -> frozenset[str] | None:
+    """The keyword arguments this torch's `varlen_attn` takes (None: it has none). Its
+    keywords grew release by release (torch 2.10: `is_causal`; later `window_size`,
+    `scale`, `enable_gqa`), and the trainer image's torch may be older than our pin."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def varlen_arguments(features: frozenset[str], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     scaling: float | None, gqa: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    """query [T, Hq, D], key / value [T, Hkv, D] and the keywords for a `varlen_attn` taking
+    `features`, bottom-right causal: without `enable_gqa` K and V are repeated per query
+    head (query head h reads KV head h // (Hq / Hkv), as grouped-query attention does);
+    without `scale` the query is pre-scaled so the kernel's default 1/sqrt(D) gives it."""
+    kwargs: dict = {"window_size": (-1, 0)} if "window_size" in features else {"is_causal": True}
+    if gqa and "enable_gqa" in features:
+        kwargs["enable_gqa"] = True
+    elif gqa:
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    if scaling is not None and "scale" in features:
+        kwargs["scale"] = scaling
+    elif scaling is not None:
+        query = query * (scaling * math.sqrt(query.shape[-1]))
+    return query, key, value, kwargs
+
+
 def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, seg: AttentionSegments,
                       scaling: float | None, gqa: bool) -> torch.Tensor:
     """query [1, Hq, S, D] (this rank's slice), key / value [1, Hkv, L, D] (the whole row)
     -> [1, S, Hq, D], each query attending to its document's keys up to its own position."""
     first_key, last_key = seg.segments[0][2], seg.segments[-1][3]
-    if uses_varlen(query):
+    features = varlen_features() if uses_varlen(query) else None
+    if features is not None and ({"window_size", "is_causal"} & features):
         from torch.nn.attention.varlen import varlen_attn
 
-        out = varlen_attn(query[0].transpose(0, 1), key[0, :, first_key:last_key].transpose(0, 1),
-                          value[0, :, first_key:last_key].transpose(0, 1), seg.cu_q.to(query.device),
-                          seg.cu_k.to(query.device), seg.max_q, seg.max_k, scale=scaling, window_size=(-1, 0),
-                          enable_gqa=gqa)
+        q, k, v, kwargs = varlen_arguments(features, query[0].transpose(0, 1),
+                                           key[0, :, first_key:last_key].transpose(0, 1),
+                                           value[0, :, first_key:last_key].transpose(0, 1), scaling, gqa)
+        out = varlen_attn(q, k, v, seg.cu_q.to(query.device), seg.cu_k.to(query.device), seg.max_q, seg.max_k,
+                          **kwargs)
         return out.unsqueeze(0)
     parts = []
     for q_lo, q_hi, k_lo, k_hi in seg.segments:

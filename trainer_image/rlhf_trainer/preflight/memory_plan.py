@@ -6,10 +6,11 @@ that would.
 trainer config, the model's config.json, the number of trainer processes, the memory of
 one GPU). The peak is
 
-    CUDA_CONTEXT_BYTES + (1 + FRAGMENTATION) x max over phases of (persistent + phase)
+    fixed + (1 + FRAGMENTATION) x max over phases of (persistent + phase)
 
-where the phases are one micro-batch's forward and backward, the optimizer step and the
-weight sync (rank 0). Loading adds no phase: the sharded models stream in shard by shard,
+where `fixed` is what lives outside torch's caching allocator (the CUDA context and every
+NCCL communicator rank 0 joins: memory_runtime.py) and the phases are one micro-batch's
+forward and backward, the optimizer step and the weight sync (rank 0). Loading adds no phase: the sharded models stream in shard by shard,
 the critic and score models a layer at a time.
 
 What the plan assumes the code does (read from the code, keep it in step):
@@ -59,13 +60,14 @@ What the plan assumes the code does (read from the code, keep it in step):
   fp32, `HEAD_LIVE_CHUNKS` such tensors live at its peak (the logits, the scaled
   logits, the softmax and the gradients of the recompute), plus the final hidden states
   and their gradient ([tokens, hidden] each).
-- Weight sync (weight_sync/sender.py, buckets.py): on rank 0, 3 pack buffers of the bucket
-  size (1 GiB) and the largest tensor gathered whole in fp32 and cast to the wire dtype
-  (bf16); between steps, when no activation is alive.
+- Weight sync (weight_sync/sender.py, buckets.py): on rank 0, between steps, when no
+  activation is alive: the pack buffers and the largest tensor gathered whole
+  (memory_runtime.py `weight_sync_bytes`).
 - Optimizer step (optim.py): fused AdamW on CUDA, no temporary worth planning; the
   foreach AdamW elsewhere makes one of the size of the shard's exp_avg_sq (fp32).
-- Fixed: CUDA context, NCCL communicators and cuBLAS workspaces, `CUDA_CONTEXT_BYTES`
-  (1.5 GiB), and `FRAGMENTATION` (10 %) of everything else for the caching allocator.
+- Fixed: the CUDA context and cuBLAS workspaces, and 1 GiB per NCCL communicator rank 0
+  joins (memory_runtime.py, with the sources of both figures); `FRAGMENTATION` (10 %) of
+  everything else for the caching allocator.
 
 Not planned: pipeline parallelism (none exists), DeepSpeed, the rollout servers' GPUs (vLLM
 plans its own with `rollout.vllm.gpuMemoryUtilization`), host memory.
@@ -81,15 +83,14 @@ from rlhf_contract.api.models import Method
 from .memory_shapes import (  # noqa: F401  (activations, activation_bytes, model_shape: the plan's API too)
     GIB, dtype_of, hf_config, layer_per_tp_rank, activation_bytes, activations, model_shape)
 
-CUDA_CONTEXT_BYTES = int(1.5 * GIB)
-"""CUDA context, NCCL communicators (world, FSDP, TP, CP, weight sync) and cuBLAS workspaces."""
+from .memory_runtime import (  # noqa: F401  (the plan's API too)
+    CUDA_CONTEXT_BYTES, NCCL_COMMUNICATOR_BYTES, WEIGHT_SYNC_BUFFERS, nccl_communicators, weight_sync_bytes)
+
 FRAGMENTATION = 0.10
 """Share of the planned bytes added for the caching allocator's fragmentation."""
 HEAD_LIVE_CHUNKS = 5
 """fp32 [chunk, vocab / tp] tensors live at the log-prob head's peak (recompute + backward of
 one chunk: scaled logits, softmax, their product, and two gradients); measured in the test."""
-WEIGHT_SYNC_BUFFERS = 3
-"""Pack buffers of one weight-sync round (sender.py: one broadcasting, one queued, one filling)."""
 TOKEN_STEP = 512
 """maxTokensPerMicroBatch suggestions are multiples of this."""
 
@@ -101,7 +102,8 @@ class Term:
     name: str
     bytes: int
     phase: str
-    """`persistent`, or the phase it exists in: `micro-batch`, `optimizer step`, `weight sync`."""
+    """`fixed` (outside the caching allocator), `persistent`, or the phase it exists in:
+    `micro-batch`, `optimizer step`, `weight sync`."""
     note: str = ""
 
 
@@ -122,6 +124,11 @@ class MemoryPlan:
     max_tokens_checkpointed: int | None = None
     """The same with activation checkpointing on."""
     notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def fixed(self) -> int:
+        """Bytes outside the caching allocator (CUDA context, NCCL communicators)."""
+        return sum(t.bytes for t in self.terms if t.phase == "fixed")
 
     @property
     def fits(self) -> bool:
@@ -211,10 +218,14 @@ def _terms(config, model_config: dict, world_size: int, *, tokens: int, checkpoi
     if config.method == Method.RL:
         from ..weight_sync.buckets import DEFAULT_BUCKET_BYTES
 
-        largest = s.largest * (4 + 2)  # gathered whole in fp32, cast to the wire dtype
-        terms.append(Term("weight-sync buffers (rank 0)", int(WEIGHT_SYNC_BUFFERS * DEFAULT_BUCKET_BYTES + largest),
-                          "weight sync", f"{WEIGHT_SYNC_BUFFERS} x {DEFAULT_BUCKET_BYTES / GIB:.0f} GiB buckets + the "
-                                         "largest tensor gathered whole"))
+        terms.append(Term("weight-sync buffers (rank 0)", weight_sync_bytes(DEFAULT_BUCKET_BYTES, s.largest),
+                          "weight sync", f"{WEIGHT_SYNC_BUFFERS + 1} x ({DEFAULT_BUCKET_BYTES / GIB:.0f} GiB bucket + the "
+                                         "largest tensor): ring and packing; that tensor gathered in fp32"))
+    if cuda:
+        comms = nccl_communicators(world_size, tp, cp, weight_sync=config.method == Method.RL)
+        terms.append(Term("CUDA context + cuBLAS", CUDA_CONTEXT_BYTES, "fixed", "outside the caching allocator"))
+        terms.append(Term(f"NCCL communicators ({len(comms)})", len(comms) * NCCL_COMMUNICATOR_BYTES, "fixed",
+                          ", ".join(comms) or "none"))
     return terms
 
 
@@ -247,14 +258,14 @@ def _activation_term(model_config: dict, s, lora, dtype: str, size: int, *, toke
 
 def _total(terms: list[Term], cuda: bool) -> tuple[int, str]:
     persistent = sum(t.bytes for t in terms if t.phase == "persistent")
+    fixed = sum(t.bytes for t in terms if t.phase == "fixed")
     phases: dict[str, int] = {}
     for t in terms:
-        if t.phase != "persistent":
+        if t.phase not in ("persistent", "fixed"):
             phases[t.phase] = phases.get(t.phase, 0) + t.bytes
     peaks = {phase: persistent + b for phase, b in phases.items()}
     phase = max(peaks, key=peaks.get) if peaks else "persistent"
     peak = peaks.get(phase, persistent)
-    fixed = CUDA_CONTEXT_BYTES if cuda else 0
     return int(fixed + (1 + FRAGMENTATION) * peak), phase
 
 

@@ -16,13 +16,24 @@ version when a communicator forms); `release_mismatch` compares them before any 
 What works without a GPU: loading, `version()`, `unique_id()` (NCCL's bootstrap only needs
 a network interface). `CommInitRank` and the collectives need CUDA; without it NCCL
 answers an error, raised as `NcclError` with NCCL's own message.
+
+`Communicator` holds one communicator handle for several threads: the one issuing its
+collectives, the one polling `ncclCommGetAsyncError` while it waits (`wait_polling`), and
+the one aborting it when a round fails. NCCL allows `ncclCommAbort` from another thread
+while a collective is blocked (that is what it is for, and what torch's own watchdog
+does), but no call may reach the handle once the abort has freed it: every call takes the
+handle under one lock, and the abort empties it under that lock.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.util
 import os
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 LIBRARY_ENV = "RLHF_NCCL_LIBRARY"
@@ -58,6 +69,12 @@ FUNCTIONS: dict[str, tuple[object, list[object]]] = {
 }
 
 NCCL_IN_PROGRESS = 7  # ncclInProgress: a non-blocking operation still running
+POLL_S = 0.05
+"""How often a wait polls the communicator's asynchronous error: a broken peer ends the
+round this long after NCCL notices it, not at the round's deadline."""
+ABORT_LOCK_WAIT_S = 2.0
+"""How long an abort waits for a thread holding the handle (inside a collective that may
+never return) before aborting under it, as NCCL allows."""
 
 
 class NcclError(RuntimeError):
@@ -66,6 +83,14 @@ class NcclError(RuntimeError):
     def __init__(self, call: str, code: int, message: str):
         super().__init__(f"{call} failed: NCCL error {code}: {message}")
         self.code = code
+
+
+class CommunicatorClosed(NcclError):
+    """The communicator was aborted (by another thread, as a failed round ends)."""
+
+    def __init__(self, call: str):
+        RuntimeError.__init__(self, f"{call}: the communicator was aborted")
+        self.code = -1
 
 
 def library_path() -> str:
@@ -148,6 +173,61 @@ class Nccl:
 
     def destroy(self, comm: int) -> None:
         self._check("ncclCommDestroy", self.lib.ncclCommDestroy(comm))
+
+
+class Communicator:
+    """One communicator handle shared by threads (see the module docstring): `use()` lends
+    the handle under the lock, `abort()` frees it under the lock, and after that every
+    call raises `CommunicatorClosed` instead of reaching freed memory."""
+
+    def __init__(self, nccl: Nccl, handle: int | None):
+        self.nccl = nccl
+        self._handle = handle
+        self._lock = threading.Lock()
+
+    @property
+    def closed(self) -> bool:
+        return self._handle is None
+
+    @contextlib.contextmanager
+    def use(self, call: str) -> Iterator[int]:
+        """The handle, for one call (the lock is held until it returns)."""
+        with self._lock:
+            if self._handle is None:
+                raise CommunicatorClosed(call)
+            yield self._handle
+
+    def check(self, call: str = "ncclCommGetAsyncError") -> None:
+        """Raise `NcclError` if the communicator reports an asynchronous error (a peer
+        gone, a network failure), `CommunicatorClosed` if it was aborted."""
+        with self.use(call) as handle:
+            code = self.nccl.async_error(handle)
+        if code not in (0, NCCL_IN_PROGRESS):
+            raise NcclError(call, code, self.nccl.lib.ncclGetErrorString(code).decode(errors="replace"))
+
+    def abort(self, lock_wait_s: float = ABORT_LOCK_WAIT_S) -> None:
+        """Free the communicator without waiting for its peers or operations (idempotent).
+        A thread blocked inside a collective holds the handle: after `lock_wait_s` the abort
+        goes ahead under it (NCCL then ends that collective with an error)."""
+        acquired = self._lock.acquire(timeout=lock_wait_s)
+        try:
+            handle, self._handle = self._handle, None
+            if handle is not None:
+                self.nccl.abort(handle)
+        finally:
+            if acquired:
+                self._lock.release()
+
+
+def wait_polling(done: Callable[[], bool], comm: Communicator, call: str, poll_s: float = POLL_S) -> None:
+    """Wait until `done()` (e.g. a CUDA event after the last collective), polling the
+    communicator's asynchronous error meanwhile: a broken peer raises `NcclError` within
+    `poll_s`, an abort from another thread `CommunicatorClosed`, instead of the wait
+    blocking until a deadline."""
+    while not done():
+        comm.check(call)
+        time.sleep(poll_s)
+    comm.check(call)
 
 
 _LOADED: Nccl | None = None

@@ -26,7 +26,8 @@ One round, `send()`, in the order vLLM requires:
   4. POST /finish_weight_update {"weight_version"};
   5. POST /reset_prefix_cache: vLLM keeps its prefix cache across a weight update, so
      later requests would reuse KV blocks computed with the old weights; must answer
-     {"success": true};
+     {"success": true} (false while blocks are still held, which vLLM documents as
+     retryable: asked again, a bounded number of times);
   6. POST /resume.
 Every parameter is sent every round under its Hugging Face name.
 
@@ -35,7 +36,8 @@ tensor is cast as it is gathered, so a bf16 server receives bf16 (half the bytes
 fp32 master weights) and every bucket holds one dtype. The round's pack buffers are freed
 when it ends.
 
-Failure: a server answering an error, a broadcast failing, or the round passing
+Failure: a server answering an error, a broadcast failing (a peer gone: the transport
+polls NCCL's asynchronous error while the round waits, transport.py), or the round passing
 `timeout_s` (`rollout.weightSyncTimeoutSeconds`) ends the round at once with
 `WeightSyncError`: the group is then dead (an NCCL peer may be stuck in a collective), so
 the sender aborts its communicator and calls /shutdown_weight_transfer_engine on every
@@ -44,7 +46,8 @@ trainer then exits with `ExitCode.WEIGHT_SYNC` (75), which the launcher passes o
 job restarts with its servers (a server left half-reloaded still answers /health). A
 watchdog, armed until the teardown is over, ends the process with that code if the round
 is still not over `watchdog_grace_s` after its timeout, e.g. because this thread is stuck
-in a collective.
+in a collective. An NCCL error while the group forms is a `WeightSyncError` too (exit 75:
+retried with the servers, not exit 1).
 
 The HTTP calls run on threads. The tensors are consumed and packed on the calling thread
 (a trainer's generator may run collectives such as `full_tensor()`), and the buckets are
@@ -58,6 +61,7 @@ import concurrent.futures as cf
 import contextlib
 import logging
 import math
+import os
 import queue
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -65,11 +69,13 @@ from collections.abc import Callable, Iterable, Iterator
 import httpx
 import torch
 
-from ..rollout.servers import RolloutImageError, ServerInfo, read_servers
+from rlhf_contract.pod import ENV_NCCL_SOCKET_IFNAME
+
+from ..rollout.servers import ServerInfo, read_servers
 from . import nccl
 from .buckets import DEFAULT_BUCKET_BYTES, BufferRing, as_bytes, dtype_name, pack_buckets
-from .threads import Watchdog, WeightSyncError, exit_process, put_watching, run_in_thread, wait_all
-from .transport import BACKENDS, Transport, make_transport
+from .threads import Watchdog, WeightSyncError, exit_process, put_watching, raise_failed, run_in_thread, wait_all
+from .transport import BACKENDS, Transport, make_transport, servers_config
 
 __all__ = ["WeightSyncError", "WeightSyncSender"]
 
@@ -77,6 +83,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_NUM_BUFFERS = 2  # vLLM's DEFAULT_PACKED_NUM_BUFFERS (streams on its side; no layout change)
 SHUTDOWN_TIMEOUT_S = 10.0
+RESET_PREFIX_CACHE_ATTEMPTS = 6
+RESET_PREFIX_CACHE_FIRST_DELAY_S = 0.25
+"""Pauses between attempts double: 0.25 + 0.5 + ... + 4 s, under 8 s in all."""
 
 TensorMeta = tuple[str, list[int], torch.dtype]
 
@@ -167,20 +176,28 @@ class WeightSyncSender:
         if [s.endpoint for s in servers] != self.endpoints:
             raise ValueError(f"the handshake's servers {[s.endpoint for s in servers]} are not {self.endpoints}")
         sizes = [s.world_size for s in servers]
-        backend, self.serving_dtype = _servers_config(servers)
+        backend, self.serving_dtype = servers_config(servers)
         if self.backend is None:
             self.backend = backend
         self.world_size = 1 + sum(sizes)
         self.rank_offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
-        group = make_transport(self.backend, self.world_size, listen_host=self.listen_host,
-                               listen_port=self.listen_port, timeout_s=self.timeout_s)
+        try:
+            group = make_transport(self.backend, self.world_size, listen_host=self.listen_host,
+                                   listen_port=self.listen_port, timeout_s=self.timeout_s)
+        except nccl.NcclError as exc:  # ncclGetUniqueId: NCCL's bootstrap found no usable interface
+            ifname = os.environ.get(ENV_NCCL_SOCKET_IFNAME, "")
+            raise WeightSyncError(f"cannot start the weight-sync group: {exc} (NCCL_SOCKET_IFNAME={ifname!r} must "
+                                  "name an interface of the trainer's pod: set it in spec.pod.env)") from exc
         bodies = [{"init_info": init_info(group.rendezvous(), world_size=self.world_size, rank_offset=offset,
                                           bucket_bytes=self.bucket_bytes)} for offset in self.rank_offsets]
         replies = self._call_all("/init_weight_transfer_engine", bodies)
         try:
             wait_all([*replies, run_in_thread(group.connect)], deadline)
-        except BaseException:
+        except BaseException as exc:
+            group.close()
             self._shutdown_servers()
+            if isinstance(exc, nccl.NcclError):  # retryable, as a failed round is: exit 75, not 1
+                raise WeightSyncError(f"forming the weight-sync group failed: {exc}") from exc
             raise
         self.group = group
         self._sent_metadata = None
@@ -226,10 +243,7 @@ class WeightSyncSender:
             version = None if weight_version is None else str(weight_version)
             self._all("/finish_weight_update", [{"weight_version": version}] * len(self.endpoints),
                       deadline=deadline)
-            for endpoint, reply in zip(self.endpoints, self._all("/reset_prefix_cache", deadline=deadline)):
-                if reply.get("success") is not True:
-                    raise WeightSyncError(f"{endpoint}/reset_prefix_cache answered {reply}: its prefix cache "
-                                          "still holds KV blocks computed with the old weights")
+            self._reset_prefix_caches(deadline)
             self._all("/resume", deadline=deadline)
         except BaseException as exc:
             self._abandon_group()
@@ -240,6 +254,30 @@ class WeightSyncSender:
             watchdog.disarm()
         stats["seconds"] = time.perf_counter() - start
         return stats
+
+    def _reset_prefix_caches(self, deadline: float) -> None:
+        """POST /reset_prefix_cache to every server until each answers {"success": true}.
+        vLLM answers false while KV blocks are still held (requests finishing, async KV
+        offload transfers) and documents that callers may retry: a server that answers false
+        is asked again, up to RESET_PREFIX_CACHE_ATTEMPTS times with a growing pause."""
+        start, pending, delay = time.perf_counter(), list(self.endpoints), RESET_PREFIX_CACHE_FIRST_DELAY_S
+        for attempt in range(1, RESET_PREFIX_CACHE_ATTEMPTS + 1):
+            self.calls.append("POST /reset_prefix_cache")
+            futures = [self._pool.submit(self._call, "POST", ep, "/reset_prefix_cache") for ep in pending]
+            replies = wait_all(futures, deadline)
+            refused = [(ep, reply) for ep, reply in zip(pending, replies) if reply.get("success") is not True]
+            if not refused:
+                self.phase_seconds["/reset_prefix_cache"] = time.perf_counter() - start
+                return
+            if attempt == RESET_PREFIX_CACHE_ATTEMPTS or time.monotonic() + delay > deadline:
+                break
+            log.info("reset_prefix_cache refused by %s (attempt %d): retrying in %.1f s",
+                     ", ".join(ep for ep, _ in refused), attempt, delay)
+            time.sleep(delay)
+            pending, delay = [ep for ep, _ in refused], delay * 2
+        endpoint, reply = refused[0]
+        raise WeightSyncError(f"{endpoint}/reset_prefix_cache answered {reply} {attempt} times: its prefix cache "
+                              "still holds KV blocks computed with the old weights")
 
     def _wire_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype a parameter travels in: the servers' (floating point only)."""
@@ -258,7 +296,14 @@ class WeightSyncSender:
             group.use_stream(torch.cuda.current_stream(group.device))  # the stream buckets are packed on
 
         def send_buckets() -> None:
-            while (bucket := ready.get()) is not None:
+            while True:
+                try:
+                    bucket = ready.get(timeout=nccl.POLL_S)
+                except queue.Empty:
+                    group.check()  # a peer gone while the next bucket is packed ends the round now
+                    continue
+                if bucket is None:
+                    break
                 group.broadcast(bucket)
                 stats["bytes"] += bucket.numel()
                 stats["buckets"] += 1
@@ -268,9 +313,15 @@ class WeightSyncSender:
         # 3 buffers: one being broadcast, one in the queue, one being filled; this round's
         # only (freed when it ends: between rounds the memory belongs to training)
         ring = BufferRing(group.device, count=3)
+
+        def watched(flats: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
+            for flat in flats:  # a failure ends the round before the bucket fills (1 GiB of gathers)
+                raise_failed([*watch, helper])
+                yield flat
+
         try:
-            for bucket in pack_buckets(_checked_bytes(source, tensors, group.device, metadata), self.bucket_bytes,
-                                       ring):
+            for bucket in pack_buckets(watched(_checked_bytes(source, tensors, group.device, metadata)),
+                                       self.bucket_bytes, ring):
                 put_watching(ready, bucket, [*watch, helper], deadline)
         except BaseException:
             with contextlib.suppress(queue.Full):
@@ -314,34 +365,6 @@ class WeightSyncSender:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _servers_config(servers: list[ServerInfo]) -> tuple[str, torch.dtype | None]:
-    """The servers' weight-transfer backend and the dtype they serve in (vLLM's
-    `model_config.dtype`); every server must agree on both, and on NCCL run the trainer's
-    NCCL release."""
-    backends = {s.weight_transfer_backend for s in servers}
-    dtypes = {_dtype(s.dtype) for s in servers}
-    if len(backends) != 1 or not backends <= set(BACKENDS):
-        raise WeightSyncError(f"the rollout servers use weight-transfer backends {sorted(map(str, backends))}; "
-                              f"the trainer needs one of {', '.join(BACKENDS)}, the same on every server")
-    if len(dtypes) != 1:
-        raise WeightSyncError(f"the rollout servers serve in different dtypes {sorted(map(str, dtypes))}")
-    backend = backends.pop()
-    for server in servers if backend == "nccl" else ():
-        mismatch = nccl.release_mismatch(server.endpoint, server.nccl)
-        if mismatch:
-            raise RolloutImageError.reported(
-                f"rollout.image: the server at {server.endpoint} (vLLM {server.version}) {mismatch}")
-    return backend, dtypes.pop()
-
-
-def _dtype(name) -> torch.dtype | None:
-    """"torch.bfloat16" or "bfloat16" (how /server_info dumps a torch.dtype) as a dtype."""
-    if not isinstance(name, str):
-        return None
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    return dtype if isinstance(dtype, torch.dtype) else None
 
 
 def _checked_bytes(metadata: list[TensorMeta], tensors: Iterable[torch.Tensor],

@@ -44,12 +44,17 @@ def exit_process(message: str) -> None:
     os._exit(ExitCode.WEIGHT_SYNC)  # not permanent: the job restarts with its servers
 
 
+def raise_failed(watch: list[cf.Future]) -> None:
+    """Raise the error of the first watched future that failed, if any."""
+    for future in watch:
+        if future.done() and future.exception() is not None:
+            raise future.exception()
+
+
 def put_watching(q: queue.Queue, item, watch: list[cf.Future], deadline: float) -> None:
     """q.put(item), but raise at once if a watched future fails or the deadline passes."""
     while True:
-        for future in watch:
-            if future.done() and future.exception() is not None:
-                raise future.exception()
+        raise_failed(watch)
         if time.monotonic() > deadline:
             raise WeightSyncError("weight sync timed out while broadcasting")
         try:

@@ -15,10 +15,14 @@ workers}, with the trainer as rank 0. Two transports behind one interface; the s
   address is involved: NCCL's bootstrap connects to the trainer pod's own IP, so the
   weight-sync Service name is not used. After a failed round the communicator is aborted
   and the process must still end (a peer may be stuck mid-collective; the servers are
-  restarted with the trainer: the sender raises, its watchdog ends a hung process).
+  restarted with the trainer: the sender raises, its watchdog ends a hung process). A
+  failed peer is noticed by polling `ncclCommGetAsyncError` while the round waits.
 - `GlooTransport` (the CPU engine): vLLM's TCP rendezvous fields (`master_address`,
   `master_port`); rank 0 hosts a TCPStore there and forms a gloo group on the CPU
   (`ProcessGroupGloo(store, rank, world)`); the CPU engine joins as `rank_offset`.
+
+`servers_config` picks the backend, and the dtype weights travel in, from what the servers
+say of themselves at the handshake.
 """
 
 from __future__ import annotations
@@ -31,9 +35,11 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from ..rollout.servers import RolloutImageError, ServerInfo
 from . import nccl
 from .buckets import dtype_name
 from .nccl import Nccl
+from .threads import WeightSyncError
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +59,12 @@ class Transport(Protocol):
     def broadcast(self, tensor: torch.Tensor) -> None:
         """Broadcast `tensor` (on `device`) from rank 0; may return before it is sent."""
 
+    def check(self) -> None:
+        """Raise if the group has failed (polled between buckets; cheap)."""
+
     def synchronize(self) -> None:
-        """Block until every broadcast issued so far has completed."""
+        """Block until every broadcast issued so far has completed; raise if the group fails
+        meanwhile."""
 
     def close(self) -> None: ...
 
@@ -83,6 +93,9 @@ class GlooTransport:
     def broadcast(self, tensor: torch.Tensor) -> None:
         self.pg.broadcast(tensor, 0).wait()
 
+    def check(self) -> None:
+        pass  # gloo's broadcasts raise their errors themselves
+
     def synchronize(self) -> None:
         pass  # gloo broadcasts above are synchronous
 
@@ -97,7 +110,13 @@ def nccl_rendezvous(unique_id: bytes) -> dict:
 
 class NcclTransport:
     """Rank 0 of an NCCL communicator made from a unique id this process mints, through
-    our own libnccl binding (nccl.py)."""
+    our own libnccl binding (nccl.py).
+
+    Waits never block blind: `synchronize()` records a CUDA event after the broadcasts and
+    polls it and the communicator's asynchronous error (`nccl.wait_polling`), and `check()`
+    polls the error between buckets, so a peer that dies mid-round ends the round within
+    `nccl.POLL_S` of NCCL noticing, not at the round's deadline. `close()` aborts through
+    `nccl.Communicator`, which keeps every other thread off the freed handle."""
 
     backend = "nccl"
 
@@ -110,7 +129,7 @@ class NcclTransport:
         self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         self.nccl = library or nccl.load()
         self.unique_id: bytes = self.nccl.unique_id()
-        self.comm: int | None = None
+        self.comm: nccl.Communicator | None = None
         self.stream: torch.cuda.Stream | None = None
 
     def rendezvous(self) -> dict:
@@ -120,11 +139,12 @@ class NcclTransport:
         log.info("joining the weight-transfer NCCL group as rank 0 of %d on %s (NCCL %s from %s)",
                  self.world_size, self.device, ".".join(map(str, self.nccl.version())), self.nccl.path)
         with torch.cuda.device(self.device):  # ncclCommInitRank binds the current device
-            self.comm = self.nccl.comm_init_rank(self.world_size, self.unique_id, 0)
+            self.comm = nccl.Communicator(self.nccl, self.nccl.comm_init_rank(self.world_size, self.unique_id, 0))
             warmup = torch.zeros(1, dtype=torch.float32, device=self.device)
             stream = torch.cuda.current_stream(self.device)
-            self.nccl.all_reduce_sum(warmup.data_ptr(), 1, "float32", self.comm, stream.cuda_stream)  # vLLM's warm-up
-            stream.synchronize()
+            with self.comm.use("ncclAllReduce") as handle:  # vLLM's warm-up
+                self.nccl.all_reduce_sum(warmup.data_ptr(), 1, "float32", handle, stream.cuda_stream)
+            self._wait(stream, "the weight-sync warm-up all_reduce")
 
     def use_stream(self, stream: torch.cuda.Stream) -> None:
         """Issue the broadcasts on `stream` (the stream the buckets are packed on)."""
@@ -132,24 +152,32 @@ class NcclTransport:
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         stream = self.stream or torch.cuda.current_stream(self.device)
-        self.nccl.broadcast(tensor.data_ptr(), tensor.numel(), dtype_name(tensor.dtype), 0, self.comm,
-                            stream.cuda_stream)
+        with self._communicator().use("ncclBroadcast") as handle:
+            self.nccl.broadcast(tensor.data_ptr(), tensor.numel(), dtype_name(tensor.dtype), 0, handle,
+                                stream.cuda_stream)
+
+    def check(self) -> None:
+        self._communicator().check("a weight-sync broadcast")
 
     def synchronize(self) -> None:
-        (self.stream or torch.cuda.current_stream(self.device)).synchronize()
-        if self.comm is not None:
-            error = self.nccl.async_error(self.comm)
-            if error not in (0, nccl.NCCL_IN_PROGRESS):
-                raise nccl.NcclError("a weight-sync broadcast", error,
-                                     self.nccl.lib.ncclGetErrorString(error).decode(errors="replace"))
+        self._wait(self.stream or torch.cuda.current_stream(self.device), "a weight-sync broadcast")
+
+    def _wait(self, stream: torch.cuda.Stream, what: str) -> None:
+        done = torch.cuda.Event()
+        done.record(stream)
+        nccl.wait_polling(done.query, self._communicator(), what)
+
+    def _communicator(self) -> nccl.Communicator:
+        if self.comm is None:
+            raise nccl.CommunicatorClosed("the weight-sync communicator (not connected)")
+        return self.comm
 
     def close(self) -> None:
         """Abort the communicator: frees it without waiting for peers that may be gone (a
         thread stuck in one of its collectives returns with an error)."""
-        comm, self.comm = self.comm, None
-        if comm is not None:
+        if self.comm is not None:
             try:
-                self.nccl.abort(comm)
+                self.comm.abort()
             except nccl.NcclError as exc:
                 log.warning("aborting the weight-sync communicator: %s", exc)
 
@@ -161,3 +189,31 @@ def make_transport(backend: str, world_size: int, *, listen_host: str, listen_po
     if backend == "gloo":
         return GlooTransport(world_size, listen_host=listen_host, listen_port=listen_port, timeout_s=timeout_s)
     raise ValueError(f"weight-transfer backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+
+
+def servers_config(servers: list[ServerInfo]) -> tuple[str, torch.dtype | None]:
+    """The servers' weight-transfer backend and the dtype they serve in (vLLM's
+    `model_config.dtype`); every server must agree on both, and on NCCL run the trainer's
+    NCCL release."""
+    backends = {s.weight_transfer_backend for s in servers}
+    dtypes = {_serving_dtype(s.dtype) for s in servers}
+    if len(backends) != 1 or not backends <= set(BACKENDS):
+        raise WeightSyncError(f"the rollout servers use weight-transfer backends {sorted(map(str, backends))}; "
+                              f"the trainer needs one of {', '.join(BACKENDS)}, the same on every server")
+    if len(dtypes) != 1:
+        raise WeightSyncError(f"the rollout servers serve in different dtypes {sorted(map(str, dtypes))}")
+    backend = backends.pop()
+    for server in servers if backend == "nccl" else ():
+        mismatch = nccl.release_mismatch(server.endpoint, server.nccl)
+        if mismatch:
+            raise RolloutImageError.reported(
+                f"rollout.image: the server at {server.endpoint} (vLLM {server.version}) {mismatch}")
+    return backend, dtypes.pop()
+
+
+def _serving_dtype(name) -> torch.dtype | None:
+    """"torch.bfloat16" or "bfloat16" (how /server_info dumps a torch.dtype) as a dtype."""
+    if not isinstance(name, str):
+        return None
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    return dtype if isinstance(dtype, torch.dtype) else None
