@@ -59,5 +59,5 @@ def test_the_gpu_memory_comes_from_the_gpu_product_the_pods_select(tmp_path, cap
     out = " ".join(capsys.readouterr().out.split())
     assert "GPUs of 79.6 GiB (nvidia.com/gpu.product: NVIDIA-H100-80GB-HBM3)" in out and "of 79.6 GiB per GPU" in out
     unknown = ["--set", 'pod.nodeSelector={"nvidia.com/gpu.product": "NVIDIA-B999"}']
-    assert main(["plan", job, "--model-config", str(config), *unknown]) == 1
+    assert main(["plan", job, "--model-config", str(config), *unknown]) == 2  # usage or invalid job (rlhfctl --help: exit codes)
     assert "nvidia.com/gpu.product 'NVIDIA-B999' is not a product we know" in capsys.readouterr().err
