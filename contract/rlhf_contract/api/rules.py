@@ -22,7 +22,8 @@ DYNAMIC = cel_resolved("dynamic_sampling", "dynamicSampling")
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
 _TP = "(has(self.trainer.parallelism) && has(self.trainer.parallelism.tensorParallel) ? self.trainer.parallelism.tensorParallel : 1)"
 _CP = "(has(self.trainer.parallelism) && has(self.trainer.parallelism.contextParallel) ? self.trainer.parallelism.contextParallel : 1)"
-_ALGO_MINI = "(has(self.algorithm) && has(self.algorithm.numMiniBatches) ? self.algorithm.numMiniBatches : 1)"
+_ALGO_MINI = cel_resolved("num_mini_batches", "numMiniBatches")
+POLICY_LOSS = cel_resolved("policy_loss", "policyLoss")
 _RL, _RM = f"'{Method.RL}'", f"'{Method.RM}'"
 
 
@@ -162,6 +163,13 @@ RULES: tuple[Rule, ...] = (
         "where long responses are penalised)",
         check=lambda s: s.algorithm.overlong_buffer < s.rollout.max_tokens,
         detail=lambda s: f"{s.algorithm.overlong_buffer} >= {s.rollout.max_tokens}",
+    ),
+    Rule(
+        field_path="algorithm.dualClip",
+        cel=f"{POLICY_LOSS} != 'cispo' || !has(self.algorithm) || !has(self.algorithm.dualClip)",
+        message="cannot be used with policyLoss cispo: the dual clip bounds PPO's clipped objective, and "
+        "CISPO has none (it clips the detached importance weight, clipHigh); remove dualClip",
+        check=lambda s: s.algorithm.policy_loss != "cispo" or s.algorithm.dual_clip is None,
     ),
     Rule(
         field_path="trainer.parallelism",

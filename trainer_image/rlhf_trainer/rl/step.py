@@ -24,11 +24,11 @@ import torch
 from rlhf_contract.api.models import AlgorithmSpec
 
 from ..accumulator import MetricAccumulator
-from ..algorithms.losses import agg_weights, compose_loss, explained_variance, value_token_loss
+from ..algorithms.losses import agg_weights, compose_loss, explained_variance, sequence_means, value_token_loss
 from ..data.micro_batches import MicroBatch, plan
 from ..data.sequences import Row
 from ..engine import Engine
-from ..models.forward import critic_forward, local, policy_forward
+from ..models.forward import critic_forward, local, policy_forward, whole_row
 from ..orchestrator.types import RolloutBatch
 from ..parallel.parallelize import Layout
 from .models import Models
@@ -164,10 +164,16 @@ class TrainStep:
         logp, entropy = policy_forward(m.policy, mb, cp_mesh, dev, self.temperature,
                                        "grad" if a.entropy_coef else "value")
         old = per_token(t.old_logprobs) if t.old_logprobs is not None else logp.detach()
+        seq_log_ratio = None
+        if a.policy_loss == "gspo":  # each sequence's mean of logp - old, over its tokens on every CP rank
+            whole = whole_row(logp.detach() - old, cp_mesh).cpu()
+            segments = [mb.positions(k) for k in range(len(mb.rows))]
+            seq_log_ratio = local(sequence_means(whole, mb.scatter([t.mask[i, :len(rows[i].response_ids)]
+                                                                    for i in mb.rows]), segments), cp_mesh, dev)
         loss, terms = compose_loss(
             a, logp=logp, entropy=entropy, old=old, advantages=per_token(t.advantages), coef=c,
             ref=per_token(t.ref_logprobs) if t.ref_logprobs is not None else None,
-            rollout=per_token(t.rollout_logprobs) if a.tis_cap is not None else None)
+            rollout=per_token(t.rollout_logprobs) if a.tis_cap is not None else None, seq_log_ratio=seq_log_ratio)
         m.engine.backward(loss, last=last)  # gradients are SUMMED over data x context ranks: each loss is a share
         num_tokens = mask.sum()
         acc.add("loss", loss)
