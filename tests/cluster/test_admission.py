@@ -122,6 +122,8 @@ INVALID = [
     ("parallelism does not divide the world",
      with_("spec.trainer", {"numNodes": 1, "nprocPerNode": 4, "parallelism": {"tensorParallel": 3}}),
      ["spec.trainer.parallelism", "must divide the trainer world size"]),
+    ("cispo with a dual clip", with_("spec.algorithm", {"preset": "cispo", "dualClip": 3.0}),
+     ["spec.algorithm.dualClip", "cannot be used with policyLoss cispo"]),
     ("mini batches do not divide", with_("spec.algorithm", {"numMiniBatches": 3}),
      ["spec.algorithm.numMiniBatches", "must divide"]),
     ("model reward without a model", with_("spec.reward", {"type": "model"}),

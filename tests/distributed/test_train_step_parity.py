@@ -1,7 +1,8 @@
 """The parity matrix: the trainer's own steps on fixed data under FSDP, TP, CP and their
 products equal the same step in one process, metrics and updated weights. RL's train step
 (prepare + optimizer steps) for every loss aggregation, two mini-batches (the second one
-off-policy: ratio != 1), truncated importance sampling, entropy bonus, dual clip, KL in the
+off-policy: ratio != 1), truncated importance sampling, entropy bonus, dual clip, GSPO's
+sequence ratio and CISPO's clipped weight, KL in the
 loss and in the reward, a sampling temperature != 1 and a learned reward model; the
 offline methods' step and held-out scoring (sft, rm, dpo) under FSDP. Whole runs on
 several processes are compared with one process once, in tests/e2e (parallel layouts)."""
@@ -18,7 +19,8 @@ WORKER = Path(__file__).parent / "workers" / "train_step_parity.py"
 CASES = {
     2: ["2,1,1:grpo", "2,1,1:token-mean-2mb", "2,1,1:seq-sum-tis", "2,1,1:sum-norm-entropy:0.7",
         "1,2,1:grpo", "1,2,1:dapo-dual", "1,1,2:token-mean-2mb", "1,1,2:dapo-dual:0.7",
-        "2,1,1:grpo-rm", "1,1,2:grpo-rm", "2,1,1:ppo-ac", "1,1,2:ppo-ac"],
+        "2,1,1:grpo-rm", "1,1,2:grpo-rm", "2,1,1:ppo-ac", "1,1,2:ppo-ac", "2,1,1:gspo", "1,1,2:gspo",
+        "1,1,2:cispo-tis"],
     4: ["2,2,1:seq-sum-tis", "2,1,2:grpo", "1,2,2:sum-norm-entropy"],
 }
 OFFLINE_CASES = ["2,1,1:sft", "2,1,1:rm", "2,1,1:dpo"]

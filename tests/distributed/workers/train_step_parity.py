@@ -37,6 +37,10 @@ VARIANTS = {
     "grpo-rm": dict(preset="grpo", loss_agg="seq-mean-token-mean", kl_coef=0.0),  # + a learned reward model
     # + the critic; the parallel side checkpoints the policy's and the critic's layers
     "ppo-ac": dict(preset="ppo", num_mini_batches=2),
+    # the sequence ratio (a mean over a sequence split between CP ranks); a wider clip than the
+    # paper's 3e-4 / 4e-4, so that the second mini-batch clips some sequences and not others
+    "gspo": dict(preset="gspo", num_mini_batches=2, clip_low=0.05, clip_high=0.05),
+    "cispo-tis": dict(preset="cispo", num_mini_batches=2, clip_high=0.1, tis_cap=2.0),
 }
 GROUP = 4
 
