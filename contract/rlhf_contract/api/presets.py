@@ -51,6 +51,13 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
+    # the frozen model a distill job scores with is the teacher: no KL to the starting model
+    "distill": {"kl_coef": 0.0},
+}
+"""Fields that a method resolves (when unset) before any preset does."""
+
+
 def preset_value(preset: str, field: str, spec: Any) -> Any:
     value = PRESETS[preset][field]
     if value == "maxTokens/5":
@@ -75,7 +82,9 @@ def cel_resolved(field: str, yaml_name: str) -> str:
     by_preset = "".join(
         f"self.algorithm.preset == '{name}' ? {_cel_literal(values[field])} : " for name, values in PRESETS.items()
     )
-    return (f"(has(self.algorithm) && has(self.algorithm.{yaml_name}) ? self.algorithm.{yaml_name} : "
+    by_method = "".join(f"self.method == '{method}' ? {_cel_literal(values[field])} : "
+                        for method, values in METHOD_DEFAULTS.items() if field in values)
+    return (f"(has(self.algorithm) && has(self.algorithm.{yaml_name}) ? self.algorithm.{yaml_name} : {by_method}"
             f"(!has(self.algorithm) ? {_cel_literal(PRESETS['grpo'][field])} : {by_preset}"
             f"{_cel_literal(PRESETS['grpo'][field])}))")
 
@@ -83,6 +92,9 @@ def cel_resolved(field: str, yaml_name: str) -> str:
 def apply_preset(spec: Any) -> None:
     """Fill every unset algorithm field from the preset (in place)."""
     algo = spec.algorithm
+    for field, value in METHOD_DEFAULTS.get(str(spec.method), {}).items():
+        if getattr(algo, field) is None:
+            setattr(algo, field, value)
     for field in PRESETS[algo.preset]:
         if getattr(algo, field) is None:
             setattr(algo, field, preset_value(algo.preset, field, spec))

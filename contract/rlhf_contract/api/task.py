@@ -195,6 +195,28 @@ class RewardSpec(RewardFunctionSpec):
         return self.type == reward_type or any(c.type == reward_type for c in self.components)
 
 
+class TeacherSpec(SpecModel):
+    """The teacher of `method: distill`: frozen, scored in the trainer processes like the
+    reference model (laid out over the trainer's ranks, packed, no gradients)."""
+
+    path: str = Field(min_length=1)
+    """Directory of a Hugging Face causal LM (in Kubernetes: on a mounted volume), e.g. the
+    `final/` of a trained run; its tokenizer must be the student's (preflight compares them)."""
+
+
+class DistillationSpec(SpecModel):
+    """On-policy distillation (`method: distill`): the student (`model`) samples, the
+    teacher scores each sampled token, and each token's advantage is the negative
+    reverse-KL estimate log p_teacher - log p_student, optionally plus a task reward's."""
+
+    teacher: TeacherSpec
+    """The teacher model."""
+    reward_weight: float = Field(default=0.0, ge=0, le=MAX_REWARD_WEIGHT)
+    """Weight of the task reward: each token's advantage adds this x the advantage of the
+    sequence's reward (`reward`, by `algorithm.advantageEstimator`); 0: the teacher alone
+    (the reward is still computed and logged)."""
+
+
 class EnvironmentSpec(SpecModel):
     """A multi-turn environment (RL2's contract); when set, rewards come from it."""
 
