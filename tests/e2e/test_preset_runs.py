@@ -56,12 +56,12 @@ def test_distillation_moves_the_student_toward_the_teacher(run_trainer, tiny_mod
         teacher.model.norm.weight.mul_(10.0)
     teacher.save_pretrained(teacher_dir)
     config = small_job(tiny_model_dir, tmp_path / "out", method="distill",
-                       distillation={"teacher": {"path": str(teacher_dir)}},
+                       distillation={"teacher": {"path": str(teacher_dir)}}, trainer={"learningRate": 1e-2},
                        schedule={"totalSteps": 6, "promptsPerStep": 4, "saveEvery": 0})
     rows = run_trainer(config)
     kl = [r["distill_reverse_kl"] for r in rows]
-    assert kl[0] > 0.5, kl  # two different models
+    assert min(kl[:2]) > 0.5, kl  # two different models
     for r in rows:  # the two log-probs are logged beside their difference
         assert r["distill_student_logprob"] - r["distill_teacher_logprob"] == pytest.approx(r["distill_reverse_kl"])
-    assert sum(kl[-2:]) / 2 < 0.7 * kl[0], kl  # the student moved toward the teacher
+    assert max(kl[-2:]) < 0.65 * min(kl[:2]), kl  # the student moved toward the teacher (1.29 -> 0.70 here)
     assert rows[0]["kl"] is None  # no reference model: klCoef resolves to 0 for distill
