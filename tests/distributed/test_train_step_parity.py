@@ -61,6 +61,14 @@ def test_second_mini_batch_is_off_policy(results):
     assert results["2,1,1:grpo"]["ref_metrics"]["approx_kl"] == 0  # one mini-batch: on-policy
 
 
+@pytest.mark.parametrize("case", ["2,1,1:gspo", "1,1,2:gspo", "1,1,2:cispo-tis"])
+def test_gspo_and_cispo_clip_some_tokens_and_not_others(results, case):
+    # the worker moves their old log-probs (stale rollouts): the parity above then covers
+    # the clipped and the unclipped branch, and GSPO's sequence means over CP ranks
+    for side in ("metrics", "ref_metrics"):
+        assert 0.05 < results[case][side]["clip_fraction"] < 0.95, results[case][side]["clip_fraction"]
+
+
 @pytest.mark.parametrize("case", CASES[2] + CASES[4])
 def test_tensor_parallel_head_never_gathers_logits(results, case):
     # under TP the policy's log-probs and entropy came from the vocabulary-parallel head
