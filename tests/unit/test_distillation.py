@@ -106,3 +106,34 @@ def test_preflight_refuses_a_teacher_with_another_tokenizer(tmp_path, tiny_model
     assert "vocabulary" in problem
     (problem,) = check(config(str(tmp_path / "missing")), 1)
     assert problem.startswith("spec.distillation.teacher.path:") and "does not exist" in problem
+
+
+def test_the_teacher_pass_is_aligned_with_the_students():
+    """A teacher with the student's weights scores every sampled token exactly as the
+    student does (same packing, same head): zero reverse KL, zero advantages; another
+    teacher gives the log-probs of its own naive forward."""
+    from rlhf_contract.api.models import DistillationSpec
+    from rlhf_trainer.models.builtin import build_tiny_qwen2
+    from rlhf_trainer.models.logprob_head import attach_logprob_head
+    from rlhf_trainer.orchestrator.types import RolloutBatch, RolloutStats
+    from test_train_step import algorithm, rows, step_for
+
+    distill = DistillationSpec(teacher={"path": "/unused"})
+    data = rows(8, seed=2)
+    for seed in (0, 1):
+        step = step_for(algorithm(kl_coef=0.0))
+        step.distillation = distill
+        step.m.teacher = build_tiny_qwen2(seed).eval().requires_grad_(False)
+        attach_logprob_head(step.m.teacher)
+        t = step.prepare(RolloutBatch(data, 4, RolloutStats(*[0] * 12)))
+        if seed == 0:  # the policy of step_for is build_tiny_qwen2(0)
+            assert torch.allclose(t.teacher_logprobs, t.old_logprobs, atol=1e-6)  # the policy is laid out, this
+            assert t.advantages.abs().max() < 1e-6  # teacher is not: float order only
+            continue
+        naive = build_tiny_qwen2(1)
+        for i, r in enumerate(data):
+            ids = torch.tensor([r.prompt_ids + r.response_ids])
+            lp = torch.log_softmax(naive(ids).logits[0].float(), -1)[:-1].gather(-1, ids[0, 1:, None])[:, 0]
+            want = lp[len(r.prompt_ids) - 1:]
+            assert torch.allclose(t.teacher_logprobs[i, :len(want)], want, atol=1e-5)
+            assert torch.allclose(t.advantages[i, :len(want)], want - t.old_logprobs[i, :len(want)], atol=1e-6)
