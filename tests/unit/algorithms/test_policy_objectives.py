@@ -47,25 +47,23 @@ def gspo_objective_from_the_paper(logp, old, adv, mask, eps_low, eps_high):
 def test_gspo_loss_and_gradient_are_the_papers_sequence_objective():
     mask, old, logp, adv = tables(seed=1, spread=0.02)  # sequence log-ratios around +-3e-3: some clipped
     a = spec("gspo")
-    for which, eps in (("paper", (a.clip_low, a.clip_high)),):  # the preset's clip range is the paper's
-        assert eps == (3e-4, 4e-4)
-        mine = logp.clone().requires_grad_(True)
-        # the trainer's packed layout: the rows one after another in one [1, B*T] row
-        segments = [range(i * T, (i + 1) * T) for i in range(B)]
-        seq = sequence_means((mine.detach() - old).reshape(1, -1), mask.reshape(1, -1), segments).reshape(B, T)
-        coef = agg_weights(mask, a.loss_agg)
-        loss, terms = compose_loss(a, logp=mine, entropy=torch.zeros_like(mine), old=old, advantages=adv,
-                                   coef=coef, seq_log_ratio=seq)
-        loss.backward()
-        theirs = logp.clone().requires_grad_(True)
-        objective = gspo_objective_from_the_paper(theirs, old, adv, mask, *eps)
-        (-objective).backward()
-        assert torch.allclose(loss, -objective, atol=1e-12), which
-        assert torch.allclose(mine.grad * mask, theirs.grad * mask, atol=1e-12), which
-        clipped_rows = terms.clip_active.any(-1)
-        assert clipped_rows.any() and not clipped_rows[mask.sum(-1) > 0].all()  # both kinds present
-        # a clipped sequence contributes no gradient at all, every token of it (sequence-level clipping)
-        assert (mine.grad[clipped_rows] == 0).all()
+    assert (a.clip_low, a.clip_high) == (3e-4, 4e-4)  # the preset's clip range is the paper's
+    mine = logp.clone().requires_grad_(True)
+    # the trainer's packed layout: the rows one after another in one [1, B*T] row
+    segments = [range(i * T, (i + 1) * T) for i in range(B)]
+    seq = sequence_means((mine.detach() - old).reshape(1, -1), mask.reshape(1, -1), segments).reshape(B, T)
+    loss, terms = compose_loss(a, logp=mine, entropy=torch.zeros_like(mine), old=old, advantages=adv,
+                               coef=agg_weights(mask, a.loss_agg), seq_log_ratio=seq)
+    loss.backward()
+    theirs = logp.clone().requires_grad_(True)
+    objective = gspo_objective_from_the_paper(theirs, old, adv, mask, a.clip_low, a.clip_high)
+    (-objective).backward()
+    assert torch.allclose(loss, -objective, atol=1e-12)
+    assert torch.allclose(mine.grad * mask, theirs.grad * mask, atol=1e-12)
+    clipped_rows = terms.clip_active.any(-1)
+    assert clipped_rows.any() and not clipped_rows[mask.sum(-1) > 0].all()  # both kinds present
+    # a clipped sequence contributes no gradient at all, every token of it (sequence-level clipping)
+    assert (mine.grad[clipped_rows] == 0).all()
 
 
 def test_gspo_ratio_is_length_normalised_not_the_token_product():
