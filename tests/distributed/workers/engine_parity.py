@@ -75,19 +75,13 @@ def cycle(engine, offload: bool) -> None:
         engine.reload()
 
 
-# the RL cases: GRPO with a KL reference, and the other policy losses (GSPO's sequence ratio, CISPO's weight)
-RL_ALGORITHMS = {"grpo": lambda: resolved("token-mean-2mb").model_copy(update={"kl_coef": 0.05}),
-                 "gspo": lambda: resolved("gspo").model_copy(update={"kl_coef": 0.05}),
-                 "cispo": lambda: resolved("cispo-tis").model_copy(update={"kl_coef": 0.05})}
-
-
-def run_grpo(engine: str, world: int, method: str = "grpo") -> dict:
+def run_grpo(engine: str, world: int) -> dict:
     from rlhf_trainer.rl.models import Models
     from rlhf_trainer.rl.step import TrainStep
 
     engine, offload = engine.removesuffix("+offload"), engine.endswith("+offload")
     trained, ref, layout, optim = models(engine, world)
-    step = TrainStep(RL_ALGORITHMS[method](),
+    step = TrainStep(resolved("token-mean-2mb").model_copy(update={"kl_coef": 0.05}),
                      Models(trained, ref), layout, max_tokens_per_micro_batch=24, max_grad_norm=0.3,
                      temperature=1.0, device=torch.device("cpu"))
     batch = RolloutBatch(rows(), GROUP, RolloutStats(*[0] * 12))
@@ -118,7 +112,7 @@ def run_dpo(engine: str, world: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("cases", nargs="+", help="grpo|gspo|cispo|dpo:fsdp2|zero2|zero3|zero3-offload")
+    parser.add_argument("cases", nargs="+", help="grpo|dpo:fsdp2|zero2|zero3|zero3-offload")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -129,8 +123,7 @@ def main() -> None:
             torch.manual_seed(0)
             results.setdefault(method, {"initial": {n: p.detach().reshape(-1).tolist()
                                                     for n, p in build_tiny_qwen2(0).named_parameters()}})
-            results[method][engine] = (run_dpo(engine, dist.get_world_size()) if method == "dpo"
-                                       else run_grpo(engine, dist.get_world_size(), method))
+            results[method][engine] = (run_grpo if method == "grpo" else run_dpo)(engine, dist.get_world_size())
     finally:
         if dist.get_rank() == 0:
             with open(args.out, "w") as f:
