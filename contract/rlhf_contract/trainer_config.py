@@ -16,7 +16,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from .api.common import SpecModel
-from .api.models import (AlgorithmSpec, ColocatedSpec, DataSpec, DeepSpeedSpec, EnvironmentSpec, EvaluationSpec, HubOutputSpec, LoraSpec, Method, ModelSpec, ParallelismSpec, PreferenceSpec, RewardSpec,
+from .api.models import (AlgorithmSpec, ColocatedSpec, DataSpec, DeepSpeedSpec, DistillationSpec, EnvironmentSpec, EvaluationSpec, HubOutputSpec, LoraSpec, Method, ModelSpec, ParallelismSpec, PreferenceSpec, RewardSpec,
                          RLHFJob, RLHFJobSpec, RolloutSpec, ScheduleSpec, TrackingSpec, TrainerSpec)
 from .api.rules import violations
 
@@ -103,7 +103,7 @@ class TrainerConfig(_Config):
     job_name: str = Field(min_length=1)
     """The RLHFJob's name (metrics labels, progress reports)."""
     method: Method = Method.RL
-    """`rl` (rollouts), or offline from the data alone: `sft`, `rm`, `dpo`."""
+    """`rl` and `distill` (rollouts), or offline from the data alone: `sft`, `rm`, `dpo`."""
     preference: PreferenceSpec = Field(default_factory=PreferenceSpec)
     """`dpo` / `rm`: the preference loss."""
     evaluation: EvaluationSpec | None = None
@@ -122,6 +122,8 @@ class TrainerConfig(_Config):
     """Multi-turn environment, if any."""
     algorithm: AlgorithmSpec
     """The RL algorithm, resolved (no preset field left null)."""
+    distillation: DistillationSpec | None = None
+    """`method: distill`: the teacher and the task reward's weight."""
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     """How the rollout servers sample."""
     optim: OptimConfig = Field(default_factory=OptimConfig)
@@ -158,7 +160,7 @@ class TrainerConfig(_Config):
             job_name=job.metadata.name, namespace=job.metadata.namespace, model_path=s.model.path, lora=s.model.lora,
             method=s.method, preference=s.preference, evaluation=s.evaluation,
             data=s.data, reward=s.reward, environment=s.environment, algorithm=algorithm,
-            sampling=SamplingConfig(samples_per_prompt=r.samples_per_prompt, max_tokens=r.max_tokens,
+            distillation=s.distillation, sampling=SamplingConfig(samples_per_prompt=r.samples_per_prompt, max_tokens=r.max_tokens,
                                     temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                     max_staleness=r.max_staleness,
                                     colocated=r.colocated if r.placement == "colocated" else None),
@@ -189,6 +191,7 @@ class TrainerConfig(_Config):
         return RLHFJobSpec.model_construct(
             method=Method(self.method), model=ModelSpec(path=self.model_path, lora=self.lora), data=self.data,
             reward=self.reward, environment=self.environment, algorithm=self.algorithm, schedule=self.schedule,
+            distillation=self.distillation,
             preference=self.preference, evaluation=self.evaluation,
             rollout=RolloutSpec.model_construct(samples_per_prompt=s.samples_per_prompt, max_tokens=s.max_tokens,
                                                 temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,

@@ -90,7 +90,9 @@ def test_valid_specs_are_accepted(cluster: Cluster, ns: str):
                 with_("spec.trainer", {"engine": "deepspeed", "deepspeed": {"offloadParams": True}}),
                 with_("spec.pod", {"env": [{"name": "NCCL_DEBUG", "value": "INFO"}],
                                    "envFrom": [{"secretRef": {"name": "creds"}}]}),
+                with_("spec.algorithm", {"preset": "gspo"}), with_("spec.algorithm", {"preset": "cispo"}),
                 yaml.safe_load((REPO / "examples" / "local-grpo.yaml").read_text()),
+                yaml.safe_load((REPO / "examples" / "local-distill.yaml").read_text()),
                 yaml.safe_load((REPO / "examples" / "rlhfjob.yaml").read_text())):
         validate_job(copy.deepcopy(doc))
         proc = dry_run(cluster, ns, doc)
@@ -128,6 +130,10 @@ INVALID = [
     ("parallelism does not divide the world",
      with_("spec.trainer", {"numNodes": 1, "nprocPerNode": 4, "parallelism": {"tensorParallel": 3}}),
      ["spec.trainer.parallelism", "must divide the trainer world size"]),
+    ("cispo with a dual clip", with_("spec.algorithm", {"preset": "cispo", "dualClip": 3.0}),
+     ["spec.algorithm.dualClip", "cannot be used with policyLoss cispo"]),
+    ("distill without a teacher", with_("spec.method", "distill"),
+     ["spec.distillation", "is set exactly when method is distill"]),
     ("mini batches do not divide", with_("spec.algorithm", {"numMiniBatches": 3}),
      ["spec.algorithm.numMiniBatches", "must divide"]),
     ("model reward without a model", with_("spec.reward", {"type": "model"}),

@@ -1,7 +1,8 @@
 """The parity matrix: the trainer's own steps on fixed data under FSDP, TP, CP and their
 products equal the same step in one process, metrics and updated weights. RL's train step
 (prepare + optimizer steps) for every loss aggregation, two mini-batches (the second one
-off-policy: ratio != 1), truncated importance sampling, entropy bonus, dual clip, KL in the
+off-policy: ratio != 1), truncated importance sampling, entropy bonus, dual clip, GSPO's
+sequence ratio and CISPO's clipped weight, KL in the
 loss and in the reward, a sampling temperature != 1 and a learned reward model; the
 offline methods' step and held-out scoring (sft, rm, dpo) under FSDP. Whole runs on
 several processes are compared with one process once, in tests/e2e (parallel layouts)."""
@@ -18,7 +19,8 @@ WORKER = Path(__file__).parent / "workers" / "train_step_parity.py"
 CASES = {
     2: ["2,1,1:grpo", "2,1,1:token-mean-2mb", "2,1,1:seq-sum-tis", "2,1,1:sum-norm-entropy:0.7",
         "1,2,1:grpo", "1,2,1:dapo-dual", "1,1,2:token-mean-2mb", "1,1,2:dapo-dual:0.7",
-        "2,1,1:grpo-rm", "1,1,2:grpo-rm", "2,1,1:ppo-ac", "1,1,2:ppo-ac"],
+        "2,1,1:grpo-rm", "1,1,2:grpo-rm", "2,1,1:ppo-ac", "1,1,2:ppo-ac", "2,1,1:gspo", "1,1,2:gspo",
+        "1,1,2:cispo-tis"],
     4: ["2,2,1:seq-sum-tis", "2,1,2:grpo", "1,2,2:sum-norm-entropy"],
 }
 OFFLINE_CASES = ["2,1,1:sft", "2,1,1:rm", "2,1,1:dpo"]
@@ -57,6 +59,14 @@ def test_second_mini_batch_is_off_policy(results):
     # with two mini-batches the second one sees a moved policy: the ratio leaves 1 somewhere
     assert results["2,1,1:token-mean-2mb"]["ref_metrics"]["approx_kl"] > 0
     assert results["2,1,1:grpo"]["ref_metrics"]["approx_kl"] == 0  # one mini-batch: on-policy
+
+
+@pytest.mark.parametrize("case", ["2,1,1:gspo", "1,1,2:gspo", "1,1,2:cispo-tis"])
+def test_gspo_and_cispo_clip_some_tokens_and_not_others(results, case):
+    # the worker moves their old log-probs (stale rollouts): the parity above then covers
+    # the clipped and the unclipped branch, and GSPO's sequence means over CP ranks
+    for side in ("metrics", "ref_metrics"):
+        assert 0.05 < results[case][side]["clip_fraction"] < 0.95, results[case][side]["clip_fraction"]
 
 
 @pytest.mark.parametrize("case", CASES[2] + CASES[4])

@@ -13,6 +13,6 @@ def small_job(model_dir, out, **spec) -> dict:
         "output": {"dir": str(out)},
     }
     for key, value in spec.items():
-        base[key] = {**base.get(key, {}), **value}
+        base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value
     return validate_job({"apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob", "metadata": {"name": "e2e"},
                          "spec": base}).to_config()

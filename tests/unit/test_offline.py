@@ -90,7 +90,7 @@ def offline_job(**spec):
 
 @pytest.mark.parametrize("field", ["rollout", "reward", "algorithm", "environment"])
 def test_rl_only_fields_are_refused_for_offline_methods(field):
-    with pytest.raises(JobError, match=rf"spec\.{field}: only method rl reads it; remove it"):
+    with pytest.raises(JobError, match=rf"spec\.{field}: only methods rl and distill read it; remove it"):
         validate_job(offline_job(**{field: {"file": "env.py"} if field == "environment" else {}}))
 
 

@@ -79,5 +79,17 @@ def test_cross_field_rules_on_resolved_values():
     assert "spec.reward.url" in errors(reward={"type": "http"})
 
 
+def test_cispo_refuses_the_dual_clip_and_gspo_needs_whole_mini_batches():
+    problem = errors(algorithm={"preset": "cispo", "dualClip": 3.0})["spec.algorithm.dualClip"]
+    assert "cispo" in problem and "remove dualClip" in problem
+    assert "spec.algorithm.dualClip" not in errors(algorithm={"preset": "gspo", "dualClip": 3.0},
+                                                   rollout={"maxTokens": 100, "samplesPerPrompt": 3},
+                                                   schedule={"promptsPerStep": 3})
+    # gspo's 4 mini-batches (the paper's) must divide the step's samples: 9 do not
+    assert "spec.algorithm.numMiniBatches" in errors(algorithm={"preset": "gspo"},
+                                                     rollout={"maxTokens": 100, "samplesPerPrompt": 3},
+                                                     schedule={"promptsPerStep": 3})
+
+
 def test_reference_preset_table_is_current():
     assert preset_table() in (ROOT / "docs" / "reference.md").read_text(), "docs/reference.md is stale: run `make docs`"

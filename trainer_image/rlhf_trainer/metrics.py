@@ -99,6 +99,10 @@ FAMILIES: dict[str, Family] = {
     "rlhf_staleness_max": _g("Largest lag of a sample of the step, in policy versions."),
     "rlhf_rm_score_mean": _g("Mean reward-model score of the step's samples (reward.model; weighted into the reward)."),
     "rlhf_rm_score_std": _g("Standard deviation of the reward-model scores of the step's samples."),
+    "rlhf_distill_reverse_kl": _g("method distill: mean per-token reverse-KL estimate log p_student - log p_teacher "
+                                  "of the sampled tokens."),
+    "rlhf_distill_teacher_logprob": _g("method distill: mean teacher log-prob of the sampled tokens."),
+    "rlhf_distill_student_logprob": _g("method distill: mean student (policy) log-prob of the sampled tokens."),
     # train step
     "rlhf_loss": _g("Training loss of the step (policy loss for RL)."),
     "rlhf_clip_ratio": _g("Fraction of tokens whose PPO ratio was clipped."),

@@ -57,11 +57,14 @@ class Method(StrEnum):
     """A reward model (Bradley-Terry) from preference pairs."""
     DPO = "dpo"
     """Direct preference optimization against the frozen starting model."""
+    DISTILL = "distill"
+    """On-policy distillation: rollouts from the policy (the student), every sampled token
+    scored by a frozen teacher (`distillation`)."""
 
     @property
     def offline(self) -> bool:
         """Trains from the dataset alone: no rollout servers."""
-        return self is not Method.RL
+        return self not in (Method.RL, Method.DISTILL)
 
     @property
     def pairs(self) -> bool:

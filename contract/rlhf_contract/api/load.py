@@ -125,10 +125,10 @@ def validate_job(data: Any, overrides: list[str] = (), source: str = "") -> RLHF
         raise JobError([Problem("", "the job file must hold one YAML mapping (an RLHFJob)")], source)
     data = apply_overrides(data, list(overrides))
     spec = data.get("spec")
-    if isinstance(spec, dict) and spec.get("method") not in (Method.RL, None):
+    if isinstance(spec, dict) and spec.get("method") not in (Method.RL, Method.DISTILL, None):
         given = [f for f in RL_ONLY_FIELDS if spec.get(f) is not None]
         if given:
-            raise JobError([Problem(f"spec.{f}", f"only method rl reads it; remove it from this "
+            raise JobError([Problem(f"spec.{f}", f"only methods rl and distill read it; remove it from this "
                                     f"method {spec['method']} job (it trains from data alone)") for f in given], source)
     try:
         return RLHFJob.model_validate(data)

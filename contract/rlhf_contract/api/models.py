@@ -18,10 +18,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .common import MAX_NAME_LENGTH, Method, SpecModel, PodTemplateSpec
-from .task import ModelSpec, DataSpec, SandboxServiceSpec, RewardSpec, EnvironmentSpec, AlgorithmSpec
+from .task import ModelSpec, DataSpec, SandboxServiceSpec, RewardSpec, EnvironmentSpec, AlgorithmSpec, DistillationSpec
 from .training import RolloutSpec, TrainerSpec, ScheduleSpec, OutputSpec, RunPolicy, EvaluationSpec, PreferenceSpec, TrackingSpec
 from .common import API_GROUP, API_VERSION, KIND, PLURAL, SHORT_NAME, KubeObject, GPU_RESOURCE, Quantity, Resources, VolumeMount  # noqa: F401  (re-exported)
-from .task import CodeSandboxSpec, LoraSpec, RewardModelSpec, RewardComponentSpec, Estimator, ESTIMATORS, LossAgg  # noqa: F401  (re-exported)
+from .task import TeacherSpec, CodeSandboxSpec, LoraSpec, RewardModelSpec, RewardComponentSpec, Estimator, ESTIMATORS, LossAgg  # noqa: F401  (re-exported)
 from .training import ColocatedSpec, DeepSpeedSpec, HubOutputSpec, ParallelismSpec, EvalDatasetSpec, WandbSpec, MlflowSpec, SecretKeyRef  # noqa: F401  (re-exported)
 
 __all__ = [
@@ -49,6 +49,7 @@ __all__ = [
     "PLURAL",
     "ParallelismSpec",
     "DeepSpeedSpec",
+    "DistillationSpec",
     "PodTemplateSpec",
     "PreferenceSpec",
     "Progress",
@@ -66,6 +67,7 @@ __all__ = [
     "SandboxServiceSpec",
     "ScheduleSpec",
     "SpecModel",
+    "TeacherSpec",
     "TrackingSpec",
     "TrainerSpec",
     "VolumeMount",
@@ -76,9 +78,10 @@ class RLHFJobSpec(SpecModel):
     """What to train and how."""
 
     method: Method = Method.RL
-    """`rl`: rollouts scored by `reward` (the default); offline, from `data` alone with no
-    rollout servers: `sft` (supervised fine-tuning), `rm` (a reward model, Bradley-Terry),
-    `dpo` (direct preference optimization against the frozen starting model)."""
+    """`rl`: rollouts scored by `reward` (the default); `distill`: rollouts whose tokens a
+    teacher scores (`distillation`); offline, from `data` alone with no rollout servers:
+    `sft` (supervised fine-tuning), `rm` (a reward model, Bradley-Terry), `dpo` (direct
+    preference optimization against the frozen starting model)."""
     model: ModelSpec
     """The policy model."""
     data: DataSpec
@@ -91,6 +94,8 @@ class RLHFJobSpec(SpecModel):
     """`reward.type: code` on a cluster: the sandbox service pods the operator creates."""
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
     """The RL algorithm."""
+    distillation: DistillationSpec | None = None
+    """`method: distill`: the teacher and the weight of the task reward."""
     rollout: RolloutSpec = RolloutSpec()
     """The rollout servers."""
     trainer: TrainerSpec = TrainerSpec()

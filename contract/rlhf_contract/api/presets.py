@@ -12,7 +12,7 @@ from typing import Any
 
 
 _COMMON: dict[str, Any] = {
-    "norm_std": False, "loss_agg": "token-mean", "clip_low": 0.2, "clip_high": 0.2, "kl_coef": 0.0,
+    "policy_loss": "ppo", "num_mini_batches": 1, "norm_std": False, "loss_agg": "token-mean", "clip_low": 0.2, "clip_high": 0.2, "kl_coef": 0.0,
     "kl_estimator": "k3", "kl_mode": "loss", "gamma": 1.0, "lam": 1.0, "critic": False, "value_clip": 0.2,
     "dynamic_sampling": False, "overlong_buffer": 0,
 }
@@ -37,7 +37,25 @@ PRESETS: dict[str, dict[str, Any]] = {
     # REINFORCE++-baseline: group mean baseline then batch whitening, k2 KL as a loss
     "reinforce_pp_baseline": {**_COMMON, "advantage_estimator": "reinforce_pp_baseline", "kl_coef": 0.001,
                               "kl_estimator": "k2", "kl_mode": "loss"},
+    # GSPO (Zheng et al. 2025, arXiv 2507.18071, sec. 5.1): the sequence ratio clipped to
+    # [1 - 3e-4, 1 + 4e-4], group-normalised advantages, the sequence-mean objective, no KL,
+    # each rollout batch split into 4 mini-batches (with one, the ratio is always 1)
+    "gspo": {**_COMMON, "policy_loss": "gspo", "advantage_estimator": "grpo", "norm_std": True,
+             "loss_agg": "seq-mean-token-mean", "clip_low": 3e-4, "clip_high": 4e-4, "num_mini_batches": 4},
+    # CISPO (MiniMax-M1, arXiv 2506.13585, eq. 4-5): detached clipped importance weight x A x
+    # log-prob, token-level mean, group-normalised advantages, no KL; no lower bound on the
+    # weight (clipLow 1: weight >= 0), only the upper one is tuned (the paper gives no value;
+    # 4: weights at most 5)
+    "cispo": {**_COMMON, "policy_loss": "cispo", "advantage_estimator": "grpo", "norm_std": True,
+              "clip_low": 1.0, "clip_high": 4.0},
 }
+
+
+METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
+    # the frozen model a distill job scores with is the teacher: no KL to the starting model
+    "distill": {"kl_coef": 0.0},
+}
+"""Fields that a method resolves (when unset) before any preset does."""
 
 
 def preset_value(preset: str, field: str, spec: Any) -> Any:
@@ -64,7 +82,9 @@ def cel_resolved(field: str, yaml_name: str) -> str:
     by_preset = "".join(
         f"self.algorithm.preset == '{name}' ? {_cel_literal(values[field])} : " for name, values in PRESETS.items()
     )
-    return (f"(has(self.algorithm) && has(self.algorithm.{yaml_name}) ? self.algorithm.{yaml_name} : "
+    by_method = "".join(f"self.method == '{method}' ? {_cel_literal(values[field])} : "
+                        for method, values in METHOD_DEFAULTS.items() if field in values)
+    return (f"(has(self.algorithm) && has(self.algorithm.{yaml_name}) ? self.algorithm.{yaml_name} : {by_method}"
             f"(!has(self.algorithm) ? {_cel_literal(PRESETS['grpo'][field])} : {by_preset}"
             f"{_cel_literal(PRESETS['grpo'][field])}))")
 
@@ -72,6 +92,9 @@ def cel_resolved(field: str, yaml_name: str) -> str:
 def apply_preset(spec: Any) -> None:
     """Fill every unset algorithm field from the preset (in place)."""
     algo = spec.algorithm
+    for field, value in METHOD_DEFAULTS.get(str(spec.method), {}).items():
+        if getattr(algo, field) is None:
+            setattr(algo, field, value)
     for field in PRESETS[algo.preset]:
         if getattr(algo, field) is None:
             setattr(algo, field, preset_value(algo.preset, field, spec))

@@ -22,8 +22,11 @@ DYNAMIC = cel_resolved("dynamic_sampling", "dynamicSampling")
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
 _TP = "(has(self.trainer.parallelism) && has(self.trainer.parallelism.tensorParallel) ? self.trainer.parallelism.tensorParallel : 1)"
 _CP = "(has(self.trainer.parallelism) && has(self.trainer.parallelism.contextParallel) ? self.trainer.parallelism.contextParallel : 1)"
-_ALGO_MINI = "(has(self.algorithm) && has(self.algorithm.numMiniBatches) ? self.algorithm.numMiniBatches : 1)"
-_RL, _RM = f"'{Method.RL}'", f"'{Method.RM}'"
+_ALGO_MINI = cel_resolved("num_mini_batches", "numMiniBatches")
+POLICY_LOSS = cel_resolved("policy_loss", "policyLoss")
+_RL, _RM, _DISTILL = f"'{Method.RL}'", f"'{Method.RM}'", f"'{Method.DISTILL}'"
+_ONLINE = f"(self.method == {_RL} || self.method == {_DISTILL})"
+KL_COEF = cel_resolved("kl_coef", "klCoef")
 
 
 
@@ -76,7 +79,7 @@ _MAIN_NAME = "(has(self.reward.name) ? self.reward.name : self.reward.type)"
 
 TP_WITH_CRITIC = Rule(
     field_path="trainer.parallelism.tensorParallel",
-    cel=f"self.method != {_RL} || !{CRITIC} || {_TP} == 1",
+    cel=f"!{_ONLINE} || !{CRITIC} || {_TP} == 1",
     message="must be 1 with algorithm.critic (the value model is not tensor parallel yet); use data or "
     "context parallelism (trainer.nprocPerNode, trainer.parallelism.contextParallel)",
     check=lambda s: s.offline or not s.algorithm.critic or s.trainer.parallelism.tensor_parallel == 1,
@@ -84,7 +87,7 @@ TP_WITH_CRITIC = Rule(
 )
 TP_WITH_REWARD_MODEL = Rule(
     field_path="trainer.parallelism.tensorParallel",
-    cel=f"self.method != {_RL} || !has(self.reward.model) || {_TP} == 1",
+    cel=f"!{_ONLINE} || !has(self.reward.model) || {_TP} == 1",
     message="must be 1 with reward.model (the reward model is not tensor parallel yet); use data or "
     "context parallelism (trainer.nprocPerNode, trainer.parallelism.contextParallel)",
     check=lambda s: s.offline or s.reward.model is None or s.trainer.parallelism.tensor_parallel == 1,
@@ -95,7 +98,7 @@ TP_WITH_REWARD_MODEL = Rule(
 RULES: tuple[Rule, ...] = (
     Rule(
         field_path="rollout.topP",
-        cel=f"self.method != {_RL} || (self.rollout.topP == 1.0 && self.rollout.topK <= 0)",
+        cel=f"!{_ONLINE} || (self.rollout.topP == 1.0 && self.rollout.topK <= 0)",
         message="must be 1 and rollout.topK -1: the servers return log-probs of the truncated distribution "
         "they sample from, the trainer computes them over the whole vocabulary (temperature only), so "
         "their importance ratio would be biased; sample with rollout.temperature alone",
@@ -214,6 +217,42 @@ RULES: tuple[Rule, ...] = (
         detail=lambda s: f"{s.algorithm.overlong_buffer} >= {s.rollout.max_tokens}",
     ),
     Rule(
+        field_path="algorithm.dualClip",
+        cel=f"{POLICY_LOSS} != 'cispo' || !has(self.algorithm) || !has(self.algorithm.dualClip)",
+        message="cannot be used with policyLoss cispo: the dual clip bounds PPO's clipped objective, and "
+        "CISPO has none (it clips the detached importance weight, clipHigh); remove dualClip",
+        check=lambda s: s.algorithm.policy_loss != "cispo" or s.algorithm.dual_clip is None,
+    ),
+    Rule(
+        field_path="distillation",
+        cel=f"(self.method == {_DISTILL}) == has(self.distillation)",
+        message="is set exactly when method is distill (it names the teacher that scores the student's tokens)",
+        check=lambda s: (s.method == Method.DISTILL) == (s.distillation is not None),
+        detail=lambda s: f"method {s.method}",
+    ),
+    Rule(
+        field_path="algorithm.klCoef",
+        cel=f"self.method != {_DISTILL} || {KL_COEF} == 0.0",
+        message="must be 0 with method distill: the teacher's reverse KL is the signal, and the frozen model "
+        "the trainer scores with is the teacher, not the starting model (unset resolves to 0 for distill)",
+        check=lambda s: s.method != Method.DISTILL or not s.algorithm.kl_coef,
+        detail=lambda s: f"got {s.algorithm.kl_coef}",
+    ),
+    Rule(
+        field_path="algorithm.dynamicSampling",
+        cel=f"self.method != {_DISTILL} || !{DYNAMIC}",
+        message="must be false with method distill: every token carries the teacher's signal, so a group "
+        "whose rewards are all equal is not uninformative; use a preset without it or set it false",
+        check=lambda s: s.method != Method.DISTILL or not s.algorithm.dynamic_sampling,
+    ),
+    Rule(
+        field_path="algorithm.critic",
+        cel=f"self.method != {_DISTILL} || !{CRITIC}",
+        message="must be false with method distill (no value model: the advantages are the teacher's "
+        "per-token signal); use an advantage estimator other than gae for distillation.rewardWeight",
+        check=lambda s: s.method != Method.DISTILL or not s.algorithm.critic,
+    ),
+    Rule(
         field_path="trainer.parallelism",
         cel=f"(self.trainer.numNodes * self.trainer.nprocPerNode) % ({_TP} * {_CP}) == 0",
         message="tensorParallel x contextParallel must divide the trainer world size "
@@ -224,7 +263,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         field_path="trainer.maxTokensPerMicroBatch",
-        cel=f"self.method != {_RL} || self.trainer.maxTokensPerMicroBatch >= self.data.maxPromptLength + self.rollout.maxTokens",
+        cel=f"!{_ONLINE} || self.trainer.maxTokensPerMicroBatch >= self.data.maxPromptLength + self.rollout.maxTokens",
         message="must hold the longest possible sequence, data.maxPromptLength + rollout.maxTokens "
         "(a micro-batch packs whole sequences); raise it or lower those two",
         check=lambda s: s.offline or s.trainer.max_tokens_per_micro_batch >= s.data.max_prompt_length + s.rollout.max_tokens,
@@ -239,7 +278,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         field_path="trainer.parallelism.contextParallel",
-        cel=f"self.method == {_RL} || {_CP} == 1",
+        cel=f"{_ONLINE} || {_CP} == 1",
         message="must be 1 for method sft, rm and dpo (context parallelism is for RL's long rollouts); "
         "use data parallelism (trainer.nprocPerNode) instead",
         check=lambda s: not s.offline or s.trainer.parallelism.context_parallel == 1,
@@ -290,7 +329,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         field_path="evaluation.datasets",
-        cel=f"self.method == {_RL} || !has(self.evaluation) || !has(self.evaluation.datasets) "
+        cel=f"{_ONLINE} || !has(self.evaluation) || !has(self.evaluation.datasets) "
             "|| size(self.evaluation.datasets) == 0",
         message="prompt sets scored through the rollout servers are for method rl; sft, rm and dpo score "
         "the held-out fraction of data.path: set evaluation.heldOutFraction instead",
@@ -299,7 +338,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         field_path="evaluation.heldOutFraction",
-        cel=f"self.method != {_RL} || !has(self.evaluation) || !has(self.evaluation.heldOutFraction) "
+        cel=f"!{_ONLINE} || !has(self.evaluation) || !has(self.evaluation.heldOutFraction) "
             "|| self.evaluation.heldOutFraction == 0.0",
         message="is for the offline methods (sft, rm, dpo); method rl scores held-out prompt sets: "
         "set evaluation.datasets instead",
@@ -309,7 +348,7 @@ RULES: tuple[Rule, ...] = (
 )
 
 RL_ONLY_FIELDS: tuple[str, ...] = ("reward", "environment", "algorithm", "rollout", "sandboxService")
-"""Spec fields that only `method: rl` reads: a job file of another method that sets one is
+"""Spec fields that only `method: rl` and `distill` read: a job file of another method that sets one is
 refused naming it (`load.validate_job`; on a cluster the API server's defaults fill them in,
 so the operator only ignores them)."""
 
@@ -332,7 +371,8 @@ CLUSTER_RULES: tuple[Rule, ...] = (
 what a job means: local mode runs these jobs."""
 
 
-IMMUTABLE_FIELDS: tuple[str, ...] = ("method", "model", "data", "reward", "environment", "algorithm", "rollout",
+IMMUTABLE_FIELDS: tuple[str, ...] = ("method", "model", "data", "reward", "environment", "algorithm", "distillation",
+                                     "rollout",
                                      "trainer", "schedule", "output", "pod", "sandboxService", "preference",
                                      "evaluation", "backend", "tracking", "storageSecret")
 """Spec fields (YAML names under spec) that an update may not change. Each is read once,

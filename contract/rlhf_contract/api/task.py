@@ -283,6 +283,28 @@ class RewardSpec(RewardFunctionSpec):
         return self.type == reward_type or any(c.type == reward_type for c in self.components)
 
 
+class TeacherSpec(SpecModel):
+    """The teacher of `method: distill`: frozen, scored in the trainer processes like the
+    reference model (laid out over the trainer's ranks, packed, no gradients)."""
+
+    path: str = Field(min_length=1)
+    """Directory of a Hugging Face causal LM (in Kubernetes: on a mounted volume), e.g. the
+    `final/` of a trained run; its tokenizer must be the student's (preflight compares them)."""
+
+
+class DistillationSpec(SpecModel):
+    """On-policy distillation (`method: distill`): the student (`model`) samples, the
+    teacher scores each sampled token, and each token's advantage is the negative
+    reverse-KL estimate log p_teacher - log p_student, optionally plus a task reward's."""
+
+    teacher: TeacherSpec
+    """The teacher model."""
+    reward_weight: float = Field(default=0.0, ge=0, le=MAX_REWARD_WEIGHT)
+    """Weight of the task reward: each token's advantage adds this x the advantage of the
+    sequence's reward (`reward`, by `algorithm.advantageEstimator`); 0: the teacher alone
+    (the reward is still computed and logged)."""
+
+
 class EnvironmentSpec(SpecModel):
     """A multi-turn environment (RL2's contract); when set, rewards come from it."""
 
@@ -301,13 +323,15 @@ Estimator = Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce
 ESTIMATORS: tuple[str, ...] = get_args(Estimator)
 """The advantage estimators, in one place (the trainer's `compute_advantages` reads them)."""
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+PolicyLoss = Literal["ppo", "gspo", "cispo"]
 
 
 class AlgorithmSpec(SpecModel):
     """The RL algorithm. `preset` sets the defaults of every field left unset (null);
     see presets.py and the preset table in docs/reference.md."""
 
-    preset: Literal["ppo", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = "grpo"
+    preset: Literal["ppo", "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo",
+                    "cispo"] = "grpo"
     """A named algorithm whose settings fill every field you leave unset."""
     advantage_estimator: Estimator | None = None
     """How advantages are computed: gae (PPO, needs the critic), grpo, dr_grpo, rloo,
@@ -317,10 +341,18 @@ class AlgorithmSpec(SpecModel):
     loss_agg: LossAgg | None = None
     """How per-token losses are reduced: token-mean, seq-mean-token-mean,
     seq-mean-token-sum, seq-mean-token-sum-norm (Dr. GRPO)."""
+    policy_loss: PolicyLoss | None = None
+    """The policy objective: `ppo` (the clipped token ratio, PPO / GRPO / DAPO ...), `gspo`
+    (GSPO: one length-normalised ratio per sequence, exp(mean over its tokens of
+    logp - old), clipped at the sequence level) or `cispo` (CISPO: the token ratio clipped
+    and detached, times the advantage, times the token log-prob: every token keeps its
+    gradient)."""
     clip_low: float | None = Field(default=None, ge=0)
-    """PPO ratio clip below 1: ratio >= 1 - clipLow."""
+    """Ratio clip below 1: ratio >= 1 - clipLow (gspo: the sequence ratio; cispo: the
+    importance weight, 1 or more: no lower bound)."""
     clip_high: float | None = Field(default=None, ge=0)
-    """PPO ratio clip above 1: ratio <= 1 + clipHigh (DAPO's clip-higher: 0.28)."""
+    """Ratio clip above 1: ratio <= 1 + clipHigh (DAPO's clip-higher: 0.28; gspo: the
+    sequence ratio, 4e-4; cispo: the importance weight's cap)."""
     dual_clip: float | None = Field(default=None, gt=1)
     """Dual-clip constant c > 1 for negative advantages; null disables it."""
     kl_coef: float | None = Field(default=None, ge=0)
@@ -352,7 +384,8 @@ class AlgorithmSpec(SpecModel):
     resolves null to 2.0)."""
     entropy_coef: float = Field(default=0.0, ge=0)
     """Weight of an entropy bonus in the policy loss."""
-    num_mini_batches: int = Field(default=1, ge=1)
-    """Optimizer steps per RL step; the step's samples are split into this many parts."""
+    num_mini_batches: int | None = Field(default=None, ge=1)
+    """Optimizer steps per RL step; the step's samples are split into this many parts
+    (the gspo preset: 4, as the GSPO paper)."""
 
 

@@ -37,8 +37,15 @@ VARIANTS = {
     "grpo-rm": dict(preset="grpo", loss_agg="seq-mean-token-mean", kl_coef=0.0),  # + a learned reward model
     # + the critic; the parallel side checkpoints the policy's and the critic's layers
     "ppo-ac": dict(preset="ppo", num_mini_batches=2),
+    # the sequence ratio (a mean over a sequence split between CP ranks); a wider clip than the
+    # paper's 3e-4 / 4e-4, so that the second mini-batch clips some sequences and not others
+    "gspo": dict(preset="gspo", num_mini_batches=2, clip_low=0.02, clip_high=0.02),
+    "cispo-tis": dict(preset="cispo", num_mini_batches=2, clip_high=0.1, tis_cap=2.0),
 }
 GROUP = 4
+# variants whose old log-probs are moved by seeded noise of this size (as stale rollouts would be),
+# the same on every rank: ratios far enough from 1 that the clip binds for some sequences / tokens
+OFF_POLICY = {"gspo": 0.05, "cispo-tis": 0.3}
 
 
 def resolved(variant: str) -> AlgorithmSpec:
@@ -162,6 +169,9 @@ def run(layout: tuple[int, int, int], variant: str, temperature: float,
                      device=device, reward_model_weight=0.5)
     batch = RolloutBatch(rows(), GROUP, RolloutStats(*[0] * 12))
     tensors = step.prepare(batch)
+    if variant in OFF_POLICY:
+        noise = torch.randn(tensors.mask.shape, generator=torch.Generator().manual_seed(5)) * OFF_POLICY[variant]
+        tensors.old_logprobs = tensors.old_logprobs + noise * tensors.mask
     metrics = step(batch, tensors)
     metrics.update(tensors.reward_metrics)
     params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu().clone()

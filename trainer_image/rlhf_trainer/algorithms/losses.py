@@ -10,6 +10,9 @@ updates) and advantage A:
   PPO clip (Schulman et al. 2017, eq. 7, as a loss):
       l = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))
   dual clip (Ye et al. 2020), where A < 0:  l = min(l, -c A)
+  GSPO (Zheng et al. 2025, policyLoss gspo): r replaced by s_t = sg[s] exp(logp - sg[logp]),
+      s = exp(mean over the sequence's tokens of logp - old) (GSPO-token, eq. 13)
+  CISPO (MiniMax-M1 2025, policyLoss cispo):  l = -sg[clip(r, 1 - clip_low, 1 + clip_high)] A logp
   TIS (Yao et al. 2025):  l = l * min(exp(old - rollout), tis_cap), the weight detached
   entropy bonus (Schulman et al. 2017, eq. 9):  - entropyCoef * H
   KL in the loss (klMode loss; GRPO, Shao et al. 2024):  + klCoef * kl(logp, ref), with
@@ -30,7 +33,10 @@ Departures from the papers:
 - the entropy bonus and the KL term are reduced with the policy term's coef (GRPO
   averages its k3 KL per sequence, which is lossAgg seq-mean-token-mean);
 - clip_active marks tokens where the clip(r) term is the larger one (the ratio clip is
-  active); where the dual clip binds is not counted;
+  active; CISPO: where the weight was clipped); where the dual clip binds is not counted;
+- GSPO with per-token advantages (gae, a KL penalty in the reward) is the paper's
+  GSPO-token; with an aggregation other than seq-mean-token-mean its sequence terms are
+  weighted by their lengths (the gspo preset uses seq-mean-token-mean);
 - the value loss is PPO2's clipped squared error (OpenAI baselines, not in the PPO paper).
 Not here: log-probs and entropy (`models/logprob_head.py`), backward and optimizer steps
 (`rl/step.py`), advantages (`advantages.py`).
@@ -62,13 +68,23 @@ class LossTerms:
 
 def compose_loss(a: AlgorithmSpec, *, logp: torch.Tensor, entropy: torch.Tensor, old: torch.Tensor,
                  advantages: torch.Tensor, coef: torch.Tensor, ref: torch.Tensor | None = None,
-                 rollout: torch.Tensor | None = None) -> tuple[torch.Tensor, LossTerms]:
+                 rollout: torch.Tensor | None = None,
+                 seq_log_ratio: torch.Tensor | None = None) -> tuple[torch.Tensor, LossTerms]:
     """The policy loss of one micro-batch (the module docstring's L restricted to its
-    tokens): sum of coef x (PPO clip loss [x TIS weight] - entropyCoef x entropy
-    [+ klCoef x KL when klMode is loss]). All tensors have one shape (per packed token,
-    [1, l]); `coef` carries the aggregation; `rollout` is needed when tisCap is set."""
-    token_loss, clip_active = ppo_token_loss(logp, old, advantages, clip_low=a.clip_low, clip_high=a.clip_high,
-                                             dual_clip=a.dual_clip)
+    tokens): sum of coef x (policy loss l [x TIS weight] - entropyCoef x entropy
+    [+ klCoef x KL when klMode is loss]), l by `policyLoss`. All tensors have one shape
+    (per packed token, [1, l]); `coef` carries the aggregation; `rollout` is needed when
+    tisCap is set, `seq_log_ratio` (each token's sequence mean of logp - old) by gspo."""
+    if a.policy_loss == "gspo":
+        if seq_log_ratio is None:
+            raise ValueError("algorithm.policyLoss is gspo: compose_loss needs the sequence log-ratios")
+        token_loss, clip_active = gspo_token_loss(logp, seq_log_ratio, advantages, clip_low=a.clip_low,
+                                                  clip_high=a.clip_high, dual_clip=a.dual_clip)
+    elif a.policy_loss == "cispo":
+        token_loss, clip_active = cispo_token_loss(logp, old, advantages, clip_low=a.clip_low, clip_high=a.clip_high)
+    else:
+        token_loss, clip_active = ppo_token_loss(logp, old, advantages, clip_low=a.clip_low, clip_high=a.clip_high,
+                                                 dual_clip=a.dual_clip)
     if a.tis_cap is not None:
         if rollout is None:
             raise ValueError("algorithm.tisCap is set: compose_loss needs the rollout log-probs")
@@ -120,13 +136,53 @@ def ppo_token_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token PPO clip loss l (with the dual clip when `dual_clip` is c) and a bool
     tensor of where the ratio clip was active; all of one shape."""
-    ratio = (logprobs - old_logprobs).exp()
+    return clipped_objective((logprobs - old_logprobs).exp(), advantages, clip_low, clip_high, dual_clip)
+
+
+def clipped_objective(ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float,
+                      dual_clip: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """max(-A ratio, -A clip(ratio, 1 - clip_low, 1 + clip_high)) [dual clip], and where
+    the clipped term is the larger one."""
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss = torch.maximum(unclipped, clipped)
     if dual_clip is not None:
         loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * dual_clip), loss)
     return loss, clipped > unclipped
+
+
+def gspo_token_loss(logprobs: torch.Tensor, seq_log_ratio: torch.Tensor, advantages: torch.Tensor, *,
+                    clip_low: float, clip_high: float,
+                    dual_clip: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO-token (Zheng et al. 2025, eq. 13): every token's ratio has the value of its
+    sequence's ratio s = exp(mean over the sequence's tokens of logp - old), given per
+    token in `seq_log_ratio` (detached here), and the gradient of its own log-prob:
+    s_t = sg[s] x exp(logp - sg[logp]). With one advantage per sequence this is GSPO's
+    sequence objective (eq. 5) spread over the sequence's tokens, and its gradient."""
+    ratio = (seq_log_ratio.detach() + logprobs - logprobs.detach()).exp()
+    return clipped_objective(ratio, advantages, clip_low, clip_high, dual_clip)
+
+
+def cispo_token_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, *,
+                     clip_low: float, clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO (MiniMax-M1, Chen et al. 2025, eq. 4): l = -sg[clip(r, 1 - clip_low, 1 + clip_high)]
+    x A x logp, r = exp(logp - old): the weight is clipped and detached, so no token loses
+    its gradient; and where the weight was clipped."""
+    ratio = (logprobs.detach() - old_logprobs).exp()
+    weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    return -weight * advantages * logprobs, weight != ratio
+
+
+def sequence_means(values: torch.Tensor, mask: torch.Tensor, segments: list[range]) -> torch.Tensor:
+    """Each segment's masked mean of `values` (one packed row [1, L] or [L]), written over
+    the segment's positions (0 elsewhere): GSPO's length-normalised log-ratio per sequence."""
+    flat, m = values.reshape(-1), mask.reshape(-1).to(values.dtype)
+    out = torch.zeros_like(flat)
+    for seg in segments:
+        n = m[seg.start:seg.stop].sum()
+        if n > 0:
+            out[seg.start:seg.stop] = (flat[seg.start:seg.stop] * m[seg.start:seg.stop]).sum() / n
+    return out.reshape(values.shape)
 
 
 def truncated_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float) -> torch.Tensor:

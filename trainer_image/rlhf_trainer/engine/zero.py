@@ -207,8 +207,8 @@ def frozen_with_zero(model: torch.nn.Module, optim) -> torch.nn.Module:
 
 
 def load_for_zero(config, info, *, trained: torch.nn.Module | None = None, with_ref: bool = False,
-                  critic: torch.nn.Module | None = None, reward_model: torch.nn.Module | None = None
-                  ) -> tuple[torch.nn.Module, torch.nn.Module | None, Any]:
+                  critic: torch.nn.Module | None = None, reward_model: torch.nn.Module | None = None,
+                  ref_path: str | None = None) -> tuple[torch.nn.Module, torch.nn.Module | None, Any]:
     """DeepSpeed: every rank reads the models whole on the host (GPUs) or its device (CPU);
     the trained ones go to ZeRO with their optimizer (`ZeroEngine.train`), the frozen
     ones here (ZeRO-3 inference at stage 3). Packed attention and checkpointing as under
@@ -217,7 +217,8 @@ def load_for_zero(config, info, *, trained: torch.nn.Module | None = None, with_
     lm = trained is None
     model = load_causal_lm(config.model_path, host) if lm else trained
     ref_dtype = torch.bfloat16 if info.device.type == "cuda" else torch.float32
-    ref = load_causal_lm(config.model_path, host, ref_dtype).eval().requires_grad_(False) if with_ref else None
+    ref = (load_causal_lm(ref_path or config.model_path, host, ref_dtype).eval().requires_grad_(False)
+           if with_ref else None)  # the starting model, or a distillation teacher (ref_path)
     # decided once before any model loads (main.py: preflight.with_checkpointing_decided)
     checkpointing = bool(config.optim.parallelism.activation_checkpointing)
     layout = zero_layout(model, ref=ref, critic=critic, reward_model=reward_model, world_size=info.world_size,

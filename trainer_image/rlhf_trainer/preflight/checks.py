@@ -66,6 +66,36 @@ def _data_problems(config: TrainerConfig, model_ok: bool) -> list[str]:
     return report.problems
 
 
+def teacher_problems(config: TrainerConfig, model_ok: bool) -> list[str]:
+    """`method: distill`: the teacher is a causal LM directory whose tokenizer is the
+    student's (same vocabulary, ids and special tokens), since it scores the student's
+    token ids as they are."""
+    field, path = "spec.distillation.teacher.path", config.distillation.teacher.path
+    if path.startswith("builtin://"):
+        return [f"{field}: {path} is a built-in (untrained) model; give a trained model's directory, e.g. the "
+                "final/ of an rl run"]
+    teacher, error = _model_config(path)
+    if error:
+        return [error.replace("spec.model.path", field)]
+    if not any(str(a).endswith("ForCausalLM") for a in teacher.get("architectures") or []):
+        return [f"{field}: {path} is not a causal language model (architectures {teacher.get('architectures')})"]
+    if not model_ok:
+        return []
+    try:
+        student_tok, teacher_tok = load_tokenizer(config.model_path), load_tokenizer(path)
+    except ValueError as err:
+        return [str(err).replace("spec.model.path", field) if path in str(err) else str(err)]
+    differ = [what for what, get in (("vocabulary", lambda t: t.get_vocab()),
+                                     ("special tokens", lambda t: t.special_tokens_map),
+                                     ("eos token id", lambda t: t.eos_token_id))
+              if get(student_tok) != get(teacher_tok)]
+    if differ:
+        return [f"{field}: the teacher's tokenizer differs from the student's (spec.model.path) in its "
+                f"{', '.join(differ)}: it would score other tokens than the student sampled; distill from a teacher "
+                "with the student's tokenizer"]
+    return []
+
+
 def tracking_problems(config: TrainerConfig) -> list[str]:
     """What keeps `spec.tracking`'s trackers from starting, found before any model loads."""
     wandb, problems = config.tracking.wandb, []
@@ -162,6 +192,8 @@ def check(config: TrainerConfig, world_size: int) -> list[str]:
         elif rm is not None and len(rm.get("id2label") or {0: ""}) != 1:
             problems.append(f"spec.reward.model.path: {config.reward.model.path} is a classifier with "
                             f"{len(rm['id2label'])} labels; a reward model has 1 (what method: rm exports)")
+    if config.distillation is not None:
+        problems += teacher_problems(config, model_ok=model is not None)
     problems += reward_problems(config)
     if config.environment is not None and config.environment.file is not None:
         problems += filter(None, [_readable_python(config.environment.file, "spec.environment.file")])

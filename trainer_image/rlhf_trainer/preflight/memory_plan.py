@@ -184,13 +184,17 @@ def _terms(config, model_config: dict, world_size: int, *, tokens: int, checkpoi
     if _uses_reference(config):
         terms.append(Term("reference model", int((2 if cuda else 4) * params_local), "persistent",
                           "bf16, sharded like the policy" if cuda else "fp32"))
-    critic = config.method == Method.RL and bool(config.algorithm.critic)
+    teacher = read_model_config(config.distillation.teacher.path) if config.distillation is not None else None
+    if teacher is not None:  # laid out like the reference, with its own shape
+        terms.append(Term(f"distillation teacher ({'bf16' if cuda else 'fp32'}, sharded)",
+                          int((2 if cuda else 4) * model_shape(teacher).total(head=True) / shard), "persistent"))
+    critic = not config.method.offline and bool(config.algorithm.critic)
     if critic:
         critic_local = (s.num_layers * layer_tp + s.root_tp(tp, head=False)) / shard
         terms.append(Term("critic weights + gradients + AdamW", int(16 * critic_local), "persistent",
                           "fp32, trains like the policy"))
     rm_shape = None
-    if config.method == Method.RL and config.reward.model is not None and reward_model_config is not None:
+    if not config.method.offline and config.reward.model is not None and reward_model_config is not None:
         rm_shape = model_shape(reward_model_config)
         terms.append(Term(f"reward model ({'bf16' if cuda else 'fp32'}, sharded)",
                           int((2 if cuda else 4) * rm_shape.total(head=False) / shard), "persistent"))
@@ -215,7 +219,7 @@ def _terms(config, model_config: dict, world_size: int, *, tokens: int, checkpoi
     if not cuda:  # on CUDA optim.py's AdamW is fused: no temporary of the shard's size
         terms.append(Term("AdamW step temporaries", int(4 * trained_local), "optimizer step",
                           "foreach sqrt(exp_avg_sq)"))
-    if config.method == Method.RL:
+    if not config.method.offline:
         from ..weight_sync.buckets import DEFAULT_BUCKET_BYTES
 
         terms.append(Term("weight-sync buffers (rank 0)", weight_sync_bytes(DEFAULT_BUCKET_BYTES, s.largest),

@@ -59,7 +59,8 @@ class RunLoop(LoopBase):
                                     max_tokens_per_micro_batch=o.max_tokens_per_micro_batch,
                                     max_grad_norm=o.max_grad_norm, temperature=config.sampling.temperature,
                                     device=info.device,
-                                    reward_model_weight=config.reward.model.weight if config.reward.model else 1.0)
+                                    reward_model_weight=config.reward.model.weight if config.reward.model else 1.0,
+                                    distillation=config.distillation)
         self.max_staleness = config.sampling.max_staleness
         self.policy_version = 0
         self.served_version = 0  # what the rollout servers hold (advanced after each completed sync)
@@ -196,7 +197,7 @@ class RunLoop(LoopBase):
             extra["logprob_mismatch"] = logprob_mismatch(tensors.old_logprobs, tensors.rollout_logprobs, tensors.mask)
         dev = self.info.device
         if dev.type == "cuda":
-            passes = 3.0 + (tensors.old_logprobs is not None) + (tensors.ref_logprobs is not None)
+            passes = 3.0 + sum(x is not None for x in (tensors.old_logprobs, tensors.ref_logprobs, tensors.teacher_logprobs))
             extra["mfu"] = train_mfu(num_params=self.num_params, tokens=num_tokens,
                                      train_seconds=timings["train_seconds"], world_size=self.info.world_size,
                                      device_peak_flops=peak_flops(torch.cuda.get_device_name(dev)), passes=passes)

@@ -1,6 +1,8 @@
 """The models of an RL job: the policy and its optimizer, the frozen reference (when
-`algorithm.klCoef` is set), the critic and its optimizer (PPO), the learned reward model
-(`reward.model`), built and laid out by the shared loader (models/loading.py).
+`algorithm.klCoef` is set), the frozen teacher (`method: distill`: loaded and laid out as
+the reference is, from `distillation.teacher.path`), the critic and its optimizer (PPO),
+the learned reward model (`reward.model`), built and laid out by the shared loader
+(models/loading.py).
 
 The critic and the reward model are read on the host and moved to the GPU by FSDP2 one
 decoder layer at a time as it shards them (`fully_shard` moves a module's states to its
@@ -31,6 +33,8 @@ class Models:
     critic_engine: Engine | None = None
     reward_model: torch.nn.Module | None = None
     """The reward model (`reward.model`), frozen."""
+    teacher: torch.nn.Module | None = None
+    """The distillation teacher (`method: distill`), frozen."""
 
     @property
     def policy(self) -> torch.nn.Module:
@@ -64,6 +68,10 @@ def build_models(config: TrainerConfig, info: DistInfo, pad_token_id: int | None
         # frozen: bf16 on GPUs (what it computes in), no optimizer state
         reward_model = load_reward_model(config.reward.model.path, host_until_sharded(info.device), pad_token_id,
                                          torch.bfloat16 if info.device.type == "cuda" else torch.float32)
-    policy, ref, layout = load_models(config, info, with_ref=bool(a.kl_coef), critic=critic, reward_model=reward_model)
+    teacher_path = config.distillation.teacher.path if config.distillation is not None else None
+    # the teacher takes the reference's place (a distill job has no KL to the starting model: the contract's rule)
+    policy, frozen, layout = load_models(config, info, with_ref=bool(a.kl_coef) or teacher_path is not None,
+                                         critic=critic, reward_model=reward_model, ref_path=teacher_path)
     critic_engine = build_engine(critic, config, a.critic_learning_rate, causal_lm=False) if critic is not None else None
-    return Models(build_engine(policy, config), ref, critic_engine, reward_model), layout
+    ref, teacher = (None, frozen) if teacher_path is not None else (frozen, None)
+    return Models(build_engine(policy, config), ref, critic_engine, reward_model, teacher), layout

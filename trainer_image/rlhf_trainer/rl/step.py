@@ -21,14 +21,14 @@ from collections.abc import Callable
 
 import torch
 
-from rlhf_contract.api.models import AlgorithmSpec
+from rlhf_contract.api.models import AlgorithmSpec, DistillationSpec
 
 from ..accumulator import MetricAccumulator
-from ..algorithms.losses import agg_weights, compose_loss, explained_variance, value_token_loss
+from ..algorithms.losses import agg_weights, compose_loss, explained_variance, sequence_means, value_token_loss
 from ..data.micro_batches import MicroBatch, plan
 from ..data.sequences import Row
 from ..engine import Engine
-from ..models.forward import critic_forward, local, policy_forward
+from ..models.forward import critic_forward, local, policy_forward, whole_row
 from ..orchestrator.types import RolloutBatch
 from ..parallel.parallelize import Layout
 from .models import Models
@@ -41,8 +41,9 @@ METRICS = ["loss", "clip_fraction", "approx_kl", "entropy", "kl", "value_loss", 
 
 class TrainStep:
     def __init__(self, algorithm: AlgorithmSpec, models: Models, layout: Layout, *, max_tokens_per_micro_batch: int,
-                 max_grad_norm: float, temperature: float, device: torch.device, reward_model_weight: float = 1.0):
-        self.a, self.m, self.layout = algorithm, models, layout
+                 max_grad_norm: float, temperature: float, device: torch.device, reward_model_weight: float = 1.0,
+                 distillation: DistillationSpec | None = None):
+        self.a, self.m, self.layout, self.distillation = algorithm, models, layout, distillation
         self.reward_model_weight = reward_model_weight
         self.budget, self.max_grad_norm, self.temperature, self.device = (
             max_tokens_per_micro_batch, max_grad_norm, temperature, device)
@@ -68,10 +69,12 @@ class TrainStep:
     def prepare(self, batch: RolloutBatch) -> StepTensors:
         m, dev, cp = self.m, self.device, self.layout.cp_mesh
         passes = {}
-        if needs_old_logprobs(self.a):
+        if needs_old_logprobs(self.a, distill=self.distillation is not None):
             passes["old_logprobs"] = lambda mb: policy_forward(m.policy, mb, cp, dev, self.temperature, "none")[0]
         if m.ref is not None:
             passes["ref_logprobs"] = lambda mb: policy_forward(m.ref, mb, cp, dev, self.temperature, "none")[0]
+        if m.teacher is not None:  # at the sampling temperature, as the student's
+            passes["teacher_logprobs"] = lambda mb: policy_forward(m.teacher, mb, cp, dev, self.temperature, "none")[0]
         if m.critic is not None:
             passes["values"] = lambda mb: critic_forward(m.critic, mb, cp, dev)
         m.policy.eval()
@@ -86,8 +89,8 @@ class TrainStep:
             rewards, reward_metrics = model_rewards.total(rewards), model_rewards.metrics(rewards)
         tables = gather_passes(batch.rows, micro, passes, cp, self.layout.world_size,
                                contributes=self.layout.owns_rows, device=dev)
-        tensors = build_step_tensors(batch.rows, tables, self.a, batch.group_size, rewards)
-        tensors.reward_metrics = reward_metrics
+        tensors = build_step_tensors(batch.rows, tables, self.a, batch.group_size, rewards, self.distillation)
+        tensors.reward_metrics.update(reward_metrics)
         return tensors
 
     # ---- updates ----------------------------------------------------------------------
@@ -164,10 +167,16 @@ class TrainStep:
         logp, entropy = policy_forward(m.policy, mb, cp_mesh, dev, self.temperature,
                                        "grad" if a.entropy_coef else "value")
         old = per_token(t.old_logprobs) if t.old_logprobs is not None else logp.detach()
+        seq_log_ratio = None
+        if a.policy_loss == "gspo":  # each sequence's mean of logp - old, over its tokens on every CP rank
+            whole = whole_row(logp.detach() - old, cp_mesh).cpu()
+            segments = [mb.positions(k) for k in range(len(mb.rows))]
+            seq_log_ratio = local(sequence_means(whole, mb.scatter([t.mask[i, :len(rows[i].response_ids)]
+                                                                    for i in mb.rows]), segments), cp_mesh, dev)
         loss, terms = compose_loss(
             a, logp=logp, entropy=entropy, old=old, advantages=per_token(t.advantages), coef=c,
             ref=per_token(t.ref_logprobs) if t.ref_logprobs is not None else None,
-            rollout=per_token(t.rollout_logprobs) if a.tis_cap is not None else None)
+            rollout=per_token(t.rollout_logprobs) if a.tis_cap is not None else None, seq_log_ratio=seq_log_ratio)
         m.engine.backward(loss, last=last)  # gradients are SUMMED over data x context ranks: each loss is a share
         num_tokens = mask.sum()
         acc.add("loss", loss)

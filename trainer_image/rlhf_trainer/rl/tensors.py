@@ -1,6 +1,7 @@
 """A step's per-token tensors ([B, T] tables, `StepTensors`) and how they are made: the
-no-gradient passes (old / reference log-probs, the critic's values), the token rewards
-with an optional KL penalty, and the advantages.
+no-gradient passes (old / reference / teacher log-probs, the critic's values), the token
+rewards with an optional KL penalty, and the advantages (`method: distill`: the teacher's
+per-token signal, `distillation_advantages`).
 
 Every rank forwards its own micro-batches; the per-token results are assembled into
 whole-batch tables with one all-reduce on the device, so that every rank computes the
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from rlhf_contract.api.models import AlgorithmSpec
+from rlhf_contract.api.models import AlgorithmSpec, DistillationSpec
 
 from ..algorithms.advantages import compute_advantages, gae
 from ..algorithms.kl import kl_penalty
@@ -38,6 +39,8 @@ class StepTensors:
     """The policy's log-probs before this step's updates (None: the step's first pass
     is on-policy and uses its own detached log-probs)."""
     ref_logprobs: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None
+    """`method: distill`: the teacher's log-probs of the sampled tokens."""
     values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     reward_metrics: dict[str, float] = field(default_factory=dict)
@@ -45,10 +48,12 @@ class StepTensors:
     included: the rows keep their verifiable rewards."""
 
 
-def needs_old_logprobs(a: AlgorithmSpec) -> bool:
-    """With one optimizer step, no KL in the reward and no TIS, the old log-probs equal the
-    current ones at the first (only) pass: skip the extra forward (GRPO's shortcut)."""
-    return a.num_mini_batches > 1 or (bool(a.kl_coef) and a.kl_mode == "reward") or a.tis_cap is not None
+def needs_old_logprobs(a: AlgorithmSpec, distill: bool = False) -> bool:
+    """With one optimizer step, no KL in the reward, no TIS and no distillation (whose
+    advantages read the student's log-probs), the old log-probs equal the current ones at
+    the first (only) pass: skip the extra forward (GRPO's shortcut)."""
+    return (a.num_mini_batches > 1 or (bool(a.kl_coef) and a.kl_mode == "reward") or a.tis_cap is not None
+            or distill)
 
 
 def gather_passes(rows: list[Row], micro_batches: list[MicroBatch], passes: dict[str, Callable[[MicroBatch], torch.Tensor]],
@@ -86,17 +91,40 @@ def gather_passes(rows: list[Row], micro_batches: list[MicroBatch], passes: dict
     return {name: tables[j] for j, name in enumerate(passes)}
 
 
+def distillation_advantages(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor,
+                            task: torch.Tensor | None = None, reward_weight: float = 0.0) -> torch.Tensor:
+    """On-policy distillation's per-token advantage: the negative reverse-KL estimate
+    -(log p_student - log p_teacher) of each sampled token (the student sampled it, so its
+    mean is -KL(student || teacher)), plus `reward_weight` x the task advantages `task`;
+    0 off the mask. All [B, T]."""
+    adv = (teacher - student) * mask
+    if task is not None and reward_weight:
+        adv = adv + reward_weight * task * mask
+    return adv
+
+
+def distillation_metrics(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Per-token means over the mask: the reverse-KL estimate, the teacher's and the
+    student's log-probs of the sampled tokens."""
+    n = mask.sum().clamp(min=1.0)
+    return {"distill_reverse_kl": float(((student - teacher) * mask).sum() / n),
+            "distill_teacher_logprob": float((teacher * mask).sum() / n),
+            "distill_student_logprob": float((student * mask).sum() / n)}
+
+
 def build_step_tensors(rows: list[Row], tables: dict[str, torch.Tensor], a: AlgorithmSpec,
-                       group_size: int, rewards: list[float] | None = None) -> StepTensors:
+                       group_size: int, rewards: list[float] | None = None,
+                       distillation: DistillationSpec | None = None) -> StepTensors:
     """Token rewards (outcome on the last response token, minus the KL penalty when
     `klMode` is `reward`), returns (GAE) and advantages, from the gathered tables.
-    `rewards`: each row's outcome reward (default: the rows' own)."""
+    `rewards`: each row's outcome reward (default: the rows' own). With `distillation`
+    the advantages are `distillation_advantages` (the task's only with a rewardWeight)."""
     width = max(max((len(r.response_ids) for r in rows), default=1), 1)
     mask = pad_rows([r.mask() for r in rows], width)
     t = StepTensors(mask=mask, advantages=torch.zeros_like(mask),
                     rollout_logprobs=pad_rows([r.rollout_logprobs for r in rows], width),
                     old_logprobs=tables.get("old_logprobs"), ref_logprobs=tables.get("ref_logprobs"),
-                    values=tables.get("values"))
+                    teacher_logprobs=tables.get("teacher_logprobs"), values=tables.get("values"))
     token_rewards = torch.zeros_like(mask)
     for i, (r, reward) in enumerate(zip(rows, rewards if rewards is not None else [r.reward for r in rows])):
         if r.response_ids:
@@ -105,6 +133,13 @@ def build_step_tensors(rows: list[Row], tables: dict[str, torch.Tensor], a: Algo
         token_rewards = token_rewards - a.kl_coef * kl_penalty(t.old_logprobs, t.ref_logprobs, a.kl_estimator) * mask
     if a.advantage_estimator == "gae":
         _, t.returns = gae(token_rewards, t.values, mask, a.gamma, a.lam)
-    t.advantages = compute_advantages(a.advantage_estimator, token_rewards, mask, group_size=group_size,
-                                      values=t.values, gamma=a.gamma, lam=a.lam, norm_std=a.norm_std)
+    task = None
+    if distillation is None or distillation.reward_weight:
+        task = compute_advantages(a.advantage_estimator, token_rewards, mask, group_size=group_size,
+                                  values=t.values, gamma=a.gamma, lam=a.lam, norm_std=a.norm_std)
+    if distillation is None:
+        t.advantages = task
+        return t
+    t.advantages = distillation_advantages(t.old_logprobs, t.teacher_logprobs, mask, task, distillation.reward_weight)
+    t.reward_metrics.update(distillation_metrics(t.old_logprobs, t.teacher_logprobs, mask))
     return t
