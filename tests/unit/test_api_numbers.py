@@ -130,7 +130,7 @@ def test_values_that_cannot_work(override, fragment):
 
 def test_cli_names_the_field(capsys):
     job = "examples/local-grpo.yaml"
-    assert main(["validate", job, "--set", "spec.algorithm.klCoef=.nan", "--set", "schedule.totalSteps=true"]) == 1
+    assert main(["validate", job, "--set", "spec.algorithm.klCoef=.nan", "--set", "schedule.totalSteps=true"]) == 2
     err = capsys.readouterr().err
     assert "spec.algorithm.klCoef: Input should be a finite number" in err
     assert "spec.schedule.totalSteps: must be a number, not true" in err

@@ -145,7 +145,7 @@ def test_submit_dry_run_prints_the_config_map_and_the_job(workdir: Path, capsys,
 
 def test_the_examples_reward_file_is_what_the_trainer_loads():
     """examples/boxed_reward.py (sent by `--working-dir examples`) through the trainer's own loader."""
-    from rlhf_trainer.rewards.custom import load_reward_function
+    from rlhf_trainer.rewards.forms import load_reward_function
 
     root = Path(__file__).resolve().parents[2]
     job = validate_job(yaml.safe_load((root / "examples" / "cluster-custom-reward.yaml").read_text()))

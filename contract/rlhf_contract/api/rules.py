@@ -9,11 +9,12 @@ least 1) live on the fields themselves, not here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from .common import Method
 from .presets import cel_resolved
+from .rule import Rule, required_for_component, required_for_reward  # noqa: F401  (re-exported)
+from .rules_rollout import CLUSTER_RULES, COLOCATED_RULES  # noqa: F401  (re-exported)
 
 ESTIMATOR = cel_resolved("advantage_estimator", "advantageEstimator")
 CRITIC = cel_resolved("critic", "critic")
@@ -28,46 +29,6 @@ _RL, _RM, _DISTILL = f"'{Method.RL}'", f"'{Method.RM}'", f"'{Method.DISTILL}'"
 _ONLINE = f"(self.method == {_RL} || self.method == {_DISTILL})"
 KL_COEF = cel_resolved("kl_coef", "klCoef")
 
-
-
-@dataclass(frozen=True)
-class Rule:
-    field_path: str
-    """Path of the field to blame, relative to `spec`, in YAML names."""
-    cel: str
-    """The rule as a CEL expression over `self` = the spec."""
-    message: str
-    """What is wrong and what to change (static; the CEL message)."""
-    check: Callable[[Any], bool]
-    """True when the spec (an `RLHFJobSpec`; rules import no model: models imports rules) satisfies the rule."""
-    detail: Callable[[Any], str] = lambda s: ""
-    """The values involved, appended to the message in Python."""
-
-    def problem(self, detail: str = "") -> str:
-        """`spec.<field>: <message> (<detail>)`, as `rlhfctl validate` and the trainer print it."""
-        return f"spec.{self.field_path}: {self.message}" + (f" ({detail})" if detail else "")
-
-
-def required_for_reward(reward_type: str, field: str, what: str) -> Rule:
-    """`reward.<field>` must be set when `reward.type` is `reward_type`."""
-    return Rule(
-        field_path=f"reward.{field}",
-        cel=f"self.reward.type != '{reward_type}' || has(self.reward.{field})",
-        message=f"is required when reward.type is {reward_type} ({what})",
-        check=lambda s: s.reward.type != reward_type or bool(getattr(s.reward, field)),
-    )
-
-
-def required_for_component(reward_type: str, field: str, what: str) -> Rule:
-    """`reward.components[*].<field>` must be set on each component of type `reward_type`."""
-    return Rule(
-        field_path="reward.components",
-        cel=f"!has(self.reward.components) || self.reward.components.all(c, c.type != '{reward_type}' || has(c.{field}))",
-        message=f"each component of type {reward_type} needs {field} ({what})",
-        check=lambda s: all(c.type != reward_type or bool(getattr(c, field)) for c in s.reward.components),
-        detail=lambda s: "missing on " + ", ".join(c.name for c in s.reward.components
-                                                  if c.type == reward_type and not getattr(c, field)),
-    )
 
 
 def _SERVED(f: str) -> str:  # noqa: N802 (reads as a CEL macro)
@@ -154,23 +115,7 @@ RULES: tuple[Rule, ...] = (
         check=lambda s: (s.data.path == "builtin://gem") == (s.environment is not None and s.environment.gem is not None),
     ),
     required_for_reward("http", "url", "the reward service endpoint"),
-    Rule(
-        field_path="rollout.maxStaleness",
-        cel="self.rollout.placement != 'colocated' || self.rollout.maxStaleness == 0",
-        message="must be 0 with rollout.placement colocated: colocated servers sleep while the trainer "
-        "trains, so nothing is generated ahead; use placement separate to overlap generation and training",
-        check=lambda s: s.rollout.placement != "colocated" or s.rollout.max_staleness == 0,
-        detail=lambda s: f"got {s.rollout.max_staleness}",
-    ),
-    Rule(
-        field_path="rollout.vllm.kvCacheMemoryBytes",
-        cel="self.rollout.placement != 'colocated' || self.rollout.engine != 'vllm' || "
-        "(has(self.rollout.vllm) && has(self.rollout.vllm.kvCacheMemoryBytes))",
-        message="is required with rollout.placement colocated and engine vllm: the KV cache is set in bytes, "
-        "not as what gpuMemoryUtilization leaves, because the trainer's state shares the GPU",
-        check=lambda s: (s.rollout.placement != "colocated" or s.rollout.engine != "vllm"
-                         or s.rollout.vllm.kv_cache_memory_bytes is not None),
-    ),
+    *COLOCATED_RULES,
     Rule(
         field_path="reward.components",
         cel="!has(self.reward.components) || self.reward.components.all(c, c.type != 'python' || has(c.file) || "
@@ -356,20 +301,6 @@ so the operator only ignores them)."""
 MUTABLE_FIELDS: tuple[str, ...] = ("suspend", "runPolicy")
 """Spec fields an update may change: the operator acts on them at once (suspend scales
 everything to zero; runPolicy's budget, deadline and TTL are read on every reconcile)."""
-
-CLUSTER_RULES: tuple[Rule, ...] = (
-    Rule(
-        field_path="rollout.placement",
-        cel="self.rollout.placement != 'colocated'",
-        message="colocated runs in local mode only (rlhfctl run) in this release: on a cluster the servers "
-        "would need the trainer pods' own GPUs and CUDA IPC weight transfer, which the operator does not "
-        "build yet; use placement separate",
-        check=lambda s: s.rollout.placement != "colocated",
-    ),
-)
-"""Rules of what the operator can build (the CRD's CEL and the operator's builders), not of
-what a job means: local mode runs these jobs."""
-
 
 IMMUTABLE_FIELDS: tuple[str, ...] = ("method", "model", "data", "reward", "environment", "algorithm", "distillation",
                                      "rollout",

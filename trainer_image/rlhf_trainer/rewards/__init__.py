@@ -25,10 +25,11 @@ may also count events per step (a judge: `parse_failures`, `judge_tokens`), logg
 
 from __future__ import annotations
 
-import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable, Sequence
+
+NAN = float("nan")  # not math.nan: this package's submodule `math` takes that name once imported
 
 from .sample import Sample
 
@@ -97,7 +98,7 @@ class CombinedReward:
             total = sum(weight * own[name][0] for name, weight, _ in self.parts if own[name] is not None)
             main = own[self.main] if self.main is not None else None
             out.append((total, main[1] if main is not None else 0.0,
-                        {name: r[0] if r is not None else math.nan for name, r in own.items()}))
+                        {name: r[0] if r is not None else NAN for name, r in own.items()}))
         return out
 
     def drain_counters(self) -> dict[str, float]:
