@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     command = [sys.executable, "-m", "torch.distributed.run", *args, "-m", "rlhf_trainer"]
     marker = Path(tempfile.mkdtemp(prefix="rlhf-launch-")) / "config-error"
     child = subprocess.Popen(command, env={**os.environ, ENV_CONFIG_ERROR_FILE: str(marker)})
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT):  # torchrun passes it on and waits the grace period
         signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
     code = child.wait()
     if code != 0:
