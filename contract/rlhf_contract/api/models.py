@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .common import MAX_NAME_LENGTH, Method, SpecModel, PodTemplateSpec
+from .common import MAX_NAME_LENGTH, Method, SpecModel, PodScheduling, PodSecurity, PodTemplateSpec, RolePodSpec
 from .task import ModelSpec, DataSpec, SandboxServiceSpec, RewardSpec, EnvironmentSpec, AlgorithmSpec
 from .training import RolloutSpec, TrainerSpec, ScheduleSpec, OutputSpec, RunPolicy, EvaluationSpec, PreferenceSpec, TrackingSpec
 from .common import API_GROUP, API_VERSION, KIND, PLURAL, SHORT_NAME, KubeObject, GPU_RESOURCE, Quantity, Resources, VolumeMount  # noqa: F401  (re-exported)
@@ -49,7 +49,10 @@ __all__ = [
     "PLURAL",
     "ParallelismSpec",
     "DeepSpeedSpec",
+    "PodScheduling",
+    "PodSecurity",
     "PodTemplateSpec",
+    "RolePodSpec",
     "PreferenceSpec",
     "Progress",
     "Quantity",

@@ -36,8 +36,8 @@ from .meta import (
     COMPLETION_INDEX_LABEL, LABEL_ATTEMPT, RJOB_ROLLOUT, RJOB_TRAINER, ROLE_ROLLOUT, ROLE_TRAINER, job_labels, jobset_name,
     metadata, namespace_of, pod_labels, trainer_name,
 )
-from .pods import PodSettings, pod_spec
-from .workloads import rollout_container, rollout_endpoints, trainer_container, weight_sync_addr
+from .pods import PodSettings, pod_spec, template_metadata
+from .workloads import rollout_container, rollout_endpoints, rollout_service_account, trainer_container, weight_sync_addr
 
 JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
 PERMANENT_RULE = "permanentExitCode"
@@ -82,17 +82,18 @@ def build_jobset(job: RLHFJob, settings: PodSettings) -> dict[str, Any]:
     trainer = trainer_container(job, settings, rollout_endpoints=rollout_endpoints(job),
                                 weight_sync_addr=weight_sync_addr(job), name="trainer", extra_env=node_env)
     trainer_template = {
-        "metadata": {"labels": _pod_labels(job, ROLE_TRAINER)},
-        "spec": pod_spec(job, settings, [trainer], restart_policy="Never",
-                         service_account=trainer_name(job.metadata.name), trainer=True),
+        "metadata": template_metadata(_pod_labels(job, ROLE_TRAINER), settings.role(ROLE_TRAINER)),
+        "spec": pod_spec(job, settings, [trainer], role=ROLE_TRAINER, restart_policy="Never",
+                         service_account=trainer_name(job.metadata.name)),
     }
     replicated = [{"name": RJOB_TRAINER, "replicas": 1,
                    "template": {"spec": _job_spec(trainer_template, t.num_nodes)}}]
     if not job.spec.offline:
         rollout_template = {
-            "metadata": {"labels": _pod_labels(job, ROLE_ROLLOUT)},
-            "spec": pod_spec(job, settings, [rollout_container(job, settings)], restart_policy="Never",
-                             service_account=None),
+            "metadata": template_metadata(_pod_labels(job, ROLE_ROLLOUT), settings.role(ROLE_ROLLOUT)),
+            "spec": pod_spec(job, settings, [rollout_container(job, settings)], role=ROLE_ROLLOUT,
+                             restart_policy="Never", service_account=rollout_service_account(job, settings),
+                             automount_token=False),
         }
         replicated.append({"name": RJOB_ROLLOUT, "replicas": job.spec.rollout.replicas,
                            "template": {"spec": _job_spec(rollout_template, 1)}})
