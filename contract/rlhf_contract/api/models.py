@@ -210,7 +210,11 @@ class RLHFJobStatus(SpecModel):
     observed_generation: int | None = Field(default=None, ge=0)
     """The metadata.generation of the spec this status was computed from."""
     restarts: int = Field(default=0, ge=0)
-    """Whole-job restarts so far (counted against `spec.runPolicy.maxRestarts`)."""
+    """Whole-job restarts so far (the attempt number); those not caused by disruptions count
+    against `spec.runPolicy.maxRestarts`."""
+    disruptions: int = Field(default=0, ge=0)
+    """Of `restarts`, those caused by disruptions (preemption, eviction by a node drain, a
+    lost node, SIGTERM): they do not count against `spec.runPolicy.maxRestarts`."""
     message: str = ""
     """Why the job is in its phase (the message of its last transition)."""
     start_time: str | None = Field(default=None, json_schema_extra={"format": "date-time"})
