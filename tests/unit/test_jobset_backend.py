@@ -24,7 +24,7 @@ def body(status=None, max_restarts=2, suspend=False, method="rl", queue=None):
     meta = {"name": "demo", "namespace": "ns", "uid": UID, "generation": 1,
             "creationTimestamp": (NOW - timedelta(minutes=5)).strftime("%Y-%m-%dT%H:%M:%SZ")}
     if queue:
-        meta["labels"] = {"kueue.x-k8s.io/queue-name": queue}
+        meta["labels"] = {"kueue.x-k8s.io/queue-name": queue, "kueue.x-k8s.io/priority-class": "high"}
     spec = {"backend": "JobSet", "method": method, "model": {"path": "/m/tiny"}, "data": {"path": "/d/x.jsonl"},
             "trainer": {"numNodes": 2, "nprocPerNode": 4}, "suspend": suspend,
             "runPolicy": {"maxRestarts": max_restarts},
@@ -68,6 +68,7 @@ def test_one_jobset_holds_trainer_and_servers_with_the_budget_and_the_queue_labe
     kinds = [c["kind"] for c in build_children(j, 0)]
     assert "StatefulSet" not in kinds and "PyTorchJob" not in kinds and kinds.count("JobSet") == 1
     assert js["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    assert js["metadata"]["labels"]["kueue.x-k8s.io/priority-class"] == "high"  # Kueue's WorkloadPriorityClass
     rjobs = {r["name"]: r for r in js["spec"]["replicatedJobs"]}
     assert rjobs["trainer"]["replicas"] == 1 and rjobs["trainer"]["template"]["spec"]["parallelism"] == 2
     assert rjobs["rollout"]["replicas"] == 3 and rjobs["rollout"]["template"]["spec"]["parallelism"] == 1

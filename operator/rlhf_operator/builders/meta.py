@@ -21,6 +21,8 @@ LABEL_ATTEMPT = "rlhf.dev/attempt"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGER = "rlhf-operator"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
+"""Kueue's WorkloadPriorityClass of a job (read from the JobSet / PyTorchJob it admits)."""
 
 ROLE_ROLLOUT = "rollout"
 ROLE_TRAINER = "trainer"
@@ -86,9 +88,9 @@ def owner_reference(job: RLHFJob) -> dict[str, Any]:
 def job_labels(job: RLHFJob) -> dict[str, str]:
     """Labels of every child object (not pods: see `pod_labels`)."""
     labels = {LABEL_JOB: job.metadata.name, LABEL_MANAGED_BY: MANAGER}
-    queue = job.metadata.labels.get(KUEUE_QUEUE_LABEL)
-    if queue:
-        labels[KUEUE_QUEUE_LABEL] = queue
+    for key in (KUEUE_QUEUE_LABEL, KUEUE_PRIORITY_LABEL):  # what Kueue reads, from the job's own labels
+        if job.metadata.labels.get(key):
+            labels[key] = job.metadata.labels[key]
     return labels
 
 
