@@ -347,3 +347,19 @@ def test_an_ordinary_failure_counts_restarts_net_of_disruptions():
     p = run(body(status, max_restarts=2), running_children(attempt=3, phase="Failed", terminated=1))
     assert p.status["phase"] == "Restarting" and "restart 2 of 2" in cond(p, "Restarting")["message"]
     assert (p.status["restarts"], p.status["disruptions"]) == (4, 2)
+
+
+def test_child_refused_turns_true_with_the_message_and_false_once_accepted():
+    from rlhf_operator.conditions import refused_condition
+
+    conds = {}
+    assert not refused_condition(conds, None, NOW)  # never refused: no condition at all
+    assert conds == {}
+    assert refused_condition(conds, "StatefulSet x refused by the API server: bad volume", NOW, 3)
+    assert conds["ChildRefused"]["status"] == "True" and conds["ChildRefused"]["message"].endswith("bad volume")
+    assert not refused_condition(conds, "StatefulSet x refused by the API server: bad volume", NOW + timedelta(1), 3)
+    assert refused_condition(conds, None, NOW + timedelta(seconds=5), 3)
+    assert (conds["ChildRefused"]["status"], conds["ChildRefused"]["reason"]) == ("False", "Accepted")
+    # the plan keeps it in the status from then on
+    p = run(body({"phase": "Running", "conditions": list(conds.values())}), running_children())
+    assert cond(p, "ChildRefused") == conds["ChildRefused"]

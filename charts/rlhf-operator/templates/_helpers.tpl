@@ -50,3 +50,8 @@ app.kubernetes.io/part-of: rlhf-operator
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
 {{- end }}
+
+{{/* The leader Lease: leaderElection.leaseName, or the release's full name (one per release). */}}
+{{- define "rlhf-operator.leaseName" -}}
+{{- .Values.leaderElection.leaseName | default (include "rlhf-operator.fullname" .) -}}
+{{- end }}
