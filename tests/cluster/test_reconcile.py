@@ -74,3 +74,33 @@ def test_a_child_the_api_server_refuses_is_a_warning_event_and_a_condition_not_a
 
     finally:
         cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def test_the_helm_test_command_passes_with_an_operator_and_says_what_is_missing_without(cluster: Cluster, tmp_path):
+    """`rlhfctl smoke-test` (the chart's `helm test` pod): a suspended job's children appear
+    and it is reported Suspended while a real operator runs; with none, it fails in its
+    timeout naming what is missing. Either way the job is deleted."""
+    import subprocess
+    import sys
+
+    from .test_operator import operator
+
+    install_crd(cluster)
+    ns = new_namespace(cluster, "smoke")
+
+    def smoke(timeout: int):
+        return subprocess.run([sys.executable, "-m", "rlhf_launcher.cli", "smoke-test", "--namespace", ns,
+                               "--timeout", str(timeout)], env=cluster.env, capture_output=True, text=True,
+                              timeout=timeout + 60)
+
+    try:
+        alone = smoke(3)
+        assert alone.returncode == 1 and "missing children: ConfigMap rlhf-smoke-test-config" in alone.stdout
+        with operator(cluster, ns, tmp_path / "operator.log"):
+            out = smoke(90)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "reports the job Suspended" in out.stdout
+        gone = cluster.kubectl("get", "rlhfjob", "rlhf-smoke-test", "-n", ns, check=False)
+        assert gone.returncode != 0 or "deletionTimestamp" in gone.stdout
+    finally:
+        cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
