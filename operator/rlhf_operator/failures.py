@@ -77,13 +77,23 @@ def disruption_reason(pod: dict[str, Any]) -> str | None:
     return None
 
 
+def _disruption_message(pod: dict[str, Any]) -> str:
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if c.get("type") == DISRUPTION_CONDITION:
+            return c.get("message") or ""
+    return ""
+
+
 def pod_failure(pod: dict[str, Any]) -> Failure | None:
     """The first sign that a pod failed (`_failure_of`), marked `disrupted` when Kubernetes
     took the pod away or the trainer stopped on SIGTERM."""
     failure = _failure_of(pod)
+    why = disruption_reason(pod)
+    if failure is None and why is not None:  # being taken away (evicted, preempted): the attempt is over
+        return Failure(pod["metadata"]["name"], labels(pod).get(LABEL_ROLE, "?"), None, None,
+                       f"{DISRUPTION_CONDITION}: {why}", _disruption_message(pod), disrupted=True)
     if failure is None:
         return None
-    why = disruption_reason(pod)
     if why is not None:
         return replace(failure, disrupted=True, reason=f"{failure.reason}, {DISRUPTION_CONDITION}: {why}".lstrip(", "))
     if failure.exit_code == ExitCode.TERMINATED and failure.role == ROLE_TRAINER:

@@ -363,3 +363,15 @@ def test_child_refused_turns_true_with_the_message_and_false_once_accepted():
     # the plan keeps it in the status from then on
     p = run(body({"phase": "Running", "conditions": list(conds.values())}), running_children())
     assert cond(p, "ChildRefused") == conds["ChildRefused"]
+
+
+def test_a_pod_being_evicted_ends_the_attempt_before_it_is_gone():
+    """The Eviction API (a drain) marks the pod DisruptionTarget and deletes it: the StatefulSet
+    would quietly replace a server, so the condition alone restarts the job, unbilled."""
+    obs = running_children()
+    obs.pods[1]["metadata"]["deletionTimestamp"] = "2025-01-01T11:59:59Z"
+    evicted(obs.pods[1])["status"]["conditions"][-1]["message"] = "Eviction API: evicting"
+    p = run(body({"phase": "Running"}, max_restarts=0), obs)
+    assert p.status["phase"] == "Restarting" and p.status["disruptions"] == 1
+    msg = cond(p, "Restarting")["message"]
+    assert "rollout pod demo-rollout-1 failed [DisruptionTarget: EvictionByEvictionAPI]: Eviction API" in msg
