@@ -29,6 +29,8 @@ class Failure:
     message: str = ""
     disrupted: bool = False
     """Kubernetes took the pod away (not the job's fault): a restart that spends no budget."""
+    final: bool = True
+    """False for a pod being taken away that has not failed yet (evicted, still terminating)."""
 
     @property
     def permanent(self) -> bool:
@@ -91,7 +93,7 @@ def pod_failure(pod: dict[str, Any]) -> Failure | None:
     why = disruption_reason(pod)
     if failure is None and why is not None:  # being taken away (evicted, preempted): the attempt is over
         return Failure(pod["metadata"]["name"], labels(pod).get(LABEL_ROLE, "?"), None, None,
-                       f"{DISRUPTION_CONDITION}: {why}", _disruption_message(pod), disrupted=True)
+                       f"{DISRUPTION_CONDITION}: {why}", _disruption_message(pod), disrupted=True, final=False)
     if failure is None:
         return None
     if why is not None:

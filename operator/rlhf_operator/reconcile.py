@@ -27,7 +27,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from rlhf_contract.api import problems
-from rlhf_contract.api.models import RLHFJob
+from rlhf_contract.api.models import RLHFJob, resolve_backend
 
 from kubernetes.client.rest import ApiException
 
@@ -189,7 +189,7 @@ class Reconciler:
             seen = {u: p for u, p in list(cache.failed_pods.items())
                     if (p["metadata"].get("labels") or {}).get(LABEL_JOB_UID) == body["metadata"]["uid"]}
             cache.uid, cache.applied, cache.failed_pods = body["metadata"]["uid"], {}, seen
-        backend = (body.get("spec") or {}).get("backend") or "PyTorchJob"
+        backend = resolve_backend((body.get("spec") or {}).get("backend"), body["metadata"].get("labels") or {})
         observed = kube.observe(namespace, name, backend)
         attempt = int((body.get("status") or {}).get("restarts") or 0)
         for uid, p in list(cache.failed_pods.items()):

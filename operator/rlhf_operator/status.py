@@ -373,7 +373,8 @@ def _plan_jobset(job: RLHFJob, meta: dict[str, Any], observed: Observed, ours: l
     # A pod of the current attempt failed and the JobSet has not acted yet: its failure
     # policy (which we wrote) decides exactly as below, so the status says so at once
     # instead of after the Job and JobSet controllers have caught up (seconds under load).
-    if (failure := failure_of(range(restarts, restarts + 1))) is not None:
+    failure = failure_of(range(restarts, restarts + 1))
+    if failure is not None and failure.final:  # a pod still being evicted: its Job decides once it has failed
         if failure.permanent:
             return finish("Failed", "PermanentError", failure.describe())
         if failure.disrupted:

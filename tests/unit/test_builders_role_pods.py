@@ -162,3 +162,20 @@ def test_the_accelerator_resource_cannot_be_set_by_hand():
     data["spec"]["rollout"]["resources"] = {"limits": {"amd.com/gpu": "1"}}
     with pytest.raises(PodSettingsError, match=r"spec.rollout.resources: amd.com/gpu is set from rollout.tensorParallelSize"):
         build_children(validate_job(data), 0)
+
+
+@pytest.mark.parametrize("labels, backend, expected", [
+    ({}, None, "PyTorchJob"),
+    ({"kueue.x-k8s.io/queue-name": "team"}, None, "JobSet"),  # Kueue admits a JobSet whole
+    ({"kueue.x-k8s.io/queue-name": "team"}, "PyTorchJob", "PyTorchJob"),  # said explicitly: kept
+])
+def test_the_default_backend_follows_the_kueue_queue_label(labels, backend, expected):
+    data = job_data(trainer_pod={}, rollout_pod={})
+    del data["spec"]["backend"]
+    if backend:
+        data["spec"]["backend"] = backend
+    data["metadata"]["labels"] = labels
+    job = validate_job(data)
+    assert job.spec.backend == expected
+    kinds = {c["kind"] for c in build_children(job, 0)}
+    assert ("JobSet" in kinds) == (expected == "JobSet") and ("PyTorchJob" in kinds) == (expected == "PyTorchJob")

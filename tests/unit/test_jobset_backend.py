@@ -218,3 +218,14 @@ def test_disruptions_restart_the_jobset_without_spending_max_restarts():
     p = run(body({"phase": "Running"}, max_restarts=0), Observed(jobset=jobset(), pods=pods))
     assert p.status["phase"] == "Restarting" and p.status["disruptions"] == 1
     assert next(c for c in p.status["conditions"] if c["type"] == "Restarting")["reason"] == "Disrupted"
+
+
+def test_a_jobset_pod_still_being_evicted_is_left_to_its_job():
+    """The Job controller counts an evicted pod only once it has failed; announcing a restart
+    before would wait for one JobSet may never make."""
+    pods = all_pods()
+    p = pods[-1]
+    p["metadata"]["deletionTimestamp"] = "2026-01-01T11:59:00Z"
+    p["status"]["conditions"].append({"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"})
+    plan_ = run(body({"phase": "Running"}), Observed(jobset=jobset(), pods=pods))
+    assert plan_.status["phase"] != "Restarting" and plan_.status["restarts"] == 0

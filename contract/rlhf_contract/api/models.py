@@ -38,6 +38,7 @@ __all__ = [
     "EvaluationSpec",
     "GPU_RESOURCE",
     "KIND",
+    "KUEUE_QUEUE_LABEL",
     "KubeObject",
     "LoraSpec",
     "LossAgg",
@@ -72,6 +73,7 @@ __all__ = [
     "TrackingSpec",
     "TrainerSpec",
     "VolumeMount",
+    "resolve_backend",
 ]
 
 
@@ -104,12 +106,15 @@ class RLHFJobSpec(SpecModel):
     """Outputs."""
     run_policy: RunPolicy = RunPolicy()
     """Restarts and lifetime."""
-    backend: Literal["PyTorchJob", "JobSet"] = "PyTorchJob"
+    backend: Literal["PyTorchJob", "JobSet"] | None = None
     """How the operator runs the pods on a cluster. `PyTorchJob`: the trainer as a Kubeflow
     PyTorchJob and the rollout servers as a StatefulSet, restarted together by the operator.
     `JobSet`: one JobSet (jobset.x-k8s.io/v1alpha2) holding both as replicated jobs; its
     failure policy is the restart domain (`runPolicy.maxRestarts` restarts) and Kueue admits
-    it as one workload. Ignored in local mode."""
+    it as one workload. Unset: `JobSet` for a job with the label `kueue.x-k8s.io/queue-name`
+    (Kueue admits it whole; its PyTorchJob integration is deprecated, off by default, and would
+    leave the rollout StatefulSet a workload of its own), `PyTorchJob` otherwise. Ignored in
+    local mode."""
     pod: PodTemplateSpec = Field(default_factory=PodTemplateSpec)
     """Scheduling and volumes of every pod of the job (ignored in local mode)."""
     suspend: bool = False
@@ -148,6 +153,14 @@ class RLHFJobSpec(SpecModel):
         apply_preset(self)
         check_spec(self)
         return self
+
+
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+
+
+def resolve_backend(backend: str | None, labels: dict[str, str]) -> str:
+    """`spec.backend`, or when unset the default for this job (see `RLHFJobSpec.backend`)."""
+    return backend or ("JobSet" if labels.get(KUEUE_QUEUE_LABEL) else "PyTorchJob")
 
 
 class ObjectMeta(BaseModel):
@@ -233,6 +246,11 @@ class RLHFJob(BaseModel):
     metadata: ObjectMeta
     spec: RLHFJobSpec
     status: RLHFJobStatus | None = None
+
+    @model_validator(mode="after")
+    def _resolve_backend(self) -> "RLHFJob":
+        self.spec.backend = resolve_backend(self.spec.backend, self.metadata.labels)
+        return self
 
     def to_config(self) -> dict[str, Any]:
         """The resolved job as JSON-ready data (camelCase), as mounted into every pod."""

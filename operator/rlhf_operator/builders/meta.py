@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlhf_contract.api.models import API_GROUP, API_VERSION, KIND, RLHFJob
+from rlhf_contract.api.models import API_GROUP, API_VERSION, KIND, KUEUE_QUEUE_LABEL, RLHFJob
 
 LABEL_JOB = "rlhf.dev/job"
 LABEL_JOB_UID = "rlhf.dev/job-uid"
@@ -20,7 +20,6 @@ LABEL_ROLE = "rlhf.dev/role"
 LABEL_ATTEMPT = "rlhf.dev/attempt"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGER = "rlhf-operator"
-KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
 """Kueue's WorkloadPriorityClass of a job (read from the JobSet / PyTorchJob it admits)."""
 
