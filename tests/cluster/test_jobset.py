@@ -11,6 +11,8 @@ trainer finishing is Succeeded and stops the servers; the budget cannot change o
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from .harness import Cluster, wait_for

@@ -50,6 +50,7 @@ def kueue(cluster: Cluster, tmp_path_factory):
     if not (bin_dir / ".complete").exists():
         pytest.skip("Kueue is not built: `bash tests/cluster/kueue/build.sh` (a few minutes, once)")
     certs, port, health = pki.webhook_pki(), free_port(), free_port()
+    cluster.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "kueue-system"}})  # its own
     cluster.kubectl("apply", "--server-side", "-f", str(bin_dir / "crd"))
     for crd in ("clusterqueues", "localqueues", "workloads", "resourceflavors", "workloadpriorityclasses"):
         cluster.wait_established(f"{crd}.kueue.x-k8s.io")
