@@ -8,6 +8,7 @@ again once the quota is free."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -25,6 +26,7 @@ pytestmark = pytest.mark.cluster
 BUILD = Path(__file__).parent / "kueue" / "build.sh"
 KUEUE = "kueue.x-k8s.io/v1beta2"
 PRIORITY = "kueue.x-k8s.io/priority-class"
+METRICS_CERTS = Path("/etc/kueue/metrics/certs")
 WEBHOOK_PATHS = ("jobset", "kueue-x-k8s-io")  # JobSets and Kueue's own objects; no pod, Job or other webhook
 
 
@@ -50,6 +52,14 @@ def kueue(cluster: Cluster, tmp_path_factory):
     if not (bin_dir / ".complete").exists():
         pytest.skip("Kueue is not built: `bash tests/cluster/kueue/build.sh` (a few minutes, once)")
     certs, port, health = pki.webhook_pki(), free_port(), free_port()
+    # Without its internal cert management (which would name an in-cluster Service) Kueue reads
+    # its metrics certificate from this fixed path, as the training-operator its webhook's.
+    try:
+        METRICS_CERTS.mkdir(parents=True, exist_ok=True)
+        for name in ("tls.crt", "tls.key"):
+            shutil.copyfile(certs / name, METRICS_CERTS / name)
+    except OSError as err:
+        pytest.skip(f"Kueue needs its metrics certificate in {METRICS_CERTS}: {err}")
     cluster.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "kueue-system"}})  # its own
     cluster.kubectl("apply", "--server-side", "-f", str(bin_dir / "crd"))
     for crd in ("clusterqueues", "localqueues", "workloads", "resourceflavors", "workloadpriorityclasses"):
