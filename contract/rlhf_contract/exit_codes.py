@@ -25,6 +25,9 @@ class ExitCode(IntEnum):
     NOT_FOUND = 127
     INTERRUPTED = 130
     """Ctrl-C (SIGINT) in local mode."""
+    TERMINATED = 143
+    """128 + SIGTERM: stopped from outside (preemption, node drain, suspend, `kill`) after
+    writing a checkpoint of the step it reached; the job resumes from it."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,7 @@ TABLE: tuple[Meaning, ...] = (
     Meaning(ExitCode.NOT_EXECUTABLE, "command not executable (broken image)", True),
     Meaning(ExitCode.NOT_FOUND, "command not found (broken image)", True),
     Meaning(ExitCode.INTERRUPTED, "interrupted (Ctrl-C, local mode)", False),
+    Meaning(ExitCode.TERMINATED, "stopped by SIGTERM (preemption, drain, suspend) after saving a checkpoint", False),
 )
 
 PERMANENT: frozenset[int] = frozenset(int(m.code) for m in TABLE if m.permanent)

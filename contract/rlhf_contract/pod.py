@@ -199,6 +199,8 @@ def trainer_process(
         ENV_WEIGHT_SYNC_ADDR: weight_sync_addr,
         ENV_OUTPUT_DIR: output_dir,
         ENV_RESUME: "1" if resume else "0",
+        # torchrun waits this long for its workers after SIGTERM (then SIGKILL): the grace period
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(job.spec.run_policy.termination_grace_period_seconds),
     }
     if metrics_port:
         env[ENV_METRICS_PORT] = str(metrics_port)

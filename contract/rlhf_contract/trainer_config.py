@@ -140,6 +140,9 @@ class TrainerConfig(_Config):
     """How long a weight-sync round may take (`rollout.weightSyncTimeoutSeconds`)."""
     tracking: TrackingSpec = Field(default_factory=TrackingSpec)
     """Experiment trackers (`spec.tracking`)."""
+    termination_grace_period_seconds: int = Field(default=60, ge=1)
+    """SIGTERM to SIGKILL (`runPolicy.terminationGracePeriodSeconds`): the time left to end the
+    step in flight and save a checkpoint."""
 
     @model_validator(mode="after")
     def _algorithm_resolved(self) -> "TrainerConfig":
@@ -175,7 +178,7 @@ class TrainerConfig(_Config):
             rollout_startup_timeout_seconds=r.startup_timeout_seconds,
             rollout_request_timeout_seconds=r.request_timeout_seconds,
             rollout_weight_sync_timeout_seconds=r.weight_sync_timeout_seconds,
-            tracking=s.tracking,
+            tracking=s.tracking, termination_grace_period_seconds=s.run_policy.termination_grace_period_seconds,
         )
 
     def rule_problems(self, world_size: int) -> list[str]:

@@ -279,33 +279,10 @@ def exit_codes_help() -> str:
             f"run's own codes as they are: {run_codes}.")
 
 
-def _add_operator_command(sub: argparse._SubParsersAction) -> None:
-    op = sub.add_parser("operator", help="run the Kubernetes operator (kopf) against the current kubeconfig")
-    op.add_argument("--namespace", action="append", default=[], help="watch only this namespace (repeatable; default: all)")
-    op.add_argument("--metrics-port", type=int, default=8080, help="Prometheus metrics port (0: off)")
-    op.add_argument("--lease-namespace", help="namespace of the leader Lease (default: $POD_NAMESPACE or the first --namespace)")
-    op.add_argument("--lease-duration", type=int, default=15, help="seconds before another replica may take over")
-    op.add_argument("--resync-seconds", type=float, default=15.0, help="reconcile every job at least this often")
-    op.add_argument("--verbose", action="store_true")
-    op.add_argument("--health-port", type=int, default=0,
-                    help="serve /healthz (liveness: fails when the operator stops making progress) and /readyz (0: off)")
-    op.add_argument("--log-format", choices=["text", "json"], default="text",
-                    help="json: one object per line (time, level, logger, message)")
-
-    def _cmd_operator(a: argparse.Namespace) -> int:
-        from rlhf_operator.handlers import run as run_operator
-
-        return run_operator(a.namespace, metrics_port=a.metrics_port, lease_namespace=a.lease_namespace,
-                            lease_duration=a.lease_duration, resync_seconds=a.resync_seconds, verbose=a.verbose,
-                            log_format=a.log_format, health_port=a.health_port)
-
-    op.set_defaults(func=_cmd_operator)
-
-
 def build_parser() -> argparse.ArgumentParser:
     from .cluster_cli import add_cluster_commands
     from .output import add_output_arg
-    from .support_cli import add_support_commands
+    from .support_cli import add_operator_commands, add_support_commands
 
     parser = argparse.ArgumentParser(prog="rlhfctl", description=__doc__, epilog=exit_codes_help())
     parser.add_argument("--version", action="version", version=_version())
@@ -362,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--output", help="PNG to write (default: <first RUN_DIR>/plot.png)")
     plot.set_defaults(func=_cmd_plot)
 
-    _add_operator_command(sub)
+    add_operator_commands(sub)
 
     crd = sub.add_parser("crd", help="print the RLHFJob CustomResourceDefinition")
     crd.set_defaults(func=_cmd_crd)

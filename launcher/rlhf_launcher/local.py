@@ -50,6 +50,16 @@ class LocalConfigError(LocalRunError):
     """The job cannot work as configured (found before anything starts): exit code 2."""
 
 
+class Terminated(Exception):
+    """`rlhfctl run` got SIGTERM: its processes are stopped as a pod's are (the trainer saves
+    a checkpoint within `runPolicy.terminationGracePeriodSeconds`)."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the clean-up below must not be cut short
+    raise Terminated()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -248,7 +258,16 @@ def run_local(job: RLHFJob, *, output: str | None = None, resume: bool = False, 
     # what the trackers log and the model card shows: the hf:// / s3:// addresses as written
     (out / JOB_FILE).write_text(json.dumps(run_config(recorded), indent=1))
 
-    budget = spec.run_policy.max_restarts
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        return _attempts(resolved, out, config_path, console, resume=resume)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _attempts(resolved: RLHFJob, out: Path, config_path: Path, console, *, resume: bool) -> int:
+    """Attempt 1 and up to `runPolicy.maxRestarts` more; the run's exit code."""
+    budget = resolved.spec.run_policy.max_restarts
     for restarts in range(budget + 1):
         if restarts:
             newest = complete_checkpoints(out)
@@ -257,8 +276,8 @@ def run_local(job: RLHFJob, *, output: str | None = None, resume: bool = False, 
         failure = _attempt(resolved, out, config_path, console, resume=resume or restarts > 0, attempt=restarts + 1)
         if failure is None:
             break
-        if failure.code == ExitCode.INTERRUPTED:
-            return ExitCode.INTERRUPTED
+        if failure.code in (ExitCode.INTERRUPTED, ExitCode.TERMINATED) and failure.name == "you":
+            return failure.code
         if is_permanent(failure.code) or restarts == budget:
             why = (f"exit code {failure.code} is permanent ({meaning(failure.code)}): no restart"
                    if is_permanent(failure.code) else f"no restarts left (runPolicy.maxRestarts={budget})")
@@ -299,7 +318,9 @@ def _attempt(resolved: RLHFJob, out: Path, config_path: Path, console, *, resume
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     children: list[_Child] = []
     with ExitStack() as stack:
-        stack.callback(lambda: [c.stop() for c in reversed(children)])
+        # the trainer first, while its servers still answer; it saves within the grace period
+        grace = spec.run_policy.termination_grace_period_seconds + 10
+        stack.callback(lambda: [c.stop(grace if c.name == "trainer" else 10.0) for c in reversed(children)])
         try:
             threads = _overlap_threads(spec)
             for i, port in enumerate(ports):
@@ -326,10 +347,12 @@ def _attempt(resolved: RLHFJob, out: Path, config_path: Path, console, *, resume
                 trainer = dataclasses.replace(trainer, env={**trainer.env, ENV_JUDGE_ENDPOINTS: ",".join(judge_urls)})
             children.append(_Child("trainer", trainer, out / "logs" / "trainer.log", attempt))
             return _watch(children, out / "metrics.jsonl", spec.schedule.total_steps, console)
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, Terminated) as why:
+            stack.close()  # the trainer saves the step it reached
             kept = complete_checkpoints(out)
             console.print(f"\nstopped; last complete checkpoint: {kept[-1] if kept else 'none'}")
-            return _Failure("you", ExitCode.INTERRUPTED, "interrupted")
+            code = ExitCode.TERMINATED if isinstance(why, Terminated) else ExitCode.INTERRUPTED
+            return _Failure("you", code, "stopped")
 
 
 def _start_judges(resolved: RLHFJob, out: Path, children: list["_Child"], attempt: int) -> list[str]:

@@ -109,3 +109,43 @@ def add_support_commands(sub: argparse._SubParsersAction) -> None:
                                 "`source <(rlhfctl completion bash)` (argcomplete)")
     completion.add_argument("shell", choices=["bash", "zsh"])
     completion.set_defaults(func=_cmd_completion)
+
+
+def add_operator_commands(sub: argparse._SubParsersAction) -> None:
+    """`rlhfctl operator` and `rlhfctl smoke-test` (the chart's `helm test`)."""
+    op = sub.add_parser("operator", help="run the Kubernetes operator (kopf) against the current kubeconfig")
+    op.add_argument("--namespace", action="append", default=[], help="watch only this namespace (repeatable; default: all)")
+    op.add_argument("--metrics-port", type=int, default=8080, help="Prometheus metrics port (0: off)")
+    op.add_argument("--lease-namespace", help="namespace of the leader Lease (default: $POD_NAMESPACE or the first --namespace)")
+    op.add_argument("--lease-name", default="rlhf-operator",
+                    help="name of the leader Lease (the chart gives each release its own)")
+    op.add_argument("--lease-duration", type=int, default=15, help="seconds before another replica may take over")
+    op.add_argument("--resync-seconds", type=float, default=15.0, help="reconcile every job at least this often")
+    op.add_argument("--verbose", action="store_true")
+    op.add_argument("--health-port", type=int, default=0,
+                    help="serve /healthz (liveness: fails when the operator stops making progress) and /readyz (0: off)")
+    op.add_argument("--log-format", choices=["text", "json"], default="text",
+                    help="json: one object per line (time, level, logger, message)")
+
+    def _cmd_operator(a: argparse.Namespace) -> int:
+        from rlhf_operator.handlers import run as run_operator
+
+        return run_operator(a.namespace, metrics_port=a.metrics_port, lease_namespace=a.lease_namespace,
+                            lease_name=a.lease_name, lease_duration=a.lease_duration, resync_seconds=a.resync_seconds, verbose=a.verbose,
+                            log_format=a.log_format, health_port=a.health_port)
+
+    op.set_defaults(func=_cmd_operator)
+
+    smoke = sub.add_parser("smoke-test", help="create a tiny suspended job, wait for its children, delete it "
+                                              "(the chart's `helm test`)")
+    smoke.add_argument("--namespace", required=True)
+    smoke.add_argument("--name", default="rlhf-smoke-test")
+    smoke.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the children")
+
+    def _cmd_smoke(a: argparse.Namespace) -> int:
+        from rlhf_operator.kube import Kube
+        from rlhf_operator.smoke import run_smoke_test
+
+        return run_smoke_test(Kube(), a.namespace, a.name, a.timeout)
+
+    smoke.set_defaults(func=_cmd_smoke)

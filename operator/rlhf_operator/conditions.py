@@ -1,6 +1,8 @@
 """The job's status conditions, each set by its own small function from the phase just
-decided: Suspended, Running, Restarting, Succeeded, Failed. A condition's transition time
-moves only when its status does."""
+decided: Suspended, Running, Restarting, Succeeded, Failed; and `ChildRefused`, set after
+an apply (`refused_condition`): True with the API server's message while it refuses a child
+of the job (a 422: e.g. an invalid `spec.pod.volumes` entry), False once it accepts them.
+A condition's transition time moves only when its status does."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ from typing import Any
 
 from .failures import ts
 
-CONDITION_TYPES = ("Suspended", "Running", "Restarting", "Succeeded", "Failed")
+CHILD_REFUSED = "ChildRefused"
+CONDITION_TYPES = ("Suspended", "Running", "Restarting", "Succeeded", "Failed", CHILD_REFUSED)
 
 
 def conditions_by_type(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -71,3 +74,15 @@ def succeeded_condition(conds, phase, reason, message) -> tuple[bool | None, str
 
 def failed_condition(conds, phase, reason, message) -> tuple[bool | None, str, str]:
     return (True, reason, message) if phase == "Failed" else (None, "", "")
+
+
+def refused_condition(conds: dict[str, dict[str, Any]], refusal: str | None, now: datetime,
+                      generation: int | None = None) -> bool:
+    """Set `ChildRefused` from an apply's outcome (`refusal`: the server's message, or None
+    when every child was accepted); True when the condition changed."""
+    old = dict(conds.get(CHILD_REFUSED) or {})
+    if refusal is not None:
+        _set(conds, CHILD_REFUSED, True, "Invalid", refusal, now, generation)
+    elif old.get("status") == "True":
+        _set(conds, CHILD_REFUSED, False, "Accepted", "the API server accepts every child of the job", now, generation)
+    return conds.get(CHILD_REFUSED) != (old or None)

@@ -1,15 +1,18 @@
 """What the pods and workloads of a job say, read without side effects: a pod's failure
-(`pod_failure`), a pod lost with its node (`lost_pod`), the first failure of an attempt
+(`pod_failure`; `disrupted` when Kubernetes took the pod away: its `DisruptionTarget`
+condition (preemption, eviction by a node drain, taint manager, kubelet shutdown), or our
+trainer's exit code 143 after a SIGTERM), a pod lost with its node (`lost_pod`, a
+disruption too), the first failure of an attempt
 (`attempt_failure`), a workload's True condition, a pod's readiness. Which exit codes no
 restart can fix, and what each means, is `rlhf_contract.exit_codes`' table."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable
 
-from rlhf_contract.exit_codes import is_permanent, meaning
+from rlhf_contract.exit_codes import ExitCode, is_permanent, meaning
 
 from .builders.meta import LABEL_ROLE, ROLE_ROLLOUT, ROLE_TRAINER
 
@@ -24,6 +27,10 @@ class Failure:
     exit_code: int | None
     reason: str
     message: str = ""
+    disrupted: bool = False
+    """Kubernetes took the pod away (not the job's fault): a restart that spends no budget."""
+    final: bool = True
+    """False for a pod being taken away that has not failed yet (evicted, still terminating)."""
 
     @property
     def permanent(self) -> bool:
@@ -60,10 +67,45 @@ def labels(obj: dict[str, Any]) -> dict[str, str]:
     return obj.get("metadata", {}).get("labels") or {}
 
 
+DISRUPTION_CONDITION = "DisruptionTarget"
+
+
+def disruption_reason(pod: dict[str, Any]) -> str | None:
+    """The reason of the pod's True `DisruptionTarget` condition (PreemptionByScheduler,
+    EvictionByEvictionAPI, DeletionByTaintManager, TerminationByKubelet, ...), or None."""
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if c.get("type") == DISRUPTION_CONDITION and c.get("status") == "True":
+            return c.get("reason") or DISRUPTION_CONDITION
+    return None
+
+
+def _disruption_message(pod: dict[str, Any]) -> str:
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if c.get("type") == DISRUPTION_CONDITION:
+            return c.get("message") or ""
+    return ""
+
+
 def pod_failure(pod: dict[str, Any]) -> Failure | None:
-    """The first sign that a pod failed: a container that terminated (any exit code for a
-    rollout server, which must never exit; non-zero for a trainer or an init container), a
-    container restart, or a Failed phase (evictions)."""
+    """The first sign that a pod failed (`_failure_of`), marked `disrupted` when Kubernetes
+    took the pod away or the trainer stopped on SIGTERM."""
+    failure = _failure_of(pod)
+    why = disruption_reason(pod)
+    if failure is None and why is not None:  # being taken away (evicted, preempted): the attempt is over
+        return Failure(pod["metadata"]["name"], labels(pod).get(LABEL_ROLE, "?"), None, None,
+                       f"{DISRUPTION_CONDITION}: {why}", _disruption_message(pod), disrupted=True, final=False)
+    if failure is None:
+        return None
+    if why is not None:
+        return replace(failure, disrupted=True, reason=f"{failure.reason}, {DISRUPTION_CONDITION}: {why}".lstrip(", "))
+    if failure.exit_code == ExitCode.TERMINATED and failure.role == ROLE_TRAINER:
+        return replace(failure, disrupted=True)
+    return failure
+
+
+def _failure_of(pod: dict[str, Any]) -> Failure | None:
+    """A container that terminated (any exit code for a rollout server, which must never
+    exit; non-zero for a trainer or an init container), a container restart, or a Failed phase (evictions)."""
     role = labels(pod).get(LABEL_ROLE, "?")
     name = pod["metadata"]["name"]
     st = pod.get("status") or {}
@@ -92,7 +134,7 @@ def lost_pod(pod: dict[str, Any], nodes_not_ready: dict[str, datetime], now: dat
     if since is None or now < since + after:
         return None
     return Failure(pod["metadata"]["name"], labels(pod).get(LABEL_ROLE, "?"), None, None, "NodeLost",
-                   f"node {node} not Ready since {ts(since)}")
+                   f"node {node} not Ready since {ts(since)}", disrupted=True)
 
 
 def attempt_failure(pods: list[dict[str, Any]],

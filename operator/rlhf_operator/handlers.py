@@ -140,7 +140,7 @@ class JsonFormatter(logging.Formatter):
 
 
 def run(namespaces: list[str], *, metrics_port: int = 8080, lease_namespace: str | None = None,
-        lease_duration: int = 15, resync_seconds: float = 15.0, verbose: bool = False, workers: int | None = None,
+        lease_name: str = "rlhf-operator", lease_duration: int = 15, resync_seconds: float = 15.0, verbose: bool = False, workers: int | None = None,
         node_lost_seconds: float | None = None, log_format: str = "text", health_port: int = 0) -> int:
     """`rlhfctl operator`: wait for the leader lease, then run kopf until stopped.
     `node_lost_seconds` (default $RLHF_OPERATOR_NODE_LOST_SECONDS or 60): how long a node
@@ -161,7 +161,7 @@ def run(namespaces: list[str], *, metrics_port: int = 8080, lease_namespace: str
                             on_depth=metrics.QUEUE_DEPTH.set, on_wait=metrics.QUEUE_WAIT.observe)
     STATE.resync_seconds = resync_seconds
     lease_ns = lease_namespace or os.environ.get("POD_NAMESPACE") or (namespaces[0] if namespaces else "default")
-    lease = Lease(kube, lease_ns, duration=lease_duration)
+    lease = Lease(kube, lease_ns, name=lease_name, duration=lease_duration)
     # Every replica serves metrics (rlhf_operator_leader 0 while standing by) and its probes.
     metrics.LEADER.set(0)
     metrics.serve(metrics_port)

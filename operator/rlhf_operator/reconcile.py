@@ -27,9 +27,12 @@ from typing import Any
 from pydantic import ValidationError
 
 from rlhf_contract.api import problems
-from rlhf_contract.api.models import RLHFJob
+from rlhf_contract.api.models import RLHFJob, resolve_backend
+
+from kubernetes.client.rest import ApiException
 
 from . import metrics, status
+from .conditions import CHILD_REFUSED, CONDITION_TYPES, conditions_by_type, refused_condition
 from .builders import (
     LABEL_JOB_UID, PodSettings, PodSettingsError, build_support, build_workloads, rollout_name,
     trainer_name,
@@ -95,6 +98,14 @@ def _digest(obj: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
+def _server_message(err: ApiException) -> str:
+    """The Status message of an API error (what `kubectl apply` would print)."""
+    try:
+        return json.loads(err.body)["message"]
+    except (TypeError, ValueError, KeyError):
+        return f"{err.status} {err.reason}: {err.body or ''}".strip()
+
+
 def status_view(st: dict[str, Any]) -> dict[str, Any]:
     """The part of the status the operator owns (the trainer owns progress, but totalSteps)."""
     view = {k: v for k, v in st.items() if k != "progress"}
@@ -136,6 +147,36 @@ class Reconciler:
         self.kube.apply(obj)
         cache.applied[key] = (digest, now)
 
+    def _apply_all(self, cache: JobCache, objs: list[dict[str, Any]], missing: dict[str, bool]) -> str | None:
+        """Apply `objs` in order; the API server's message for the first it refuses as
+        invalid (422), or None. A refused manifest is tried again only after
+        APPLY_CACHE_SECONDS or once it changes (the job's spec was edited)."""
+        for obj in objs:
+            try:
+                self._apply(cache, obj, force=missing.get(obj["kind"], False))
+            except ApiException as err:
+                if err.status != 422:
+                    raise
+                cache.applied[(obj["kind"], obj["metadata"]["name"])] = (_digest(obj), time.monotonic())
+                return f"{obj['kind']} {obj['metadata']['name']} refused by the API server: {_server_message(err)}"
+        return None
+
+    def _report_refusal(self, body: dict[str, Any], plan_status: dict[str, Any], refusal: str | None) -> None:
+        """The `ChildRefused` condition (and a Warning event when it turns True or its message
+        changes) from the outcome of the apply."""
+        conds = conditions_by_type(plan_status)
+        if not refused_condition(conds, refusal, datetime.now(timezone.utc), body["metadata"].get("generation")):
+            return
+        plan_status["conditions"] = [conds[t] for t in CONDITION_TYPES if t in conds]
+        if refusal is not None:
+            plan_status["message"] = refusal
+        meta = body["metadata"]
+        self.kube.patch_status(meta["namespace"], meta["name"], status_view(plan_status))
+        if refusal is not None:
+            metrics.ERRORS.labels(error="ChildRefused").inc()
+            self.kube.event(body, "Warning", "ChildRefused", refusal)
+            log.warning("%s/%s: %s", meta["namespace"], meta["name"], refusal)
+
     def reconcile(self, namespace: str, name: str) -> str | None:
         """Bring one job's children and status in line with its spec; returns the phase."""
         kube, key = self.kube, (namespace, name)
@@ -148,7 +189,7 @@ class Reconciler:
             seen = {u: p for u, p in list(cache.failed_pods.items())
                     if (p["metadata"].get("labels") or {}).get(LABEL_JOB_UID) == body["metadata"]["uid"]}
             cache.uid, cache.applied, cache.failed_pods = body["metadata"]["uid"], {}, seen
-        backend = (body.get("spec") or {}).get("backend") or "PyTorchJob"
+        backend = resolve_backend((body.get("spec") or {}).get("backend"), body["metadata"].get("labels") or {})
         observed = kube.observe(namespace, name, backend)
         attempt = int((body.get("status") or {}).get("restarts") or 0)
         for uid, p in list(cache.failed_pods.items()):
@@ -169,6 +210,9 @@ class Reconciler:
         plan = status.plan(body, job, observed, datetime.now(timezone.utc), invalid=invalid,
                            node_lost_after=self.node_lost_after)
         old = body.get("status") or {}
+        refused = conditions_by_type(plan.status).get(CHILD_REFUSED) or {}
+        if refused.get("status") == "True" and plan.status["phase"] not in status.TERMINAL:  # still the reason nothing runs, until an apply is accepted
+            plan.status["message"] = refused["message"]
         # 1. The decision first: a restart or a terminal phase is durable before anything is deleted.
         if status_view(plan.status) != status_view(old):
             kube.patch_status(namespace, name, status_view(plan.status))
@@ -185,15 +229,13 @@ class Reconciler:
         for pod in plan.force_delete:
             log.warning("%s/%s: force-deleting pod %s (its node is lost)", namespace, name, pod)
             kube.force_delete_pod(namespace, pod)
-        # 3. Create or update what must run.
-        if job is not None and plan.apply_support:
-            for obj in build_support(job, settings):
-                self._apply(cache, obj)
-        if job is not None and plan.create_workloads:
+        # 3. Create or update what must run; a child the API server refuses stops the rest.
+        if job is not None and (plan.apply_support or plan.create_workloads):
             missing = {"StatefulSet": observed.statefulset is None, "PyTorchJob": observed.pytorchjob is None,
                        "JobSet": observed.jobset is None}
-            for obj in build_workloads(job, plan.status["restarts"], settings):
-                self._apply(cache, obj, force=missing[obj["kind"]])
+            wanted = [*(build_support(job, settings) if plan.apply_support else []),
+                      *(build_workloads(job, plan.status["restarts"], settings) if plan.create_workloads else [])]
+            self._report_refusal(body, plan.status, self._apply_all(cache, wanted, missing))
         if plan.delete_job:
             log.info("%s/%s: ttlSecondsAfterFinished passed, deleting the job", namespace, name)
             kube.delete_job(namespace, name)

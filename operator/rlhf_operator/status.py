@@ -132,6 +132,11 @@ class _Context:
     old_status: dict[str, Any] = field(default_factory=dict)
     """The status as read (startTime and completionTime are kept from it)."""
 
+    @property
+    def disruptions(self) -> int:
+        """Restarts so far that disruptions caused (not counted against maxRestarts)."""
+        return int(self.old_status.get("disruptions") or 0)
+
 
 def _context(body: dict[str, Any], job: RLHFJob | None, observed: Observed) -> _Context:
     meta = body.get("metadata", {})
@@ -158,7 +163,7 @@ def _finisher(c: _Context, now: datetime) -> Callable[..., Plan]:
 
     def finish(phase: str, reason: str, message: str, *, create: bool = False, support: bool = False,
                delete: list[str] | None = None, delete_job: bool = False, restart: bool = False,
-               restarts_now: int | None = None) -> Plan:
+               restarts_now: int | None = None, disrupted: bool = False, disruptions_now: int | None = None) -> Plan:
         set_conditions(c.conds, phase, reason, message, now, c.meta.get("generation"))
         status = {
             "phase": phase,
@@ -168,6 +173,9 @@ def _finisher(c: _Context, now: datetime) -> Callable[..., Plan]:
             "message": message,
             "progress": c.progress,
         }
+        disruptions = disruptions_now if disruptions_now is not None else c.disruptions + (1 if disrupted else 0)
+        if disruptions:
+            status["disruptions"] = disruptions
         # startTime: when pods were first asked for; completionTime: when it ended (both kept)
         start = c.old_status.get("startTime") or (ts(now) if create else None)
         done = c.old_status.get("completionTime") or (ts(now) if phase in ("Succeeded", "Failed") else None)
@@ -240,12 +248,18 @@ def _plan_pytorchjob(job: RLHFJob, observed: Observed, c: _Context, now: datetim
         if failure.permanent:
             return finish("Failed", "PermanentError", failure.describe(), delete=stop)
         max_restarts = job.spec.run_policy.max_restarts
-        if c.restarts >= max_restarts:
+        spent = c.restarts - c.disruptions
+        if failure.disrupted:  # as JobSet's RestartJobSetAndIgnoreMaxRestarts
+            return finish("Restarting", "Disrupted",
+                          f"{failure.describe()}; a disruption, not counted against runPolicy.maxRestarts "
+                          f"({spent} of {max_restarts} spent): restart {c.restarts + 1}, resuming from the newest "
+                          "checkpoint", support=True, delete=list(c.live), restart=True, disrupted=True)
+        if spent >= max_restarts:
             return finish("Failed", "RestartLimitExceeded",
                           f"{failure.describe()}; no restarts left (runPolicy.maxRestarts={max_restarts})",
                           delete=stop)
         return finish("Restarting", "PodFailed",
-                      f"{failure.describe()}; restart {c.restarts + 1} of {max_restarts}, resuming from the "
+                      f"{failure.describe()}; restart {spent + 1} of {max_restarts}, resuming from the "
                       "newest checkpoint", support=True, delete=list(c.live), restart=True)
     if _deadline_passed(job, c.meta, c.conds, now):
         return finish("Failed", "DeadlineExceeded",
@@ -323,6 +337,7 @@ def _plan_jobset(job: RLHFJob, meta: dict[str, Any], observed: Observed, ours: l
 
     st = js.get("status") or {}
     js_restarts = int(st.get("restarts") or 0)
+    counted = int(st.get("restartsCountTowardsMax", js_restarts) or 0)  # RestartJobSetAndIgnoreMaxRestarts: not
     max_restarts = js["spec"].get("failurePolicy", {}).get("maxRestarts", 0)
 
     def failure_of(attempts: range) -> Failure | None:
@@ -342,9 +357,15 @@ def _plan_jobset(job: RLHFJob, meta: dict[str, Any], observed: Observed, ours: l
     if js_restarts > restarts:
         failure = failure_of(range(restarts, js_restarts))
         what = failure.describe() if failure else "a pod failed"
+        if failure is not None and failure.disrupted:
+            return finish("Restarting", "Disrupted", f"{what}; a disruption, not counted against "
+                          f"runPolicy.maxRestarts ({counted} of {max_restarts} spent): restart {js_restarts} by the "
+                          "JobSet's failure policy, resuming from the newest checkpoint", support=True, create=True,
+                          restarts_now=js_restarts, disruptions_now=js_restarts - counted)
         return finish("Restarting", "PodFailed",
-                      f"{what}; restart {js_restarts} of {max_restarts} by the JobSet's failure policy, resuming "
-                      "from the newest checkpoint", support=True, create=True, restarts_now=js_restarts)
+                      f"{what}; restart {counted} of {max_restarts} by the JobSet's failure policy, resuming "
+                      "from the newest checkpoint", support=True, create=True, restarts_now=js_restarts,
+                      disruptions_now=js_restarts - counted)
     restarting = conds.get("Restarting", {})
     if restarts > js_restarts:  # announced below; the JobSet has not recreated its jobs yet
         return finish("Restarting", restarting.get("reason", "PodFailed"), restarting.get("message", ""),
@@ -352,14 +373,20 @@ def _plan_jobset(job: RLHFJob, meta: dict[str, Any], observed: Observed, ours: l
     # A pod of the current attempt failed and the JobSet has not acted yet: its failure
     # policy (which we wrote) decides exactly as below, so the status says so at once
     # instead of after the Job and JobSet controllers have caught up (seconds under load).
-    if (failure := failure_of(range(restarts, restarts + 1))) is not None:
+    failure = failure_of(range(restarts, restarts + 1))
+    if failure is not None and failure.final:  # a pod still being evicted: its Job decides once it has failed
         if failure.permanent:
             return finish("Failed", "PermanentError", failure.describe())
-        if restarts >= max_restarts:
+        if failure.disrupted:
+            return finish("Restarting", "Disrupted", f"{failure.describe()}; a disruption, not counted against "
+                          f"runPolicy.maxRestarts ({counted} of {max_restarts} spent): restart {restarts + 1} by the "
+                          "JobSet's failure policy, resuming from the newest checkpoint", support=True, create=True,
+                          restart=True, disrupted=True)
+        if counted >= max_restarts:
             return finish("Failed", "RestartLimitExceeded",
                           f"{failure.describe()}; no restarts left (runPolicy.maxRestarts={max_restarts})")
         return finish("Restarting", "PodFailed",
-                      f"{failure.describe()}; restart {restarts + 1} of {max_restarts} by the JobSet's failure "
+                      f"{failure.describe()}; restart {counted + 1} of {max_restarts} by the JobSet's failure "
                       "policy, resuming from the newest checkpoint", support=True, create=True, restart=True)
     if js["spec"].get("suspend"):
         return finish("Pending", "JobSetSuspended",

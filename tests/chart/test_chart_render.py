@@ -20,7 +20,7 @@ from .conftest import CHART, by_kind
 
 MODELS = {"Deployment": "V1Deployment", "ServiceAccount": "V1ServiceAccount", "ClusterRole": "V1ClusterRole",
           "ClusterRoleBinding": "V1ClusterRoleBinding", "Role": "V1Role", "RoleBinding": "V1RoleBinding",
-          "Service": "V1Service", "ConfigMap": "V1ConfigMap", "NetworkPolicy": "V1NetworkPolicy"}
+          "Service": "V1Service", "ConfigMap": "V1ConfigMap", "NetworkPolicy": "V1NetworkPolicy", "Pod": "V1Pod"}
 ALL_ON = ["metrics.serviceMonitor.enabled=true", "trainerMetrics.podMonitor.enabled=true",
           "trainerMetrics.rolloutPodMonitor.enabled=true",
           "prometheusRule.enabled=true", "grafana.dashboards.enabled=true"]
@@ -36,8 +36,10 @@ def test_defaults_render_the_operator_and_nothing_of_monitoring(render):
     docs = render()
     kinds = sorted(d["kind"] for d in docs)
     # the operator's two ClusterRoles, and two aggregated into view / edit / admin for people
+    # and `helm test`'s Pod with its own ServiceAccount, Role and RoleBinding
     assert kinds == ["ClusterRole"] * 4 + ["ClusterRoleBinding", "ClusterRoleBinding", "CustomResourceDefinition",
-                                           "Deployment", "Role", "RoleBinding", "Service", "ServiceAccount"]
+                                           "Deployment", "Pod", "Role", "Role", "RoleBinding", "RoleBinding",
+                                           "Service", "ServiceAccount", "ServiceAccount"]
     (crd,) = [d for d in docs if d["kind"] == "CustomResourceDefinition"]
     assert crd["spec"] == yaml.safe_load(crd_yaml())["spec"]  # the generated CRD, numbers intact
     assert crd["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}  # uninstall keeps every job
@@ -45,7 +47,8 @@ def test_defaults_render_the_operator_and_nothing_of_monitoring(render):
     pod = dep["spec"]["template"]["spec"]
     (c,) = pod["containers"]
     assert c["image"] == "ghcr.io/rlhf-operator/operator:0.1.0"  # appVersion when image.tag is empty
-    assert c["args"] == ["--metrics-port=8080", "--lease-namespace=rlhf-system", "--lease-duration=15",
+    assert c["args"] == ["--metrics-port=8080", "--lease-namespace=rlhf-system", "--lease-name=rel-rlhf-operator",
+                         "--lease-duration=15",
                          "--resync-seconds=15", "--log-format=text", "--health-port=8081"]
     assert c["securityContext"]["readOnlyRootFilesystem"] and c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     assert c["resources"]["requests"] == {"cpu": "100m", "memory": "256Mi"}
@@ -95,7 +98,10 @@ def test_rbac_is_least_privilege(render):
         "namespaces": ("list", "watch"), "customresourcedefinitions": ("list", "watch"),
         "nodes": ("get",)}  # is a pod's node still Ready (lost nodes)
     lease = docs[("Role", "rel-rlhf-operator-leader-election")]["rules"]
-    assert {"resourceNames": ["rlhf-operator"], "verbs": ["get", "update"]}.items() <= lease[1].items()
+    assert {"resourceNames": ["rel-rlhf-operator"], "verbs": ["get", "update"]}.items() <= lease[1].items()
+    test = docs[("Role", "rel-rlhf-operator-test")]["rules"]  # helm test: one job's life, reading its children
+    assert {v for rule in test for v in rule["verbs"]} == {"create", "get", "delete"}
+    assert all(r == "rlhfjobs" for rule in test if set(rule["verbs"]) != {"get"} for r in rule["resources"])
 
 
 def test_watch_namespaces_bind_the_role_in_those_namespaces_only(render):
@@ -190,3 +196,24 @@ def test_every_alert_links_to_its_runbook_in_the_docs(render):
         assert url == f"https://github.com/rlhf-operator/rlhf-operator/blob/main/docs/alerts.md#{alert['alert'].lower()}"
         assert f"\n### {alert['alert']}\n" in runbooks, f"docs/alerts.md has no runbook for {alert['alert']}"
         assert alert.get("for"), f"{alert['alert']} fires on a single evaluation"
+
+
+def test_installs_as_a_subchart_with_global_values_and_its_enabled_condition(helm_bin, tmp_path):
+    """A parent chart (helm#10392: a schema that refuses `global` breaks every parent that
+    sets one) with `condition: rlhf-operator.enabled`."""
+    parent = tmp_path / "platform"
+    shutil.copytree(CHART, parent / "charts" / "rlhf-operator", ignore=shutil.ignore_patterns("tests", "hack"))
+    (parent / "Chart.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "v2", "name": "platform", "version": "1.0.0",
+        "dependencies": [{"name": "rlhf-operator", "version": "0.1.0", "condition": "rlhf-operator.enabled"}]}))
+    (parent / "values.yaml").write_text(yaml.safe_dump({"global": {"imageRegistry": "registry.example"},
+                                                        "rlhf-operator": {"enabled": True}}))
+
+    def kinds(*sets):
+        out = subprocess.run([str(helm_bin), "template", "p", str(parent), "--kube-version", "1.34.0",
+                              *[a for x in sets for a in ("--set", x)]], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return [d["kind"] for d in yaml.safe_load_all(out.stdout) if d]
+
+    assert "Deployment" in kinds() and "CustomResourceDefinition" in kinds()
+    assert kinds("rlhf-operator.enabled=false") == []

@@ -22,3 +22,9 @@ cluster-status:
 # `make test` builds the binaries first, with the build's output on the terminal (the
 # chart tests of `make test-fast` need its helm).
 test test-fast: cluster-bin
+
+# Kueue v0.17.0 for tests/cluster/test_kueue.py, in a cache of its own (a few minutes, once).
+.PHONY: kueue-bin
+kueue-bin:
+	bash tests/cluster/kueue/build.sh
+test: kueue-bin

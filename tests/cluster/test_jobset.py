@@ -159,3 +159,20 @@ def test_jobset_suspend_and_resume_keep_the_jobset(cluster: Cluster, setup):
     attempt_pods(cluster, ns, "jsu", 0, count=3)
     assert cluster.get("jobset", "jsu", namespace=ns)["metadata"]["uid"] == uid
     cluster.kubectl("delete", "rlhfjob", "jsu", "-n", ns, "--wait=false")
+
+
+def test_jobset_trainer_stopped_by_sigterm_restarts_without_spending_max_restarts(cluster: Cluster, setup):
+    """The trainer's exit 143 (it saved a checkpoint after SIGTERM) fails its Job through the
+    podFailurePolicy; the Job controller's message matches the JobSet rule `disruption`
+    (RestartJobSetAndIgnoreMaxRestarts), so with maxRestarts 0 the job runs again."""
+    ns, log = setup["ns"], setup["log"]
+    create(cluster, ns, jobset_doc("jse", max_restarts=0, nodes=1))
+    wait_job(cluster, ns, "jse", "Running", 0, log=log)
+    victim = role(attempt_pods(cluster, ns, "jse", 0, count=3), "trainer")[0]["metadata"]["name"]
+    cluster.fail_pod(ns, victim, exit_code=143, reason="Error")
+    j = wait_job(cluster, ns, "jse", "Running", 1, log=log, timeout=120)
+    attempt_pods(cluster, ns, "jse", 1, count=3)
+    st = cluster.get("jobset", "jse", namespace=ns)["status"]
+    assert st["restarts"] == 1 and st.get("restartsCountTowardsMax", 0) == 0
+    assert j["status"]["disruptions"] == 1 and "Disrupted" in events(cluster, ns, "jse")
+    cluster.kubectl("delete", "rlhfjob", "jse", "-n", ns, "--wait=false")

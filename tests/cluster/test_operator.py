@@ -305,6 +305,24 @@ def test_permanent_exit_code_fails_at_once(cluster: Cluster, setup):
     cluster.kubectl("delete", "rlhfjob", "perm", "-n", ns, "--wait=false")
 
 
+def test_an_evicted_pod_restarts_the_job_without_spending_its_budget(cluster: Cluster, setup):
+    """A drain's eviction (the Eviction API marks the pod DisruptionTarget, then deletes it):
+    the whole job restarts, resuming from its checkpoint, and maxRestarts 0 is not spent."""
+    ns, log = setup["ns"], setup["log"]
+    create(cluster, ns, job_doc("ev", runPolicy={"maxRestarts": 0}))
+    wait_job(cluster, ns, "ev", "Running", 0, log=log)
+    running_pods(cluster, ns, "ev", 0)
+    eviction = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": "ev-rollout-0", "namespace": ns}}
+    cluster.kubectl("create", "--raw", f"/api/v1/namespaces/{ns}/pods/ev-rollout-0/eviction", "-f", "-",
+                    input=json.dumps(eviction))
+    j = wait_job(cluster, ns, "ev", "Running", 1, log=log)
+    running_pods(cluster, ns, "ev", 1)
+    assert j["status"]["disruptions"] == 1
+    assert "DisruptionTarget: EvictionByEvictionAPI" in condition(j, "Restarting")["message"]
+    assert "Disrupted" in events(cluster, ns, "ev") and "PodFailed" not in events(cluster, ns, "ev")
+    cluster.kubectl("delete", "rlhfjob", "ev", "-n", ns, "--wait=false")
+
+
 def test_suspend_and_resume(cluster: Cluster, setup):
     ns, log = setup["ns"], setup["log"]
     create(cluster, ns, job_doc("sus"))

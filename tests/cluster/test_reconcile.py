@@ -40,3 +40,67 @@ def test_job_cache_is_created_with_the_job_and_dropped_with_it(cluster: Cluster)
             assert (ns, "c1") not in r.caches
     finally:
         cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def test_a_child_the_api_server_refuses_is_a_warning_event_and_a_condition_not_a_silent_loop(cluster: Cluster):
+    """A `spec.pod.volumes` entry the CRD keeps as written but Kubernetes refuses (two volume
+    sources): the StatefulSet's apply gets a 422; the job shows the server's message in a
+    `ChildRefused` condition and one Warning event, and the next reconciles neither post it
+    again nor create the trainer (spec.pod cannot change: the job waits to be deleted)."""
+    from rlhf_operator.kube import Kube
+    from rlhf_operator.reconcile import Reconciler
+
+    install_crd(cluster)
+    ns = new_namespace(cluster, "refused")
+    doc = job_doc("bad")
+    doc["spec"]["pod"]["volumes"] = [{"name": "work", "emptyDir": {}, "configMap": {"name": "x"}}]
+    try:
+        with cluster.api_client() as api:
+            r = Reconciler(Kube(api))
+            cluster.kubectl("create", "-n", ns, "-f", "-", input=yaml.safe_dump(doc))
+            for _ in range(3):
+                r.reconcile(ns, "bad")
+            st = cluster.get("rlhfjob", "bad", namespace=ns)["status"]
+            cond = next(c for c in st["conditions"] if c["type"] == "ChildRefused")
+            assert cond["status"] == "True" and cond["reason"] == "Invalid"
+            assert cond["message"].startswith("StatefulSet bad-rollout refused by the API server: ")
+            assert "may not specify more than 1 volume type" in cond["message"]
+            assert st["message"] == cond["message"]
+            events = [e for e in cluster.get("events", namespace=ns)["items"]
+                      if e["involvedObject"]["name"] == "bad" and e["reason"] == "ChildRefused"]
+            assert len(events) == 1 and events[0]["type"] == "Warning" and events[0].get("count", 1) == 1
+            assert "may not specify more than 1 volume type" in events[0]["message"]
+            assert cluster.kubectl("get", "pytorchjob", "bad-trainer", "-n", ns, check=False).returncode != 0
+
+    finally:
+        cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def test_the_helm_test_command_passes_with_an_operator_and_says_what_is_missing_without(cluster: Cluster, tmp_path):
+    """`rlhfctl smoke-test` (the chart's `helm test` pod): a suspended job's children appear
+    and it is reported Suspended while a real operator runs; with none, it fails in its
+    timeout naming what is missing. Either way the job is deleted."""
+    import subprocess
+    import sys
+
+    from .test_operator import operator
+
+    install_crd(cluster)
+    ns = new_namespace(cluster, "smoke")
+
+    def smoke(timeout: int):
+        return subprocess.run([sys.executable, "-m", "rlhf_launcher.cli", "smoke-test", "--namespace", ns,
+                               "--timeout", str(timeout)], env=cluster.env, capture_output=True, text=True,
+                              timeout=timeout + 60)
+
+    try:
+        alone = smoke(3)
+        assert alone.returncode == 1 and "missing children: ConfigMap rlhf-smoke-test-config" in alone.stdout
+        with operator(cluster, ns, tmp_path / "operator.log"):
+            out = smoke(90)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "reports the job Suspended" in out.stdout
+        gone = cluster.kubectl("get", "rlhfjob", "rlhf-smoke-test", "-n", ns, check=False)
+        assert gone.returncode != 0 or "deletionTimestamp" in gone.stdout
+    finally:
+        cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)

@@ -185,3 +185,35 @@ def test_the_restart_budget_spent_ends_the_run_as_the_operator_fails_the_job(tmp
     assert log[-1].endswith("no restarts left (runPolicy.maxRestarts=1)")
     assert "reward service" in stderr and "1 restart(s)" in stderr
     assert (out / "logs" / "trainer.log").read_text().count("==== attempt 2 ====") == 1
+
+
+def test_sigterm_saves_the_step_reached_and_the_run_resumes_from_it(tmp_path):
+    """Preemption without loss: `rlhfctl run` SIGTERMed mid-run stops its trainer as a pod's
+    is stopped; the trainer ends the step in flight and writes a complete checkpoint of the
+    step it reached (not a multiple of saveEvery), the run exits 143, and `--resume`
+    continues from that step."""
+    out = tmp_path / "run"
+    run = _start(out, "schedule.totalSteps=100", "schedule.saveEvery=50", "rollout.replicas=1",
+                 "runPolicy.terminationGracePeriodSeconds=60")
+    try:
+        _wait(lambda: len(_steps(out)) >= 2, run)
+        processes = set(_pids("-m rlhf_", out))
+        run.send_signal(signal.SIGTERM)
+        _, stderr = run.communicate(timeout=120)
+    finally:
+        _stop(run)
+    assert run.returncode == 143, stderr[-3000:]
+    reached = _steps(out)
+    assert reached == list(range(1, len(reached) + 1)) and len(reached) < 50
+    assert [checkpoint_step(p) for p in complete_checkpoints(out)] == [reached[-1]]
+    assert "stopped by SIGTERM at step" in (out / "logs" / "trainer.log").read_text()
+    assert not any(Path(f"/proc/{pid}").exists() for pid in processes)  # nothing left behind
+    k = reached[-1]
+    resumed = subprocess.run([sys.executable, "-m", "rlhf_launcher.cli", "run", str(EXAMPLE), "--output", str(out),
+                              "--resume", *[a for item in (*SMALL, f"schedule.totalSteps={k + 2}", "schedule.saveEvery=50",
+                                                            "rollout.replicas=1") for a in ("--set", item)]],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"(step {k})" in (out / "logs" / "trainer.log").read_text().split("resumed from")[-1].splitlines()[0]
+    assert _steps(out) == list(range(1, k + 3))
+    assert (out / "final" / "config.json").exists()

@@ -168,6 +168,12 @@ def test_crd_is_structural_and_carries_the_rules():
     assert conditions["items"]["properties"]["lastTransitionTime"]["format"] == "date-time"
     assert "observedGeneration" in conditions["items"]["properties"]
     assert doc["spec"]["names"]["shortNames"] == ["rlj"]
+    # its own category (`kubectl get rlhf`), never `all`: `kubectl delete all` must not delete jobs
+    assert doc["spec"]["names"]["categories"] == ["rlhf"]
+    # `kubectl explain rlhfjob.status...` has text for every field
+    fields = {p: n for p, n in _walk(schema["properties"]["status"]) if p.split("/")[-2:-1] == ["properties"]}
+    assert len(fields) > 20 and "/properties/progress/properties/rewardMean" in fields
+    assert not [p for p, n in fields.items() if not n.get("description")]
     assert version["subresources"] == {"status": {}}
     assert yaml.safe_load(crd_yaml()) == doc
 

@@ -43,6 +43,11 @@ def numeric_fields(model: type[BaseModel], path: tuple) -> Iterator[tuple[tuple,
         kind = number_kind(info.annotation)
         if kind is not None:
             yield step, kind
+        items = [number_kind(typing.get_args(a)[0].__origin__ if typing.get_origin(typing.get_args(a)[0])
+                             is typing.Annotated else typing.get_args(a)[0])
+                 for a in (info.annotation, *typing.get_args(info.annotation)) if typing.get_origin(a) is list]
+        if items and items[0] is not None:  # a list of numbers (supplementalGroups): its items
+            yield (*step, 0), items[0]
         found, many = _submodel(info.annotation)
         if found is not None:
             yield from numeric_fields(found, (*step, 0) if many else step)

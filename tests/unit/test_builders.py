@@ -34,7 +34,8 @@ def make_job(**spec_overrides):
         "apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob",
         "metadata": {"name": "demo", "namespace": "team-a", "uid": UID,
                      "labels": {"kueue.x-k8s.io/queue-name": "gpu-queue"}},
-        "spec": {"model": {"path": "/models/qwen"}, "data": {"path": "/data/train.jsonl"},
+        "spec": {"backend": "PyTorchJob",  # said explicitly: with the queue label the default is JobSet
+                 "model": {"path": "/models/qwen"}, "data": {"path": "/data/train.jsonl"},
                  "rollout": {"replicas": 3, "tensorParallelSize": 2},
                  "trainer": {"numNodes": 2, "nprocPerNode": 8}, "schedule": {"promptsPerStep": 32},
                  "output": {"claimName": "runs"},

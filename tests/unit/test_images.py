@@ -78,7 +78,7 @@ def test_dockerfiles_are_pinned_and_layered():
 
 
 def test_images_run_as_a_non_root_user_and_the_build_context_leaves_out_the_environment():
-    from rlhf_operator.builders.pods import RUN_AS_USER
+    from rlhf_contract.api.common import RUN_AS_USER  # the pods' uid unless securityContext.runAsUser
 
     for path in ("operator/Dockerfile", "trainer_image/Dockerfile", "inference_image/Dockerfile"):
         users = re.findall(r"^USER (\d+)(?::(\d+))?$", (ROOT / path).read_text(), re.M)

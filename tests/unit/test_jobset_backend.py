@@ -24,7 +24,7 @@ def body(status=None, max_restarts=2, suspend=False, method="rl", queue=None):
     meta = {"name": "demo", "namespace": "ns", "uid": UID, "generation": 1,
             "creationTimestamp": (NOW - timedelta(minutes=5)).strftime("%Y-%m-%dT%H:%M:%SZ")}
     if queue:
-        meta["labels"] = {"kueue.x-k8s.io/queue-name": queue}
+        meta["labels"] = {"kueue.x-k8s.io/queue-name": queue, "kueue.x-k8s.io/priority-class": "high"}
     spec = {"backend": "JobSet", "method": method, "model": {"path": "/m/tiny"}, "data": {"path": "/d/x.jsonl"},
             "trainer": {"numNodes": 2, "nprocPerNode": 4}, "suspend": suspend,
             "runPolicy": {"maxRestarts": max_restarts},
@@ -68,6 +68,7 @@ def test_one_jobset_holds_trainer_and_servers_with_the_budget_and_the_queue_labe
     kinds = [c["kind"] for c in build_children(j, 0)]
     assert "StatefulSet" not in kinds and "PyTorchJob" not in kinds and kinds.count("JobSet") == 1
     assert js["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    assert js["metadata"]["labels"]["kueue.x-k8s.io/priority-class"] == "high"  # Kueue's WorkloadPriorityClass
     rjobs = {r["name"]: r for r in js["spec"]["replicatedJobs"]}
     assert rjobs["trainer"]["replicas"] == 1 and rjobs["trainer"]["template"]["spec"]["parallelism"] == 2
     assert rjobs["rollout"]["replicas"] == 3 and rjobs["rollout"]["template"]["spec"]["parallelism"] == 1
@@ -94,7 +95,7 @@ def test_each_exit_code_of_the_table_is_permanent_in_the_jobset_and_the_operator
     j = job_of(body())
     (js,) = build_workloads(j, 0, PodSettings.from_job(j))
     for r in js["spec"]["replicatedJobs"]:
-        (rule,) = r["template"]["spec"]["podFailurePolicy"]["rules"]
+        rule = r["template"]["spec"]["podFailurePolicy"]["rules"][0]
         assert rule["action"] == "FailJob" and rule["onExitCodes"]["operator"] == "In"
         assert (int(meaning.code) in rule["onExitCodes"]["values"]) == meaning.permanent
     assert Failure("p", "trainer", "trainer", int(meaning.code), "Error").permanent == meaning.permanent
@@ -186,3 +187,45 @@ def test_status_announces_the_jobsets_decision_before_it_acts():
             p_["status"]["phase"] = "Succeeded"
     done[0]["status"]["phase"] = "Failed"
     assert run(body({"phase": "Running"}), Observed(jobset=jobset(), pods=done)).status["phase"] != "Restarting"
+
+
+def test_disruptions_restart_the_jobset_without_spending_max_restarts():
+    """A pod's DisruptionTarget condition (any Job) and the trainer's exit 143 fail the Job
+    through its podFailurePolicy, with the Job controller's message ("Pod ns/x has condition
+    DisruptionTarget matching FailJob rule at index 1", "Container c for pod ns/x failed with
+    exit code 143 matching FailJob rule at index 2"); the JobSet's first rule matches those
+    messages and restarts without spending maxRestarts; permanent codes still fail it."""
+    import re
+
+    j = job_of(body())
+    (js,) = build_workloads(j, 0, PodSettings.from_job(j))
+    first, second = js["spec"]["failurePolicy"]["rules"]
+    assert first["action"] == "RestartJobSetAndIgnoreMaxRestarts" and second["action"] == "FailJobSet"
+    messages = {}
+    for r in js["spec"]["replicatedJobs"]:
+        rules = r["template"]["spec"]["podFailurePolicy"]["rules"]
+        i = next(i for i, x in enumerate(rules) if x.get("onPodConditions") == [{"type": "DisruptionTarget",
+                                                                                   "status": "True"}])
+        messages[f"{r['name']} evicted"] = f"Pod ns/x has condition DisruptionTarget matching FailJob rule at index {i}"
+        for i, x in enumerate(rules):
+            for code in x.get("onExitCodes", {}).get("values", []):
+                messages[f"{r['name']} {code}"] = (f"Container {r['name']} for pod ns/x failed with exit code {code} "
+                                                   f"matching FailJob rule at index {i}")
+    matched = {k for k, m in messages.items() if any(re.search(p, m) for p in first["onJobFailureMessagePatterns"])}
+    assert matched == {"trainer evicted", "rollout evicted", "trainer 143"}, messages
+    # the operator's plan reads the same pods the same way
+    pods = all_pods(phase="Failed", exit_code=143)
+    p = run(body({"phase": "Running"}, max_restarts=0), Observed(jobset=jobset(), pods=pods))
+    assert p.status["phase"] == "Restarting" and p.status["disruptions"] == 1
+    assert next(c for c in p.status["conditions"] if c["type"] == "Restarting")["reason"] == "Disrupted"
+
+
+def test_a_jobset_pod_still_being_evicted_is_left_to_its_job():
+    """The Job controller counts an evicted pod only once it has failed; announcing a restart
+    before would wait for one JobSet may never make."""
+    pods = all_pods()
+    p = pods[-1]
+    p["metadata"]["deletionTimestamp"] = "2026-01-01T11:59:00Z"
+    p["status"]["conditions"].append({"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"})
+    plan_ = run(body({"phase": "Running"}), Observed(jobset=jobset(), pods=pods))
+    assert plan_.status["phase"] != "Restarting" and plan_.status["restarts"] == 0

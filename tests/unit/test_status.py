@@ -305,3 +305,73 @@ def test_offline_job_succeeds_with_its_trainer():
     done = Observed(pytorchjob=workload("PyTorchJob", 0, [("Succeeded", "done")]),
                     pods=[pod("demo-trainer-master-0", "trainer", 0, phase="Succeeded")])
     assert run(offline_body("dpo", status={"phase": "Running"}), done).status["phase"] == "Succeeded"
+
+
+def evicted(p, reason="EvictionByEvictionAPI"):
+    p["status"]["conditions"].append({"type": "DisruptionTarget", "status": "True", "reason": reason})
+    return p
+
+
+def test_disruptions_restart_the_job_without_spending_max_restarts():
+    """A drained node's eviction, a preemption, a lost node and the trainer's own exit 143
+    after SIGTERM each restart the job; none spends runPolicy.maxRestarts (JobSet's
+    RestartJobSetAndIgnoreMaxRestarts), an ordinary failure after them still does."""
+    status = {"phase": "Running", "restarts": 1}  # budget of 1, already spent
+    obs = running_children(attempt=1, phase="Failed", terminated=137)
+    evicted(obs.pods[2], "PreemptionByScheduler")
+    p = run(body(status, max_restarts=1), obs)
+    assert p.status["phase"] == "Restarting" and p.status["restarts"] == 2 and p.status["disruptions"] == 1
+    c = cond(p, "Restarting")
+    assert c["reason"] == "Disrupted" and "DisruptionTarget: PreemptionByScheduler" in c["message"]
+    assert "not counted against runPolicy.maxRestarts (1 of 1 spent): restart 2" in c["message"]
+    assert p.events[0].reason == "Disrupted" and sorted(p.delete) == ["PyTorchJob", "StatefulSet"]
+    # a rollout server evicted by a drain, then the trainer stopped by SIGTERM (exit 143)
+    status = {**p.status, "phase": "Running"}
+    obs = running_children(attempt=2)
+    evicted(obs.pods[0])
+    obs.pods[0]["status"]["containerStatuses"][0]["state"] = {"terminated": {"exitCode": 0, "reason": "Completed"}}
+    p = run(body(status, max_restarts=1), obs)
+    assert (p.status["restarts"], p.status["disruptions"], p.status["phase"]) == (3, 2, "Restarting")
+    status = {**p.status, "phase": "Running"}
+    p = run(body(status, max_restarts=1), running_children(attempt=3, phase="Failed", terminated=143))
+    assert (p.status["restarts"], p.status["disruptions"], cond(p, "Restarting")["reason"]) == (4, 3, "Disrupted")
+    # an ordinary failure: the budget (1, spent before the disruptions) is gone
+    status = {**p.status, "phase": "Running"}
+    p = run(body(status, max_restarts=1), running_children(attempt=4, phase="Failed", terminated=1))
+    assert p.status["phase"] == "Failed" and cond(p, "Failed")["reason"] == "RestartLimitExceeded"
+    assert p.status["disruptions"] == 3
+
+
+def test_an_ordinary_failure_counts_restarts_net_of_disruptions():
+    status = {"phase": "Running", "restarts": 3, "disruptions": 2}
+    p = run(body(status, max_restarts=2), running_children(attempt=3, phase="Failed", terminated=1))
+    assert p.status["phase"] == "Restarting" and "restart 2 of 2" in cond(p, "Restarting")["message"]
+    assert (p.status["restarts"], p.status["disruptions"]) == (4, 2)
+
+
+def test_child_refused_turns_true_with_the_message_and_false_once_accepted():
+    from rlhf_operator.conditions import refused_condition
+
+    conds = {}
+    assert not refused_condition(conds, None, NOW)  # never refused: no condition at all
+    assert conds == {}
+    assert refused_condition(conds, "StatefulSet x refused by the API server: bad volume", NOW, 3)
+    assert conds["ChildRefused"]["status"] == "True" and conds["ChildRefused"]["message"].endswith("bad volume")
+    assert not refused_condition(conds, "StatefulSet x refused by the API server: bad volume", NOW + timedelta(1), 3)
+    assert refused_condition(conds, None, NOW + timedelta(seconds=5), 3)
+    assert (conds["ChildRefused"]["status"], conds["ChildRefused"]["reason"]) == ("False", "Accepted")
+    # the plan keeps it in the status from then on
+    p = run(body({"phase": "Running", "conditions": list(conds.values())}), running_children())
+    assert cond(p, "ChildRefused") == conds["ChildRefused"]
+
+
+def test_a_pod_being_evicted_ends_the_attempt_before_it_is_gone():
+    """The Eviction API (a drain) marks the pod DisruptionTarget and deletes it: the StatefulSet
+    would quietly replace a server, so the condition alone restarts the job, unbilled."""
+    obs = running_children()
+    obs.pods[1]["metadata"]["deletionTimestamp"] = "2025-01-01T11:59:59Z"
+    evicted(obs.pods[1])["status"]["conditions"][-1]["message"] = "Eviction API: evicting"
+    p = run(body({"phase": "Running"}, max_restarts=0), obs)
+    assert p.status["phase"] == "Restarting" and p.status["disruptions"] == 1
+    msg = cond(p, "Restarting")["message"]
+    assert "rollout pod demo-rollout-1 failed [DisruptionTarget: EvictionByEvictionAPI]: Eviction API" in msg

@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         command = [sys.executable, "-m", "torch.distributed.run", *args, "-m", "rlhf_trainer"]
     child = subprocess.Popen(command, env=env)
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT):  # torchrun (or the trainer) passes it on and waits the grace period
         signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
     code = child.wait()
     if code < 0:  # killed by a signal (torchrun would have said 1): the shell's 128 + signal

@@ -14,6 +14,7 @@ optionally `start()`,
 from __future__ import annotations
 
 import logging
+import time
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from rlhf_contract.trainer_config import TrainerConfig
 
 from .checkpoint import Parts, latest_checkpoint, load_checkpoint, resume_checkpoint, save_checkpoint
 from .distributed import DistInfo, broadcast_object
+from .preemption import STOP, Preempted, StepAbandoned
 
 log = logging.getLogger("rlhf_trainer")
 
@@ -44,6 +46,8 @@ class LoopBase(ABC):
         self.metrics = self.progress = self.trackers = self.publisher = self.published = None
         self.last_row: dict[str, Any] = {}
         self.trainable_parameters = 0
+        self.save_seconds = 0.0
+        """How long the last checkpoint took (0: none saved yet), for the SIGTERM decision."""
         if info.is_main:
             from .metrics import MetricsWriter
             from .progress import ProgressReporter
@@ -103,13 +107,16 @@ class LoopBase(ABC):
             self.metrics.truncate_after(self.step)
         log.info("resumed from %s (step %d)", path, self.step)
 
-    def save(self) -> None:
-        """Collective: a checkpoint of this step (then, on rank 0, to `output.uri` / `output.hub`)."""
-        state = broadcast_object(self.extra_state())
+    def save(self, extra_state: dict[str, Any] | None = None) -> None:
+        """Collective: a checkpoint of this step (with `extra_state`, else `extra_state()`; then,
+        on rank 0, to `output.uri` / `output.hub`)."""
+        start = time.monotonic()
+        state = broadcast_object(self.extra_state() if extra_state is None else extra_state)
         path = save_checkpoint(self.output_dir, self.step, self.parts(), state, keep=self.config.output.keep_checkpoints)
         if self.publisher is not None and path != self.published:  # the last step's is saved twice
             self.publisher.checkpoint(path)
             self.published = path
+        self.save_seconds = time.monotonic() - start
 
     def publish_final(self) -> None:
         """Rank 0: `final/README.md` (the model card), then `final/` to `output.uri` / `output.hub`."""
@@ -120,6 +127,19 @@ class LoopBase(ABC):
         if final_dir.is_dir():
             write_card(final_dir, run_config(self.config.job_name), self.output_dir)
             self.publisher.final(final_dir)
+
+    def state_before_step(self) -> dict[str, Any] | None:
+        """What an abandoned step's checkpoint holds besides the models (rank 0's)."""
+        return None
+
+    def preempt(self, extra_state: dict[str, Any] | None = None) -> Preempted:
+        """Collective, after SIGTERM: the checkpoint of the step reached (none before the first)."""
+        if self.step > 0:
+            self.save(extra_state)
+            if self.progress is not None:
+                self.report(self.last_row)
+        log.warning("stopped by SIGTERM at step %d (%.1f s of the grace period left)", self.step, STOP.remaining_s())
+        return Preempted(self.step)
 
     def report(self, row: dict[str, Any]) -> None:
         """status.progress of the job (rank 0; rate-limited, never raises)."""
@@ -155,8 +175,14 @@ class LoopBase(ABC):
             self.start()
             before = self.evaluate(0) if self.step == 0 else {}
             while self.step < s.total_steps:
+                if STOP.agree(0.0, self.info.device).stop:
+                    raise self.preempt()
                 self.step += 1
-                row = self.run_step()
+                try:
+                    row = self.run_step()
+                except StepAbandoned:
+                    self.step -= 1
+                    raise self.preempt(self.state_before_step()) from None
                 if self.step == 1 and row is not None:  # scored before the first step
                     row.update(before)
                 if self.evaluation_due(self.step):

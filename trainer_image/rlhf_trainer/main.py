@@ -18,7 +18,8 @@ from rlhf_contract.trainer_config import TrainerConfig
 from .data.datasets import DataError
 from .rewards.forms import RewardConfigError
 from .distributed import collective_timeout_s, init_distributed
-from .exits import mark_config_error, write_termination_message
+from .exits import mark_config_error, mark_exit_code, write_termination_message
+from .preemption import STOP, Preempted
 from .preflight import with_checkpointing_decided
 from .weight_sync.threads import WeightSyncError, exit_process
 
@@ -30,6 +31,7 @@ def main() -> None:
     endpoints = [e for e in os.environ.get(ENV_ROLLOUT_ENDPOINTS, "").split(",") if e]
     if not endpoints and not config.method.offline:
         raise SystemExit(f"{ENV_ROLLOUT_ENDPOINTS} is empty: the trainer needs at least one rollout server")
+    STOP.install(config.termination_grace_period_seconds)  # before anything slow: SIGTERM saves, never kills
     info = init_distributed(timeout_s=collective_timeout_s(config))
     output_dir = os.environ.get(ENV_OUTPUT_DIR) or config.output.dir or "/output"
     try:
@@ -46,6 +48,10 @@ def main() -> None:
         if os.environ.get(ENV_RESUME, "1") == "1":
             loop.resume_if_possible()
         loop.run()
+    except Preempted as stopped:
+        mark_exit_code(ExitCode.TERMINATED)  # torchrun would turn it into 1: the launcher passes it on
+        logging.getLogger("rlhf_trainer").warning("%s", stopped)
+        sys.exit(ExitCode.TERMINATED)
     except BaseException as err:
         if isinstance(err, (DataError, RewardConfigError)) or (isinstance(err, SystemExit) and err.code == ExitCode.CONFIG_ERROR):
             mark_config_error()  # the launcher exits 2: fail the job at once, no restart

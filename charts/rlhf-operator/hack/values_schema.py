@@ -24,7 +24,7 @@ CHART = Path(__file__).resolve().parents[1]
 # Kubernetes objects or maps whose keys the user chooses, although the default has some.
 FREE_FORM = {
     "resources", "resources.requests", "resources.limits", "podSecurityContext", "securityContext",
-    "grafana.dashboards.labels", "trainerMetrics.networkPolicy.prometheusPodLabels",
+    "grafana.dashboards.labels", "trainerMetrics.networkPolicy.prometheusPodLabels", "global",
 }
 _KEY = re.compile(r"^(\s*)([A-Za-z0-9_./\-]+|\"[^\"]+\"):")
 

@@ -50,3 +50,19 @@ app.kubernetes.io/part-of: rlhf-operator
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
 {{- end }}
+
+{{/* The leader Lease: leaderElection.leaseName, or the release's full name (one per release). */}}
+{{- define "rlhf-operator.leaseName" -}}
+{{- .Values.leaderElection.leaseName | default (include "rlhf-operator.fullname" .) -}}
+{{- end }}
+
+{{/* Labels of the `helm test` objects: not the operator's selector labels, so that no
+Deployment, Service or PodDisruptionBudget of the chart selects the test pod. */}}
+{{- define "rlhf-operator.testLabels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/name: {{ include "rlhf-operator.name" . }}-test
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: helm-test
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: rlhf-operator
+{{- end }}

@@ -16,7 +16,7 @@ import re
 import types
 import typing
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator,
                       model_validator)
@@ -190,18 +190,116 @@ RESERVED_ENV_PREFIXES = ("RLHF_", "PET_")
 """Environment names the operator sets in the job's containers."""
 
 
-class PodTemplateSpec(SpecModel):
-    """What every pod of the job (trainer and rollout servers) gets on a real cluster:
-    where it may run and what it mounts."""
+RUN_AS_USER = 1000
+"""The pods' uid when `securityContext.runAsUser` is unset (any non-root uid works)."""
+OPERATOR_LABEL_PREFIXES = ("rlhf.dev/", "jobset.sigs.k8s.io/", "training.kubeflow.org/")
+_RESOURCE_NAME = r"^[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*$"
 
-    node_selector: dict[str, str] = {}
+
+def _int_item(value: Any) -> Any:
+    """A list's integer item, refused as `SpecModel` refuses a number field's bad values."""
+    if isinstance(value, bool):
+        raise ValueError(f"must be a number, not {str(value).lower()}")
+    if isinstance(value, str):
+        raise ValueError(f"must be an integer, not the string {value!r:.40}")
+    return value
+
+
+GroupId = Annotated[int, BeforeValidator(_int_item), Field(ge=0, le=INT32_MAX)]
+
+
+class PodSecurity(SpecModel):
+    """The pods' identity on the node (always non-root: the `restricted` Pod Security level)."""
+
+    run_as_user: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    """uid of every container (1000 when unset), e.g. the uid an NFS export maps."""
+    run_as_group: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    """Primary gid of every container (runAsUser when unset)."""
+    fs_group: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    """Group that owns the pod's volumes (runAsGroup when unset)."""
+    fs_group_change_policy: Literal["OnRootMismatch", "Always"] | None = None
+    """When the kubelet hands volumes to fsGroup: `OnRootMismatch` (when unset) only when the
+    volume's root is not already the group's, so a large volume is not walked at every start;
+    `Always` at every start."""
+    supplemental_groups: list[GroupId] | None = None
+    """More groups of every container (e.g. the group of a shared dataset)."""
+
+
+class PodScheduling(SpecModel):
+    """Where a pod runs and what it carries. In `spec.pod` for every pod of the job; in
+    `trainer.pod` / `rollout.pod` for that role's pods, where each field that is set replaces
+    `spec.pod`'s (labels and annotations are merged key by key, the role's winning)."""
+
+    labels: dict[str, str] | None = Field(default=None, json_schema_extra={"x-kubernetes-validations": [{
+        "rule": "self.all(k, " + " && ".join(f"!k.startsWith('{p}')" for p in OPERATOR_LABEL_PREFIXES) + ")",
+        "message": f"labels under {', '.join(OPERATOR_LABEL_PREFIXES)} are set by the operator; use another key"}]})
+    """Labels of the pods (not `rlhf.dev/` ones: those are the operator's)."""
+    annotations: dict[str, str] | None = None
+    """Annotations of the pods, e.g. a Multus network for RDMA
+    {k8s.v1.cni.cncf.io/networks: rdma-net}."""
+    node_selector: dict[str, str] | None = None
     """Node labels a pod's node must have, e.g. {nvidia.com/gpu.product: NVIDIA-H100-80GB-HBM3}."""
-    tolerations: list[KubeObject] = []
+    tolerations: list[KubeObject] | None = None
     """Kubernetes tolerations, e.g. [{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]."""
     affinity: KubeObject | None = None
     """A Kubernetes affinity (node / pod affinity and anti-affinity)."""
+    topology_spread_constraints: list[KubeObject] | None = None
+    """Kubernetes topologySpreadConstraints of the pods."""
+    scheduler_name: str | None = Field(default=None, min_length=1)
+    """The scheduler that places the pods (e.g. volcano, kai-scheduler); the default scheduler when unset."""
     priority_class_name: str | None = None
     """PriorityClass of the pods (preemption order)."""
+    runtime_class_name: str | None = Field(default=None, min_length=1)
+    """RuntimeClass of the pods (e.g. nvidia)."""
+    security_context: PodSecurity | None = None
+    """uid, gid, fsGroup (and when it is applied) and supplemental groups of the pods."""
+    service_account_annotations: dict[str, str] | None = None
+    """Annotations of the pods' ServiceAccount (cloud IAM, e.g.
+    {iam.gke.io/gcp-service-account: ...} or {eks.amazonaws.com/role-arn: ...}): the trainer's
+    `<job>-trainer`; rollout servers get a ServiceAccount `<job>-rollout` of their own when set."""
+    resource_claims: list[KubeObject] | None = None
+    """Dynamic resource allocation: the pod's resourceClaims ({name, resourceClaimName} or
+    {name, resourceClaimTemplateName}); the main container claims each of them."""
+    accelerator_resource: str | None = Field(default=None, pattern=_RESOURCE_NAME)
+    """The extended resource that counts GPUs (`nvidia.com/gpu` when unset; e.g. amd.com/gpu)."""
+
+    @field_validator("labels")
+    @classmethod
+    def _own_labels(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        taken = sorted(k for k in value or {} if k.startswith(OPERATOR_LABEL_PREFIXES))
+        if taken:
+            raise ValueError(f"{', '.join(taken)}: labels under {', '.join(OPERATOR_LABEL_PREFIXES)} are set by "
+                             "the operator; use another key")
+        return value
+
+    def over(self, base: "PodScheduling") -> "PodScheduling":
+        """These settings over `base` (spec.pod), with every default filled in."""
+        merged = {name: getattr(self, name) if getattr(self, name) is not None else getattr(base, name)
+                  for name in PodScheduling.model_fields}
+        for name in ("labels", "annotations"):
+            merged[name] = {**(getattr(base, name) or {}), **(getattr(self, name) or {})}
+        sec = (merged["security_context"] or PodSecurity()).model_copy()
+        sec.run_as_user = sec.run_as_user or RUN_AS_USER
+        sec.run_as_group = sec.run_as_group if sec.run_as_group is not None else sec.run_as_user
+        sec.fs_group = sec.fs_group if sec.fs_group is not None else sec.run_as_group
+        sec.fs_group_change_policy = sec.fs_group_change_policy or "OnRootMismatch"
+        merged.update(security_context=sec, accelerator_resource=merged["accelerator_resource"] or GPU_RESOURCE,
+                      service_account_annotations=merged["service_account_annotations"] or {})
+        for name in ("node_selector", "tolerations", "topology_spread_constraints", "resource_claims"):
+            if merged[name] is None:
+                merged[name] = {} if name == "node_selector" else []
+        return PodScheduling.model_construct(**merged)
+
+
+class RolePodSpec(PodScheduling):
+    """One role's pods (`trainer.pod`, `rollout.pod`): each field set here replaces
+    `spec.pod`'s for these pods only (labels and annotations are merged)."""
+
+
+class PodTemplateSpec(PodScheduling):
+    """What every pod of the job (trainer and rollout servers) gets on a real cluster:
+    where it may run and what it mounts (`trainer.pod` / `rollout.pod` override the
+    scheduling fields per role)."""
     image_pull_secrets: list[str] = []
     """Names of Secrets (in the job's namespace) used to pull the images."""
     volumes: list[KubeObject] = []

@@ -22,6 +22,8 @@ from .models import (
 from .rules import CLUSTER_RULES, IMMUTABLE_FIELDS, MUTABLE_FIELDS, RULES, immutable_cel
 
 _DROP = {"title", "additionalProperties"}
+CATEGORY = "rlhf"
+"""`kubectl get rlhf` lists every RLHFJob; not `all`, which `kubectl delete all` would include."""
 
 
 def _structural(node: Any, defs: dict[str, Any]) -> Any:
@@ -143,7 +145,7 @@ def crd() -> dict[str, Any]:
                 "plural": PLURAL,
                 "singular": KIND.lower(),
                 "shortNames": [SHORT_NAME],
-                "categories": ["all"],
+                "categories": [CATEGORY],
             },
             "scope": "Namespaced",
             "versions": [

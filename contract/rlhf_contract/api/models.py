@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .common import MAX_NAME_LENGTH, Method, SpecModel, PodTemplateSpec
+from .common import MAX_NAME_LENGTH, Method, SpecModel, PodScheduling, PodSecurity, PodTemplateSpec, RolePodSpec
 from .task import ModelSpec, DataSpec, SandboxServiceSpec, RewardSpec, EnvironmentSpec, AlgorithmSpec, DistillationSpec
 from .training import RolloutSpec, TrainerSpec, ScheduleSpec, OutputSpec, RunPolicy, EvaluationSpec, PreferenceSpec, TrackingSpec
 from .common import API_GROUP, API_VERSION, KIND, PLURAL, SHORT_NAME, KubeObject, GPU_RESOURCE, Quantity, Resources, VolumeMount  # noqa: F401  (re-exported)
@@ -38,6 +38,7 @@ __all__ = [
     "EvaluationSpec",
     "GPU_RESOURCE",
     "KIND",
+    "KUEUE_QUEUE_LABEL",
     "KubeObject",
     "LoraSpec",
     "LossAgg",
@@ -50,7 +51,10 @@ __all__ = [
     "ParallelismSpec",
     "DeepSpeedSpec",
     "DistillationSpec",
+    "PodScheduling",
+    "PodSecurity",
     "PodTemplateSpec",
+    "RolePodSpec",
     "PreferenceSpec",
     "Progress",
     "Quantity",
@@ -71,6 +75,7 @@ __all__ = [
     "TrackingSpec",
     "TrainerSpec",
     "VolumeMount",
+    "resolve_backend",
 ]
 
 
@@ -106,12 +111,15 @@ class RLHFJobSpec(SpecModel):
     """Outputs."""
     run_policy: RunPolicy = RunPolicy()
     """Restarts and lifetime."""
-    backend: Literal["PyTorchJob", "JobSet"] = "PyTorchJob"
+    backend: Literal["PyTorchJob", "JobSet"] | None = None
     """How the operator runs the pods on a cluster. `PyTorchJob`: the trainer as a Kubeflow
     PyTorchJob and the rollout servers as a StatefulSet, restarted together by the operator.
     `JobSet`: one JobSet (jobset.x-k8s.io/v1alpha2) holding both as replicated jobs; its
     failure policy is the restart domain (`runPolicy.maxRestarts` restarts) and Kueue admits
-    it as one workload. Ignored in local mode."""
+    it as one workload. Unset: `JobSet` for a job with the label `kueue.x-k8s.io/queue-name`
+    (Kueue admits it whole; its PyTorchJob integration is deprecated, off by default, and would
+    leave the rollout StatefulSet a workload of its own), `PyTorchJob` otherwise. Ignored in
+    local mode."""
     pod: PodTemplateSpec = Field(default_factory=PodTemplateSpec)
     """Scheduling and volumes of every pod of the job (ignored in local mode)."""
     suspend: bool = False
@@ -156,6 +164,14 @@ class RLHFJobSpec(SpecModel):
         apply_preset(self)
         check_spec(self)
         return self
+
+
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+
+
+def resolve_backend(backend: str | None, labels: dict[str, str]) -> str:
+    """`spec.backend`, or when unset the default for this job (see `RLHFJobSpec.backend`)."""
+    return backend or ("JobSet" if labels.get(KUEUE_QUEUE_LABEL) else "PyTorchJob")
 
 
 class ObjectMeta(BaseModel):
@@ -218,7 +234,11 @@ class RLHFJobStatus(SpecModel):
     observed_generation: int | None = Field(default=None, ge=0)
     """The metadata.generation of the spec this status was computed from."""
     restarts: int = Field(default=0, ge=0)
-    """Whole-job restarts so far (counted against `spec.runPolicy.maxRestarts`)."""
+    """Whole-job restarts so far (the attempt number); those not caused by disruptions count
+    against `spec.runPolicy.maxRestarts`."""
+    disruptions: int = Field(default=0, ge=0)
+    """Of `restarts`, those caused by disruptions (preemption, eviction by a node drain, a
+    lost node, SIGTERM): they do not count against `spec.runPolicy.maxRestarts`."""
     message: str = ""
     """Why the job is in its phase (the message of its last transition)."""
     start_time: str | None = Field(default=None, json_schema_extra={"format": "date-time"})
@@ -237,6 +257,11 @@ class RLHFJob(BaseModel):
     metadata: ObjectMeta
     spec: RLHFJobSpec
     status: RLHFJobStatus | None = None
+
+    @model_validator(mode="after")
+    def _resolve_backend(self) -> "RLHFJob":
+        self.spec.backend = resolve_backend(self.spec.backend, self.metadata.labels)
+        return self
 
     def to_config(self) -> dict[str, Any]:
         """The resolved job as JSON-ready data (camelCase), as mounted into every pod."""

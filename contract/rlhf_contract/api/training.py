@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from ..images import INFERENCE_IMAGE, TRAINER_IMAGE
-from .common import INT32_MAX, MAX_SECONDS, SEED_MAX, SecretKeyRef, SpecModel, Resources
+from .common import INT32_MAX, MAX_SECONDS, SEED_MAX, SecretKeyRef, SpecModel, Resources, RolePodSpec
 from .uris import check_path, parse_remote
 
 
@@ -112,6 +112,8 @@ class RolloutSpec(SpecModel):
     """Top-k sampling; -1 disables it (RL needs it disabled, as topP)."""
     resources: Resources = Field(default_factory=Resources)
     """CPU and memory of each rollout server container (GPUs: `tensorParallelSize`)."""
+    pod: RolePodSpec = Field(default_factory=RolePodSpec)
+    """Scheduling of the rollout server pods over `spec.pod` (e.g. another GPU type's node pool)."""
     startup_timeout_seconds: int = Field(default=1800, ge=60, le=MAX_SECONDS)
     """How long a rollout server may take to start (model load, CUDA graph capture): its
     startup probe allows this long, and the trainer waits this long for it."""
@@ -210,6 +212,8 @@ class TrainerSpec(SpecModel):
     checked. `rlhfctl plan` prints the plan."""
     resources: Resources = Field(default_factory=Resources)
     """CPU and memory of each trainer pod's container (GPUs: `nprocPerNode`)."""
+    pod: RolePodSpec = Field(default_factory=RolePodSpec)
+    """Scheduling of the trainer pods over `spec.pod` (e.g. another GPU type's node pool)."""
 
 
 class ScheduleSpec(SpecModel):
@@ -331,6 +335,12 @@ class RunPolicy(SpecModel):
     """Fail the job after this many seconds of running."""
     ttl_seconds_after_finished: int | None = Field(default=None, ge=0, le=MAX_SECONDS)
     """Delete the job this many seconds after it finished."""
+    termination_grace_period_seconds: int = Field(default=60, ge=1, le=MAX_SECONDS)
+    """Seconds a pod has between SIGTERM (preemption, node drain, spot notice, suspend, a
+    restart) and SIGKILL: every pod's `terminationGracePeriodSeconds`. In this time the
+    trainer finishes or abandons the step in flight and writes a complete checkpoint, which
+    the job resumes from. Give it more than one checkpoint's save time (AWS spot: 120 s of
+    notice, GKE: 30 s)."""
 
 
 class EvalDatasetSpec(SpecModel):

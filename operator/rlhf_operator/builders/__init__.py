@@ -29,11 +29,16 @@ def build_support(job: RLHFJob, settings: PodSettings | None = None) -> list[dic
     """Children that live as long as the job (not restarted): config, identity, network;
     for `method: rl` also the rollout and weight-sync services (and the code sandbox, and the
     judge servers, which mount the volumes of `settings`)."""
-    common = [build_config_map(job), build_service_account(job), build_role(job), build_role_binding(job)]
-    if job.spec.offline:  # sft, rm, dpo: the trainer alone
+    s = job.spec
+    trainer_sa = s.trainer.pod.over(s.pod).service_account_annotations
+    common = [build_config_map(job), build_service_account(job, annotations=trainer_sa), build_role(job),
+              build_role_binding(job)]
+    if s.offline:  # sft, rm, dpo: the trainer alone
         return [*common, build_network_policy(job)]
+    rollout_sa = s.rollout.pod.over(s.pod).service_account_annotations
     return [
         *common,
+        *([build_service_account(job, rollout_name(job.metadata.name), rollout_sa)] if rollout_sa else []),
         # backend JobSet: JobSet makes the pods' headless Service itself
         *([build_rollout_service(job)] if job.spec.backend == "PyTorchJob" else []),
         build_weight_sync_service(job),

@@ -13,9 +13,14 @@ from rlhf_contract.api.models import API_GROUP, PLURAL, RLHFJob
 from .meta import metadata, trainer_name
 
 
-def build_service_account(job: RLHFJob) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": metadata(job, trainer_name(job.metadata.name)),
-            "automountServiceAccountToken": False}
+def build_service_account(job: RLHFJob, name: str | None = None,
+                          annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    """The trainer's ServiceAccount (or, with `name`, the rollout servers'), with the
+    user's annotations (cloud IAM: `serviceAccountAnnotations`)."""
+    meta = metadata(job, name or trainer_name(job.metadata.name))
+    if annotations:
+        meta["annotations"] = dict(annotations)
+    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta, "automountServiceAccountToken": False}
 
 
 def build_role(job: RLHFJob) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from typing import Any
 
 from rlhf_contract import pod as contract
 from rlhf_contract.api.models import RLHFJob
-from .meta import LABEL_JOB, LABEL_ROLE, ROLE_TRAINER, metadata, namespace_of
+from .meta import LABEL_JOB, LABEL_ROLE, ROLE_ROLLOUT, ROLE_TRAINER, metadata, namespace_of
 from .pods import PodSettings, container_resources, container_security_context, env_list, pod_spec, volume_mounts
 
 LABEL_JUDGE_OF = "rlhf.dev/judge-of"
@@ -53,7 +53,7 @@ def build_judge_statefulset(job: RLHFJob, settings: PodSettings) -> dict[str, An
         "command": proc.command,
         "env": env_list(proc.env) + list(job.spec.pod.env),
         "ports": [{"name": "http", "containerPort": contract.ROLLOUT_PORT, "protocol": "TCP"}],
-        "resources": container_resources(r.tensor_parallel_size, r.resources),
+        "resources": container_resources(r.tensor_parallel_size, r.resources, settings.role(ROLE_ROLLOUT)),
         "securityContext": container_security_context(),
         "volumeMounts": volume_mounts(settings),
         "startupProbe": {**probe, "periodSeconds": contract.ROLLOUT_STARTUP_PROBE_PERIOD_S,
@@ -75,7 +75,8 @@ def build_judge_statefulset(job: RLHFJob, settings: PodSettings) -> dict[str, An
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": judge_pod_labels(job)},
             "template": {"metadata": {"labels": judge_pod_labels(job)},
-                         "spec": pod_spec(job, settings, [container], restart_policy="Always", service_account=None)},
+                         "spec": pod_spec(job, settings, [container], role=ROLE_ROLLOUT, restart_policy="Always",
+                                          service_account=None)},
         },
     }
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlhf_contract.api.models import API_GROUP, API_VERSION, KIND, RLHFJob
+from rlhf_contract.api.models import API_GROUP, API_VERSION, KIND, KUEUE_QUEUE_LABEL, RLHFJob
 
 LABEL_JOB = "rlhf.dev/job"
 LABEL_JOB_UID = "rlhf.dev/job-uid"
@@ -20,7 +20,8 @@ LABEL_ROLE = "rlhf.dev/role"
 LABEL_ATTEMPT = "rlhf.dev/attempt"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGER = "rlhf-operator"
-KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
+"""Kueue's WorkloadPriorityClass of a job (read from the JobSet / PyTorchJob it admits)."""
 
 ROLE_ROLLOUT = "rollout"
 ROLE_TRAINER = "trainer"
@@ -86,9 +87,9 @@ def owner_reference(job: RLHFJob) -> dict[str, Any]:
 def job_labels(job: RLHFJob) -> dict[str, str]:
     """Labels of every child object (not pods: see `pod_labels`)."""
     labels = {LABEL_JOB: job.metadata.name, LABEL_MANAGED_BY: MANAGER}
-    queue = job.metadata.labels.get(KUEUE_QUEUE_LABEL)
-    if queue:
-        labels[KUEUE_QUEUE_LABEL] = queue
+    for key in (KUEUE_QUEUE_LABEL, KUEUE_PRIORITY_LABEL):  # what Kueue reads, from the job's own labels
+        if job.metadata.labels.get(key):
+            labels[key] = job.metadata.labels[key]
     return labels
 
 

@@ -2,8 +2,11 @@
 `restricted` Pod Security level admits, GPU requests, CPU / memory resources, and the
 user's scheduling settings and volumes (`spec.pod`).
 
-`spec.pod` (nodeSelector, tolerations, affinity, priorityClassName, imagePullSecrets,
-volumes, volumeMounts) goes into every pod; `spec.output.claimName` mounts a
+`spec.pod` goes into every pod, with `trainer.pod` / `rollout.pod` over it for that role's
+pods (the contract's `PodScheduling.over`: labels, annotations, nodeSelector, tolerations,
+affinity, topologySpreadConstraints, schedulerName, priorityClassName, runtimeClassName,
+securityContext, ServiceAccount annotations, resourceClaims, the accelerator resource);
+volumes, mounts and pull secrets are the same for every pod. `spec.output.claimName` mounts a
 PersistentVolumeClaim at the output directory of the trainer pods. `PodSettings.from_job`
 also refuses a job whose model, data or output directory is on no mounted volume (the
 pods could not read or keep them), naming the field; `builtin://`, `hf://` and `s3://` paths need none
@@ -12,7 +15,10 @@ old annotation `rlhf.dev/pod-settings` is refused with a pointer to `spec.pod`. 
 queue label (`kueue.x-k8s.io/queue-name`) is copied from the job's labels
 (meta.job_labels).
 
-Simplifications: images are assumed to run as any non-root uid (1000 here); HOME points
+Every pod gets `runPolicy.terminationGracePeriodSeconds` between SIGTERM and SIGKILL (the
+trainer saves a checkpoint in it).
+
+Simplifications: images are assumed to run as any non-root uid (1000 by default); HOME points
 at a writable emptyDir because such a uid has no home directory in most images.
 """
 
@@ -22,9 +28,9 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlhf_contract.api.models import GPU_RESOURCE, Resources, RLHFJob
+from rlhf_contract.api.models import PodScheduling, Resources, RLHFJob
 from rlhf_contract.api.uris import is_remote
-from .meta import config_map_name
+from .meta import ROLE_ROLLOUT, ROLE_TRAINER, config_map_name
 
 POD_SETTINGS_ANNOTATION = "rlhf.dev/pod-settings"
 CONFIG_DIR = "/etc/rlhf"
@@ -33,7 +39,6 @@ CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_FILE}"
 DEFAULT_OUTPUT_DIR = "/output"
 OUTPUT_VOLUME = "output"
 SCRATCH_DIR = "/tmp"
-RUN_AS_USER = 1000
 BUILTIN_PREFIX = "builtin://"
 RESERVED_VOLUMES = ("config", "dshm", "scratch")
 
@@ -48,10 +53,8 @@ class PodSettings:
     """Where and how the job's pods are scheduled and what they mount (from `spec.pod`
     and `spec.output.claimName`)."""
 
-    node_selector: dict[str, str] = field(default_factory=dict)
-    tolerations: list[dict[str, Any]] = field(default_factory=list)
-    affinity: dict[str, Any] | None = None
-    priority_class_name: str | None = None
+    roles: dict[str, PodScheduling] = field(default_factory=dict)
+    """Each role's scheduling: `trainer.pod` / `rollout.pod` over `spec.pod`, defaults filled."""
     image_pull_secrets: list[str] = field(default_factory=list)
     volumes: list[dict[str, Any]] = field(default_factory=list)
     """The user's pod volumes (e.g. a PVC with the model and the data)."""
@@ -82,11 +85,15 @@ class PodSettings:
         if job.spec.output.claim_name and OUTPUT_VOLUME in names:
             raise PodSettingsError(f"spec.pod.volumes: the name {OUTPUT_VOLUME!r} is taken by spec.output.claimName; "
                                    "rename the volume")
+        roles = {ROLE_TRAINER: job.spec.trainer.pod.over(p), ROLE_ROLLOUT: job.spec.rollout.pod.over(p)}
+        for role, resources in ((ROLE_TRAINER, job.spec.trainer.resources), (ROLE_ROLLOUT, job.spec.rollout.resources)):
+            gpu = roles[role].accelerator_resource
+            if gpu in resources.requests or gpu in resources.limits:
+                raise PodSettingsError(f"spec.{role}.resources: {gpu} is set from "
+                                       f"{'trainer.nprocPerNode' if role == ROLE_TRAINER else 'rollout.tensorParallelSize'}"
+                                       "; remove it here")
         settings = cls(
-            node_selector=dict(p.node_selector),
-            tolerations=copy.deepcopy(p.tolerations),
-            affinity=copy.deepcopy(p.affinity),
-            priority_class_name=p.priority_class_name,
+            roles=roles,
             image_pull_secrets=list(p.image_pull_secrets),
             volumes=copy.deepcopy(p.volumes),
             volume_mounts=[m.model_dump(by_alias=True, exclude_defaults=True) for m in p.volume_mounts],
@@ -116,6 +123,9 @@ class PodSettings:
                                 f"{mount['mountPath']!r}; set readOnly: false or choose another directory")
         if problems:
             raise PodSettingsError("; ".join(problems))
+
+    def role(self, role: str) -> PodScheduling:
+        return self.roles[role]
 
     def trainer_volume_mounts(self) -> list[dict[str, Any]]:
         mounts = copy.deepcopy(self.volume_mounts)
@@ -155,27 +165,44 @@ def container_security_context() -> dict[str, Any]:
     }
 
 
-def pod_security_context() -> dict[str, Any]:
-    return {
+def pod_security_context(placement: PodScheduling) -> dict[str, Any]:
+    sec = placement.security_context
+    out = {
         "runAsNonRoot": True,
-        "runAsUser": RUN_AS_USER,
-        "runAsGroup": RUN_AS_USER,
-        "fsGroup": RUN_AS_USER,
+        "runAsUser": sec.run_as_user,
+        "runAsGroup": sec.run_as_group,
+        "fsGroup": sec.fs_group,
+        "fsGroupChangePolicy": sec.fs_group_change_policy,
         "seccompProfile": {"type": "RuntimeDefault"},
     }
+    if sec.supplemental_groups:
+        out["supplementalGroups"] = list(sec.supplemental_groups)
+    return out
 
 
-def container_resources(gpus: int, resources: Resources) -> dict[str, Any]:
-    """The user's CPU / memory requests and limits plus `gpus` GPUs (request = limit).
-    A memory request without a limit gets the request as its limit, so the pod is not
-    BestEffort and is OOM-killed at a predictable size."""
+def container_resources(gpus: int, resources: Resources, placement: PodScheduling) -> dict[str, Any]:
+    """The user's CPU / memory requests and limits plus `gpus` accelerators (request = limit,
+    `accelerator_resource`) and the pod's resource claims. A memory request without a limit
+    gets the request as its limit, so the pod is not BestEffort and is OOM-killed at a
+    predictable size."""
     requests = dict(resources.requests)
     limits = dict(resources.limits)
     if "memory" in requests and "memory" not in limits:
         limits["memory"] = requests["memory"]
-    requests[GPU_RESOURCE] = str(gpus)
-    limits[GPU_RESOURCE] = str(gpus)
-    return {"requests": requests, "limits": limits}
+    requests[placement.accelerator_resource] = str(gpus)
+    limits[placement.accelerator_resource] = str(gpus)
+    out: dict[str, Any] = {"requests": requests, "limits": limits}
+    if placement.resource_claims:
+        out["claims"] = [{"name": c["name"]} for c in placement.resource_claims]
+    return out
+
+
+def template_metadata(labels: dict[str, str], placement: PodScheduling) -> dict[str, Any]:
+    """A pod template's metadata: the user's labels under ours, and the user's annotations."""
+    meta: dict[str, Any] = {"labels": {**placement.labels, **labels}}
+    if placement.annotations:
+        meta["annotations"] = dict(placement.annotations)
+    return meta
 
 
 def env_list(env: dict[str, str]) -> list[dict[str, str]]:
@@ -203,29 +230,26 @@ def volumes(job: RLHFJob, settings: PodSettings, *, trainer: bool = False) -> li
     ]
 
 
-def pod_spec(job: RLHFJob, settings: PodSettings, containers: list[dict[str, Any]], *,
-             restart_policy: str, service_account: str | None, trainer: bool = False) -> dict[str, Any]:
+def pod_spec(job: RLHFJob, settings: PodSettings, containers: list[dict[str, Any]], *, role: str,
+             restart_policy: str, service_account: str | None, automount_token: bool = True) -> dict[str, Any]:
+    placement = settings.role(role)
     spec: dict[str, Any] = {
         "restartPolicy": restart_policy,
-        "securityContext": pod_security_context(),
+        "securityContext": pod_security_context(placement),
         "containers": containers,
-        "volumes": volumes(job, settings, trainer=trainer),
+        "volumes": volumes(job, settings, trainer=role == ROLE_TRAINER),
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": 30,
+        "terminationGracePeriodSeconds": job.spec.run_policy.termination_grace_period_seconds,
+        "automountServiceAccountToken": bool(service_account) and automount_token,
     }
     if service_account:
         spec["serviceAccountName"] = service_account
-        spec["automountServiceAccountToken"] = True
-    else:
-        spec["automountServiceAccountToken"] = False
-    if settings.node_selector:
-        spec["nodeSelector"] = dict(settings.node_selector)
-    if settings.tolerations:
-        spec["tolerations"] = copy.deepcopy(settings.tolerations)
-    if settings.affinity:
-        spec["affinity"] = copy.deepcopy(settings.affinity)
-    if settings.priority_class_name:
-        spec["priorityClassName"] = settings.priority_class_name
-    if settings.image_pull_secrets:
-        spec["imagePullSecrets"] = [{"name": s} for s in settings.image_pull_secrets]
+    optional = {
+        "nodeSelector": placement.node_selector, "tolerations": placement.tolerations,
+        "affinity": placement.affinity, "topologySpreadConstraints": placement.topology_spread_constraints,
+        "schedulerName": placement.scheduler_name, "priorityClassName": placement.priority_class_name,
+        "runtimeClassName": placement.runtime_class_name, "resourceClaims": placement.resource_claims,
+        "imagePullSecrets": [{"name": s} for s in settings.image_pull_secrets],
+    }
+    spec.update({key: copy.deepcopy(value) for key, value in optional.items() if value})
     return spec

@@ -35,6 +35,7 @@ from typing import Any
 from rlhf_contract import sandbox as contract
 from rlhf_contract.api.models import RLHFJob
 from .meta import LABEL_JOB, LABEL_ROLE, ROLE_TRAINER, metadata
+from rlhf_contract.api.models import PodScheduling
 from .pods import container_security_context, pod_security_context
 
 TMP_SIZE_LIMIT = "2Gi"
@@ -99,7 +100,8 @@ def build_sandbox_statefulset(job: RLHFJob) -> dict[str, Any]:
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     pod_spec = {
-        "securityContext": {**pod_security_context(), **_own_uid(job), "seccompProfile": _seccomp(job)},
+        "securityContext": {**pod_security_context(PodScheduling().over(PodScheduling())), **_own_uid(job),
+                            "seccompProfile": _seccomp(job)},
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "containers": [container],

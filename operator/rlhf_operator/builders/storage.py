@@ -17,9 +17,10 @@ import copy
 from typing import Any
 
 from rlhf_contract import pod as contract
-from rlhf_contract.api.models import GPU_RESOURCE, RLHFJob
+from rlhf_contract.api.models import RLHFJob
 from rlhf_contract.sources import ENV_STORAGE_SECRET, SOURCES_DIR, plan
 
+from .meta import ROLE_ROLLOUT, ROLE_TRAINER
 from .pods import PodSettings, mount_of, container_security_context, env_list, output_dir
 
 SOURCES_VOLUME = "sources"
@@ -52,8 +53,9 @@ def with_storage(job: RLHFJob, settings: PodSettings, spec: dict[str, Any], *, t
         main["volumeMounts"].append({"name": SOURCES_VOLUME, "mountPath": f"{out}/{SOURCES_DIR}"})
     env, env_from = secret_env(job)
     resources = copy.deepcopy(main["resources"])
-    for part in resources.values():
-        part.pop(GPU_RESOURCE, None)
+    accelerator = settings.role(ROLE_TRAINER if trainer else ROLE_ROLLOUT).accelerator_resource
+    for part in resources.values():  # the download step needs no accelerator
+        part.pop(accelerator, None)
     init = {
         "name": FETCH_CONTAINER,
         "image": job.spec.trainer.image,

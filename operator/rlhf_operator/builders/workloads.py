@@ -27,7 +27,7 @@ from .judge import judge_env
 from .storage import secret_env, with_storage
 from .pods import (
     CONFIG_PATH, PodSettings, container_resources, container_security_context, env_list, output_dir, pod_spec,
-    volume_mounts,
+    template_metadata, volume_mounts,
 )
 
 HEALTH_PATH = "/health"
@@ -67,7 +67,7 @@ def rollout_container(job: RLHFJob, settings: PodSettings) -> dict[str, Any]:
         "command": proc.command,
         "env": env_list({**proc.env, **nccl_network_env(job)}) + list(job.spec.pod.env),
         "ports": [{"name": "http", "containerPort": contract.ROLLOUT_PORT, "protocol": "TCP"}],
-        "resources": container_resources(r.tensor_parallel_size, r.resources),
+        "resources": container_resources(r.tensor_parallel_size, r.resources, settings.role(ROLE_ROLLOUT)),
         "securityContext": container_security_context(),
         "volumeMounts": volume_mounts(settings),
         # Loading a large model takes minutes: up to 30 min before liveness applies.
@@ -90,6 +90,12 @@ def nccl_network_env(job: RLHFJob) -> dict[str, str]:
     if any(e.get("name") == contract.ENV_NCCL_SOCKET_IFNAME for e in job.spec.pod.env):
         return {}
     return {contract.ENV_NCCL_SOCKET_IFNAME: contract.NCCL_SOCKET_IFNAME}
+
+
+def rollout_service_account(job: RLHFJob, settings: PodSettings) -> str | None:
+    """The rollout servers' ServiceAccount: their own when it carries annotations (cloud
+    IAM), else none (the namespace's default, without a token)."""
+    return rollout_name(job.metadata.name) if settings.role(ROLE_ROLLOUT).service_account_annotations else None
 
 
 def tracking_env(job: RLHFJob) -> list[dict[str, Any]]:
@@ -121,9 +127,11 @@ def build_rollout_statefulset(job: RLHFJob, attempt: int, settings: PodSettings)
             "updateStrategy": {"type": "OnDelete"},
             "selector": {"matchLabels": selector},
             "template": {
-                "metadata": {"labels": labels},
-                "spec": with_storage(job, settings, pod_spec(job, settings, [container], restart_policy="Always",
-                                                             service_account=None), trainer=False),
+                "metadata": template_metadata(labels, settings.role(ROLE_ROLLOUT)),
+                "spec": with_storage(job, settings, pod_spec(job, settings, [container], role=ROLE_ROLLOUT,
+                                                             restart_policy="Always",
+                                                             service_account=rollout_service_account(job, settings),
+                                                             automount_token=False), trainer=False),
             },
         },
     }
@@ -150,7 +158,7 @@ def trainer_container(job: RLHFJob, settings: PodSettings, *, rollout_endpoints:
             # every trainer pod answers here; node 0's rank 0 serves the step metrics
             {"name": "metrics", "containerPort": contract.TRAINER_METRICS_PORT, "protocol": "TCP"},
         ],
-        "resources": container_resources(t.nproc_per_node, t.resources),
+        "resources": container_resources(t.nproc_per_node, t.resources, settings.role(ROLE_TRAINER)),
         "securityContext": container_security_context(),
         "volumeMounts": volume_mounts(settings, trainer=True),
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -167,9 +175,9 @@ def build_trainer_pytorchjob(job: RLHFJob, attempt: int, settings: PodSettings) 
     container = trainer_container(job, settings, rollout_endpoints=rollout_endpoints(job),
                                   weight_sync_addr=weight_sync_addr(job))
     template = {
-        "metadata": {"labels": pod_labels(job, ROLE_TRAINER, attempt)},
-        "spec": with_storage(job, settings, pod_spec(job, settings, [container], restart_policy="Never",
-                                                     service_account=trainer_name(job.metadata.name), trainer=True),
+        "metadata": template_metadata(pod_labels(job, ROLE_TRAINER, attempt), settings.role(ROLE_TRAINER)),
+        "spec": with_storage(job, settings, pod_spec(job, settings, [container], role=ROLE_TRAINER, restart_policy="Never",
+                                                     service_account=trainer_name(job.metadata.name)),
                              trainer=True),
     }
     replicas = {"Master": {"replicas": 1, "restartPolicy": "Never", "template": template}}

@@ -32,6 +32,7 @@ from ..distributed import DistInfo, broadcast_object
 from ..loop import LoopBase
 from ..metrics import logprob_mismatch, peak_flops, peak_gpu_memory_bytes, train_mfu
 from ..optim import schedule_factor
+from ..preemption import STOP, StepAbandoned
 from ..weight_sync import push_weights
 from .models import build_models
 from .step import TrainStep
@@ -69,6 +70,8 @@ class RunLoop(LoopBase):
         self.orchestrator = self.sender = None
         self.num_params = self.models.engine.total_parameters()
         self.colocation = None
+        self.train_seconds = 0.0  # the last step's update and sync: what finishing a step after SIGTERM costs
+        self._before_step: dict[str, Any] | None = None
         if info.is_main:
             from ..orchestrator.orchestrator import Orchestrator
             from ..weight_sync import WeightSyncSender
@@ -162,6 +165,7 @@ class RunLoop(LoopBase):
 
     def run_step(self) -> dict[str, Any] | None:
         timings: dict[str, float] = {}
+        self._before_step = self.extra_state() if self.info.is_main else None
         with span(timings, "step_seconds"):
             with span(timings, "rollout_seconds"):  # with maxStaleness >= 1: waiting for a prefetched batch
                 if self.colocation is not None:
@@ -170,6 +174,11 @@ class RunLoop(LoopBase):
                 batch = broadcast_object(batch)
                 if self.colocation is not None:
                     self.colocation.to_training()
+            stop = STOP.agree(self.train_seconds + self.save_seconds, self.info.device)
+            if stop.abandon:  # nothing of this step has touched the models yet
+                log.warning("step %d abandoned: %.0f s left, finishing it and saving takes about %.0f s",
+                            self.step, stop.remaining_s, stop.needed_s)
+                raise StepAbandoned()
             with span(timings, "train_seconds"):
                 tensors = self.train_step.prepare(batch)
                 train = self.train_step(batch, tensors, lr_factor=self.lr_factor)
@@ -179,11 +188,17 @@ class RunLoop(LoopBase):
             else:
                 log.warning("step %d: every optimizer step had a non-finite gradient norm; weights unchanged%s",
                             self.step, "" if self.colocation else ", no weight sync")
-            # colocated servers slept through the update (level 2 discards their weights): always sync
-            timings["weight_sync_seconds"] = self.sync_weights() if changed or self.colocation else 0.0
+            # colocated servers slept through the update (level 2 discards their weights): always sync;
+            # after SIGTERM the servers are going away (a resumed run syncs them first: start)
+            sync = (changed or self.colocation is not None) and not stop.stop
+            timings["weight_sync_seconds"] = self.sync_weights() if sync else 0.0
+        self.train_seconds = timings["train_seconds"] + timings["weight_sync_seconds"]
         if not self.info.is_main:
             return None
         return self._row(batch, tensors, train, timings)
+
+    def state_before_step(self) -> dict[str, Any] | None:
+        return self._before_step
 
     def _row(self, batch, tensors, train: dict[str, Any], timings: dict[str, float]) -> dict[str, Any]:
         """Rank 0: the step's metrics row."""
