@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import httpx
 
