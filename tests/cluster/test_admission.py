@@ -238,7 +238,7 @@ def test_invalid_spec_is_rejected_naming_the_field(cluster: Cluster, ns: str, wh
 
 
 def test_a_colocated_job_runs_locally_but_the_api_server_refuses_it_for_now(cluster: Cluster, ns: str):
-    doc = with_("spec.rollout", {"placement": "colocated"})
+    doc = with_("spec.rollout", {"placement": "colocated", "vllm": {"kvCacheMemoryBytes": 16 * 2**30}})
     validate_job(copy.deepcopy(doc))  # a valid job: `rlhfctl run` runs it
     proc = dry_run(cluster, ns, doc)
     assert proc.returncode != 0 and "spec.rollout.placement: colocated runs in local mode only" in proc.stderr

@@ -87,7 +87,8 @@ def test_helm_install_then_the_operator_with_the_chart_permissions_runs_a_job(cl
         assert can("delete", "pods", "-n", jobs_ns) == "yes"  # force-delete the pods of a lost node
         assert can("create", "pods", "-n", jobs_ns) == "no"
         assert can("get", "nodes/n1") == "yes" and can("patch", "nodes/n1") == "no"
-        assert can("update", "leases.coordination.k8s.io/rlhf-operator", "-n", release_ns) == "yes"
+        assert can("update", f"leases.coordination.k8s.io/{sa}", "-n", release_ns) == "yes"  # the release's own Lease
+        assert can("update", "leases.coordination.k8s.io/rlhf-operator", "-n", release_ns) == "no"  # not another's
         assert can("get", "namespaces/default") == "no"  # kopf may list namespace names, not read one
 
         # people: a user bound to the built-in `edit` role in a namespace may run RLHFJobs there
@@ -111,11 +112,12 @@ def test_helm_install_then_the_operator_with_the_chart_permissions_runs_a_job(cl
         config = sa_kubeconfig(cluster, release_ns, sa, tmp_path / "operator.kubeconfig")
         log = tmp_path / "operator.log"
         # The chart's Deployment runs `rlhfctl operator --lease-namespace=<release ns>
-        # --namespace=<watched>`; the same here, as a local process with the chart SA's token.
+        # --lease-name=<release's full name> --namespace=<watched>`; the same here, as a local
+        # process with the chart SA's token.
         with open(log, "ab") as fh:
             p = subprocess.Popen(
                 [sys.executable, "-m", "rlhf_launcher.cli", "operator", "--namespace", jobs_ns,
-                 "--lease-namespace", release_ns, "--lease-duration", "4", "--resync-seconds", "2",
+                 "--lease-namespace", release_ns, "--lease-name", sa, "--lease-duration", "4", "--resync-seconds", "2",
                  "--metrics-port", "0"],
                 stdout=fh, stderr=subprocess.STDOUT, env={**cluster.env, "KUBECONFIG": str(config)})
         try:

@@ -57,7 +57,8 @@ def test_lost_node_with_the_trainer_restarts_the_job_once_and_the_restart_comple
         restarting = condition(j, "Restarting")
         assert "NodeLost" in restarting["message"] and f"node {lossy} not Ready" in restarting["message"]
         assert "force-deleting pod" in log.read_text()
-        assert events(cluster, ns, "lost").count("PodFailed") == 1
+        assert events(cluster, ns, "lost").count("Disrupted") == 1  # a lost node spends no restart (status.disruptions)
+        assert "PodFailed" not in events(cluster, ns, "lost")
         assert not [p for p in pods(cluster, ns, "lost") if p["spec"].get("nodeName") == lossy]
         cluster.kubectl("delete", "rlhfjob", "lost", "-n", ns, "--wait=false")
     finally:

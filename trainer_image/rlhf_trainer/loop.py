@@ -113,9 +113,11 @@ class LoopBase(ABC):
         start = time.monotonic()
         state = broadcast_object(self.extra_state() if extra_state is None else extra_state)
         path = save_checkpoint(self.output_dir, self.step, self.parts(), state, keep=self.config.output.keep_checkpoints)
-        if self.publisher is not None and path != self.published:  # the last step's is saved twice
+        if self.publisher is not None and path != self.published:
             self.publisher.checkpoint(path)
             self.published = path
+        elif self.publisher is not None:  # the last step's, saved again after its row: the rows it missed
+            self.publisher.metrics()
         self.save_seconds = time.monotonic() - start
 
     def publish_final(self) -> None:

@@ -77,11 +77,16 @@ class Publisher:
             bucket, prefix = _split(self.uri)
             client = s3.client()
             sent = s3.upload_dir(client, path, bucket, _key(prefix, CHECKPOINTS, path.name), last=MARKER)
-            if (self.output_dir / METRICS_FILE).exists():
-                client.fput_object(bucket, _key(prefix, METRICS_FILE), str(self.output_dir / METRICS_FILE))
+            self.metrics(client)
             log.info("uploaded %s to %s (%d bytes)", path.name, self.uri, sent)
         if self.hub is not None and self.hub.every and step % self.hub.every == 0:
             self._push(path, f"{CHECKPOINTS}/{path.name}", f"checkpoint {path.name}")
+
+    def metrics(self, client: Any = None) -> None:
+        """metrics.jsonl as it is now, to `output.uri` (a resume from the bucket keeps its rows)."""
+        if self.uri and (self.output_dir / METRICS_FILE).exists():
+            bucket, prefix = _split(self.uri)
+            (client or s3.client()).fput_object(bucket, _key(prefix, METRICS_FILE), str(self.output_dir / METRICS_FILE))
 
     def final(self, final_dir: Path) -> None:
         if self.uri:
