@@ -22,7 +22,7 @@ from typing import Any
 
 from rlhf_contract import pod as contract
 from rlhf_contract.api.models import RLHFJob
-from .meta import LABEL_JOB, LABEL_ROLE, ROLE_ROLLOUT, ROLE_TRAINER, metadata, namespace_of
+from .meta import LABEL_JOB, LABEL_ROLE, ROLE_ROLLOUT, ROLE_TRAINER, http_service, metadata, namespace_of
 from .pods import PodSettings, container_resources, container_security_context, env_list, pod_spec, volume_mounts
 
 LABEL_JUDGE_OF = "rlhf.dev/judge-of"
@@ -82,15 +82,7 @@ def build_judge_statefulset(job: RLHFJob, settings: PodSettings) -> dict[str, An
 
 
 def build_judge_service(job: RLHFJob) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": metadata(job, judge_name(job.metadata.name)),
-        "spec": {
-            "selector": judge_pod_labels(job),
-            "ports": [{"name": "http", "port": contract.ROLLOUT_PORT, "targetPort": "http", "protocol": "TCP"}],
-        },
-    }
+    return http_service(job, judge_name(job.metadata.name), judge_pod_labels(job), contract.ROLLOUT_PORT)
 
 
 def build_judge_network_policy(job: RLHFJob) -> dict[str, Any]:

@@ -114,3 +114,16 @@ def metadata(job: RLHFJob, name: str, labels: dict[str, str] | None = None) -> d
         "labels": labels or job_labels(job),
         "ownerReferences": [owner_reference(job)],
     }
+
+
+def http_service(job: RLHFJob, name: str, selector: dict[str, str], port: int) -> dict[str, Any]:
+    """A ClusterIP Service `name` of the job: `port` to the selected pods' `http` port."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(job, name),
+        "spec": {
+            "selector": selector,
+            "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }

@@ -34,7 +34,7 @@ from typing import Any
 
 from rlhf_contract import sandbox as contract
 from rlhf_contract.api.models import RLHFJob
-from .meta import LABEL_JOB, LABEL_ROLE, ROLE_TRAINER, metadata
+from .meta import LABEL_JOB, LABEL_ROLE, ROLE_TRAINER, http_service, metadata
 from rlhf_contract.api.models import PodScheduling
 from .pods import container_security_context, pod_security_context
 
@@ -123,15 +123,7 @@ def build_sandbox_statefulset(job: RLHFJob) -> dict[str, Any]:
 
 
 def build_sandbox_service(job: RLHFJob) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": metadata(job, contract.sandbox_name(job.metadata.name)),
-        "spec": {
-            "selector": sandbox_pod_labels(job),
-            "ports": [{"name": "http", "port": contract.SANDBOX_PORT, "targetPort": "http", "protocol": "TCP"}],
-        },
-    }
+    return http_service(job, contract.sandbox_name(job.metadata.name), sandbox_pod_labels(job), contract.SANDBOX_PORT)
 
 
 def build_sandbox_network_policy(job: RLHFJob) -> dict[str, Any]:
