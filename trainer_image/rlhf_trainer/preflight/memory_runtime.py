@@ -5,8 +5,9 @@ fragmentation margin applies to them, and `torch.cuda.max_memory_reserved` never
 them); `make gpu-check` measures both on the GPU it runs on (docs/testing.md).
 
 Where the numbers come from:
-- CUDA context and cuBLAS workspaces: about 0.5 GiB per process with CUDA 12/13's lazy
-  module loading (the figure `nvidia-smi` shows for an idle torch process on H100).
+- CUDA context and cuBLAS workspaces: measured 0.80 GiB outside the caching allocator
+  (the device's used memory minus `memory_reserved`) after our train step on an H200 with
+  torch 2.11 and CUDA 13 (`make gpu-check`, 2026-11-26); the plan takes 0.85 GiB.
 - One NCCL communicator of several GPUs: NCCL allocates its channel buffers
   (NCCL_BUFFSIZE, 4 MiB per channel, peer and protocol) and, on NVLink-switch (HGX)
   nodes, NVLS buffers; more channels to reach NVLink bandwidth means more memory. Reported:
@@ -14,7 +15,9 @@ Where the numbers come from:
   (NVIDIA/nccl#964), about 1.6 GB for one communicator after an all-reduce and about 6 GB
   for three (NVIDIA/nccl#864); NCCL's maintainer: linear in the channels, more on H100 than
   on A100, and every communicator pays again unless split with shared resources
-  (NVIDIA/nccl#986). The plan takes 1 GiB per communicator; `NCCL_NVLS_ENABLE=0` lowers it.
+  (NVIDIA/nccl#986). Measured here: 0.48 GiB for a one-GPU communicator on an H200 (NCCL
+  2.28.9, `make gpu-check`), which has no peers to buffer for. The plan takes 1 GiB per
+  communicator; `NCCL_NVLS_ENABLE=0` lowers it.
 - Which communicators (parallel/parallelize.py, weight_sync/): with more than one
   process, the default world group (barriers, metrics) and FSDP's flattened `dp_shard_cp`
   group (a communicator of its own even when it spans every rank); the `tp` and `cp`
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 from .memory_shapes import GIB
 
-CUDA_CONTEXT_BYTES = int(0.5 * GIB)
+CUDA_CONTEXT_BYTES = int(0.85 * GIB)
 """CUDA context and cuBLAS workspaces of one process (see the module docstring)."""
 NCCL_COMMUNICATOR_BYTES = 1 * GIB
 """GPU memory of one NCCL communicator of several GPUs (see the module docstring)."""
