@@ -118,7 +118,7 @@ crd: $(STAMP)
 docs: $(STAMP)
 	$(BIN)/python -m rlhf_launcher.reference docs/reference.md
 
-# The three images (tags and the vLLM base: contract/rlhf_contract/images.py; a test keeps
+# The four images (tags and the vLLM base: contract/rlhf_contract/images.py; a test keeps
 # these in step). Needs a container builder: docker, podman or nerdctl.
 IMAGE_REGISTRY ?= ghcr.io/rlhf-operator
 IMAGE_VERSION ?= 0.1.0
@@ -131,6 +131,9 @@ images:
 	$(CONTAINER_BUILDER) build -f trainer_image/Dockerfile -t $(IMAGE_REGISTRY)/trainer:$(IMAGE_VERSION) .
 	$(CONTAINER_BUILDER) build -f inference_image/Dockerfile --build-arg VLLM_BASE_IMAGE=$(VLLM_BASE_IMAGE) \
 		-t $(IMAGE_REGISTRY)/inference:$(IMAGE_VERSION) .
+	$(CONTAINER_BUILDER) build -f colocated_image/Dockerfile \
+		--build-arg INFERENCE_IMAGE=$(IMAGE_REGISTRY)/inference:$(IMAGE_VERSION) \
+		-t $(IMAGE_REGISTRY)/colocated:$(IMAGE_VERSION) .
 
 clean:
 	rm -rf $(VENV) runs

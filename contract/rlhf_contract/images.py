@@ -19,3 +19,8 @@ VLLM_BASE_IMAGE = f"vllm/vllm-openai:v{VLLM_VERSION}"  # FROM of inference_image
 TRAINER_IMAGE = f"{REGISTRY}/trainer:{VERSION}"
 INFERENCE_IMAGE = f"{REGISTRY}/inference:{VERSION}"
 OPERATOR_IMAGE = f"{REGISTRY}/operator:{VERSION}"
+COLOCATED_IMAGE = f"{REGISTRY}/colocated:{VERSION}"
+"""`rollout.placement: colocated` on a cluster: the inference image (the pinned vLLM and its
+torch) with the trainer in a virtual environment of its own that sees vLLM's packages (the
+trainer pins a newer transformers than vLLM allows); trainer pods run
+`python -m rlhf_trainer.supervise` from it."""

@@ -36,6 +36,9 @@ ENV_JUDGE_API_KEY = "RLHF_JUDGE_API_KEY"
 """The key of a judge at `reward.judge.url` (from `judge.apiKeySecret` in the trainer pods)."""
 JUDGE_SERVED_MODEL = "judge"
 """The model name the job's own judge servers answer to (`--served-model-name`)."""
+ENV_SUPERVISE = "RLHF_SUPERVISE"
+"""A colocated trainer pod's plan (`colocated_trainer_process`): its servers and its trainer,
+JSON, read by `python -m rlhf_trainer.supervise`."""
 ENV_NCCL_SOCKET_IFNAME = "NCCL_SOCKET_IFNAME"
 NCCL_SOCKET_IFNAME = "eth0"
 """The interface NCCL bootstraps on in the operator's pods (trainer and rollout servers
@@ -75,7 +78,7 @@ temperature), as the trainer's log-probs are: truncated importance sampling and 
 
 def serve_command(spec: RLHFJobSpec, *, model_path: str, host: str, port: int, name: str, python: str = "python") -> list[str]:
     """The rollout server's command line: `vllm serve` (the pinned release, images.py) with
-    the NCCL weight-transfer engine on GPUs, or the built-in CPU engine
+    the NCCL weight-transfer engine on GPUs (CUDA IPC when colocated), or the built-in CPU engine
     (`python -m rlhf_inference.cpu_engine`), which speaks the same HTTP protocol.
 
     Both get `--generation-config vllm`: by default (`auto`) vLLM fills the sampling fields
@@ -101,7 +104,9 @@ def serve_command(spec: RLHFJobSpec, *, model_path: str, host: str, port: int, n
         "--seed", str(spec.schedule.seed),
         "--max-model-len", str(spec.data.max_prompt_length + r.max_tokens),
         "--generation-config", "vllm",
-        "--weight-transfer-config", json.dumps({"backend": "nccl"}),
+        # colocated: the servers share the trainer's GPUs, where NCCL refuses a second process
+        # on a GPU: they map the trainer's buffers by CUDA IPC (rlhf_trainer/weight_sync/ipc.py)
+        "--weight-transfer-config", json.dumps({"backend": "ipc" if r.placement == "colocated" else "nccl"}),
         "--logprobs-mode", LOGPROBS_MODE,
         *(["--enable-sleep-mode"] if r.placement == "colocated" else []),
         *vllm_flags(r.vllm),
@@ -141,6 +146,10 @@ def rollout_process(
     env: dict[str, str] = {}
     if job.spec.rollout.engine == "vllm":
         env["VLLM_SERVER_DEV_MODE"] = "1"  # enables the weight-transfer HTTP routes
+        if job.spec.rollout.placement == "colocated":
+            # vLLM's ipc engine unpickles the trainer's CUDA IPC handles only with this set; the
+            # colocated servers listen on 127.0.0.1, where only the pod's own processes reach them
+            env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     return Process(command, env)
 
 
@@ -220,3 +229,33 @@ def fetch_process(fetches: list[Fetch], *, restore_uri: str | None = None, outpu
     if restore_uri:
         command += ["--restore", restore_uri, "--output", output_dir]
     return Process(command, {})
+
+
+def colocated_servers(spec: RLHFJobSpec) -> list[list[int]]:
+    """The GPUs (indices within the pod) of each rollout server of a colocated trainer pod:
+    `rollout.replicas` servers of `rollout.tensorParallelSize` GPUs, in order (a cluster rule
+    keeps replicas x tensorParallelSize equal to the pod's GPUs, trainer.nprocPerNode)."""
+    tp = spec.rollout.tensor_parallel_size
+    return [list(range(i * tp, (i + 1) * tp)) for i in range(spec.rollout.replicas)]
+
+
+def colocated_trainer_process(job: RLHFJob, *, model_path: str, config_path: str, output_dir: str,
+                              metrics_port: int | None = None, python: str = "python") -> Process:
+    """A colocated trainer pod's command (`rollout.placement: colocated`): `python -m
+    rlhf_trainer.supervise`, which starts the pod's rollout servers on loopback, each on its
+    own GPUs of the pod, and the trainer node (`trainer_process`, every GPU of the pod), and
+    supervises them as one unit (rlhf_trainer/supervise.py)."""
+    spec = job.spec
+    servers, urls = [], []
+    for i, gpus in enumerate(colocated_servers(spec)):
+        port = ROLLOUT_PORT + i
+        proc = rollout_process(job, model_path=model_path, host="127.0.0.1", port=port, python=python)
+        env = {**proc.env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
+        servers.append({"name": f"rollout-{i}", "command": proc.command, "env": env})
+        urls.append(f"http://127.0.0.1:{port}")
+    trainer = trainer_process(job, config_path=config_path, rollout_endpoints=urls,
+                              weight_sync_addr=f"127.0.0.1:{WEIGHT_SYNC_PORT}", output_dir=output_dir,
+                              master_addr=None, resume=True, metrics_port=metrics_port, python=python)
+    plan = {"servers": servers, "trainer": {"command": trainer.command, "env": {}},
+            "terminationGracePeriodSeconds": spec.run_policy.termination_grace_period_seconds}
+    return Process([python, "-m", "rlhf_trainer.supervise"], {**trainer.env, ENV_SUPERVISE: json.dumps(plan)})

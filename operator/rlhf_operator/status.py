@@ -276,7 +276,7 @@ def _plan_pytorchjob(job: RLHFJob, observed: Observed, c: _Context, now: datetim
         return finish("Pending", "WaitingForOldPods",
                       f"waiting for {len(leftovers)} pod(s) of an earlier run to be deleted", support=True,
                       delete=c.stale)
-    required = ["PyTorchJob"] if job.spec.offline else ["StatefulSet", "PyTorchJob"]
+    required = ["PyTorchJob"] if job.spec.trainer_pods_only else ["StatefulSet", "PyTorchJob"]
     return _pods_phase(job, c.ours, c.restarts, all(k in c.current for k in required), finish)
 
 
@@ -293,7 +293,7 @@ def _deadline_passed(job: RLHFJob, meta: dict[str, Any], conds: dict[str, dict[s
 
 def _pods_phase(job: RLHFJob, ours: list[dict[str, Any]], attempt: int, workloads_exist: bool, finish) -> Plan:
     """Pending, Initializing or Running, from the pods of `attempt` (both backends)."""
-    if job.spec.offline:  # sft, rm, dpo run the trainer alone
+    if job.spec.trainer_pods_only:  # sft, rm, dpo run the trainer alone; colocated servers are in its pods
         expected = {ROLE_TRAINER: job.spec.trainer.num_nodes}
     else:
         expected = {ROLE_ROLLOUT: job.spec.rollout.replicas, ROLE_TRAINER: job.spec.trainer.num_nodes}
@@ -310,7 +310,7 @@ def _pods_phase(job: RLHFJob, ours: list[dict[str, Any]], attempt: int, workload
     ready = all(pod_ready(p) for p in by_role.get(ROLE_ROLLOUT, []))
     if running and ready:
         return finish("Running", "AllPodsRunning",
-                      f"{counts} running" + ("" if job.spec.offline else "; rollout servers ready"), support=True,
+                      f"{counts} running" + ("" if job.spec.trainer_pods_only else "; rollout servers ready"), support=True,
                       create=True)
     return finish("Initializing", "PodsStarting", f"{counts} running", support=True, create=True)
 

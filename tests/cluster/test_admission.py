@@ -237,11 +237,18 @@ def test_invalid_spec_is_rejected_naming_the_field(cluster: Cluster, ns: str, wh
         assert text in proc.stderr, f"{what}: {text!r} not in {proc.stderr!r}"
 
 
-def test_a_colocated_job_runs_locally_but_the_api_server_refuses_it_for_now(cluster: Cluster, ns: str):
-    doc = with_("spec.rollout", {"placement": "colocated", "vllm": {"kvCacheMemoryBytes": 16 * 2**30}})
-    validate_job(copy.deepcopy(doc))  # a valid job: `rlhfctl run` runs it
+def test_a_colocated_job_is_admitted_when_its_servers_fill_one_trainer_pod(cluster: Cluster, ns: str):
+    rollout = {"placement": "colocated", "replicas": 4, "tensorParallelSize": 2, "vllm": {"kvCacheMemoryBytes": 16 * 2**30}}
+    doc = with_("spec.trainer", {"numNodes": 1, "nprocPerNode": 8}, with_("spec.rollout", rollout))
+    validate_job(copy.deepcopy(doc))
     proc = dry_run(cluster, ns, doc)
-    assert proc.returncode != 0 and "spec.rollout.placement: colocated runs in local mode only" in proc.stderr
+    assert proc.returncode == 0, proc.stderr
+    for trainer, field in (({"numNodes": 2, "nprocPerNode": 8}, "spec.trainer.numNodes: must be 1"),
+                           ({"numNodes": 1, "nprocPerNode": 4}, "spec.rollout.replicas: times rollout.tensorParallelSize")):
+        bad = with_("spec.trainer", trainer, with_("spec.rollout", rollout))
+        validate_job(copy.deepcopy(bad))  # a valid job: `rlhfctl run` runs it on one machine
+        proc = dry_run(cluster, ns, bad)
+        assert proc.returncode != 0 and field in proc.stderr, proc.stderr
 
 
 def test_spec_is_immutable_but_suspend_and_run_policy(cluster: Cluster, ns: str):

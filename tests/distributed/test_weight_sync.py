@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from rlhf_inference.cpu_engine.weights import packed_buckets
 from rlhf_trainer.weight_sync import WeightSyncError, WeightSyncSender, bucket_ranges, pack_buckets
-from rlhf_trainer.weight_sync.sender import _checked_bytes
+from rlhf_trainer.weight_sync.buckets import checked_bytes
 from rlhf_launcher.local import free_port  # noqa: E402  (one definition)
 
 PROMPTS = [[6, 10, 4, 7, 15], [3, 15], [12, 11, 10, 9, 8, 7, 6, 5, 15], [5, 13, 8, 15]]
@@ -156,9 +156,9 @@ def test_rejected_update_ends_the_group_and_a_new_init_recovers(engines, tiny_mo
 
 def test_tensor_not_matching_metadata_raises():
     with pytest.raises(WeightSyncError, match=r"'w' is \(3,\) torch.float32, metadata says \(2, 2\)"):
-        list(_checked_bytes([("w", [2, 2], torch.float32)], iter([torch.zeros(3)]), torch.device("cpu")))
+        list(checked_bytes([("w", [2, 2], torch.float32)], iter([torch.zeros(3)]), torch.device("cpu")))
     with pytest.raises(WeightSyncError, match="ended before 'v'"):
-        list(_checked_bytes([("w", [3], torch.float32), ("v", [1], torch.float32)],
+        list(checked_bytes([("w", [3], torch.float32), ("v", [1], torch.float32)],
                             iter([torch.zeros(3)]), torch.device("cpu")))
 
 

@@ -343,3 +343,60 @@ def test_rank_offsets_and_world_size_across_tensor_parallel_servers():
     for info in inits:
         check_init_info(info)
     assert sender.group is None
+
+
+def test_an_ipc_round_calls_vllms_routes_in_the_nccl_rounds_order():
+    """Servers that say `{"backend": "ipc"}` (colocated): no group is formed; a round is
+    /pause, /start_weight_update, one /update_weights per bucket, /finish_weight_update,
+    /reset_prefix_cache, /resume, every one a route of vLLM's RL router with its fields
+    (the ipc bodies themselves are checked against vLLM's dataclasses in tests/vllm)."""
+    import http.server
+    import threading
+
+    from rlhf_trainer.weight_sync import ipc
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            replies = {"/version": {"version": "0.33.0"}, "/get_world_size": {"world_size": 2},
+                       "/server_info": {"vllm_config": {"weight_transfer_config": {"backend": "ipc"},
+                                                        "model_config": {"dtype": "torch.bfloat16"}}}}
+            self._reply(replies.get(self.path.split("?")[0], {}))
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("content-length") or 0))
+            self._reply({"success": True} if self.path.startswith("/reset_prefix_cache") else {})
+
+        def _reply(self, obj):
+            body = json.dumps(obj).encode()
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    sender = RecordingSender([f"http://127.0.0.1:{httpd.server_address[1]}"], "127.0.0.1", free_port(), timeout_s=10)
+    meta = [("a", [2, 3], torch.bfloat16), ("b", [4], torch.bfloat16)]
+    try:
+        sender.init()
+        assert sender.backend == "ipc" and sender.group is None
+        sender.begin_ipc_round()
+        for part in (meta[:1], meta[1:]):
+            sender.send_ipc_bucket(ipc.update_info(part, {"GPU-x": tuple(range(15))}))
+        sender.end_ipc_round("1")
+    finally:
+        sender.close()
+        httpd.shutdown()
+    posts = [(path, body) for method, path, _, body in sender.recorded if method == "POST"]
+    assert [p for p, _ in posts] == ["/init_weight_transfer_engine", "/pause", "/start_weight_update",
+                                     "/update_weights", "/update_weights", "/finish_weight_update",
+                                     "/reset_prefix_cache", "/resume"]
+    assert posts[0][1] == {"init_info": {"packed": True}}
+    for method, path, query, body in sender.recorded:
+        if path in ("/init_weight_transfer_engine", "/update_weights"):  # ipc bodies: tests/vllm
+            assert set(body) == {p["name"] for p in ROUTES[(method, path)]["params"] if p["in"] == "body"}
+        else:
+            check_call(method, path, query, body)

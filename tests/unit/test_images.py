@@ -54,7 +54,11 @@ def test_make_images_builds_the_contract_tags_from_the_pinned_vllm():
              for d, t in re.findall(r"-f (\S+/Dockerfile) .*?-t (\S+)", recipe.replace("\\\n", " "))}
     assert built == {("operator/Dockerfile", images.OPERATOR_IMAGE),
                      ("trainer_image/Dockerfile", images.TRAINER_IMAGE),
-                     ("inference_image/Dockerfile", images.INFERENCE_IMAGE)}
+                     ("inference_image/Dockerfile", images.INFERENCE_IMAGE),
+                     ("colocated_image/Dockerfile", images.COLOCATED_IMAGE)}
+    # the colocated image is built FROM the inference image of the same build
+    assert f"--build-arg INFERENCE_IMAGE={images.INFERENCE_IMAGE}" in recipe.replace("\\\n", " ").replace(
+        "$(IMAGE_REGISTRY)", v["IMAGE_REGISTRY"]).replace("$(IMAGE_VERSION)", v["IMAGE_VERSION"])
 
 
 def test_dockerfiles_are_pinned_and_layered():
@@ -72,7 +76,10 @@ def test_dockerfiles_are_pinned_and_layered():
     assert installed <= set(pyproject["project"]["optional-dependencies"]), installed
     operator = (ROOT / "operator/Dockerfile").read_text()
     assert '".[operator]"' in operator and "find_spec('torch') is None" in operator
-    for path in ("operator/Dockerfile", "trainer_image/Dockerfile", "inference_image/Dockerfile"):
+    colocated = (ROOT / "colocated_image/Dockerfile").read_text()
+    assert dockerfile_args("colocated_image/Dockerfile") == {"INFERENCE_IMAGE": images.INFERENCE_IMAGE}
+    assert "FROM ${INFERENCE_IMAGE}" in colocated and '".[trainer]"' in colocated  # vLLM untouched, trainer beside it
+    for path in ("operator/Dockerfile", "trainer_image/Dockerfile", "inference_image/Dockerfile", "colocated_image/Dockerfile"):
         for base in dockerfile_args(path).values():
             assert ":" in base and not base.endswith(":latest"), f"{path}: unpinned base {base}"
 
@@ -80,7 +87,8 @@ def test_dockerfiles_are_pinned_and_layered():
 def test_images_run_as_a_non_root_user_and_the_build_context_leaves_out_the_environment():
     from rlhf_contract.api.common import RUN_AS_USER  # the pods' uid unless securityContext.runAsUser
 
-    for path in ("operator/Dockerfile", "trainer_image/Dockerfile", "inference_image/Dockerfile"):
+    for path in ("operator/Dockerfile", "trainer_image/Dockerfile", "inference_image/Dockerfile",
+                 "colocated_image/Dockerfile"):
         users = re.findall(r"^USER (\d+)(?::(\d+))?$", (ROOT / path).read_text(), re.M)
         assert users and int(users[-1][0]) != 0, f"{path}: the last USER must be a non-root uid"
         if path != "operator/Dockerfile":
@@ -88,6 +96,7 @@ def test_images_run_as_a_non_root_user_and_the_build_context_leaves_out_the_envi
     ignored = {line.strip().rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines()
                if line.strip() and not line.startswith("#")}
     assert {".venv", ".git", "runs"} <= ignored
-    copied = {m for path in ("operator/Dockerfile", "trainer_image/Dockerfile", "inference_image/Dockerfile")
+    copied = {m for path in ("operator/Dockerfile", "trainer_image/Dockerfile", "inference_image/Dockerfile",
+                             "colocated_image/Dockerfile")
               for m in re.findall(r"^COPY (\S+)", (ROOT / path).read_text(), re.M)}
     assert copied and not any(c.split("/")[0] in ignored for c in copied)  # nothing a Dockerfile needs is left out

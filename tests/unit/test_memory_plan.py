@@ -251,7 +251,7 @@ def test_the_launcher_exits_2_on_a_plan_that_does_not_fit(tmp_path, monkeypatch,
 
 
 def test_weight_sync_term_holds_the_packing_codes_peak_wherever_the_largest_tensor_falls():
-    """The sender's real packing (`_checked_bytes`: fp32 gathered, cast to bf16; `pack_buckets`
+    """The sender's real packing (`checked_bytes`: fp32 gathered, cast to bf16; `pack_buckets`
     into its 3-buffer ring, two buckets in flight) over a 7B-like tensor sequence scaled to a
     1 MiB bucket (embedding and head 1.015 buckets, layers of q, k, v, o and three MLP
     weights): the plan's term is above the allocator's peak for every fill of the bucket the
@@ -259,7 +259,7 @@ def test_weight_sync_term_holds_the_packing_codes_peak_wherever_the_largest_tens
     import collections
 
     from rlhf_trainer.weight_sync.buckets import BufferRing, pack_buckets
-    from rlhf_trainer.weight_sync.sender import _checked_bytes
+    from rlhf_trainer.weight_sync.buckets import checked_bytes
 
     bucket = 1 << 20
     largest = int(1.015 * bucket / 2)  # elements: bf16 on the wire
@@ -278,7 +278,7 @@ def test_weight_sync_term_holds_the_packing_codes_peak_wherever_the_largest_tens
 
         def round_():
             in_flight = collections.deque(maxlen=2)  # one queued, one broadcasting
-            for packed in pack_buckets(_checked_bytes(meta, gathered(), torch.device("cpu"), wire), bucket,
+            for packed in pack_buckets(checked_bytes(meta, gathered(), torch.device("cpu"), wire), bucket,
                                        BufferRing("cpu", 3)):
                 in_flight.append(packed)
 

@@ -144,6 +144,12 @@ class RLHFJobSpec(SpecModel):
         return Method(self.method).offline  # Method(): a model_copy(update=...) may hold the string
 
     @property
+    def trainer_pods_only(self) -> bool:
+        """The trainer's pods are the job's only workload: the offline methods (no servers)
+        and `rollout.placement: colocated` (the servers run inside the trainer's pods)."""
+        return self.offline or self.rollout.placement == "colocated"
+
+    @property
     def trainer_world_size(self) -> int:
         return self.trainer.num_nodes * self.trainer.nproc_per_node
 

@@ -28,12 +28,25 @@ COLOCATED_RULES: tuple[Rule, ...] = (
 
 CLUSTER_RULES: tuple[Rule, ...] = (
     Rule(
-        field_path="rollout.placement",
-        cel="self.rollout.placement != 'colocated'",
-        message="colocated runs in local mode only (rlhfctl run) in this release: on a cluster the servers "
-        "would need the trainer pods' own GPUs and CUDA IPC weight transfer, which the operator does not "
-        "build yet; use placement separate",
-        check=lambda s: s.rollout.placement != "colocated",
+        field_path="trainer.numNodes",
+        cel="self.rollout.placement != 'colocated' || self.trainer.numNodes == 1",
+        message="must be 1 with rollout.placement colocated on a cluster: each trainer pod runs its own rollout "
+        "servers on loopback, which only the first pod's trainer rank 0 could reach; use placement separate "
+        "for several trainer nodes",
+        check=lambda s: s.rollout.placement != "colocated" or s.trainer.num_nodes == 1,
+        detail=lambda s: f"got {s.trainer.num_nodes}",
+    ),
+    Rule(
+        field_path="rollout.replicas",
+        cel="self.rollout.placement != 'colocated' || "
+        "self.rollout.replicas * self.rollout.tensorParallelSize == self.trainer.nprocPerNode",
+        message="times rollout.tensorParallelSize must equal trainer.nprocPerNode with rollout.placement colocated "
+        "on a cluster: the servers take turns with the trainer on the trainer pod's own GPUs, each server on "
+        "tensorParallelSize of them",
+        check=lambda s: (s.rollout.placement != "colocated"
+                         or s.rollout.replicas * s.rollout.tensor_parallel_size == s.trainer.nproc_per_node),
+        detail=lambda s: (f"got {s.rollout.replicas} x {s.rollout.tensor_parallel_size} for "
+                          f"{s.trainer.nproc_per_node} GPUs"),
     ),
 )
 """Rules of what the operator can build (the CRD's CEL and the operator's builders), not of

@@ -61,7 +61,9 @@ class RolloutSpec(SpecModel):
     placement: Literal["separate", "colocated"] = "separate"
     """`separate`: the rollout servers have devices of their own. `colocated`: they share the
     trainer's devices and take turns with it: generate, sleep while the trainer trains, wake
-    for the weight update (synchronous only; local mode only for now)."""
+    for the weight update (synchronous only). On a cluster the servers run inside the one
+    trainer pod, `replicas` x `tensorParallelSize` = its GPUs (`python -m
+    rlhf_trainer.supervise` starts and supervises them), and no rollout workload is made."""
     colocated: ColocatedSpec = Field(default_factory=ColocatedSpec)
     """Sleep level and trainer offload of `placement: colocated`."""
 

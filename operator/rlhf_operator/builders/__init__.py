@@ -35,13 +35,15 @@ def build_support(job: RLHFJob, settings: PodSettings | None = None) -> list[dic
               build_role_binding(job)]
     if s.offline:  # sft, rm, dpo: the trainer alone
         return [*common, build_network_policy(job)]
+    colocated = s.trainer_pods_only  # the servers run in the trainer's pods, on loopback
     rollout_sa = s.rollout.pod.over(s.pod).service_account_annotations
     return [
         *common,
-        *([build_service_account(job, rollout_name(job.metadata.name), rollout_sa)] if rollout_sa else []),
+        *([build_service_account(job, rollout_name(job.metadata.name), rollout_sa)] if rollout_sa and not colocated
+          else []),
         # backend JobSet: JobSet makes the pods' headless Service itself
-        *([build_rollout_service(job)] if job.spec.backend == "PyTorchJob" else []),
-        build_weight_sync_service(job),
+        *([build_rollout_service(job)] if job.spec.backend == "PyTorchJob" and not colocated else []),
+        *([] if colocated else [build_weight_sync_service(job)]),
         build_network_policy(job),
         *build_sandbox(job),  # reward.type code: the sandbox service, out of the trainer's pod
         *build_judge(job, settings if settings is not None else PodSettings.from_job(job)),  # reward.type judge
@@ -51,11 +53,11 @@ def build_support(job: RLHFJob, settings: PodSettings | None = None) -> list[dic
 def build_workloads(job: RLHFJob, attempt: int, settings: PodSettings) -> list[dict[str, Any]]:
     """The pods' owners for one attempt: rollout StatefulSet first (servers load the model
     while the trainer starts), then the trainer PyTorchJob; offline methods (sft, rm, dpo)
-    only the PyTorchJob. Backend JobSet: the one JobSet, whatever the attempt (JobSet
+    and colocated placement only the PyTorchJob. Backend JobSet: the one JobSet, whatever the attempt (JobSet
     restarts its own jobs)."""
     if job.spec.backend == "JobSet":
         return [build_jobset(job, settings)]
-    if job.spec.offline:
+    if job.spec.trainer_pods_only:  # offline, or colocated: no rollout StatefulSet
         return [build_trainer_pytorchjob(job, attempt, settings)]
     return [build_rollout_statefulset(job, attempt, settings), build_trainer_pytorchjob(job, attempt, settings)]
 

@@ -104,7 +104,7 @@ def build_jobset(job: RLHFJob, settings: PodSettings) -> dict[str, Any]:
     }
     replicated = [{"name": RJOB_TRAINER, "replicas": 1,
                    "template": {"spec": _job_spec(trainer_template, t.num_nodes, trainer=True)}}]
-    if not job.spec.offline:
+    if not job.spec.trainer_pods_only:  # colocated: the servers run in the trainer's pods
         rollout_template = {
             "metadata": template_metadata(_pod_labels(job, ROLE_ROLLOUT), settings.role(ROLE_ROLLOUT)),
             "spec": with_storage(job, settings, pod_spec(job, settings, [rollout_container(job, settings)],

@@ -75,7 +75,7 @@ class PodSettings:
 
         for rule in CLUSTER_RULES:
             if not rule.check(job.spec):
-                raise PodSettingsError(rule.problem())
+                raise PodSettingsError(rule.problem(rule.detail(job.spec)))
         p = job.spec.pod
         names = {v["name"] for v in p.volumes}
         taken = sorted(names & set(RESERVED_VOLUMES))

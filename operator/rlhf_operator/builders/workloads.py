@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlhf_contract import pod as contract
+from rlhf_contract import images, pod as contract
 from rlhf_contract.api.models import RLHFJob
 from rlhf_contract.sources import localize
 from .meta import (
@@ -33,10 +33,20 @@ from .pods import (
 HEALTH_PATH = "/health"
 
 
+def trainer_image(job: RLHFJob) -> str:
+    """The trainer pods' image: `trainer.image`; for colocated placement the image that holds
+    the trainer and the pinned vLLM side by side (images.COLOCATED_IMAGE) unless
+    `trainer.image` names another than the default."""
+    t = job.spec.trainer
+    if job.spec.rollout.placement == "colocated" and not job.spec.offline and t.image == images.TRAINER_IMAGE:
+        return images.COLOCATED_IMAGE
+    return t.image
+
+
 def rollout_endpoints(job: RLHFJob) -> list[str]:
     """Base URLs of the rollout servers: the StatefulSet pods' stable DNS names (none for
     the offline methods)."""
-    if job.spec.offline:
+    if job.spec.trainer_pods_only:  # colocated: each trainer pod's own, on loopback (contract.colocated_trainer_process)
         return []
     ns = namespace_of(job)
     if job.spec.backend == "JobSet":  # Job i of replicated job `rollout`, its pod 0, in the JobSet's subdomain
@@ -141,14 +151,19 @@ def trainer_container(job: RLHFJob, settings: PodSettings, *, rollout_endpoints:
                       name: str = "pytorch", extra_env: list[dict[str, Any]] = ()) -> dict[str, Any]:
     """The trainer node's container (both backends)."""
     t = job.spec.trainer
-    proc = contract.trainer_process(
-        job, config_path=CONFIG_PATH, rollout_endpoints=rollout_endpoints,
-        weight_sync_addr=weight_sync_addr, output_dir=output_dir(job), master_addr=None, resume=True,
-        metrics_port=contract.TRAINER_METRICS_PORT,
-    )
+    if job.spec.rollout.placement == "colocated" and not job.spec.offline:
+        proc = contract.colocated_trainer_process(
+            job, model_path=localize(job, output_dir(job)).spec.model.path, config_path=CONFIG_PATH,
+            output_dir=output_dir(job), metrics_port=contract.TRAINER_METRICS_PORT)
+    else:
+        proc = contract.trainer_process(
+            job, config_path=CONFIG_PATH, rollout_endpoints=rollout_endpoints,
+            weight_sync_addr=weight_sync_addr, output_dir=output_dir(job), master_addr=None, resume=True,
+            metrics_port=contract.TRAINER_METRICS_PORT,
+        )
     container = {
         "name": name,
-        "image": t.image,
+        "image": trainer_image(job),
         "command": proc.command,
         "env": (env_list({**proc.env, **nccl_network_env(job)}) + list(extra_env) + tracking_env(job)
                 + secret_env(job)[0] + judge_env(job) + list(job.spec.pod.env)),

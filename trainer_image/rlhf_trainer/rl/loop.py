@@ -34,6 +34,7 @@ from ..metrics import logprob_mismatch, peak_flops, peak_gpu_memory_bytes, train
 from ..optim import schedule_factor
 from ..preemption import STOP, StepAbandoned
 from ..weight_sync import push_weights
+from ..weight_sync.push import ipc_sync
 from .models import build_models
 from .step import TrainStep
 
@@ -70,6 +71,7 @@ class RunLoop(LoopBase):
         self.orchestrator = self.sender = None
         self.num_params = self.models.engine.total_parameters()
         self.colocation = None
+        self.ipc = None  # set in start(): the servers take weights by CUDA IPC
         self.train_seconds = 0.0  # the last step's update and sync: what finishing a step after SIGTERM costs
         self._before_step: dict[str, Any] | None = None
         if info.is_main:
@@ -113,6 +115,7 @@ class RunLoop(LoopBase):
     def start(self) -> None:
         if self.info.is_main:
             self.sender.init(self.orchestrator.check_servers())  # one handshake, used by both
+        self.ipc = ipc_sync(self.sender)  # colocated vLLM: every rank exports its buffers
         self.sync_weights()  # servers start from exactly the trainer's weights (also after a resume)
         if self.max_staleness and self.info.is_main:
             from ..orchestrator.prefetch import Prefetcher
@@ -147,7 +150,7 @@ class RunLoop(LoopBase):
         """Collective: the servers get the policy's weights (tagged with its version)."""
         if self.colocation is not None:
             self.colocation.before_sync()
-        seconds = push_weights(self.models.engine, self.sender, weight_version=str(self.policy_version))
+        seconds = push_weights(self.models.engine, self.sender, weight_version=str(self.policy_version), ipc=self.ipc)
         self.served_version = self.policy_version
         return seconds
 

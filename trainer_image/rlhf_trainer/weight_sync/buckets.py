@@ -15,9 +15,15 @@ gloo): a tensor already there is never staged elsewhere.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 
 import torch
+
+from .threads import WeightSyncError
+
+TensorMeta = tuple[str, list[int], torch.dtype]
+"""(name, shape, dtype) of one tensor of a round."""
 
 DEFAULT_BUCKET_BYTES = 1 << 30  # vLLM's DEFAULT_PACKED_BUFFER_SIZE_BYTES
 
@@ -91,3 +97,28 @@ def pack_buckets(byte_tensors: Iterable[torch.Tensor], buffer_size_bytes: int,
             parts, total = [], 0
     if parts:
         yield cat(parts, total)
+
+
+def checked_bytes(metadata: list[TensorMeta], tensors: Iterable[torch.Tensor],
+                   device: torch.device, wire: list[TensorMeta] | None = None) -> Iterator[torch.Tensor]:
+    """Each tensor's bytes on `device`, after checking it matches its metadata entry, cast
+    to its `wire` entry's dtype (on `device`, so a GPU casts what it gathered)."""
+    iterator = iter(tensors)
+    for i, (name, shape, dtype) in enumerate(metadata):
+        try:
+            tensor = next(iterator)
+        except StopIteration:
+            raise WeightSyncError(f"tensors ended before {name!r}: the generator must yield "
+                                  "one tensor per metadata entry, in order") from None
+        if list(tensor.shape) != shape or tensor.dtype != dtype:
+            raise WeightSyncError(
+                f"tensor for {name!r} is {tuple(tensor.shape)} {tensor.dtype}, metadata says "
+                f"{tuple(shape)} {dtype}")
+        target = wire[i][2] if wire is not None else dtype
+        if target != dtype:
+            tensor = tensor.detach().to(device=device, dtype=target)
+        flat = as_bytes(tensor, device)
+        assert flat.numel() == math.prod(shape) * target.itemsize
+        yield flat
+    if next(iterator, None) is not None:
+        raise WeightSyncError("tensors yielded more tensors than metadata has entries")

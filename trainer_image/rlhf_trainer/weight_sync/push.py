@@ -12,13 +12,30 @@ import time
 import torch.distributed as dist
 
 from ..engine import Engine
+from .ipc import IPC_BACKEND, IpcSync, push_ipc
 from .sender import WeightSyncSender
 
 
-def push_weights(engine: Engine, sender: WeightSyncSender | None, *, weight_version: str) -> float:
+def ipc_sync(sender: WeightSyncSender | None) -> IpcSync | None:
+    """Collective, after rank 0's `sender.init()`: every rank learns whether the servers take
+    weights by CUDA IPC (then every rank sends: ipc.py) and in which dtype; None: rank 0
+    alone sends (NCCL, gloo)."""
+    said = [None if sender is None else (sender.backend, sender.serving_dtype, sender.bucket_bytes)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(said, src=0)
+    backend, dtype, bucket_bytes = said[0]
+    return IpcSync(dtype, bucket_bytes) if backend == IPC_BACKEND else None
+
+
+def push_weights(engine: Engine, sender: WeightSyncSender | None, *, weight_version: str,
+                 ipc: IpcSync | None = None) -> float:
     """Collective over the trainer world: gather the full tensors of the `engine`'s model;
-    the rank with a `sender` sends them. Returns the seconds it took (barrier included)."""
+    the rank with a `sender` sends them (with `ipc`, every rank exports them: ipc.py).
+    Returns the seconds it took (barrier included)."""
     start = time.perf_counter()
+    if ipc is not None:
+        push_ipc(engine, sender, ipc, weight_version=weight_version)
+        return time.perf_counter() - start
     specs, full_tensors = engine.full_tensors()
     if sender is not None:
         sender.send(specs, full_tensors, weight_version=weight_version)

@@ -60,7 +60,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import logging
-import math
 import os
 import queue
 import time
@@ -73,7 +72,8 @@ from rlhf_contract.pod import ENV_NCCL_SOCKET_IFNAME
 
 from ..rollout.servers import ServerInfo, read_servers
 from . import nccl
-from .buckets import DEFAULT_BUCKET_BYTES, BufferRing, as_bytes, dtype_name, pack_buckets
+from .buckets import DEFAULT_BUCKET_BYTES, BufferRing, TensorMeta, checked_bytes, dtype_name, pack_buckets
+from .ipc import IPC_BACKEND, IpcRounds, init_info as ipc_init_info
 from .threads import Watchdog, WeightSyncError, exit_process, put_watching, raise_failed, run_in_thread, wait_all
 from .transport import BACKENDS, Transport, make_transport, servers_config
 
@@ -87,7 +87,6 @@ RESET_PREFIX_CACHE_ATTEMPTS = 6
 RESET_PREFIX_CACHE_FIRST_DELAY_S = 0.25
 """Pauses between attempts double: 0.25 + 0.5 + ... + 4 s, under 8 s in all."""
 
-TensorMeta = tuple[str, list[int], torch.dtype]
 
 
 
@@ -98,7 +97,7 @@ def init_info(rendezvous: dict, *, world_size: int, rank_offset: int, bucket_byt
             "packed_num_buffers": DEFAULT_NUM_BUFFERS, "rank_offset": rank_offset}
 
 
-class WeightSyncSender:
+class WeightSyncSender(IpcRounds):
     """Pushes full weights from trainer rank 0 to rollout servers (vLLM or the CPU engine).
 
     `endpoints` are base URLs (http://host:port); `listen_host:listen_port` is where rank 0
@@ -179,6 +178,11 @@ class WeightSyncSender:
         backend, self.serving_dtype = servers_config(servers)
         if self.backend is None:
             self.backend = backend
+        if self.backend == IPC_BACKEND:  # no group: the servers map rank buffers (ipc.py `push_ipc`)
+            self._all("/init_weight_transfer_engine", [{"init_info": ipc_init_info()}] * len(self.endpoints),
+                      deadline=deadline)
+            self._sent_metadata = None
+            return
         self.world_size = 1 + sum(sizes)
         self.rank_offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
         try:
@@ -210,6 +214,8 @@ class WeightSyncSender:
 
         Returns {"bytes", "buckets", "num_tensors", "seconds"}.
         """
+        if self.backend == IPC_BACKEND:
+            raise WeightSyncError("the servers take weights by CUDA IPC: every trainer rank sends (ipc.push_ipc)")
         if self.group is None:
             raise WeightSyncError("the weight-sync group is not formed: call init() first (a failed round "
                                   "ends the group)")
@@ -320,7 +326,7 @@ class WeightSyncSender:
                 yield flat
 
         try:
-            for bucket in pack_buckets(watched(_checked_bytes(source, tensors, group.device, metadata)),
+            for bucket in pack_buckets(watched(checked_bytes(source, tensors, group.device, metadata)),
                                        self.bucket_bytes, ring):
                 put_watching(ready, bucket, [*watch, helper], deadline)
         except BaseException:
@@ -366,27 +372,3 @@ class WeightSyncSender:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def _checked_bytes(metadata: list[TensorMeta], tensors: Iterable[torch.Tensor],
-                   device: torch.device, wire: list[TensorMeta] | None = None) -> Iterator[torch.Tensor]:
-    """Each tensor's bytes on `device`, after checking it matches its metadata entry, cast
-    to its `wire` entry's dtype (on `device`, so a GPU casts what it gathered)."""
-    iterator = iter(tensors)
-    for i, (name, shape, dtype) in enumerate(metadata):
-        try:
-            tensor = next(iterator)
-        except StopIteration:
-            raise WeightSyncError(f"tensors ended before {name!r}: the generator must yield "
-                                  "one tensor per metadata entry, in order") from None
-        if list(tensor.shape) != shape or tensor.dtype != dtype:
-            raise WeightSyncError(
-                f"tensor for {name!r} is {tuple(tensor.shape)} {tensor.dtype}, metadata says "
-                f"{tuple(shape)} {dtype}")
-        target = wire[i][2] if wire is not None else dtype
-        if target != dtype:
-            tensor = tensor.detach().to(device=device, dtype=target)
-        flat = as_bytes(tensor, device)
-        assert flat.numel() == math.prod(shape) * target.itemsize
-        yield flat
-    if next(iterator, None) is not None:
-        raise WeightSyncError("tensors yielded more tensors than metadata has entries")

@@ -43,7 +43,9 @@ from .threads import WeightSyncError
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("nccl", "gloo")
+BACKENDS = ("nccl", "gloo", "ipc")
+"""The servers' weight-transfer backends the trainer speaks: "ipc" (servers on the trainer's
+own GPUs, colocated) has no group of its own (ipc.py)."""
 
 
 class Transport(Protocol):
