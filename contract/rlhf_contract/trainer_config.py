@@ -45,6 +45,10 @@ class SamplingConfig(_Config):
     colocated: ColocatedSpec | None = None
     """Set when the rollout servers share the trainer's devices (`rollout.placement:
     colocated`): they sleep while it trains."""
+    kv_cache_memory_bytes: int | None = None
+    """`rollout.vllm.kvCacheMemoryBytes` (per GPU): the colocated memory plan's KV cache."""
+    rollout_tensor_parallel: int = Field(default=1, ge=1)
+    """`rollout.tensorParallelSize`: GPUs per rollout server (the colocated plan's weights per GPU)."""
 
 
 class OptimConfig(_Config):
@@ -166,7 +170,9 @@ class TrainerConfig(_Config):
             distillation=s.distillation, sampling=SamplingConfig(samples_per_prompt=r.samples_per_prompt, max_tokens=r.max_tokens,
                                     temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                     max_staleness=r.max_staleness,
-                                    colocated=r.colocated if r.placement == "colocated" else None),
+                                    colocated=r.colocated if r.placement == "colocated" else None,
+                                    kv_cache_memory_bytes=r.vllm.kv_cache_memory_bytes,
+                                    rollout_tensor_parallel=r.tensor_parallel_size),
             optim=OptimConfig(learning_rate=t.learning_rate, weight_decay=t.weight_decay,
                               max_grad_norm=t.max_grad_norm, lr_scheduler=t.lr_scheduler, warmup_steps=t.warmup_steps,
                               min_learning_rate_ratio=t.min_learning_rate_ratio,

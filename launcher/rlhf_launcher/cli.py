@@ -172,7 +172,31 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if not result.fits:
         print(result.message(), file=sys.stderr)
         return ExitCode.CONFIG_ERROR
-    console.print(f"fits: {result.total / GIB:.1f} of {gpu / GIB:.1f} GiB per GPU")
+    return _colocated_plan(console, config, model, result, gpu)
+
+
+def _colocated_plan(console, config, model: dict, result, gpu: int) -> int:
+    """A colocated job's phases (rlhf_trainer/preflight/memory_colocated.py) after the
+    trainer's table; exit 2 when one does not fit."""
+    from rich.table import Table
+
+    from rlhf_trainer.preflight.memory_colocated import colocated_phases, colocated_problem
+    from rlhf_trainer.preflight.memory_plan import GIB
+
+    phases = colocated_phases(config, model, result)
+    if phases:
+        table = Table(title="rollout.placement colocated: the trainer and a server's worker on each GPU, in turns")
+        for column in ("phase", "GiB", "what"):
+            table.add_column(column, justify="right" if column == "GiB" else "left", overflow="fold")
+        for phase in phases:
+            table.add_row(phase.name, f"{phase.bytes / GIB:.1f}", phase.note)
+        console.print(table)
+    problem = colocated_problem(config, phases, gpu)
+    if problem:
+        print(problem, file=sys.stderr)
+        return ExitCode.CONFIG_ERROR
+    peak = max([result.total, *(p.bytes for p in phases)])
+    console.print(f"fits: {peak / GIB:.1f} of {gpu / GIB:.1f} GiB per GPU")
     return 0
 
 

@@ -153,7 +153,12 @@ def memory_problems(config: TrainerConfig, world_size: int, model: dict | None) 
         print(f"warning: no memory plan for {config.model_path} ({type(err).__name__}: {err})", file=sys.stderr,
               flush=True)
         return []
-    return [] if result.fits else [result.message()]
+    if not result.fits:
+        return [result.message()]
+    from .memory_colocated import colocated_phases, colocated_problem
+
+    problem = colocated_problem(config, colocated_phases(config, model, result), gpu)
+    return [problem] if problem else []
 
 
 def check(config: TrainerConfig, world_size: int) -> list[str]:
