@@ -474,3 +474,24 @@ def test_sft_job_gets_a_trainer_and_no_rollout_servers(cluster: Cluster, setup):
     assert not env.get("RLHF_ROLLOUT_ENDPOINTS")  # no servers to reach
     config = json.loads(cluster.get("configmap", "sft-config", namespace=ns)["data"]["trainer.json"])
     assert config["method"] == "sft"
+
+
+def test_a_colocated_job_is_one_trainer_pod_with_its_servers_inside(cluster: Cluster, setup):
+    """rollout.placement colocated: the training-operator accepts the one PyTorchJob, no
+    rollout StatefulSet or Service is made, and the job runs on its trainer pod alone."""
+    ns, log = setup["ns"], setup["log"]
+    doc = job_doc("coloc", rollout={"placement": "colocated", "replicas": 2, "tensorParallelSize": 1,
+                                    "vllm": {"kvCacheMemoryBytes": 8 * 2**30}})
+    create(cluster, ns, doc)
+    j = wait_job(cluster, ns, "coloc", "Running", 0, log=log)
+    assert condition(j, "Running")["message"] == "1/1 trainer running"
+    names = cluster.kubectl("get", "configmap,service,statefulset,pytorchjob", "-n", ns, "-l", "rlhf.dev/job=coloc",
+                            "-o", "name").stdout.split()
+    assert sorted(names) == ["configmap/coloc-config", "pytorchjob.kubeflow.org/coloc-trainer"]
+    (trainer,) = running_pods(cluster, ns, "coloc", 0, count=1)
+    container = trainer["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert container["command"][-1] == "rlhf_trainer.supervise"
+    servers = json.loads(env["RLHF_SUPERVISE"])["servers"]
+    assert [s["env"]["CUDA_VISIBLE_DEVICES"] for s in servers] == ["0", "1"]
+    assert env["RLHF_ROLLOUT_ENDPOINTS"] == "http://127.0.0.1:8000,http://127.0.0.1:8001"
