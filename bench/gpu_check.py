@@ -4,10 +4,12 @@ report (docs/testing.md gives the exact device call).
     python bench/gpu_check.py                 # report into $OUT if set, else runs/gpu-check/
     python bench/gpu_check.py --parts nccl,attention
 
-Five parts (bench/gpu_check_parts.py), each in a process of its own with a time box, so a
+Six parts (bench/gpu_check_parts.py), each in a process of its own with a time box, so a
 part that fails, hangs or crashes the CUDA context loses only its own result:
   nccl        our libnccl binding and NcclTransport on CUDA, a world-size-1 communicator:
               connect, bf16 buckets, synchronize, a whole sender round, close, the abort path;
+  ipc         CUDA IPC weight transfer to a second process on the GPU, as colocated vLLM
+              servers take weights (weight_sync/ipc.py): bit for bit, GB/s;
   attention   packed attention (varlen_attn where this torch has it, feature-detected)
               in bf16 against fp32 SDPA with GQA, forward and backward;
   memory      the memory plan against the allocator's peak (max_memory_allocated and
@@ -38,7 +40,7 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 TOTAL_S = 420
 """The whole check's budget; each part gets min(its box, what is left)."""
-PARTS: dict[str, int] = {"nccl": 90, "attention": 90, "memory": 120, "throughput": 120, "demo": 140}
+PARTS: dict[str, int] = {"nccl": 90, "ipc": 45, "attention": 90, "memory": 120, "throughput": 120, "demo": 140}
 """Each part's time box in seconds, in the order they run."""
 DEADLINE_ENV = "GPU_CHECK_DEADLINE"
 """Given to each part: the epoch second its box ends (the demo stops its job before it)."""

@@ -1,4 +1,4 @@
-"""The five parts of `make gpu-check` (bench/gpu_check.py runs each in a process of its own).
+"""The parts of `make gpu-check` (bench/gpu_check.py runs each in a process of its own).
 
 Each part returns a dict: `summary` (one line for the report's table), `tables` (named
 lists of rows, each a dict), and whatever else it measured. A part needs CUDA."""
@@ -240,9 +240,10 @@ def _time_ms(fn, repeat: int = 5) -> float:
 
 def run_child(name: str, result: Path) -> int:
     """One part in this process; its result (or its error) as JSON in `result`."""
+    from gpu_check_ipc import part_ipc
     from gpu_check_train import part_demo, part_memory, part_throughput
 
-    parts = {"nccl": part_nccl, "attention": part_attention, "memory": part_memory,
+    parts = {"nccl": part_nccl, "ipc": part_ipc, "attention": part_attention, "memory": part_memory,
              "throughput": part_throughput, "demo": part_demo}
     try:
         data = parts[name]()
