@@ -319,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     render = sub.add_parser("render", help="print the manifests the operator would create for a job (YAML)")
     add_job_args(render)
-    render.add_argument("--backend", choices=["PyTorchJob", "JobSet"], help="override spec.backend")
+    render.add_argument("--backend", choices=["PyTorchJob", "JobSet", "TrainJob"], help="override spec.backend")
     render.add_argument("--namespace", help="the job's namespace (default: metadata.namespace or default)")
     render.add_argument("--uid", help=f"the job's metadata.uid, once the API server gave it (default {PLACEHOLDER_UID})")
     render.add_argument("--attempt", type=int, default=0, help="the attempt (status.restarts) to render")

@@ -1,0 +1,163 @@
+"""`spec.backend: TrainJob`: the TrainJob manifest (Kubeflow Trainer v2.0.0) and the runtime
+it references. The pod Trainer v2 makes from runtime + TrainJob must be the trainer pod the
+other backends build (same contract), and what v2.0.0 cannot carry is refused by field."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlhf_operator.builders import PodSettings, TrainJobError, build_children, build_workloads
+from rlhf_operator.builders.trainjob import NODE, RUNTIME_NAME, TORCH_ENV, build_runtime
+from test_builders import check_schema, children_of, make_job
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def job_data(**spec) -> dict:
+    """test_builders' job, its volume mounted once (a TrainJob keys mounts by volume name)."""
+    data = make_job(backend="TrainJob", **spec)
+    data["spec"]["pod"]["volumeMounts"] = [{"name": "models", "mountPath": "/models", "readOnly": True}]
+    data["spec"]["data"]["path"] = "/models/data/train.jsonl"
+    return data
+
+
+def trainjob_of(data) -> dict:
+    return children_of(data)[("TrainJob", "demo-trainer")]
+
+
+def _by_name(items: list[dict]) -> dict[str, dict]:
+    return {i["name"]: i for i in items}
+
+
+def effective_pod(runtime: dict, tj: dict) -> dict:
+    """The trainer pod spec Trainer v2.0.0 builds: the runtime's `node` pod, the
+    podSpecOverrides merged by name (strategic merge: volumes, containers' volumeMounts),
+    then the torch plugin's and the JobSet builder's `trainer` fields on container `node`."""
+    pod = copy.deepcopy(runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"])
+    spec = pod["spec"]
+    for override in tj["spec"]["podSpecOverrides"]:
+        assert [t["name"] for t in override["targetJobs"]] == [NODE]
+        for key in ("serviceAccountName", "nodeSelector", "tolerations"):
+            if key in override:
+                spec[key] = override[key]
+        spec["volumes"] = list({**_by_name(spec["volumes"]), **_by_name(override.get("volumes", []))}.values())
+        containers = _by_name(spec["containers"])
+        for c in override.get("containers", []):
+            mounts = {m["mountPath"]: m for m in [*containers[c["name"]]["volumeMounts"], *c.get("volumeMounts", [])]}
+            containers[c["name"]]["volumeMounts"] = list(mounts.values())  # corev1's merge key: mountPath
+    node = _by_name(spec["containers"])[NODE]
+    t = tj["spec"]["trainer"]
+    node.update(image=t["image"], command=t["command"], resources=t["resourcesPerNode"])
+    node["env"] = list({**_by_name(node["env"]), **_by_name(t["env"])}.values())
+    return pod
+
+
+def _sorted(spec: dict) -> dict:
+    spec = copy.deepcopy(spec)
+    spec["volumes"] = sorted(spec["volumes"], key=lambda v: v["name"])
+    for c in spec["containers"]:
+        c["name"] = NODE
+        for key in ("env", "volumeMounts"):
+            c[key] = sorted(c[key], key=lambda v: (v["name"], v.get("mountPath", "")))
+    spec.pop("imagePullSecrets", None)
+    return spec
+
+
+def test_the_pod_trainer_v2_makes_is_the_pytorchjob_backends_trainer_pod():
+    data = job_data()
+    tj = trainjob_of(data)
+    assert tj["spec"]["runtimeRef"] == {"name": RUNTIME_NAME, "apiGroup": "trainer.kubeflow.org",
+                                        "kind": "ClusterTrainingRuntime"}
+    assert tj["spec"]["trainer"]["numNodes"] == 2 and tj["spec"]["trainer"]["numProcPerNode"] == 8
+    assert not {e["name"] for e in tj["spec"]["trainer"]["env"]} & set(TORCH_ENV)  # Trainer's webhook refuses them
+    made = effective_pod(build_runtime("any:1"), tj)
+    ptj = children_of({**data, "spec": {**data["spec"], "backend": "PyTorchJob"}})[("PyTorchJob", "demo-trainer")]
+    want = ptj["spec"]["pytorchReplicaSpecs"]["Master"]["template"]
+    assert _sorted(made["spec"]) == _sorted(want["spec"])
+    # v2.0.0 gives the pods no per-job labels: the runtime's role label, the job's go on the JobSet
+    assert made["metadata"]["labels"]["rlhf.dev/role"] == "trainer"
+    assert tj["spec"]["labels"]["rlhf.dev/job"] == "demo" and tj["spec"]["labels"]["rlhf.dev/attempt"] == "0"
+    assert tj["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-queue"  # what Kueue reads
+
+
+def test_rollout_servers_stay_a_statefulset_and_rank_0_is_found_by_jobset_labels():
+    children = children_of(job_data(), attempt=3)
+    assert children[("StatefulSet", "demo-rollout")]["metadata"]["labels"]["rlhf.dev/attempt"] == "3"
+    assert children[("TrainJob", "demo-trainer")]["metadata"]["labels"]["rlhf.dev/attempt"] == "3"
+    assert ("Service", "demo-rollout") in children and ("PyTorchJob", "demo-trainer") not in children
+    selector = children[("Service", "demo-weight-sync")]["spec"]["selector"]
+    # Trainer v2 names the JobSet as the TrainJob and its trainer job `node`
+    assert selector == {"jobset.sigs.k8s.io/jobset-name": "demo-trainer",
+                        "jobset.sigs.k8s.io/replicatedjob-name": NODE,
+                        "batch.kubernetes.io/job-completion-index": "0"}
+
+
+def test_pull_secrets_move_to_the_trainers_service_account_and_suspend_is_the_trainjobs():
+    data = job_data(suspend=True)
+    data["spec"]["pod"]["imagePullSecrets"] = ["regcred"]
+    children = children_of(data)
+    assert children[("ServiceAccount", "demo-trainer")]["imagePullSecrets"] == [{"name": "regcred"}]
+    assert children[("TrainJob", "demo-trainer")]["spec"]["suspend"] is True
+    assert "imagePullSecrets" not in children_of(make_job())[("ServiceAccount", "demo-trainer")]
+
+
+@pytest.mark.parametrize("where, value, blamed", [
+    ("pod", {"affinity": {"nodeAffinity": {}}}, "spec.pod.affinity"),
+    ("pod", {"priorityClassName": "high"}, "spec.pod.priorityClassName"),
+    ("trainer.pod", {"labels": {"team": "a"}}, "spec.pod.labels"),
+    ("pod", {"annotations": {"k8s.v1.cni.cncf.io/networks": "rdma"}}, "spec.pod.annotations"),
+    ("storageSecret", "creds", "spec.storageSecret"),
+    ("model", {"path": "hf://Qwen/Qwen2.5-0.5B"}, "spec.model.path"),
+    ("runPolicy", {"terminationGracePeriodSeconds": 300}, "spec.runPolicy.terminationGracePeriodSeconds"),
+    ("twice", None, "spec.pod.volumeMounts"),
+])
+def test_what_a_v2_0_trainjob_cannot_carry_is_refused_naming_the_field(where, value, blamed):
+    data = job_data()
+    if where == "pod":
+        data["spec"]["pod"].update(value)
+    elif where == "twice":
+        data["spec"]["pod"]["volumeMounts"].append({"name": "models", "mountPath": "/data", "subPath": "data"})
+    elif where == "trainer.pod":
+        data["spec"]["trainer"]["pod"] = value
+    else:
+        data["spec"][where] = value
+    with pytest.raises(TrainJobError, match="spec.backend JobSet") as err:
+        children_of(data)
+    assert blamed in str(err.value)
+
+
+def _trainer_crd(name: str) -> dict:
+    out = subprocess.run(["bash", str(REPO / "tests/cluster/trainer/build.sh"), "--print"], capture_output=True,
+                         text=True)
+    path = Path(out.stdout.strip()) / "crds" / f"trainer.kubeflow.org_{name}.yaml"
+    if not path.exists():
+        pytest.skip(f"Trainer v2 CRDs not built yet ({path}); `make trainer-bin` builds them")
+    crd = yaml.safe_load(path.read_text())
+    return next(v for v in crd["spec"]["versions"] if v["name"] == "v1alpha1")["schema"]["openAPIV3Schema"]
+
+
+def test_trainjob_and_runtime_match_trainer_v2_crd_schemas():
+    tj = trainjob_of(job_data())
+    schema = _trainer_crd("trainjobs")
+    assert check_schema({k: v for k, v in tj.items() if k != "metadata"}, schema) == []
+    bad = copy.deepcopy(tj)
+    bad["spec"]["trainer"]["numProcsPerNode"] = 8
+    assert len(check_schema({k: v for k, v in bad.items() if k != "metadata"}, schema)) == 1
+    runtime = build_runtime("ghcr.io/rlhf-operator/trainer:0.1.0")
+    assert check_schema({k: v for k, v in runtime.items() if k != "metadata"},
+                        _trainer_crd("clustertrainingruntimes")) == []
+
+
+def test_offline_methods_get_the_trainjob_alone():
+    data = job_data(method="sft")
+    for key in ("rollout", "schedule"):
+        data["spec"].pop(key)
+    job = children_of.__globals__["validate_job"](copy.deepcopy(data))
+    kinds = [w["kind"] for w in build_workloads(job, 0, PodSettings.from_job(job))]
+    assert kinds == ["TrainJob"]
+    assert "StatefulSet" not in [c["kind"] for c in build_children(job, 0)]
