@@ -232,7 +232,7 @@ class Reconciler:
         # 3. Create or update what must run; a child the API server refuses stops the rest.
         if job is not None and (plan.apply_support or plan.create_workloads):
             missing = {"StatefulSet": observed.statefulset is None, "PyTorchJob": observed.pytorchjob is None,
-                       "JobSet": observed.jobset is None}
+                       "JobSet": observed.jobset is None, "TrainJob": observed.trainjob is None}
             wanted = [*(build_support(job, settings) if plan.apply_support else []),
                       *(build_workloads(job, plan.status["restarts"], settings) if plan.create_workloads else [])]
             self._report_refusal(body, plan.status, self._apply_all(cache, wanted, missing))

@@ -161,3 +161,92 @@ def test_offline_methods_get_the_trainjob_alone():
     kinds = [w["kind"] for w in build_workloads(job, 0, PodSettings.from_job(job))]
     assert kinds == ["TrainJob"]
     assert "StatefulSet" not in [c["kind"] for c in build_children(job, 0)]
+
+
+# ---- the status read from a TrainJob and its pods, and the pods' adoption ----------------
+
+from datetime import datetime, timedelta, timezone  # noqa: E402
+
+from helpers import fake_pod, job_of  # noqa: E402
+from rlhf_contract.exit_codes import ExitCode  # noqa: E402
+from rlhf_operator.builders.trainjob import adoption_labels  # noqa: E402
+from rlhf_operator.status import Observed, plan  # noqa: E402
+
+NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
+JOB_UID, TJ_UID, JS_UID = "uid-job", "uid-tj", "uid-js"
+
+
+def status_body(restarts=0, max_restarts=2):
+    data = job_data(runPolicy={"maxRestarts": max_restarts})
+    data["metadata"].update(uid=JOB_UID, generation=1,
+                            creationTimestamp=(NOW - timedelta(minutes=5)).strftime("%Y-%m-%dT%H:%M:%SZ"))
+    return {**data, "status": {"phase": "Running", "restarts": restarts}}
+
+
+def workload(kind, attempt=0, conditions=()):
+    return {"kind": kind, "metadata": {"name": "demo-x", "uid": TJ_UID, "labels": {"rlhf.dev/job": "demo",
+                                                                                  "rlhf.dev/attempt": str(attempt)},
+                                       "ownerReferences": [{"uid": JOB_UID, "controller": True}]},
+            "status": {"conditions": [{"type": t, "status": "True", "reason": t, "message": m,
+                                       "lastTransitionTime": "2026-01-01T11:00:00Z"} for t, m in conditions]}}
+
+
+def observed(attempt=0, conditions=(), **trainer_pod):
+    pods = [fake_pod(f"demo-rollout-{i}", {"rlhf.dev/role": "rollout", "rlhf.dev/job-uid": JOB_UID,
+                                           "rlhf.dev/attempt": str(attempt)}) for i in range(3)]
+    pods += [fake_pod(f"demo-trainer-node-0-{i}", {"rlhf.dev/role": "trainer", "rlhf.dev/job-uid": JOB_UID,
+                                                   "rlhf.dev/attempt": str(attempt)}, **(trainer_pod if i else {}))
+             for i in range(2)]
+    return Observed(statefulset=workload("StatefulSet", attempt), trainjob=workload("TrainJob", attempt, conditions),
+                    pods=pods)
+
+
+def test_trainjob_complete_is_succeeded_and_the_servers_go():
+    p = plan(status_body(), job_of(status_body()), observed(conditions=[("Complete", "jobset completed")]), NOW)
+    assert p.status["phase"] == "Succeeded" and p.delete == ["StatefulSet"]
+    running = plan(status_body(), job_of(status_body()), observed(), NOW)
+    assert running.status["phase"] == "Running" and not running.delete
+
+
+def test_a_failed_trainer_pod_restarts_the_whole_job_deleting_the_trainjob():
+    p = plan(status_body(), job_of(status_body()), observed(phase="Failed", exit_code=1), NOW)
+    assert p.status["phase"] == "Restarting" and p.status["restarts"] == 1
+    assert sorted(p.delete) == ["StatefulSet", "TrainJob"]
+
+
+def test_a_permanent_exit_code_fails_at_once_keeping_the_trainjob_for_its_logs():
+    p = plan(status_body(), job_of(status_body()),
+             observed(phase="Failed", exit_code=int(ExitCode.CONFIG_ERROR)), NOW)
+    assert p.status["phase"] == "Failed" and p.status["conditions"][-1]["reason"] == "PermanentError"
+    assert p.delete == ["StatefulSet"]
+
+
+def test_a_failed_trainjob_without_its_pod_in_sight_restarts_after_the_evidence_grace():
+    obs = observed(conditions=[("Failed", "jobset failed")])
+    p = plan(status_body(), job_of(status_body()), obs, NOW)
+    assert p.status["phase"] == "Restarting" and p.status["restarts"] == 1
+    assert "jobset failed" in p.status["message"]
+
+
+def _adoption_objects():
+    tj = {"metadata": {"uid": TJ_UID, "labels": {"rlhf.dev/job": "demo", "rlhf.dev/attempt": "2"},
+                       "ownerReferences": [{"uid": JOB_UID, "controller": True}]}}
+    js = {"metadata": {"uid": JS_UID, "ownerReferences": [{"uid": TJ_UID, "controller": True}]}}
+    pod = {"metadata": {"labels": {"jobset.sigs.k8s.io/jobset-uid": JS_UID}}}
+    return tj, js, pod
+
+
+def test_a_pod_of_our_trainjobs_jobset_is_adopted_with_the_jobs_labels():
+    tj, js, pod = _adoption_objects()
+    assert adoption_labels(tj, js, pod) == {"rlhf.dev/job": "demo", "rlhf.dev/job-uid": JOB_UID,
+                                            "rlhf.dev/attempt": "2"}
+
+
+def test_pods_of_another_jobset_or_trainjob_are_not_adopted():
+    tj, js, pod = _adoption_objects()
+    pod["metadata"]["labels"]["jobset.sigs.k8s.io/jobset-uid"] = "uid-an-older-jobset"
+    assert adoption_labels(tj, js, pod) is None
+    tj, js, pod = _adoption_objects()
+    js["metadata"]["ownerReferences"][0]["uid"] = "uid-another-trainjob"
+    assert adoption_labels(tj, js, pod) is None
+    assert adoption_labels(tj, None, pod) is None

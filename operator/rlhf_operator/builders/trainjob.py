@@ -32,7 +32,8 @@ from typing import Any
 from rlhf_contract.api.models import RLHFJob
 
 from .meta import (
-    LABEL_ATTEMPT, LABEL_MANAGED_BY, LABEL_ROLE, MANAGER, ROLE_TRAINER, job_labels, metadata, pod_labels, trainer_name,
+    JOBSET_NAME_LABEL, LABEL_ATTEMPT, LABEL_JOB, LABEL_JOB_UID, LABEL_MANAGED_BY, LABEL_ROLE, MANAGER, ROLE_TRAINER,
+    job_labels, metadata, pod_labels, trainer_name,
 )
 from .pods import PodSettings, pod_spec, template_metadata
 from .storage import with_storage
@@ -181,6 +182,35 @@ def build_trainjob(job: RLHFJob, attempt: int, settings: PodSettings) -> dict[st
             "trainer": trainer,
             "labels": dict(labels),  # onto the JobSet and its Jobs (v2.0.0 has no pod labels)
             "podSpecOverrides": [override],
-            "suspend": job.spec.suspend,
+            # only when suspended: otherwise Kueue (admission) owns the field
+            **({"suspend": True} if job.spec.suspend else {}),
         },
     }
+
+
+JOBSET_UID_LABEL = "jobset.sigs.k8s.io/jobset-uid"
+
+
+def unadopted_selector(job_name: str) -> str:
+    """The label selector of the TrainJob's pods that do not carry the job's labels yet."""
+    return f"{JOBSET_NAME_LABEL}={trainer_name(job_name)},!{LABEL_JOB}"
+
+
+def adoption_labels(trainjob: dict[str, Any] | None, jobset: dict[str, Any] | None,
+                    pod: dict[str, Any]) -> dict[str, str] | None:
+    """The labels a pod of our TrainJob needs to be seen as the job's (`rlhf.dev/job`,
+    `job-uid`, `attempt`: v2.0.0 cannot put them on its pods, so the operator patches them
+    on), or None when the pod is not provably of this TrainJob's JobSet: it must carry the
+    JobSet's uid, the JobSet must be owned by the TrainJob, and the TrainJob by a job."""
+    if trainjob is None or jobset is None:
+        return None
+    labels = pod["metadata"].get("labels") or {}
+    if (labels.get(JOBSET_UID_LABEL) != jobset["metadata"].get("uid")
+            or _controller(jobset) != trainjob["metadata"].get("uid") or not _controller(trainjob)):
+        return None
+    mine = trainjob["metadata"].get("labels") or {}
+    return {LABEL_JOB: mine[LABEL_JOB], LABEL_JOB_UID: _controller(trainjob), LABEL_ATTEMPT: mine[LABEL_ATTEMPT]}
+
+
+def _controller(obj: dict[str, Any]) -> str | None:
+    return next((r["uid"] for r in obj["metadata"].get("ownerReferences") or [] if r.get("controller")), None)
