@@ -120,9 +120,11 @@ def build_runtime(image: str, name: str = RUNTIME_NAME) -> dict[str, Any]:
         "metadata": {"name": name, "labels": {LABEL_MANAGED_BY: MANAGER}},
         "spec": {
             "mlPolicy": {"numNodes": 1, "torch": {"numProcPerNode": "auto"}},
+            # no failurePolicy: the first failed Job fails the JobSet (JobSet never restarts it; the
+            # whole job, rollout servers too, restarts as one unit). An explicit maxRestarts 0
+            # would make the runtime un-updatable: Trainer's client drops the zero, and JobSet's
+            # CEL rule holds failurePolicy immutable.
             "template": {"spec": {
-                # never restarted by JobSet: the whole job (rollout servers too) restarts as one unit
-                "failurePolicy": {"maxRestarts": 0},
                 "replicatedJobs": [{"name": NODE, "template": {
                     "metadata": {"labels": {ANCESTOR_LABEL: "trainer"}}, "spec": job_spec}}],
             }},

@@ -1,0 +1,167 @@
+"""`spec.backend: TrainJob` against the real Kubeflow Trainer v2.0.0 controller (built by
+tests/cluster/trainer/build.sh, skipped until then) with its CRDs and admission webhooks,
+the chart's ClusterTrainingRuntime `rlhf-torch`, the JobSet controller it builds on, and
+kwok pods in a `restricted` namespace.
+
+Checked: the TrainJob is admitted by Trainer's webhook and becomes a JobSet whose pods carry
+the job's labels once the operator adopts them; torchrun's PET_* variables are Trainer's and
+name the pods' real DNS names; the weight-sync Service selects rank 0; any failed pod
+restarts the whole job (a new TrainJob, new pods, attempt + 1); a permanent exit code fails
+at once; suspend deletes every pod and resume brings the job back.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlhf_operator.builders.trainjob import build_runtime
+
+from . import pki
+from .harness import Cluster, free_port, wait_for
+from .procs import http_ok, terminate
+from .test_operator import condition, create, job, job_doc, operator_in_namespace, pods, wait_job
+
+pytestmark = pytest.mark.cluster
+
+BUILD = Path(__file__).parent / "trainer" / "build.sh"
+TRAINER_NS = "kubeflow-system"  # where Trainer's cert rotator looks (it reads no flag for it)
+SERVICE, SECRET, CA = "kubeflow-trainer-controller-manager", "kubeflow-trainer-webhook-cert", "kubeflow-trainer-ca"
+WEBHOOK = "validator.trainer.kubeflow.org"
+
+
+def _pki(root: Path) -> Path:
+    """Trainer's own CA and serving cert: its cert rotator keeps a Secret it finds valid for
+    its CA name and Service DNS name; the webhook server reads $TMPDIR/k8s-webhook-server."""
+    pki.make_ca(root, "ca", CA)
+    pki.make_cert(root, "tls", "ca", f"/CN={SERVICE}.{TRAINER_NS}.svc", [
+        f"subjectAltName=DNS:{SERVICE}.{TRAINER_NS}.svc,DNS:localhost,IP:127.0.0.1",
+        "extendedKeyUsage=serverAuth", "keyUsage=critical,digitalSignature,keyEncipherment"])
+    served = root / "tmp" / "k8s-webhook-server" / "serving-certs"
+    served.mkdir(parents=True)
+    for name in ("tls.crt", "tls.key"):
+        (served / name).write_bytes((root / name).read_bytes())
+    return root
+
+
+def _webhooks(manifests: Path, port: int, ca: Path) -> dict:
+    (doc,) = [d for d in yaml.safe_load_all(manifests.read_text()) if d]
+    doc["metadata"] = {"name": WEBHOOK}
+    for hook in doc["webhooks"]:
+        path = hook["clientConfig"]["service"]["path"]
+        hook["clientConfig"] = {"url": f"https://127.0.0.1:{port}{path}", "caBundle": pki.b64(ca)}
+        hook["timeoutSeconds"] = 10
+    return doc
+
+
+@pytest.fixture(scope="module")
+def trainer(cluster: Cluster, tmp_path_factory):
+    bin_dir = Path(subprocess.run(["bash", str(BUILD), "--print"], capture_output=True, text=True).stdout.strip())
+    if not (bin_dir / ".complete").exists():
+        pytest.skip("Kubeflow Trainer v2 is not built: `make trainer-bin` (about a minute, once)")
+    root = _pki(tmp_path_factory.mktemp("trainer"))
+    for crd in sorted((bin_dir / "crds").glob("trainer.kubeflow.org_*.yaml")):
+        cluster.kubectl("apply", "--server-side", "-f", str(crd))
+    for plural in ("trainjobs", "clustertrainingruntimes", "trainingruntimes"):
+        cluster.wait_established(f"{plural}.trainer.kubeflow.org")
+    cluster.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": TRAINER_NS}})
+    cluster.apply({"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+                   "metadata": {"name": SECRET, "namespace": TRAINER_NS},
+                   "data": {n: pki.b64(root / n) for n in ("ca.crt", "ca.key", "tls.crt", "tls.key")}})
+    port, health = free_port(), free_port()
+    hooks = _webhooks(bin_dir / "webhook" / "manifests.yaml", port, root / "ca.crt")
+    cluster.apply(hooks)  # the rotator injects its CA here before it reports ready
+    log = open(root / "trainer.log", "ab")
+    proc = subprocess.Popen(
+        [str(bin_dir / "trainer-controller-manager"), f"--webhook-server-port={port}", "--leader-elect=false",
+         f"--health-probe-bind-address=127.0.0.1:{health}", "--metrics-bind-address=0"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "TMPDIR": str(root / "tmp")})
+    try:
+        wait_for(lambda: proc.poll() is None and http_ok(f"http://127.0.0.1:{health}/readyz"), 120,
+                 "trainer-controller-manager /readyz")
+        cluster.apply(build_runtime("example.invalid/trainer:1"))  # the chart's (tests/chart checks they match)
+        yield {"log": root / "trainer.log"}
+    finally:
+        cluster.kubectl("delete", "validatingwebhookconfiguration", WEBHOOK, "--ignore-not-found", check=False)
+        terminate([proc.pid])
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def setup(cluster: Cluster, trainer, tmp_path_factory):
+    with operator_in_namespace(cluster, tmp_path_factory, "tj") as s:
+        yield s
+
+
+def trainjob_doc(name: str, nodes: int = 2, **spec) -> dict:
+    """test_operator's job with backend TrainJob; one volume mounted once (a TrainJob lists
+    a container's mounts by volume name)."""
+    doc = job_doc(name, nodes=nodes, backend="TrainJob", model={"path": "/work/models/tiny"},
+                  data={"path": "/work/data/train.jsonl"}, output={"dir": "/work/output"}, **spec)
+    doc["spec"]["pod"]["volumeMounts"] = [{"name": "work", "mountPath": "/work"}]
+    return doc
+
+
+def attempt_pods(cluster: Cluster, ns: str, name: str, attempt: int, count: int) -> list[dict]:
+    """`count` Running pods of `attempt` (the trainer's adopted by the operator), and no other."""
+    def ready():
+        ps = [p for p in pods(cluster, ns, name) if not p["metadata"].get("deletionTimestamp")]
+        ok = len(ps) == count and all(p["metadata"]["labels"].get("rlhf.dev/attempt") == str(attempt)
+                                      and p["status"].get("phase") == "Running" for p in ps)
+        return ps if ok else None
+    return wait_for(ready, 90, f"{count} pods of attempt {attempt} Running")
+
+
+def test_trainjob_runs_restarts_as_one_unit_and_fails_on_a_permanent_code(cluster: Cluster, setup):
+    ns, log = setup["ns"], setup["log"]
+    create(cluster, ns, trainjob_doc("tjr", runPolicy={"maxRestarts": 3}))
+    wait_job(cluster, ns, "tjr", "Running", 0, log=log, timeout=120)
+    tj = cluster.get("trainjob", "tjr-trainer", namespace=ns)
+    assert tj["spec"]["runtimeRef"]["name"] == "rlhf-torch" and tj["metadata"]["labels"]["rlhf.dev/attempt"] == "0"
+    js = cluster.get("jobset", "tjr-trainer", namespace=ns)  # made by Trainer v2, owned by the TrainJob
+    assert js["metadata"]["ownerReferences"][0]["uid"] == tj["metadata"]["uid"]
+    ps = attempt_pods(cluster, ns, "tjr", 0, count=4)
+    trainers = sorted((p for p in ps if p["metadata"]["labels"]["rlhf.dev/role"] == "trainer"),
+                      key=lambda p: p["metadata"]["labels"]["batch.kubernetes.io/job-completion-index"])
+    assert len(trainers) == 2
+    env = {e["name"]: e.get("value") for e in trainers[0]["spec"]["containers"][0]["env"]}
+    dns = f"{trainers[0]['spec']['hostname']}.{trainers[0]['spec']['subdomain']}"
+    assert env["PET_MASTER_ADDR"] == dns == "tjr-trainer-node-0-0.tjr-trainer"  # Trainer's torch plugin
+    assert (env["PET_NNODES"], env["PET_NPROC_PER_NODE"], env["PET_MASTER_PORT"]) == ("2", "2", "29500")
+    assert env["RLHF_TRAINER_CONFIG"] == "/etc/rlhf/trainer.json"  # ours, through trainer.env
+    eps = cluster.get("endpointslices", namespace=ns, selector="kubernetes.io/service-name=tjr-weight-sync")["items"]
+    assert [e["targetRef"]["name"] for s in eps for e in s.get("endpoints") or []] == [trainers[0]["metadata"]["name"]]
+
+    # A trainer pod fails: the whole job restarts (new TrainJob and servers, attempt 1).
+    old = {p["metadata"]["uid"] for p in ps}
+    cluster.fail_pod(ns, trainers[1]["metadata"]["name"], exit_code=1)
+    wait_job(cluster, ns, "tjr", "Running", 1, log=log, timeout=120)
+    ps = attempt_pods(cluster, ns, "tjr", 1, count=4)
+    assert not old & {p["metadata"]["uid"] for p in ps}
+    assert trainers[1]["metadata"]["name"] in condition(job(cluster, ns, "tjr"), "Restarting")["message"]
+
+    # A permanent exit code (2: bad config) fails at once, budget left or not.
+    victim = next(p for p in ps if p["metadata"]["labels"]["rlhf.dev/role"] == "trainer")["metadata"]["name"]
+    cluster.fail_pod(ns, victim, exit_code=2, message="bad config")
+    j = wait_job(cluster, ns, "tjr", "Failed", 1, log=log)
+    assert condition(j, "Failed")["reason"] == "PermanentError" and victim in condition(j, "Failed")["message"]
+    cluster.kubectl("delete", "rlhfjob", "tjr", "-n", ns, "--wait=false")
+
+
+def test_trainjob_suspend_and_resume(cluster: Cluster, setup):
+    ns, log = setup["ns"], setup["log"]
+    create(cluster, ns, trainjob_doc("tjs", nodes=1))
+    wait_job(cluster, ns, "tjs", "Running", 0, log=log, timeout=120)
+    cluster.kubectl("patch", "rlhfjob", "tjs", "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":true}}')
+    wait_job(cluster, ns, "tjs", "Suspended", 0, log=log)
+    wait_for(lambda: not pods(cluster, ns, "tjs"), 60, "pods deleted while suspended")
+    cluster.kubectl("patch", "rlhfjob", "tjs", "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":false}}')
+    j = wait_job(cluster, ns, "tjs", "Running", 0, log=log, timeout=120)
+    assert condition(j, "Suspended")["reason"] == "Resumed"
+    attempt_pods(cluster, ns, "tjs", 0, count=3)
+    cluster.kubectl("delete", "rlhfjob", "tjs", "-n", ns, "--wait=false")
