@@ -7,13 +7,15 @@ Checked: the TrainJob is admitted by Trainer's webhook and becomes a JobSet whos
 the job's labels once the operator adopts them; torchrun's PET_* variables are Trainer's and
 name the pods' real DNS names; the weight-sync Service selects rank 0; any failed pod
 restarts the whole job (a new TrainJob, new pods, attempt + 1); a permanent exit code fails
-at once; suspend deletes every pod and resume brings the job back.
+at once; suspend deletes every pod and resume brings the job back; the trainer finishing is
+Succeeded (the TrainJob Complete); a lost node restarts the job once, spending no restart.
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
+import uuid
 from pathlib import Path
 
 import pytest
@@ -94,7 +96,8 @@ def trainer(cluster: Cluster, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def setup(cluster: Cluster, trainer, tmp_path_factory):
-    with operator_in_namespace(cluster, tmp_path_factory, "tj") as s:
+    # a 5 s lost-node grace (60 s by default), as test_operator_nodes.py
+    with operator_in_namespace(cluster, tmp_path_factory, "tj", env={"RLHF_OPERATOR_NODE_LOST_SECONDS": "5"}) as s:
         yield s
 
 
@@ -153,7 +156,7 @@ def test_trainjob_runs_restarts_as_one_unit_and_fails_on_a_permanent_code(cluste
     cluster.kubectl("delete", "rlhfjob", "tjr", "-n", ns, "--wait=false")
 
 
-def test_trainjob_suspend_and_resume(cluster: Cluster, setup):
+def test_trainjob_suspend_resume_and_succeed(cluster: Cluster, setup):
     ns, log = setup["ns"], setup["log"]
     create(cluster, ns, trainjob_doc("tjs", nodes=1))
     wait_job(cluster, ns, "tjs", "Running", 0, log=log, timeout=120)
@@ -163,5 +166,42 @@ def test_trainjob_suspend_and_resume(cluster: Cluster, setup):
     cluster.kubectl("patch", "rlhfjob", "tjs", "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":false}}')
     j = wait_job(cluster, ns, "tjs", "Running", 0, log=log, timeout=120)
     assert condition(j, "Suspended")["reason"] == "Resumed"
-    attempt_pods(cluster, ns, "tjs", 0, count=3)
+    ps = attempt_pods(cluster, ns, "tjs", 0, count=3)
+    # The trainer finishes: the TrainJob is Complete, the job Succeeded, the servers go.
+    cluster.complete_pod(ns, next(p for p in ps if p["metadata"]["labels"]["rlhf.dev/role"] == "trainer")
+                         ["metadata"]["name"])
+    wait_job(cluster, ns, "tjs", "Succeeded", 0, log=log)
+    tj = cluster.get("trainjob", "tjs-trainer", namespace=ns)
+    assert any(c["type"] == "Complete" and c["status"] == "True" for c in tj["status"]["conditions"])
+    wait_for(lambda: cluster.kubectl("get", "statefulset", "tjs-rollout", "-n", ns, check=False).returncode != 0,
+             60, "the rollout servers deleted")
     cluster.kubectl("delete", "rlhfjob", "tjs", "-n", ns, "--wait=false")
+
+
+def test_trainjob_lost_node_restarts_the_job_once_without_spending_a_restart(cluster: Cluster, setup):
+    ns, log = setup["ns"], setup["log"]
+    group = f"tjlost{uuid.uuid4().hex[:4]}"
+    cluster.start_kwok(group)
+    (lossy,) = cluster.create_nodes(1, prefix=f"{group}-node", group=group)
+    cluster.wait_nodes_ready([lossy], timeout=30)
+    others = [n["metadata"]["name"] for n in cluster.get("nodes")["items"] if n["metadata"]["name"] != lossy]
+    try:
+        for n in others:  # every pod of attempt 0 on the node that will be lost
+            cluster.kubectl("cordon", n)
+        try:
+            create(cluster, ns, trainjob_doc("tjl", nodes=1))
+            wait_job(cluster, ns, "tjl", "Running", 0, log=log, timeout=120)
+            assert {p["spec"]["nodeName"] for p in attempt_pods(cluster, ns, "tjl", 0, count=3)} == {lossy}
+        finally:
+            for n in others:
+                cluster.kubectl("uncordon", n)
+        assert cluster.lose_nodes(group) == [lossy]
+        cluster.kubectl("cordon", lossy)
+        wait_job(cluster, ns, "tjl", "Running", 1, timeout=120, log=log)
+        ps = attempt_pods(cluster, ns, "tjl", 1, count=3)
+        assert lossy not in {p["spec"]["nodeName"] for p in ps}
+        j = job(cluster, ns, "tjl")
+        assert "NodeLost" in condition(j, "Restarting")["message"] and j["status"].get("disruptions") == 1
+        cluster.kubectl("delete", "rlhfjob", "tjl", "-n", ns, "--wait=false")
+    finally:
+        cluster.kubectl("delete", "node", lossy, "--wait=false", check=False)
