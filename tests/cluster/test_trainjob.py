@@ -13,85 +13,24 @@ Succeeded (the TrainJob Complete); a lost node restarts the job once, spending n
 
 from __future__ import annotations
 
-import os
-import subprocess
 import uuid
-from pathlib import Path
 
 import pytest
-import yaml
 
-from rlhf_operator.builders.trainjob import build_runtime
-
-from . import pki
-from .harness import Cluster, free_port, wait_for
-from .procs import http_ok, terminate
+from . import trainer_v2
+from .harness import Cluster, wait_for
 from .test_operator import condition, create, job, job_doc, operator_in_namespace, pods, wait_job
 
 pytestmark = pytest.mark.cluster
 
-BUILD = Path(__file__).parent / "trainer" / "build.sh"
-TRAINER_NS = "kubeflow-system"  # where Trainer's cert rotator looks (it reads no flag for it)
-SERVICE, SECRET, CA = "kubeflow-trainer-controller-manager", "kubeflow-trainer-webhook-cert", "kubeflow-trainer-ca"
-WEBHOOK = "validator.trainer.kubeflow.org"
-
-
-def _pki(root: Path) -> Path:
-    """Trainer's own CA and serving cert: its cert rotator keeps a Secret it finds valid for
-    its CA name and Service DNS name; the webhook server reads $TMPDIR/k8s-webhook-server."""
-    pki.make_ca(root, "ca", CA)
-    pki.make_cert(root, "tls", "ca", f"/CN={SERVICE}.{TRAINER_NS}.svc", [
-        f"subjectAltName=DNS:{SERVICE}.{TRAINER_NS}.svc,DNS:localhost,IP:127.0.0.1",
-        "extendedKeyUsage=serverAuth", "keyUsage=critical,digitalSignature,keyEncipherment"])
-    served = root / "tmp" / "k8s-webhook-server" / "serving-certs"
-    served.mkdir(parents=True)
-    for name in ("tls.crt", "tls.key"):
-        (served / name).write_bytes((root / name).read_bytes())
-    return root
-
-
-def _webhooks(manifests: Path, port: int, ca: Path) -> dict:
-    (doc,) = [d for d in yaml.safe_load_all(manifests.read_text()) if d]
-    doc["metadata"] = {"name": WEBHOOK}
-    for hook in doc["webhooks"]:
-        path = hook["clientConfig"]["service"]["path"]
-        hook["clientConfig"] = {"url": f"https://127.0.0.1:{port}{path}", "caBundle": pki.b64(ca)}
-        hook["timeoutSeconds"] = 10
-    return doc
-
 
 @pytest.fixture(scope="module")
 def trainer(cluster: Cluster, tmp_path_factory):
-    bin_dir = Path(subprocess.run(["bash", str(BUILD), "--print"], capture_output=True, text=True).stdout.strip())
-    if not (bin_dir / ".complete").exists():
+    bin_dir = trainer_v2.built()
+    if bin_dir is None:
         pytest.skip("Kubeflow Trainer v2 is not built: `make trainer-bin` (about a minute, once)")
-    root = _pki(tmp_path_factory.mktemp("trainer"))
-    for crd in sorted((bin_dir / "crds").glob("trainer.kubeflow.org_*.yaml")):
-        cluster.kubectl("apply", "--server-side", "-f", str(crd))
-    for plural in ("trainjobs", "clustertrainingruntimes", "trainingruntimes"):
-        cluster.wait_established(f"{plural}.trainer.kubeflow.org")
-    cluster.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": TRAINER_NS}})
-    cluster.apply({"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-                   "metadata": {"name": SECRET, "namespace": TRAINER_NS},
-                   "data": {n: pki.b64(root / n) for n in ("ca.crt", "ca.key", "tls.crt", "tls.key")}})
-    port, health = free_port(), free_port()
-    hooks = _webhooks(bin_dir / "webhook" / "manifests.yaml", port, root / "ca.crt")
-    cluster.apply(hooks)  # the rotator injects its CA here before it reports ready
-    log = open(root / "trainer.log", "ab")
-    proc = subprocess.Popen(
-        [str(bin_dir / "trainer-controller-manager"), f"--webhook-server-port={port}", "--leader-elect=false",
-         f"--health-probe-bind-address=127.0.0.1:{health}", "--metrics-bind-address=0"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "TMPDIR": str(root / "tmp")})
-    try:
-        wait_for(lambda: proc.poll() is None and http_ok(f"http://127.0.0.1:{health}/readyz"), 120,
-                 "trainer-controller-manager /readyz")
-        cluster.apply(build_runtime("example.invalid/trainer:1"))  # the chart's (tests/chart checks they match)
-        yield {"log": root / "trainer.log"}
-    finally:
-        cluster.kubectl("delete", "validatingwebhookconfiguration", WEBHOOK, "--ignore-not-found", check=False)
-        terminate([proc.pid])
-        log.close()
+    with trainer_v2.trainer_controller(cluster, bin_dir, tmp_path_factory.mktemp("trainer")) as log:
+        yield {"log": log}
 
 
 @pytest.fixture(scope="module")
