@@ -27,6 +27,6 @@ def test_the_charts_runtime_is_the_operators(render):
         pytest.skip(f"Trainer v2 CRDs not built yet ({crd}); `make trainer-bin` builds them")
     from tests.unit.test_builders import check_schema
 
-    schema = next(v for v in yaml.safe_load(crd.read_text())["spec"]["versions"]
+    schema = next(v for v in yaml.load(crd.read_text(), Loader=yaml.CSafeLoader)["spec"]["versions"]
                   if v["name"] == "v1alpha1")["schema"]["openAPIV3Schema"]
     assert check_schema({k: v for k, v in runtime.items() if k != "metadata"}, schema) == []

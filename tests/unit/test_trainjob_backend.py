@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import copy
 import subprocess
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
 import yaml
 
+from helpers import fake_pod, job_of
+from rlhf_contract.api import validate_job
+from rlhf_contract.exit_codes import ExitCode
 from rlhf_operator.builders import PodSettings, TrainJobError, build_children, build_workloads
-from rlhf_operator.builders.trainjob import NODE, RUNTIME_NAME, TORCH_ENV, build_runtime
+from rlhf_operator.builders.trainjob import NODE, RUNTIME_NAME, TORCH_ENV, adoption_labels, build_runtime
+from rlhf_operator.status import Observed, plan
 from test_builders import check_schema, children_of, make_job
 
 REPO = Path(__file__).resolve().parents[2]
@@ -137,7 +142,7 @@ def _trainer_crd(name: str) -> dict:
     path = Path(out.stdout.strip()) / "crds" / f"trainer.kubeflow.org_{name}.yaml"
     if not path.exists():
         pytest.skip(f"Trainer v2 CRDs not built yet ({path}); `make trainer-bin` builds them")
-    crd = yaml.safe_load(path.read_text())
+    crd = yaml.load(path.read_text(), Loader=yaml.CSafeLoader)  # 0.9 MB: the C parser
     return next(v for v in crd["spec"]["versions"] if v["name"] == "v1alpha1")["schema"]["openAPIV3Schema"]
 
 
@@ -157,20 +162,13 @@ def test_offline_methods_get_the_trainjob_alone():
     data = job_data(method="sft")
     for key in ("rollout", "schedule"):
         data["spec"].pop(key)
-    job = children_of.__globals__["validate_job"](copy.deepcopy(data))
+    job = validate_job(copy.deepcopy(data))
     kinds = [w["kind"] for w in build_workloads(job, 0, PodSettings.from_job(job))]
     assert kinds == ["TrainJob"]
     assert "StatefulSet" not in [c["kind"] for c in build_children(job, 0)]
 
 
 # ---- the status read from a TrainJob and its pods, and the pods' adoption ----------------
-
-from datetime import datetime, timedelta, timezone  # noqa: E402
-
-from helpers import fake_pod, job_of  # noqa: E402
-from rlhf_contract.exit_codes import ExitCode  # noqa: E402
-from rlhf_operator.builders.trainjob import adoption_labels  # noqa: E402
-from rlhf_operator.status import Observed, plan  # noqa: E402
 
 NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
 JOB_UID, TJ_UID, JS_UID = "uid-job", "uid-tj", "uid-js"
