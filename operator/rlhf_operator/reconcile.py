@@ -34,7 +34,7 @@ from kubernetes.client.rest import ApiException
 from . import metrics, status
 from .conditions import CHILD_REFUSED, CONDITION_TYPES, conditions_by_type, refused_condition
 from .builders import (
-    LABEL_JOB_UID, PodSettings, PodSettingsError, build_support, build_workloads, rollout_name,
+    LABEL_JOB_UID, PodSettings, PodSettingsError, build_support, build_workloads, job_settings, rollout_name,
     trainer_name,
 )
 from .builders.meta import attempt_of, jobset_name
@@ -201,7 +201,7 @@ class Reconciler:
         job, invalid, settings = None, None, PodSettings()
         try:
             job = job_model(body)
-            settings = PodSettings.from_job(job)
+            settings = job_settings(job)  # PodSettings.from_job and the backend's own limits
         except ValidationError as err:
             job, invalid = None, "; ".join(str(p) for p in problems(err))
         except PodSettingsError as err:

@@ -144,3 +144,15 @@ def test_trainjob_lost_node_restarts_the_job_once_without_spending_a_restart(clu
         cluster.kubectl("delete", "rlhfjob", "tjl", "-n", ns, "--wait=false")
     finally:
         cluster.kubectl("delete", "node", lossy, "--wait=false", check=False)
+
+
+def test_what_a_v2_0_trainjob_cannot_carry_fails_the_job_at_once(cluster: Cluster, setup):
+    ns, log = setup["ns"], setup["log"]
+    doc = trainjob_doc("tjx", nodes=1)
+    doc["spec"]["pod"]["priorityClassName"] = "high"
+    create(cluster, ns, doc)
+    j = wait_job(cluster, ns, "tjx", "Failed", 0, log=log, timeout=30)
+    assert condition(j, "Failed")["reason"] == "InvalidSpec"
+    assert "spec.pod.priorityClassName" in condition(j, "Failed")["message"]
+    assert cluster.kubectl("get", "trainjob", "tjx-trainer", "-n", ns, check=False).returncode != 0
+    cluster.kubectl("delete", "rlhfjob", "tjx", "-n", ns, "--wait=false")

@@ -15,7 +15,9 @@ import yaml
 from helpers import fake_pod, job_of
 from rlhf_contract.api import validate_job
 from rlhf_contract.exit_codes import ExitCode
-from rlhf_operator.builders import PodSettings, TrainJobError, build_children, build_workloads
+from rlhf_operator.builders import (
+    PodSettings, PodSettingsError, TrainJobError, build_children, build_workloads, job_settings,
+)
 from rlhf_operator.builders.trainjob import NODE, RUNTIME_NAME, TORCH_ENV, adoption_labels, build_runtime
 from rlhf_operator.status import Observed, plan
 from test_builders import check_schema, children_of, make_job
@@ -134,6 +136,9 @@ def test_what_a_v2_0_trainjob_cannot_carry_is_refused_naming_the_field(where, va
     with pytest.raises(TrainJobError, match="spec.backend JobSet") as err:
         children_of(data)
     assert blamed in str(err.value)
+    # what the operator calls first: a PodSettingsError, so the job is Failed (InvalidSpec) at once
+    with pytest.raises(PodSettingsError, match=blamed.replace(".", r"\.")):
+        job_settings(validate_job(copy.deepcopy(data)))
 
 
 def _trainer_crd(name: str) -> dict:

@@ -20,7 +20,7 @@ from .sandbox import build_sandbox, wants_sandbox
 from .judge import build_judge
 from .services import build_network_policy, build_rollout_service, build_weight_sync_service
 from .jobset import build_jobset
-from .trainjob import TrainJobError, build_trainjob
+from .trainjob import TrainJobError, build_trainjob, check_trainjob
 from .workloads import build_rollout_statefulset, build_trainer_pytorchjob, rollout_endpoints, weight_sync_addr
 
 WORKLOAD_KINDS = ("StatefulSet", "PyTorchJob", "JobSet", "TrainJob")
@@ -65,14 +65,23 @@ def build_workloads(job: RLHFJob, attempt: int, settings: PodSettings) -> list[d
     return [build_rollout_statefulset(job, attempt, settings), build_trainer(job, attempt, settings)]
 
 
+def job_settings(job: RLHFJob) -> PodSettings:
+    """`PodSettings.from_job`, and for backend TrainJob what Trainer v2.0.0 cannot carry
+    (TrainJobError, a PodSettingsError: the job is refused before any child is built)."""
+    settings = PodSettings.from_job(job)
+    if job.spec.backend == "TrainJob":
+        check_trainjob(job, settings)
+    return settings
+
+
 def build_children(job: RLHFJob, attempt: int, settings: PodSettings | None = None) -> list[dict[str, Any]]:
-    settings = settings if settings is not None else PodSettings.from_job(job)
+    settings = settings if settings is not None else job_settings(job)
     return build_support(job, settings) + build_workloads(job, attempt, settings)
 
 
 __all__ = [
     "LABEL_ATTEMPT", "LABEL_JOB", "LABEL_JOB_UID", "LABEL_ROLE", "POD_SETTINGS_ANNOTATION", "ROLE_ROLLOUT",
     "ROLE_TRAINER", "WORKLOAD_KINDS", "PodSettings", "PodSettingsError", "build_children", "build_support",
-    "build_jobset", "build_sandbox", "build_trainjob", "TrainJobError", "build_workloads", "config_map_name", "trainer_config", "network_policy_name",
+    "build_jobset", "build_sandbox", "build_trainjob", "TrainJobError", "job_settings", "build_workloads", "config_map_name", "trainer_config", "network_policy_name",
     "rollout_endpoints", "rollout_name", "trainer_name", "weight_sync_addr", "weight_sync_name", "wants_sandbox",
 ]

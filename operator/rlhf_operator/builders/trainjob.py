@@ -35,7 +35,7 @@ from .meta import (
     JOBSET_NAME_LABEL, LABEL_ATTEMPT, LABEL_JOB, LABEL_JOB_UID, LABEL_MANAGED_BY, LABEL_ROLE, MANAGER, ROLE_TRAINER,
     job_labels, metadata, pod_labels, trainer_name,
 )
-from .pods import PodSettings, pod_spec, template_metadata
+from .pods import PodSettings, PodSettingsError, pod_spec, template_metadata
 from .storage import with_storage
 from .workloads import rollout_endpoints, trainer_container, weight_sync_addr
 
@@ -67,8 +67,9 @@ _BLAME = {  # a pod key the TrainJob cannot set -> the spec field that put it th
 }
 
 
-class TrainJobError(ValueError):
-    """The job asks for something Trainer v2.0.0's TrainJob cannot express; names the field."""
+class TrainJobError(PodSettingsError):
+    """The job asks for something Trainer v2.0.0's TrainJob cannot express; names the field
+    (a PodSettingsError: the operator fails the job at once, InvalidSpec)."""
 
 
 def _pod(job: RLHFJob, settings: PodSettings) -> dict[str, Any]:
@@ -84,6 +85,13 @@ def _pod(job: RLHFJob, settings: PodSettings) -> dict[str, Any]:
 
 def _runtime_pod() -> dict[str, Any]:
     """The runtime's pod template: the parts of a default job's trainer pod that every job shares."""
+    return copy.deepcopy(_RUNTIME_POD_CACHE[0] if _RUNTIME_POD_CACHE else _RUNTIME_POD_CACHE.setdefault(0, _build_runtime_pod()))
+
+
+_RUNTIME_POD_CACHE: dict[int, dict[str, Any]] = {}
+
+
+def _build_runtime_pod() -> dict[str, Any]:
     from rlhf_contract.api.load import validate_job
 
     job = validate_job({"apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob",
@@ -152,6 +160,16 @@ def trainjob_problems(pod: dict[str, Any], runtime: dict[str, Any], user_labels:
             "spec.backend JobSet" for k in dict.fromkeys(keys)]
 
 
+def check_trainjob(job: RLHFJob, settings: PodSettings) -> dict[str, Any]:
+    """The trainer pod, or TrainJobError naming every field a v2.0.0 TrainJob cannot carry
+    (builders.job_settings calls this for backend TrainJob, so the operator fails the job at once)."""
+    pod = _pod(job, settings)
+    problems = trainjob_problems(pod, _runtime_pod(), settings.role(ROLE_TRAINER).labels)
+    if problems:
+        raise TrainJobError("; ".join(problems))
+    return pod
+
+
 def _not_in(items: list[dict[str, Any]], shared: list[dict[str, Any]]) -> list[dict[str, Any]]:
     names = {i["name"] for i in shared}
     return [copy.deepcopy(i) for i in items if i["name"] not in names]
@@ -159,10 +177,7 @@ def _not_in(items: list[dict[str, Any]], shared: list[dict[str, Any]]) -> list[d
 
 def build_trainjob(job: RLHFJob, attempt: int, settings: PodSettings) -> dict[str, Any]:
     """The TrainJob of attempt `attempt`; raises TrainJobError naming what it cannot carry."""
-    pod, runtime = _pod(job, settings), _runtime_pod()
-    problems = trainjob_problems(pod, runtime, settings.role(ROLE_TRAINER).labels)
-    if problems:
-        raise TrainJobError("; ".join(problems))
+    pod, runtime = check_trainjob(job, settings), _runtime_pod()
     spec, container = pod["spec"], pod["spec"]["containers"][0]
     fixed = runtime["spec"]
     override: dict[str, Any] = {"targetJobs": [{"name": NODE}]}
