@@ -1,7 +1,8 @@
 """kopf wiring only: the watches put job keys into the work queue; reconcile.py does the
 rest. Only the holder of the Lease runs kopf at all.
 
-Watches: RLHFJobs; pods and PyTorchJobs that carry the job label, filtered by the API
+Watches: RLHFJobs; pods, PyTorchJobs, JobSets and TrainJobs that carry the job label (a
+TrainJob's pods once kube.observe has labelled them), filtered by the API
 server (`settings.watching.label_selectors`), so the operator never receives the
 cluster's other pods. A resync thread queues every job every `resync_seconds`
 (deadlines, TTLs, missed events).
