@@ -13,12 +13,16 @@ Succeeded (the TrainJob Complete); a lost node restarts the job once, spending n
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import uuid
 
 import pytest
+import yaml
 
 from . import trainer_v2
 from .harness import Cluster, wait_for
+from .test_monitoring import CHART, selector_of, within
 from .test_operator import condition, create, job, job_doc, operator_in_namespace, pods, wait_job
 
 pytestmark = pytest.mark.cluster
@@ -59,7 +63,7 @@ def attempt_pods(cluster: Cluster, ns: str, name: str, attempt: int, count: int)
     return wait_for(ready, 90, f"{count} pods of attempt {attempt} Running")
 
 
-def test_trainjob_runs_restarts_as_one_unit_and_fails_on_a_permanent_code(cluster: Cluster, setup):
+def test_trainjob_runs_restarts_as_one_unit_and_fails_on_a_permanent_code(cluster: Cluster, setup, tmp_path):
     ns, log = setup["ns"], setup["log"]
     create(cluster, ns, trainjob_doc("tjr", runPolicy={"maxRestarts": 3}))
     wait_job(cluster, ns, "tjr", "Running", 0, log=log, timeout=120)
@@ -78,6 +82,21 @@ def test_trainjob_runs_restarts_as_one_unit_and_fails_on_a_permanent_code(cluste
     assert env["RLHF_TRAINER_CONFIG"] == "/etc/rlhf/trainer.json"  # ours, through trainer.env
     eps = cluster.get("endpointslices", namespace=ns, selector="kubernetes.io/service-name=tjr-weight-sync")["items"]
     assert [e["targetRef"]["name"] for s in eps for e in s.get("endpoints") or []] == [trainers[0]["metadata"]["name"]]
+    # The chart's trainer PodMonitor selects them (the runtime's labels), and `rlhfctl render`
+    # prints what the operator created: every rendered field is in the live object.
+    monitor = yaml.safe_load(cluster.helm("template", "rel", str(CHART), "--kube-version", "1.34.0", "--show-only",
+                                          "templates/trainer-podmonitor.yaml",
+                                          "--set", "trainerMetrics.podMonitor.enabled=true").stdout)
+    assert {p["metadata"]["name"] for p in cluster.get("pods", namespace=ns, selector=selector_of(
+        monitor["spec"]["selector"]))["items"]} >= {p["metadata"]["name"] for p in trainers}
+    path = tmp_path / "tjr.yaml"
+    path.write_text(yaml.safe_dump(trainjob_doc("tjr", runPolicy={"maxRestarts": 3})))
+    out = subprocess.run([sys.executable, "-m", "rlhf_launcher.cli", "render", str(path), "--namespace", ns, "--uid",
+                          job(cluster, ns, "tjr")["metadata"]["uid"]], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    rendered = {d["kind"]: d for d in yaml.safe_load_all(out.stdout) if d and d["kind"] in ("TrainJob", "StatefulSet")}
+    assert within(rendered["TrainJob"], cluster.get("trainjob", "tjr-trainer", namespace=ns))
+    assert within(rendered["StatefulSet"], cluster.get("statefulset", "tjr-rollout", namespace=ns))
 
     # A trainer pod fails: the whole job restarts (new TrainJob and servers, attempt 1).
     old = {p["metadata"]["uid"] for p in ps}
