@@ -219,8 +219,8 @@ def _cmd_render(args: argparse.Namespace) -> int:
     YAML documents (or a JSON List): for review before `kubectl apply` (GitOps). The job's uid
     is only known once the API server has it: `--uid` (owner references, pod labels) or a placeholder."""
     from rlhf_contract.api import JobError, load_job
-    from rlhf_operator.builders import build_support, build_workloads
-    from rlhf_operator.builders.pods import PodSettings, PodSettingsError
+    from rlhf_operator.builders import build_support, build_workloads, job_settings
+    from rlhf_operator.builders.pods import PodSettingsError
     from .output import dump_objects
 
     try:
@@ -234,7 +234,7 @@ def _cmd_render(args: argparse.Namespace) -> int:
         "namespace": args.namespace or job.metadata.namespace or "default"})})
     job.metadata.__pydantic_extra__.update(extra)
     try:
-        settings = PodSettings.from_job(job)
+        settings = job_settings(job)  # and what the backend cannot carry (TrainJob)
     except PodSettingsError as err:
         print(f"error: {err}", file=sys.stderr)
         return ExitCode.CONFIG_ERROR
