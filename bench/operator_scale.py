@@ -16,7 +16,9 @@ Also prints the operator's reconciles and CPU seconds, which say what limits the
 
 Each job: 2 rollout servers x 1 GPU + 1 trainer pod x 2 GPUs. `--backend JobSet` runs the
 same jobs as JobSets (the JobSet controller restarts them: the latency then also holds the
-Job controller failing the Job and the JobSet controller recreating its Jobs).
+Job controller failing the Job and the JobSet controller recreating its Jobs). `--backend
+TrainJob` runs the trainers as Kubeflow Trainer v2 TrainJobs (its controller started here,
+tests/cluster/trainer_v2.py; `make trainer-bin` first); the operator labels their pods.
 """
 
 from __future__ import annotations
@@ -41,19 +43,22 @@ sys.path.insert(0, str(REPO / "tests"))
 from cluster.harness import Cluster, ensure_binaries, free_port, wait_for  # noqa: E402
 
 CHILDREN = {"PyTorchJob": "configmap,serviceaccount,role,rolebinding,service,networkpolicy,statefulset,pytorchjob",
-            "JobSet": "configmap,serviceaccount,role,rolebinding,service,networkpolicy,jobset"}
-CHILDREN_PER_JOB = {"PyTorchJob": 9, "JobSet": 7}
+            "JobSet": "configmap,serviceaccount,role,rolebinding,service,networkpolicy,jobset",
+            "TrainJob": "configmap,serviceaccount,role,rolebinding,service,networkpolicy,statefulset,trainjob"}
+CHILDREN_PER_JOB = {"PyTorchJob": 9, "JobSet": 7, "TrainJob": 9}
 
 
 def job_doc(name: str, backend: str = "PyTorchJob") -> dict:
     return {"apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob", "metadata": {"name": name},
-            "spec": {"backend": backend, "model": {"path": "/models/tiny"}, "data": {"path": "/data/train.jsonl"},
+            "spec": {"backend": backend, "model": {"path": "/work/models/tiny"},
+                     "data": {"path": "/work/data/train.jsonl"},
                      "rollout": {"replicas": 2, "image": "example.invalid/vllm:1"},
                      "trainer": {"numNodes": 1, "nprocPerNode": 2, "image": "example.invalid/trainer:1"},
                      # model, data and output on a mounted volume, or the operator refuses the job
+                     # (one mount: a TrainJob lists a container's mounts by volume name)
                      "pod": {"volumes": [{"name": "work", "emptyDir": {}}],
-                             "volumeMounts": [{"name": "work", "mountPath": p, "subPath": p.strip("/")}
-                                              for p in ("/models", "/data", "/output")]},
+                             "volumeMounts": [{"name": "work", "mountPath": "/work"}]},
+                     "output": {"dir": "/work/output"},
                      "schedule": {"promptsPerStep": 8}, "runPolicy": {"maxRestarts": 3}}}
 
 
@@ -128,7 +133,7 @@ def main() -> int:
     ap.add_argument("--dir", help="attach to the cluster running in this state directory (else start one)")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--workers", type=int, default=None, help="operator reconcile workers (default: its own)")
-    ap.add_argument("--backend", choices=("PyTorchJob", "JobSet"), default="PyTorchJob")
+    ap.add_argument("--backend", choices=("PyTorchJob", "JobSet", "TrainJob"), default="PyTorchJob")
     args = ap.parse_args()
 
     own = None
@@ -142,7 +147,14 @@ def main() -> int:
         cluster.start(nodes=0)
         print(f"control plane up in {time.monotonic() - t:.1f} s")
     try:
-        return run(cluster, args)
+        if args.backend != "TrainJob":
+            return run(cluster, args)
+        from cluster import trainer_v2
+
+        if (bin_dir := trainer_v2.built()) is None:
+            sys.exit("Kubeflow Trainer v2 is not built: make trainer-bin")
+        with trainer_v2.trainer_controller(cluster, bin_dir, Path(tempfile.mkdtemp(prefix="rlhf-bench-trainer-"))):
+            return run(cluster, args)
     finally:
         if own is not None:
             own.stop()

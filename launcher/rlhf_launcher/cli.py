@@ -243,8 +243,8 @@ def _cmd_render(args: argparse.Namespace) -> int:
     YAML documents (or a JSON List): for review before `kubectl apply` (GitOps). The job's uid
     is only known once the API server has it: `--uid` (owner references, pod labels) or a placeholder."""
     from rlhf_contract.api import JobError, load_job
-    from rlhf_operator.builders import build_support, build_workloads
-    from rlhf_operator.builders.pods import PodSettings, PodSettingsError
+    from rlhf_operator.builders import build_support, build_workloads, job_settings
+    from rlhf_operator.builders.pods import PodSettingsError
     from .output import dump_objects
 
     try:
@@ -258,7 +258,7 @@ def _cmd_render(args: argparse.Namespace) -> int:
         "namespace": args.namespace or job.metadata.namespace or "default"})})
     job.metadata.__pydantic_extra__.update(extra)
     try:
-        settings = PodSettings.from_job(job)
+        settings = job_settings(job)  # and what the backend cannot carry (TrainJob)
     except PodSettingsError as err:
         print(f"error: {err}", file=sys.stderr)
         return ExitCode.CONFIG_ERROR
@@ -343,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     render = sub.add_parser("render", help="print the manifests the operator would create for a job (YAML)")
     add_job_args(render)
-    render.add_argument("--backend", choices=["PyTorchJob", "JobSet"], help="override spec.backend")
+    render.add_argument("--backend", choices=["PyTorchJob", "JobSet", "TrainJob"], help="override spec.backend")
     render.add_argument("--namespace", help="the job's namespace (default: metadata.namespace or default)")
     render.add_argument("--uid", help=f"the job's metadata.uid, once the API server gave it (default {PLACEHOLDER_UID})")
     render.add_argument("--attempt", type=int, default=0, help="the attempt (status.restarts) to render")

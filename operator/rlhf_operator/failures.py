@@ -162,3 +162,7 @@ def true_condition(workload: dict[str, Any] | None, type_: str) -> dict[str, Any
 def pod_ready(pod: dict[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True"
                for c in (pod.get("status") or {}).get("conditions") or [])
+
+
+def unschedulable(pods: list[dict[str, Any]]) -> bool:
+    return any(c.get("reason") == "Unschedulable" for p in pods for c in (p.get("status") or {}).get("conditions") or [])

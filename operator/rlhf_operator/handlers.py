@@ -1,7 +1,8 @@
 """kopf wiring only: the watches put job keys into the work queue; reconcile.py does the
 rest. Only the holder of the Lease runs kopf at all.
 
-Watches: RLHFJobs; pods and PyTorchJobs that carry the job label, filtered by the API
+Watches: RLHFJobs; pods, PyTorchJobs, JobSets and TrainJobs that carry the job label (a
+TrainJob's pods once kube.observe has labelled them), filtered by the API
 server (`settings.watching.label_selectors`), so the operator never receives the
 cluster's other pods. A resync thread queues every job every `resync_seconds`
 (deadlines, TTLs, missed events).
@@ -46,7 +47,7 @@ class _State:
 
 STATE = _State()
 # A reconcile that several events asked for is counted under the most specific of them.
-TRIGGER_PRIORITY = {"resync": 0, "job": 1, "pytorchjob": 2, "jobset": 2, "pod": 3}
+TRIGGER_PRIORITY = {"resync": 0, "job": 1, "pytorchjob": 2, "jobset": 2, "trainjob": 2, "pod": 3}
 
 
 def _enqueue(namespace: str, name: str, trigger: str, urgent: bool = False) -> None:
@@ -76,6 +77,7 @@ def _configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.label_selectors["v1", "pods"] = LABEL_JOB
     settings.watching.label_selectors["kubeflow.org", "pytorchjobs"] = LABEL_JOB
     settings.watching.label_selectors["jobset.x-k8s.io", "jobsets"] = LABEL_JOB
+    settings.watching.label_selectors["trainer.kubeflow.org", "trainjobs"] = LABEL_JOB
 
 
 @kopf.on.event(API_GROUP, API_VERSION, PLURAL)
@@ -105,6 +107,12 @@ async def on_pytorchjob(namespace: str, labels: dict[str, str], **_: Any) -> Non
 @kopf.on.event("jobset.x-k8s.io", "v1alpha2", "jobsets", labels={LABEL_JOB: kopf.PRESENT})
 async def on_jobset(namespace: str, labels: dict[str, str], **_: Any) -> None:
     _enqueue(namespace, labels[LABEL_JOB], "jobset")
+
+
+# Backend TrainJob (Kubeflow Trainer v2): as the JobSet watch, nothing without its CRD.
+@kopf.on.event("trainer.kubeflow.org", "v1alpha1", "trainjobs", labels={LABEL_JOB: kopf.PRESENT})
+async def on_trainjob(namespace: str, labels: dict[str, str], **_: Any) -> None:
+    _enqueue(namespace, labels[LABEL_JOB], "trainjob")
 
 
 def _resync_loop(namespaces: list[str], stop: threading.Event) -> None:

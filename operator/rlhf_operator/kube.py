@@ -21,6 +21,7 @@ from kubernetes.client.rest import ApiException
 
 from rlhf_contract.api.models import API_GROUP, API_VERSION, PLURAL
 from .builders.jobset import JOBSET_API_VERSION
+from .builders.trainjob import TRAINER_API_VERSION, adoption_labels, unadopted_selector
 from .builders.meta import LABEL_JOB, jobset_name, rollout_name, trainer_name
 from .status import Observed
 
@@ -34,9 +35,11 @@ _PLURALS = {
     "ConfigMap": "configmaps", "Service": "services", "ServiceAccount": "serviceaccounts", "Pod": "pods",
     "Event": "events", "StatefulSet": "statefulsets", "NetworkPolicy": "networkpolicies", "Role": "roles",
     "RoleBinding": "rolebindings", "PyTorchJob": "pytorchjobs", "JobSet": "jobsets", "RLHFJob": PLURAL,
+    "TrainJob": "trainjobs",
     "Lease": "leases", "Node": "nodes",
 }
 _API_VERSIONS = {"StatefulSet": "apps/v1", "PyTorchJob": "kubeflow.org/v1", "JobSet": JOBSET_API_VERSION,
+                 "TrainJob": TRAINER_API_VERSION,
                  "RLHFJob": f"{API_GROUP}/{API_VERSION}", "Lease": "coordination.k8s.io/v1"}
 
 
@@ -108,16 +111,35 @@ class Kube:
 
     # ---- children
     def observe(self, namespace: str, name: str, backend: str = "PyTorchJob") -> Observed:
-        sts = ptj = js = None
+        sts = ptj = js = tj = None
         if backend == "JobSet":
             js = self.read(api_path(_API_VERSIONS["JobSet"], "JobSet", namespace, jobset_name(name)))
         else:
             sts = self.read(api_path("apps/v1", "StatefulSet", namespace, rollout_name(name)))
-            ptj = self.read(api_path("kubeflow.org/v1", "PyTorchJob", namespace, trainer_name(name)))
+            trainer = "TrainJob" if backend == "TrainJob" else "PyTorchJob"
+            ptj = self.read(api_path(_API_VERSIONS[trainer], trainer, namespace, trainer_name(name)))
+            tj, ptj = (ptj, None) if backend == "TrainJob" else (None, ptj)
         pods = self.request("GET", api_path("v1", "Pod", namespace), query=[("labelSelector", f"{LABEL_JOB}={name}")])[0]
-        items = pods.get("items", [])
+        items = pods.get("items", []) + (self.adopt_trainjob_pods(namespace, name, tj) if tj else [])
         nodes = {n for p in items if (n := (p.get("spec") or {}).get("nodeName"))}
-        return Observed(statefulset=sts, pytorchjob=ptj, jobset=js, pods=items, nodes_not_ready=self.nodes_not_ready(nodes))
+        return Observed(statefulset=sts, pytorchjob=ptj, jobset=js, trainjob=tj, pods=items,
+                        nodes_not_ready=self.nodes_not_ready(nodes))
+
+    def adopt_trainjob_pods(self, namespace: str, name: str, trainjob: dict[str, Any]) -> list[dict[str, Any]]:
+        """Backend TrainJob: label the TrainJob's new pods as the job's (Trainer v2.0.0 cannot),
+        so that the pod watch, the NetworkPolicy and `rlhfctl logs` find them; the pods patched."""
+        found = self.request("GET", api_path("v1", "Pod", namespace),
+                             query=[("labelSelector", unadopted_selector(name))])[0].get("items", [])
+        if not found:
+            return []
+        jobset = self.read(api_path(JOBSET_API_VERSION, "JobSet", namespace, trainer_name(name)))
+        adopted = []
+        for pod in found:
+            if (labels := adoption_labels(trainjob, jobset, pod)) is not None:
+                adopted.append(self.request("PATCH", api_path("v1", "Pod", namespace, pod["metadata"]["name"]),
+                                            body={"metadata": {"labels": labels}},
+                                            content_type="application/merge-patch+json")[0])
+        return adopted
 
     def node(self, name: str) -> dict[str, Any] | None:
         """A node, read at most every NODE_CACHE_SECONDS (the jobs on it share the read)."""

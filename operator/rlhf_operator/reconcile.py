@@ -34,7 +34,7 @@ from kubernetes.client.rest import ApiException
 from . import metrics, status
 from .conditions import CHILD_REFUSED, CONDITION_TYPES, conditions_by_type, refused_condition
 from .builders import (
-    LABEL_JOB_UID, PodSettings, PodSettingsError, build_support, build_workloads, rollout_name,
+    LABEL_JOB_UID, PodSettings, PodSettingsError, build_support, build_workloads, job_settings, rollout_name,
     trainer_name,
 )
 from .builders.meta import attempt_of, jobset_name
@@ -201,7 +201,7 @@ class Reconciler:
         job, invalid, settings = None, None, PodSettings()
         try:
             job = job_model(body)
-            settings = PodSettings.from_job(job)
+            settings = job_settings(job)  # PodSettings.from_job and the backend's own limits
         except ValidationError as err:
             job, invalid = None, "; ".join(str(p) for p in problems(err))
         except PodSettingsError as err:
@@ -232,7 +232,7 @@ class Reconciler:
         # 3. Create or update what must run; a child the API server refuses stops the rest.
         if job is not None and (plan.apply_support or plan.create_workloads):
             missing = {"StatefulSet": observed.statefulset is None, "PyTorchJob": observed.pytorchjob is None,
-                       "JobSet": observed.jobset is None}
+                       "JobSet": observed.jobset is None, "TrainJob": observed.trainjob is None}
             wanted = [*(build_support(job, settings) if plan.apply_support else []),
                       *(build_workloads(job, plan.status["restarts"], settings) if plan.create_workloads else [])]
             self._report_refusal(body, plan.status, self._apply_all(cache, wanted, missing))

@@ -42,7 +42,7 @@ from rlhf_contract.api.models import RLHFJob
 from .builders.meta import LABEL_JOB_UID, LABEL_ROLE, ROLE_ROLLOUT, ROLE_TRAINER, attempt_of
 from .conditions import CONDITION_TYPES, conditions_by_type, set_conditions
 from .failures import (NODE_LOST_AFTER, Failure, attempt_failure, labels, lost_pod,
-                       parse_time, pod_failure, pod_ready, true_condition, ts)
+                       parse_time, pod_failure, pod_ready, true_condition, ts, unschedulable)
 
 __all__ = ["NODE_LOST_AFTER", "Event", "Failure", "Observed", "Plan", "attempt_failure",
            "lost_pod", "parse_time", "plan", "pod_failure", "set_conditions"]
@@ -62,6 +62,7 @@ class Observed:
     pytorchjob: dict[str, Any] | None = None
     jobset: dict[str, Any] | None = None
     """Backend JobSet: the job's JobSet (then statefulset and pytorchjob are None)."""
+    trainjob: dict[str, Any] | None = None  # backend TrainJob: in place of the PyTorchJob
     pods: list[dict[str, Any]] = field(default_factory=list)
     nodes_not_ready: dict[str, datetime] = field(default_factory=dict)
     """Nodes of the job's pods that are not Ready: name -> since when (the Ready
@@ -146,7 +147,8 @@ def _context(body: dict[str, Any], job: RLHFJob | None, observed: Observed) -> _
     progress = dict(old.get("progress") or {})
     if job is not None and not progress.get("totalSteps"):
         progress["totalSteps"] = job.spec.schedule.total_steps
-    workloads = {"StatefulSet": observed.statefulset, "PyTorchJob": observed.pytorchjob, "JobSet": observed.jobset}
+    workloads = {"StatefulSet": observed.statefulset, "PyTorchJob": observed.pytorchjob, "JobSet": observed.jobset,
+                 "TrainJob": observed.trainjob}
     # A JobSet lives through every attempt (it restarts its own jobs).
     current = {k: w for k, w in workloads.items() if w is not None and _owned_by(w, uid)
                and (k == "JobSet" or attempt_of(w) == restarts) and not w["metadata"].get("deletionTimestamp")}
@@ -208,8 +210,9 @@ def _terminal(job: RLHFJob | None, observed: Observed, c: _Context, now: datetim
     PyTorchJob after a grace period (a finished one keeps its failed pods for their logs)."""
     cond = c.conds.get(c.prev_phase, {})
     finished = parse_time(cond.get("lastTransitionTime")) or now
-    done = (true_condition(observed.pytorchjob, "Succeeded") or true_condition(observed.pytorchjob, "Failed")
-            or true_condition(observed.jobset, "Completed") or true_condition(observed.jobset, "Failed"))
+    done = any(true_condition(w, t) for w, t in ((observed.pytorchjob, "Succeeded"), (observed.jobset, "Completed"),
+                                                  (observed.trainjob, "Complete"))) or any(
+        true_condition(w, "Failed") for w in (observed.pytorchjob, observed.jobset, observed.trainjob))
     delete = [k for k in c.live if k == "StatefulSet" or (not done and now >= finished + TERMINAL_GRACE)]
     ttl = job.spec.run_policy.ttl_seconds_after_finished if job else None
     expired = ttl is not None and now >= finished + timedelta(seconds=ttl)
@@ -217,34 +220,36 @@ def _terminal(job: RLHFJob | None, observed: Observed, c: _Context, now: datetim
                   delete_job=expired)
 
 
-def _trainer_failure(observed: Observed, c: _Context, now: datetime, node_lost_after: timedelta) -> Failure | None:
+def _trainer_failure(observed: Observed, c: _Context, now: datetime, node_lost_after: timedelta,
+                     kind: str = "PyTorchJob") -> Failure | None:
     """The first failure of the current attempt (a server's, once the trainer is done, does
-    not count), or a Failed PyTorchJob whose failed pod has not been seen in time."""
+    not count), or a Failed PyTorchJob (TrainJob) whose failed pod has not been seen in time."""
     failure = attempt_failure([p for p in c.ours if attempt_of(p) == c.restarts],
                               lambda pod: lost_pod(pod, observed.nodes_not_ready, now, node_lost_after))
-    ptj_failed = true_condition(c.current.get("PyTorchJob"), "Failed")
+    ptj_failed = true_condition(c.current.get(kind), "Failed")
     if ptj_failed and now < (parse_time(ptj_failed.get("lastTransitionTime")) or now) + EVIDENCE_GRACE:
         ptj_failed = None  # wait a moment for the failed pod's exit code
     if failure is None and ptj_failed:
-        failure = Failure(c.current["PyTorchJob"]["metadata"]["name"], ROLE_TRAINER, None, None,
-                          ptj_failed.get("reason") or "PyTorchJobFailed", ptj_failed.get("message") or "")
+        failure = Failure(c.current[kind]["metadata"]["name"], ROLE_TRAINER, None, None,
+                          ptj_failed.get("reason") or f"{kind}Failed", ptj_failed.get("message") or "")
     return failure
 
 
 def _plan_pytorchjob(job: RLHFJob, observed: Observed, c: _Context, now: datetime, node_lost_after: timedelta,
                      finish) -> Plan:
-    """Backend PyTorchJob + StatefulSet: the operator restarts the whole job itself."""
+    """Backends PyTorchJob and TrainJob (+ StatefulSet): the operator restarts the whole job itself."""
+    kind, done = ("TrainJob", "Complete") if job.spec.backend == "TrainJob" else ("PyTorchJob", "Succeeded")
     if job.spec.suspend:
         return finish("Suspended", "Suspended", "spec.suspend is true: pods deleted, checkpoints kept",
                       support=True, delete=list(c.live))
     # Succeeded dominates: a finished trainer is never restarted, whatever the servers do.
-    if true_condition(c.current.get("PyTorchJob"), "Succeeded"):
+    if true_condition(c.current.get(kind), done):
         return finish("Succeeded", "TrainerSucceeded", "the trainer finished every step",
                       delete=[k for k in c.live if k == "StatefulSet"])
-    failure = _trainer_failure(observed, c, now, node_lost_after)
+    failure = _trainer_failure(observed, c, now, node_lost_after, kind)
     if failure is not None:
         # Keep a failed trainer's PyTorchJob (its pods' logs); stop everything else.
-        stop = [k for k in c.live if not (k == "PyTorchJob" and failure.role == ROLE_TRAINER)]
+        stop = [k for k in c.live if not (k == kind and failure.role == ROLE_TRAINER)]
         if failure.permanent:
             return finish("Failed", "PermanentError", failure.describe(), delete=stop)
         max_restarts = job.spec.run_policy.max_restarts
@@ -276,7 +281,7 @@ def _plan_pytorchjob(job: RLHFJob, observed: Observed, c: _Context, now: datetim
         return finish("Pending", "WaitingForOldPods",
                       f"waiting for {len(leftovers)} pod(s) of an earlier run to be deleted", support=True,
                       delete=c.stale)
-    required = ["PyTorchJob"] if job.spec.trainer_pods_only else ["StatefulSet", "PyTorchJob"]
+    required = [kind] if job.spec.trainer_pods_only else ["StatefulSet", kind]
     return _pods_phase(job, c.ours, c.restarts, all(k in c.current for k in required), finish)
 
 
@@ -304,7 +309,7 @@ def _pods_phase(job: RLHFJob, ours: list[dict[str, Any]], attempt: int, workload
     if not workloads_exist or any(len(by_role[r]) < n for r, n in expected.items()):
         return finish("Pending", "CreatingPods", f"waiting for pods: {counts} running", support=True, create=True)
     if not all(p.get("spec", {}).get("nodeName") for p in pods):
-        return finish("Pending", "Unschedulable" if _unschedulable(pods) else "Scheduling",
+        return finish("Pending", "Unschedulable" if unschedulable(pods) else "Scheduling",
                       f"waiting for pods to be scheduled: {counts} running", support=True, create=True)
     running = all((p.get("status") or {}).get("phase") == "Running" for p in pods)
     ready = all(pod_ready(p) for p in by_role.get(ROLE_ROLLOUT, []))
@@ -393,6 +398,3 @@ def _plan_jobset(job: RLHFJob, meta: dict[str, Any], observed: Observed, ours: l
                       "the JobSet is suspended (waiting for admission, e.g. by Kueue)", support=True, create=True)
     return _pods_phase(job, ours, restarts, True, finish)
 
-
-def _unschedulable(pods: list[dict[str, Any]]) -> bool:
-    return any(c.get("reason") == "Unschedulable" for p in pods for c in (p.get("status") or {}).get("conditions") or [])

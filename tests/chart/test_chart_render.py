@@ -89,7 +89,8 @@ def test_rbac_is_least_privilege(render):
     docs = by_kind(render())
     rules = docs[("ClusterRole", "rel-rlhf-operator")]["rules"]
     verbs = {(g, r): set(rule["verbs"]) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]}
-    assert verbs[("", "pods")] == {"get", "list", "watch", "delete"}  # never written; deleted when their node is lost
+    # deleted when their node is lost; patched only to label a TrainJob's pods as the job's
+    assert verbs[("", "pods")] == {"get", "list", "watch", "patch", "delete"}
     assert verbs[("rlhf.dev", "rlhfjobs/status")] == {"get", "patch"}
     assert ("", "secrets") not in verbs and all("*" not in v for v in verbs.values())
     assert not any(r in ("clusterroles", "clusterrolebindings") for _, r in verbs)

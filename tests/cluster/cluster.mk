@@ -28,3 +28,9 @@ test test-fast: cluster-bin
 kueue-bin:
 	bash tests/cluster/kueue/build.sh
 test: kueue-bin
+
+# Kubeflow Trainer v2.0.0 (spec.backend TrainJob), in a cache of its own (about 70 s, once).
+.PHONY: trainer-bin
+trainer-bin:
+	bash tests/cluster/trainer/build.sh
+test: trainer-bin

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.cluster
 CHART = Path(__file__).resolve().parents[2] / "charts" / "rlhf-operator"
 
 
-def _selector(label_selector: dict) -> str:
+def selector_of(label_selector: dict) -> str:
     """A Kubernetes LabelSelector as kubectl's -l string."""
     parts = [f"{k}={v}" for k, v in label_selector.get("matchLabels", {}).items()]
     for e in label_selector.get("matchExpressions", []):
@@ -50,7 +50,7 @@ def test_monitors_and_network_policy_select_the_pods_of_both_backends(cluster: C
             by_role.setdefault(p["metadata"]["labels"]["rlhf.dev/role"], set()).add(p["metadata"]["name"])
 
         def selected(label_selector: dict) -> set[str]:
-            found = cluster.get("pods", namespace=ns, selector=_selector(label_selector))["items"]
+            found = cluster.get("pods", namespace=ns, selector=selector_of(label_selector))["items"]
             return {p["metadata"]["name"] for p in found}
 
         trainers = selected(docs[("PodMonitor", "rel-rlhf-operator-trainers")]["spec"]["selector"])
@@ -81,15 +81,15 @@ def test_monitors_and_network_policy_select_the_pods_of_both_backends(cluster: C
                 live = cluster.get(f"{child['kind'].lower()}.{child['apiVersion'].split('/')[0]}"
                                    if "/" in child["apiVersion"] else child["kind"].lower(),
                                    child["metadata"]["name"], namespace=ns)
-                assert _within(child, live), f"{name}: rendered {child['kind']} {child['metadata']['name']} differs"
+                assert within(child, live), f"{name}: rendered {child['kind']} {child['metadata']['name']} differs"
         for name in ("mon-ptj", "mon-js"):
             cluster.kubectl("delete", "rlhfjob", name, "-n", ns, "--wait=false")
 
 
-def _within(rendered, live) -> bool:
+def within(rendered, live) -> bool:
     """Every field of `rendered` has the same value in `live` (which also has the API server's defaults)."""
     if isinstance(rendered, dict):
-        return isinstance(live, dict) and all(k in live and _within(v, live[k]) for k, v in rendered.items())
+        return isinstance(live, dict) and all(k in live and within(v, live[k]) for k, v in rendered.items())
     if isinstance(rendered, list):
-        return isinstance(live, list) and len(rendered) == len(live) and all(map(_within, rendered, live))
+        return isinstance(live, list) and len(rendered) == len(live) and all(map(within, rendered, live))
     return rendered == live or str(rendered) == str(live)

@@ -66,3 +66,8 @@ app.kubernetes.io/component: helm-test
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/part-of: rlhf-operator
 {{- end }}
+
+{{/* The trainer image of the ClusterTrainingRuntime rlhf-torch (each TrainJob names its own). */}}
+{{- define "rlhf-operator.trainerImage" -}}
+{{- printf "%s:%s" .Values.trainingRuntime.image.repository (default .Chart.AppVersion .Values.trainingRuntime.image.tag) }}
+{{- end }}

@@ -111,15 +111,19 @@ class RLHFJobSpec(SpecModel):
     """Outputs."""
     run_policy: RunPolicy = RunPolicy()
     """Restarts and lifetime."""
-    backend: Literal["PyTorchJob", "JobSet"] | None = None
+    backend: Literal["PyTorchJob", "JobSet", "TrainJob"] | None = None
     """How the operator runs the pods on a cluster. `PyTorchJob`: the trainer as a Kubeflow
     PyTorchJob and the rollout servers as a StatefulSet, restarted together by the operator.
     `JobSet`: one JobSet (jobset.x-k8s.io/v1alpha2) holding both as replicated jobs; its
     failure policy is the restart domain (`runPolicy.maxRestarts` restarts) and Kueue admits
     it as one workload. Unset: `JobSet` for a job with the label `kueue.x-k8s.io/queue-name`
     (Kueue admits it whole; its PyTorchJob integration is deprecated, off by default, and would
-    leave the rollout StatefulSet a workload of its own), `PyTorchJob` otherwise. Ignored in
-    local mode."""
+    leave the rollout StatefulSet a workload of its own), `PyTorchJob` otherwise. `TrainJob`:
+    the trainer as a Kubeflow Trainer v2 TrainJob referencing the chart's
+    ClusterTrainingRuntime `rlhf-torch`, the rollout servers as with `PyTorchJob`, restarted
+    together by the operator (Trainer v2.0.0 cannot set the trainer pods' labels,
+    annotations, affinity, priority class, init containers or envFrom: such a job is
+    refused). Ignored in local mode."""
     pod: PodTemplateSpec = Field(default_factory=PodTemplateSpec)
     """Scheduling and volumes of every pod of the job (ignored in local mode)."""
     suspend: bool = False

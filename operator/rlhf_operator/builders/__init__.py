@@ -20,9 +20,10 @@ from .sandbox import build_sandbox, wants_sandbox
 from .judge import build_judge
 from .services import build_network_policy, build_rollout_service, build_weight_sync_service
 from .jobset import build_jobset
+from .trainjob import TrainJobError, build_trainjob, check_trainjob
 from .workloads import build_rollout_statefulset, build_trainer_pytorchjob, rollout_endpoints, weight_sync_addr
 
-WORKLOAD_KINDS = ("StatefulSet", "PyTorchJob", "JobSet")
+WORKLOAD_KINDS = ("StatefulSet", "PyTorchJob", "JobSet", "TrainJob")
 
 
 def build_support(job: RLHFJob, settings: PodSettings | None = None) -> list[dict[str, Any]]:
@@ -31,7 +32,10 @@ def build_support(job: RLHFJob, settings: PodSettings | None = None) -> list[dic
     judge servers, which mount the volumes of `settings`)."""
     s = job.spec
     trainer_sa = s.trainer.pod.over(s.pod).service_account_annotations
-    common = [build_config_map(job), build_service_account(job, annotations=trainer_sa), build_role(job),
+    # Trainer v2.0.0's TrainJob cannot list a pod's pull secrets: its ServiceAccount does
+    pulls = s.pod.image_pull_secrets if s.backend == "TrainJob" else ()
+    common = [build_config_map(job), build_service_account(job, annotations=trainer_sa, pull_secrets=pulls),
+              build_role(job),
               build_role_binding(job)]
     if s.offline:  # sft, rm, dpo: the trainer alone
         return [*common, build_network_policy(job)]
@@ -42,7 +46,7 @@ def build_support(job: RLHFJob, settings: PodSettings | None = None) -> list[dic
         *([build_service_account(job, rollout_name(job.metadata.name), rollout_sa)] if rollout_sa and not colocated
           else []),
         # backend JobSet: JobSet makes the pods' headless Service itself
-        *([build_rollout_service(job)] if job.spec.backend == "PyTorchJob" and not colocated else []),
+        *([build_rollout_service(job)] if job.spec.backend != "JobSet" and not colocated else []),
         *([] if colocated else [build_weight_sync_service(job)]),
         build_network_policy(job),
         *build_sandbox(job),  # reward.type code: the sandbox service, out of the trainer's pod
@@ -57,19 +61,29 @@ def build_workloads(job: RLHFJob, attempt: int, settings: PodSettings) -> list[d
     restarts its own jobs)."""
     if job.spec.backend == "JobSet":
         return [build_jobset(job, settings)]
+    build_trainer = build_trainjob if job.spec.backend == "TrainJob" else build_trainer_pytorchjob
     if job.spec.trainer_pods_only:  # offline, or colocated: no rollout StatefulSet
-        return [build_trainer_pytorchjob(job, attempt, settings)]
-    return [build_rollout_statefulset(job, attempt, settings), build_trainer_pytorchjob(job, attempt, settings)]
+        return [build_trainer(job, attempt, settings)]
+    return [build_rollout_statefulset(job, attempt, settings), build_trainer(job, attempt, settings)]
+
+
+def job_settings(job: RLHFJob) -> PodSettings:
+    """`PodSettings.from_job`, and for backend TrainJob what Trainer v2.0.0 cannot carry
+    (TrainJobError, a PodSettingsError: the job is refused before any child is built)."""
+    settings = PodSettings.from_job(job)
+    if job.spec.backend == "TrainJob":
+        check_trainjob(job, settings)
+    return settings
 
 
 def build_children(job: RLHFJob, attempt: int, settings: PodSettings | None = None) -> list[dict[str, Any]]:
-    settings = settings if settings is not None else PodSettings.from_job(job)
+    settings = settings if settings is not None else job_settings(job)
     return build_support(job, settings) + build_workloads(job, attempt, settings)
 
 
 __all__ = [
     "LABEL_ATTEMPT", "LABEL_JOB", "LABEL_JOB_UID", "LABEL_ROLE", "POD_SETTINGS_ANNOTATION", "ROLE_ROLLOUT",
     "ROLE_TRAINER", "WORKLOAD_KINDS", "PodSettings", "PodSettingsError", "build_children", "build_support",
-    "build_jobset", "build_sandbox", "build_workloads", "config_map_name", "trainer_config", "network_policy_name",
+    "build_jobset", "build_sandbox", "build_trainjob", "TrainJobError", "job_settings", "build_workloads", "config_map_name", "trainer_config", "network_policy_name",
     "rollout_endpoints", "rollout_name", "trainer_name", "weight_sync_addr", "weight_sync_name", "wants_sandbox",
 ]

@@ -14,13 +14,17 @@ from .meta import metadata, trainer_name
 
 
 def build_service_account(job: RLHFJob, name: str | None = None,
-                          annotations: dict[str, str] | None = None) -> dict[str, Any]:
+                          annotations: dict[str, str] | None = None, pull_secrets: list[str] = ()) -> dict[str, Any]:
     """The trainer's ServiceAccount (or, with `name`, the rollout servers'), with the
-    user's annotations (cloud IAM: `serviceAccountAnnotations`)."""
+    user's annotations (cloud IAM: `serviceAccountAnnotations`) and, where a pod cannot list
+    them itself (backend TrainJob), the image pull secrets its pods get from it."""
     meta = metadata(job, name or trainer_name(job.metadata.name))
     if annotations:
         meta["annotations"] = dict(annotations)
-    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta, "automountServiceAccountToken": False}
+    sa = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta, "automountServiceAccountToken": False}
+    if pull_secrets:
+        sa["imagePullSecrets"] = [{"name": s} for s in pull_secrets]
+    return sa
 
 
 def build_role(job: RLHFJob) -> dict[str, Any]:

@@ -98,11 +98,12 @@ def pod_labels(job: RLHFJob, role: str, attempt: int) -> dict[str, str]:
 
 
 def attempt_of(obj: dict[str, Any]) -> int | None:
-    """The restart attempt a pod (or workload) belongs to: JobSet's restart-attempt label
-    on the pods of a JobSet, ours (`rlhf.dev/attempt`) otherwise."""
+    """The restart attempt a pod (or workload) belongs to: ours (`rlhf.dev/attempt`), or
+    JobSet's restart-attempt label on the pods of a JobSet backend's JobSet (which carry no
+    attempt of ours; a TrainJob's pods carry both: JobSet's stays 0, each attempt is a new JobSet)."""
     labels = obj.get("metadata", {}).get("labels") or {}
     try:
-        return int(labels.get(JOBSET_RESTART_LABEL, labels.get(LABEL_ATTEMPT, "")))
+        return int(labels.get(LABEL_ATTEMPT, labels.get(JOBSET_RESTART_LABEL, "")))
     except ValueError:
         return None
 

@@ -56,6 +56,9 @@ def _trainer_rank0(job: RLHFJob) -> dict[str, str]:
     if job.spec.backend == "JobSet":  # pod 0 of the trainer's (only) Job
         return {JOBSET_NAME_LABEL: jobset_name(job.metadata.name), JOBSET_RJOB_LABEL: RJOB_TRAINER,
                 COMPLETION_INDEX_LABEL: "0"}
+    if job.spec.backend == "TrainJob":  # pod 0 of the `node` Job of the TrainJob's JobSet (named as it)
+        return {JOBSET_NAME_LABEL: trainer_name(job.metadata.name), JOBSET_RJOB_LABEL: "node",
+                COMPLETION_INDEX_LABEL: "0"}
     return {
         "training.kubeflow.org/job-name": trainer_name(job.metadata.name),
         "training.kubeflow.org/replica-type": "master",

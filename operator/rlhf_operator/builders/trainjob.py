@@ -1,0 +1,233 @@
+"""`spec.backend: TrainJob`: the trainer as a Kubeflow Trainer v2 TrainJob
+(trainer.kubeflow.org/v1alpha1, kubeflow/trainer v2.0.0) that references the
+ClusterTrainingRuntime `rlhf-torch` the chart ships (`build_runtime`); the rollout servers
+stay our StatefulSet and headless Service, as with the PyTorchJob backend.
+
+The runtime holds what is the same for every job (the trainer pod's security contexts,
+`/dev/shm` and the scratch volume, ports, `restartPolicy: Never`, `backoffLimit: 0`, a
+JobSet failure policy of 0 restarts); the TrainJob holds the job's own settings in the
+fields v2.0.0 has: `trainer.{image, command, env, numNodes, numProcPerNode,
+resourcesPerNode}` and one `podSpecOverrides` entry for the `node` job (ServiceAccount,
+nodeSelector, tolerations, volumes, the `node` container's volume mounts). Trainer v2's torch
+plugin sets PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK and PET_MASTER_ADDR/PORT
+(`<trainjob>-node-0-0.<trainjob>:29500`), which `rlhf_trainer.launch` reads as it does
+under the training-operator.
+
+Restarts stay ours: one failed pod fails its Job (backoffLimit 0), the JobSet (maxRestarts 0)
+and so the TrainJob (condition Failed); the operator then restarts the WHOLE job as with the
+PyTorchJob backend (TrainJob and StatefulSet deleted, every pod gone, attempt + 1, resume
+from the newest checkpoint), reading exit codes from the pods. The TrainJob never restarts
+anything itself, so `runPolicy.maxRestarts` is the only budget.
+
+What v2.0.0's TrainJob cannot say is refused by `trainjob_problems` with the field to change
+(no pod labels, annotations, affinity, priority class, init containers (the `hf://` / `s3://`
+download step), envFrom (`storageSecret`), ...): such a job needs backend JobSet or PyTorchJob.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from rlhf_contract.api.models import RLHFJob
+
+from .meta import (
+    JOBSET_NAME_LABEL, LABEL_ATTEMPT, LABEL_JOB, LABEL_JOB_UID, LABEL_MANAGED_BY, LABEL_ROLE, MANAGER, ROLE_TRAINER,
+    job_labels, metadata, pod_labels, trainer_name,
+)
+from .pods import PodSettings, PodSettingsError, pod_spec, template_metadata
+from .storage import with_storage
+from .workloads import rollout_endpoints, trainer_container, weight_sync_addr
+
+TRAINER_API_VERSION = "trainer.kubeflow.org/v1alpha1"
+RUNTIME_NAME = "rlhf-torch"
+"""The ClusterTrainingRuntime of the chart (charts/rlhf-operator/templates/trainingruntime.yaml)."""
+NODE = "node"
+"""Trainer v2's name of the trainer's replicated job and container (constants.Node)."""
+ANCESTOR_LABEL = "trainer.kubeflow.org/trainjob-ancestor-step"
+TORCH_ENV = ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_ADDR", "PET_MASTER_PORT")
+"""Set by Trainer v2's torch plugin; its webhook refuses them in `trainer.env`."""
+
+# Keys of the trainer pod the runtime fixes (they must equal the runtime's), and where the
+# TrainJob carries the rest.
+_RUNTIME_POD = ("restartPolicy", "securityContext", "enableServiceLinks", "terminationGracePeriodSeconds",
+                "automountServiceAccountToken")
+_OVERRIDE_POD = ("serviceAccountName", "nodeSelector", "tolerations")
+_RUNTIME_CONTAINER = ("name", "ports", "securityContext", "terminationMessagePolicy")
+_TRAINER_CONTAINER = {"image": "image", "command": "command", "resources": "resourcesPerNode"}
+_BLAME = {  # a pod key the TrainJob cannot set -> the spec field that put it there
+    "affinity": "pod.affinity", "topologySpreadConstraints": "pod.topologySpreadConstraints",
+    "schedulerName": "pod.schedulerName", "priorityClassName": "pod.priorityClassName",
+    "runtimeClassName": "pod.runtimeClassName", "resourceClaims": "pod.resourceClaims",
+    "imagePullSecrets": "pod.imagePullSecrets", "securityContext": "pod.securityContext",
+    "terminationGracePeriodSeconds": "runPolicy.terminationGracePeriodSeconds",
+    "initContainers": "model.path / data.path / output.uri (hf:// and s3:// need the download step)",
+    "envFrom": "storageSecret / pod.envFrom", "labels": "pod.labels", "annotations": "pod.annotations",
+    "volumeMounts": "pod.volumeMounts (one volume mounted twice: a TrainJob lists mounts by volume name)",
+}
+
+
+class TrainJobError(PodSettingsError):
+    """The job asks for something Trainer v2.0.0's TrainJob cannot express; names the field
+    (a PodSettingsError: the operator fails the job at once, InvalidSpec)."""
+
+
+def _pod(job: RLHFJob, settings: PodSettings) -> dict[str, Any]:
+    """The trainer pod template exactly as the other backends build it, container `node`."""
+    container = trainer_container(job, settings, rollout_endpoints=rollout_endpoints(job),
+                                  weight_sync_addr=weight_sync_addr(job), name=NODE)
+    spec = with_storage(job, settings, pod_spec(job, settings, [container], role=ROLE_TRAINER, restart_policy="Never",
+                                                service_account=trainer_name(job.metadata.name)), trainer=True)
+    spec.pop("imagePullSecrets", None)  # on the trainer's ServiceAccount instead (builders.build_support)
+    return {"metadata": template_metadata(pod_labels(job, ROLE_TRAINER, 0), settings.role(ROLE_TRAINER)),
+            "spec": spec}
+
+
+def _runtime_pod() -> dict[str, Any]:
+    """The runtime's pod template: the parts of a default job's trainer pod that every job shares."""
+    return copy.deepcopy(_RUNTIME_POD_CACHE[0] if _RUNTIME_POD_CACHE else _RUNTIME_POD_CACHE.setdefault(0, _build_runtime_pod()))
+
+
+_RUNTIME_POD_CACHE: dict[int, dict[str, Any]] = {}
+
+
+def _build_runtime_pod() -> dict[str, Any]:
+    from rlhf_contract.api.load import validate_job
+
+    job = validate_job({"apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob",
+                     "metadata": {"name": "runtime", "uid": "runtime"},
+                     "spec": {"model": {"path": "builtin://tiny-qwen2"}, "data": {"path": "builtin://last-digit"},
+                              "pod": {"volumes": [{"name": "output", "emptyDir": {}}],
+                                      "volumeMounts": [{"name": "output", "mountPath": "/output"}]}}})
+    pod = _pod(job, PodSettings.from_job(job))
+    spec, container = pod["spec"], pod["spec"]["containers"][0]
+    shared = ("dshm", "scratch")
+    return {
+        "metadata": {"labels": {LABEL_ROLE: ROLE_TRAINER, LABEL_MANAGED_BY: MANAGER}},
+        "spec": {
+            **{k: spec[k] for k in _RUNTIME_POD},
+            "volumes": [v for v in spec["volumes"] if v["name"] in shared],
+            "containers": [{
+                **{k: container[k] for k in _RUNTIME_CONTAINER},
+                "image": "REPLACED-BY-THE-TRAINJOB",
+                "env": [e for e in container["env"] if e["name"] == "HOME"],
+                "volumeMounts": [m for m in container["volumeMounts"] if m["name"] in shared],
+            }],
+        },
+    }
+
+
+def build_runtime(image: str, name: str = RUNTIME_NAME) -> dict[str, Any]:
+    """The ClusterTrainingRuntime the chart ships (the chart's template must render to this)."""
+    pod = _runtime_pod()
+    pod["spec"]["containers"][0]["image"] = image
+    job_spec = {"backoffLimit": 0, "template": pod}  # a failed pod fails the Job; the operator restarts
+    return {
+        "apiVersion": TRAINER_API_VERSION,
+        "kind": "ClusterTrainingRuntime",
+        "metadata": {"name": name, "labels": {LABEL_MANAGED_BY: MANAGER}},
+        "spec": {
+            "mlPolicy": {"numNodes": 1, "torch": {"numProcPerNode": "auto"}},
+            # no failurePolicy: the first failed Job fails the JobSet (JobSet never restarts it; the
+            # whole job, rollout servers too, restarts as one unit). An explicit maxRestarts 0
+            # would make the runtime un-updatable: Trainer's client drops the zero, and JobSet's
+            # CEL rule holds failurePolicy immutable.
+            "template": {"spec": {
+                "replicatedJobs": [{"name": NODE, "template": {
+                    "metadata": {"labels": {ANCESTOR_LABEL: "trainer"}}, "spec": job_spec}}],
+            }},
+        },
+    }
+
+
+def trainjob_problems(pod: dict[str, Any], runtime: dict[str, Any], user_labels: dict[str, str]) -> list[str]:
+    """What in the trainer pod neither the runtime's pod template nor a TrainJob field can carry."""
+    spec, fixed = pod["spec"], runtime["spec"]
+    container, fixed_c = spec["containers"][0], fixed["containers"][0]
+    keys = [k for k in spec if k not in (*_RUNTIME_POD, *_OVERRIDE_POD, "volumes", "containers") or
+            (k in _RUNTIME_POD and spec[k] != fixed[k])]
+    keys += [k for k in container if k not in (*_RUNTIME_CONTAINER, *_TRAINER_CONTAINER, "env", "volumeMounts")
+             or (k in _RUNTIME_CONTAINER and container[k] != fixed_c[k])]
+    names = [m["name"] for m in container["volumeMounts"]]
+    if len(names) != len(set(names)):
+        keys.append("volumeMounts")
+    if user_labels:
+        keys.append("labels")
+    if pod["metadata"].get("annotations"):
+        keys.append("annotations")
+    return [f"spec.{_BLAME.get(k, k)}: a TrainJob (Kubeflow Trainer v2.0.0) cannot set the trainer pods' {k} "
+            f"(the runtime {RUNTIME_NAME} fixes it or no TrainJob field carries it); unset it, or use "
+            "spec.backend JobSet" for k in dict.fromkeys(keys)]
+
+
+def check_trainjob(job: RLHFJob, settings: PodSettings) -> dict[str, Any]:
+    """The trainer pod, or TrainJobError naming every field a v2.0.0 TrainJob cannot carry
+    (builders.job_settings calls this for backend TrainJob, so the operator fails the job at once)."""
+    pod = _pod(job, settings)
+    problems = trainjob_problems(pod, _runtime_pod(), settings.role(ROLE_TRAINER).labels)
+    if problems:
+        raise TrainJobError("; ".join(problems))
+    return pod
+
+
+def _not_in(items: list[dict[str, Any]], shared: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    names = {i["name"] for i in shared}
+    return [copy.deepcopy(i) for i in items if i["name"] not in names]
+
+
+def build_trainjob(job: RLHFJob, attempt: int, settings: PodSettings) -> dict[str, Any]:
+    """The TrainJob of attempt `attempt`; raises TrainJobError naming what it cannot carry."""
+    pod, runtime = check_trainjob(job, settings), _runtime_pod()
+    spec, container = pod["spec"], pod["spec"]["containers"][0]
+    fixed = runtime["spec"]
+    override: dict[str, Any] = {"targetJobs": [{"name": NODE}]}
+    override.update({k: copy.deepcopy(spec[k]) for k in _OVERRIDE_POD if spec.get(k)})
+    override["volumes"] = _not_in(spec["volumes"], fixed["volumes"])
+    override["containers"] = [{"name": NODE, "volumeMounts": _not_in(container["volumeMounts"],
+                                                                     fixed["containers"][0]["volumeMounts"])}]
+    t = job.spec.trainer
+    trainer: dict[str, Any] = {field: copy.deepcopy(container[key]) for key, field in _TRAINER_CONTAINER.items()}
+    trainer.update(numNodes=t.num_nodes, numProcPerNode=t.nproc_per_node,
+                   env=[e for e in container["env"] if e["name"] not in TORCH_ENV])
+    labels = {**job_labels(job), LABEL_ATTEMPT: str(attempt)}
+    return {
+        "apiVersion": TRAINER_API_VERSION,
+        "kind": "TrainJob",
+        "metadata": metadata(job, trainer_name(job.metadata.name), labels),
+        "spec": {
+            "runtimeRef": {"name": RUNTIME_NAME, "apiGroup": "trainer.kubeflow.org", "kind": "ClusterTrainingRuntime"},
+            "trainer": trainer,
+            "labels": dict(labels),  # onto the JobSet and its Jobs (v2.0.0 has no pod labels)
+            "podSpecOverrides": [override],
+            # only when suspended: otherwise Kueue (admission) owns the field
+            **({"suspend": True} if job.spec.suspend else {}),
+        },
+    }
+
+
+JOBSET_UID_LABEL = "jobset.sigs.k8s.io/jobset-uid"
+
+
+def unadopted_selector(job_name: str) -> str:
+    """The label selector of the TrainJob's pods that do not carry the job's labels yet."""
+    return f"{JOBSET_NAME_LABEL}={trainer_name(job_name)},!{LABEL_JOB}"
+
+
+def adoption_labels(trainjob: dict[str, Any] | None, jobset: dict[str, Any] | None,
+                    pod: dict[str, Any]) -> dict[str, str] | None:
+    """The labels a pod of our TrainJob needs to be seen as the job's (`rlhf.dev/job`,
+    `job-uid`, `attempt`: v2.0.0 cannot put them on its pods, so the operator patches them
+    on), or None when the pod is not provably of this TrainJob's JobSet: it must carry the
+    JobSet's uid, the JobSet must be owned by the TrainJob, and the TrainJob by a job."""
+    if trainjob is None or jobset is None:
+        return None
+    labels = pod["metadata"].get("labels") or {}
+    if (labels.get(JOBSET_UID_LABEL) != jobset["metadata"].get("uid")
+            or _controller(jobset) != trainjob["metadata"].get("uid") or not _controller(trainjob)):
+        return None
+    mine = trainjob["metadata"].get("labels") or {}
+    return {LABEL_JOB: mine[LABEL_JOB], LABEL_JOB_UID: _controller(trainjob), LABEL_ATTEMPT: mine[LABEL_ATTEMPT]}
+
+
+def _controller(obj: dict[str, Any]) -> str | None:
+    return next((r["uid"] for r in obj["metadata"].get("ownerReferences") or [] if r.get("controller")), None)
