@@ -290,6 +290,11 @@ def test_a_colocated_jobs_servers_get_sleep_mode_from_flags_vllms_parser_accepts
     command = serve_command(job.spec, model_path="/m", host="h", port=1, name="n")
     assert "--enable-sleep-mode" in command and dict(_flags(command))["--kv-cache-memory-bytes"] == str(20 * 2**30)
     assert "--enable-sleep-mode" not in serve_command(separate.spec, model_path="/m", host="h", port=1, name="n")
+    # on the trainer's GPUs the weights come by CUDA IPC (NCCL refuses two processes on a GPU), and
+    # vLLM's ipc engine unpickles the handles only with VLLM_ALLOW_INSECURE_SERIALIZATION=1
+    assert json.loads(dict(_flags(command))["--weight-transfer-config"]) == {"backend": "ipc"}
+    assert rollout_process(job, model_path="/m", host="127.0.0.1", port=1).env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
+    assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in rollout_process(separate, model_path="/m", host="h", port=1).env
     for flag, value in _flags(command):
         assert flag in FACTS["serve_options"], flag
     doc["spec"]["rollout"]["vllm"] = {"extraArgs": ["--enable-sleep-mode"]}
