@@ -65,7 +65,7 @@ def test_distilled_student_reaches_the_teachers_reward(run_trainer, tiny_model_d
                        distillation={"teacher": {"path": str(teacher)}, "baseline": "position"},
                        rollout={"samplesPerPrompt": 2, "maxTokens": 1},
                        trainer={"learningRate": 3e-3, "maxTokensPerMicroBatch": 1024},
-                       schedule={"totalSteps": 20, "promptsPerStep": 64, "saveEvery": 0})
+                       schedule={"totalSteps": 16, "promptsPerStep": 64, "saveEvery": 0})
     rows = run_trainer(config)
     kl = [r["distill_reverse_kl"] for r in rows]
     reward = [r["reward_mean"] for r in rows]
