@@ -2,7 +2,7 @@
 task's reward, reaches that reward through the teacher's per-token signal alone
 (`rewardWeight: 0`), with the reverse KL falling on the way. The teacher is trained here
 in a few seconds (plain supervised steps) on a task whose answer is the same for every
-prompt, so that the run can be short; the demo's copying task takes the student about 100
+prompt, so that the run can be short; the demo's copying task takes the student about 120
 steps (docs/methods.md, measured with examples/local-distill.yaml)."""
 
 from __future__ import annotations
