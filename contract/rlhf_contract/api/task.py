@@ -303,6 +303,13 @@ class DistillationSpec(SpecModel):
     """Weight of the task reward: each token's advantage adds this x the advantage of the
     sequence's reward (`reward`, by `algorithm.advantageEstimator`); 0: the teacher alone
     (the reward is still computed and logged)."""
+    baseline: Literal["none", "position"] = "none"
+    """Subtracted from each token's teacher signal (not from the task reward's part):
+    `none` (the raw log p_teacher - log p_student, as the Thinking Machines recipe, prime-rl
+    and slime use it) or `position` (the mean signal of the step's other tokens at the same
+    response position, leave-one-out). A baseline that does not depend on the sampled token
+    keeps the gradient unbiased and lowers its variance: an untrained student far from its
+    teacher gets mostly large negative signals, and without it stalls (docs/methods.md)."""
 
 
 class EnvironmentSpec(SpecModel):

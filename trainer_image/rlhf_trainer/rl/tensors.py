@@ -92,15 +92,28 @@ def gather_passes(rows: list[Row], micro_batches: list[MicroBatch], passes: dict
 
 
 def distillation_advantages(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor,
-                            task: torch.Tensor | None = None, reward_weight: float = 0.0) -> torch.Tensor:
+                            task: torch.Tensor | None = None, reward_weight: float = 0.0,
+                            baseline: str = "none") -> torch.Tensor:
     """On-policy distillation's per-token advantage: the negative reverse-KL estimate
     -(log p_student - log p_teacher) of each sampled token (the student sampled it, so its
-    mean is -KL(student || teacher)), plus `reward_weight` x the task advantages `task`;
-    0 off the mask. All [B, T]."""
+    mean is -KL(student || teacher)), minus `position_baseline` of it when `baseline` is
+    `position`, plus `reward_weight` x the task advantages `task`; 0 off the mask. All [B, T]."""
     adv = (teacher - student) * mask
+    if baseline == "position":
+        adv = adv - position_baseline(adv, mask)
     if task is not None and reward_weight:
         adv = adv + reward_weight * task * mask
     return adv
+
+
+def position_baseline(signal: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each masked token's baseline: the mean `signal` of the OTHER masked tokens in its
+    column (the same response position in the step's other rows); 0 where a column has no
+    other token. It does not depend on the token's own sample, so subtracting it leaves the
+    policy gradient unbiased. [B, T]."""
+    total, count = (signal * mask).sum(0, keepdim=True), mask.sum(0, keepdim=True)
+    others = (count - mask).clamp(min=1.0)
+    return (total - signal * mask) / others * mask * (count - mask > 0)
 
 
 def distillation_metrics(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
@@ -140,6 +153,7 @@ def build_step_tensors(rows: list[Row], tables: dict[str, torch.Tensor], a: Algo
     if distillation is None:
         t.advantages = task
         return t
-    t.advantages = distillation_advantages(t.old_logprobs, t.teacher_logprobs, mask, task, distillation.reward_weight)
+    t.advantages = distillation_advantages(t.old_logprobs, t.teacher_logprobs, mask, task, distillation.reward_weight,
+                                           distillation.baseline)
     t.reward_metrics.update(distillation_metrics(t.old_logprobs, t.teacher_logprobs, mask))
     return t
