@@ -72,3 +72,6 @@ def test_distilled_student_reaches_the_teachers_reward(run_trainer, tiny_model_d
     assert mean(reward[:2]) < 0.3, reward  # the untrained student does not answer 7
     assert mean(reward[-3:]) >= 0.85 * p_teacher, (reward, p_teacher)  # ... and then does, as its teacher
     assert mean(kl[-3:]) < 0.2 * mean(kl[:2]), kl
+    for r in rows:  # the two log-probs are logged beside their difference
+        assert r["distill_student_logprob"] - r["distill_teacher_logprob"] == pytest.approx(r["distill_reverse_kl"])
+    assert rows[0]["kl"] is None  # no reference model: klCoef resolves to 0 for distill

@@ -4,7 +4,6 @@ critic learns the toy task; a distillation run moves the student toward its teac
 import json
 
 import pytest
-import torch
 
 from rlhf_contract.api.presets import PRESETS
 
@@ -41,27 +40,3 @@ def test_ppo_with_critic_learns(run_trainer, tiny_model_dir, tmp_path):
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last >= 0.25 and last >= 2 * first, (first, last)
     assert max(r["explained_variance"] for r in rows[-10:]) > 0
-
-
-def test_distillation_moves_the_student_toward_the_teacher(run_trainer, tiny_model_dir, tmp_path):
-    """The teacher: the built-in model with other weights (seed 1) and a 10x sharper output
-    (its final norm scaled), with the student's tokenizer."""
-    from transformers import AutoModelForCausalLM
-
-    from rlhf_trainer.models.builtin import materialize
-
-    teacher_dir = materialize("builtin://tiny-qwen2", tmp_path / "teacher", seed=1)
-    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir)
-    with torch.no_grad():
-        teacher.model.norm.weight.mul_(10.0)
-    teacher.save_pretrained(teacher_dir)
-    config = small_job(tiny_model_dir, tmp_path / "out", method="distill",
-                       distillation={"teacher": {"path": str(teacher_dir)}}, trainer={"learningRate": 1e-2},
-                       schedule={"totalSteps": 6, "promptsPerStep": 4, "saveEvery": 0})
-    rows = run_trainer(config)
-    kl = [r["distill_reverse_kl"] for r in rows]
-    assert min(kl[:2]) > 0.5, kl  # two different models
-    for r in rows:  # the two log-probs are logged beside their difference
-        assert r["distill_student_logprob"] - r["distill_teacher_logprob"] == pytest.approx(r["distill_reverse_kl"])
-    assert max(kl[-2:]) < 0.65 * min(kl[:2]), kl  # the student moved toward the teacher (1.29 -> 0.70 here)
-    assert rows[0]["kl"] is None  # no reference model: klCoef resolves to 0 for distill
