@@ -156,7 +156,9 @@ def run(cluster: Cluster, args) -> int:
         cluster.wait_nodes_ready(timeout=300)
         print(f"{args.nodes} fake 8-GPU nodes Ready in {time.monotonic() - t:.1f} s")
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds" / "rlhfjobs.yaml"))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/rlhfjobs.rlhf.dev")
+    # a CRD just applied may have no status yet: `kubectl wait` refuses that instead of waiting
+    wait_for(lambda: cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/rlhfjobs.rlhf.dev",
+                                     check=False).returncode == 0, 90, "the RLHFJob CRD Established", interval=1)
     ns = f"bench-{os.getpid()}"
     cluster.kubectl("create", "namespace", ns)
     log = Path(tempfile.mkdtemp(prefix="rlhf-bench-op-")) / "operator.log"

@@ -13,8 +13,9 @@ import logging
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Callable
 
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
@@ -38,6 +39,54 @@ _PLURALS = {
 }
 _API_VERSIONS = {"StatefulSet": "apps/v1", "PyTorchJob": "kubeflow.org/v1", "JobSet": JOBSET_API_VERSION,
                  "RLHFJob": f"{API_GROUP}/{API_VERSION}", "Lease": "coordination.k8s.io/v1"}
+
+
+@dataclass(frozen=True)
+class ChildKind:
+    """A kind of child the operator reads back: kopf watches it (the job's label, filtered
+    by the API server) into an in-memory index; `Kube.observe` reads it with a GET (a LIST
+    for pods) where there is no index."""
+
+    kind: str
+    group: str  # "" for the core group
+    version: str
+    plural: str
+    field: str  # `Observed`'s attribute; "pods": every object of the job, else the one named `name(job)`
+    backends: tuple[str, ...] | None = None  # the backends whose jobs have it (None: every job)
+    name: Callable[[str], str] | None = None
+
+    @property
+    def api_version(self) -> str:
+        return f"{self.group}/{self.version}" if self.group else self.version
+
+
+# One line per kind of child whose state a reconcile reads (a new backend's workload: one more line).
+CHILD_KINDS = (
+    ChildKind("Pod", "", "v1", "pods", "pods"),
+    ChildKind("StatefulSet", "apps", "v1", "statefulsets", "statefulset", ("PyTorchJob",), rollout_name),
+    ChildKind("PyTorchJob", "kubeflow.org", "v1", "pytorchjobs", "pytorchjob", ("PyTorchJob",), trainer_name),
+    ChildKind("JobSet", *JOBSET_API_VERSION.split("/"), "jobsets", "jobset", ("JobSet",), jobset_name),
+)
+
+
+def observed_of(namespace: str, name: str, backend: str, read: Callable[[ChildKind], list[dict[str, Any]]],
+                nodes_not_ready: Callable[[set[str]], dict[str, datetime]]) -> Observed:
+    """The job's children from `read(kind)` (the objects of that kind with the job's label,
+    or the one of its name): for each workload kind of `backend`, the object of the
+    child's name (the newest, should a stale one linger); every pod of the job."""
+    found: dict[str, Any] = {}
+    for ck in CHILD_KINDS:
+        if ck.backends is not None and backend not in ck.backends:
+            continue
+        objs = read(ck)
+        if ck.name is None:
+            found[ck.field] = objs
+        else:
+            named = [o for o in objs if o["metadata"]["name"] == ck.name(name)]
+            found[ck.field] = max(named, key=lambda o: o["metadata"].get("creationTimestamp") or "", default=None)
+    pods = found.get("pods") or []
+    nodes = {n for p in pods if (n := (p.get("spec") or {}).get("nodeName"))}
+    return Observed(**found, nodes_not_ready=nodes_not_ready(nodes))
 
 
 def api_path(api_version: str, kind: str, namespace: str, name: str | None = None) -> str:
@@ -108,16 +157,15 @@ class Kube:
 
     # ---- children
     def observe(self, namespace: str, name: str, backend: str = "PyTorchJob") -> Observed:
-        sts = ptj = js = None
-        if backend == "JobSet":
-            js = self.read(api_path(_API_VERSIONS["JobSet"], "JobSet", namespace, jobset_name(name)))
-        else:
-            sts = self.read(api_path("apps/v1", "StatefulSet", namespace, rollout_name(name)))
-            ptj = self.read(api_path("kubeflow.org/v1", "PyTorchJob", namespace, trainer_name(name)))
-        pods = self.request("GET", api_path("v1", "Pod", namespace), query=[("labelSelector", f"{LABEL_JOB}={name}")])[0]
-        items = pods.get("items", [])
-        nodes = {n for p in items if (n := (p.get("spec") or {}).get("nodeName"))}
-        return Observed(statefulset=sts, pytorchjob=ptj, jobset=js, pods=items, nodes_not_ready=self.nodes_not_ready(nodes))
+        """The job's children read from the API server (GETs and a pod LIST); the operator
+        reads them from kopf's indexes instead, and this only to audit those."""
+        def read(ck: ChildKind) -> list[dict[str, Any]]:
+            if ck.name is None:
+                return self.request("GET", api_path(ck.api_version, ck.kind, namespace),
+                                    query=[("labelSelector", f"{LABEL_JOB}={name}")])[0].get("items", [])
+            obj = self.read(api_path(ck.api_version, ck.kind, namespace, ck.name(name)))
+            return [obj] if obj is not None else []
+        return observed_of(namespace, name, backend, read, self.nodes_not_ready)
 
     def node(self, name: str) -> dict[str, Any] | None:
         """A node, read at most every NODE_CACHE_SECONDS (the jobs on it share the read)."""
