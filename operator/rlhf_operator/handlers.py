@@ -9,7 +9,9 @@ that kind), from which reconciles read the children: no GET or LIST per reconcil
 runs no handler before every indexed watch has listed and indexed what exists, and the
 reconcile workers start from the first handler, so no reconcile sees an index not yet
 filled (a restarted operator would otherwise find no children and create them again).
-A resync thread queues every job every `resync_seconds` (deadlines, TTLs, missed events).
+Nodes: one watch (every node's Ready condition, indexed by name) serves the lost-node
+check of every job. A resync thread queues every job every `resync_seconds` (deadlines,
+TTLs, missed events).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from rlhf_contract.exit_codes import ExitCode
 from . import health, metrics
 from .health import Heartbeat
 from .builders import LABEL_JOB
-from .kube import CHILD_KINDS, ChildKind, Kube
+from .kube import CHILD_KINDS, ChildKind, Kube, node_readiness
 from .leader import Lease
 from .reconcile import Reconciler
 from .status import NODE_LOST_AFTER
@@ -50,6 +52,7 @@ class _State:
     resync_seconds: float = 15.0
     loop: asyncio.AbstractEventLoop | None = None
     indexes: dict[str, Any] | None = None  # plural -> kopf's index of that child kind
+    nodes: Any = None  # kopf's index of the nodes' readiness, by name
     reconciling: bool = False
 
 
@@ -88,22 +91,33 @@ for _ck in CHILD_KINDS:  # on a cluster without the kind's CRD kopf watches noth
     kopf.index(_ck.group, _ck.version, _ck.plural, labels={LABEL_JOB: kopf.PRESENT}, id=_index_name(_ck))(_by_job)
 
 
+@kopf.index("", "v1", "nodes")
+def nodes_by_name(name: str, body: kopf.Body, **_: Any) -> dict[str, Any]:
+    """Every node's Ready condition (lost nodes), by name: one watch instead of a GET of each
+    node of each job's pods."""
+    return {name: node_readiness(body)}
+
+
 @kopf.on.startup()
-async def _keep_indexes(**kwargs: Any) -> None:
+async def _keep_indexes(nodes_by_name: kopf.Index, **kwargs: Any) -> None:
     """The indexes (kopf passes them to every handler) and the loop that writes them."""
     STATE.loop = asyncio.get_running_loop()
     STATE.indexes = {ck.plural: kwargs[_index_name(ck)] for ck in CHILD_KINDS}
+    STATE.nodes = nodes_by_name
 
 
-def read_indexes(key: tuple[str, str]) -> dict[str, list[dict[str, Any]]]:
-    """A job's children in every index (plural -> objects), read on kopf's event loop, which
-    alone writes the indexes: one consistent snapshot, taken from a reconcile worker."""
+def read_indexes(key: tuple[str, str]) -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]:
+    """A job's children in every index (plural -> objects) and the nodes of its pods (name ->
+    node, absent when gone), read on kopf's event loop, which alone writes the indexes: one
+    consistent snapshot, taken from a reconcile worker."""
     assert STATE.loop is not None and STATE.indexes is not None, "kopf not started"
-    indexes, done = STATE.indexes, concurrent.futures.Future()
+    indexes, nodes, done = STATE.indexes, STATE.nodes, concurrent.futures.Future()
 
     def snapshot() -> None:
         try:
-            done.set_result({plural: list(index.get(key, ())) for plural, index in indexes.items()})
+            children = {plural: list(index.get(key, ())) for plural, index in indexes.items()}
+            names = {n for p in children.get("pods", ()) if (n := (p.get("spec") or {}).get("nodeName"))}
+            done.set_result((children, {n: next(iter(nodes[n])) for n in names if n in nodes}))
         except BaseException as err:  # noqa: BLE001 - handed to the waiting worker
             done.set_exception(err)
 

@@ -89,6 +89,31 @@ def observed_of(namespace: str, name: str, backend: str, read: Callable[[ChildKi
     return Observed(**found, nodes_not_ready=nodes_not_ready(nodes))
 
 
+def node_readiness(node: dict[str, Any]) -> dict[str, Any]:
+    """What `not_ready` reads of a node (its name, creation time and Ready condition): all
+    that the node index keeps."""
+    ready = [c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"]
+    meta = node["metadata"]
+    return {"metadata": {"name": meta["name"], "creationTimestamp": meta.get("creationTimestamp")},
+            "status": {"conditions": ready}}
+
+
+def not_ready(names: set[str], node: Callable[[str], dict[str, Any] | None]) -> dict[str, datetime]:
+    """The nodes among `names` whose Ready condition is not True, with since when (a node
+    that no longer exists, `node(name)` None: since the epoch, i.e. lost)."""
+    out = {}
+    for name in sorted(names):
+        obj = node(name)
+        if obj is None:
+            out[name] = datetime.fromtimestamp(0, timezone.utc)
+            continue
+        ready = next((c for c in (obj.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), None)
+        if ready is None or ready.get("status") != "True":
+            since = (ready or {}).get("lastTransitionTime") or obj["metadata"].get("creationTimestamp")
+            out[name] = datetime.strptime(since, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+    return out
+
+
 def api_path(api_version: str, kind: str, namespace: str, name: str | None = None) -> str:
     base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
     path = f"{base}/namespaces/{namespace}/{_PLURALS[kind]}"
@@ -183,20 +208,7 @@ class Kube:
         return node
 
     def nodes_not_ready(self, names: set[str]) -> dict[str, datetime]:
-        """The nodes among `names` whose Ready condition is not True, with since when (a
-        node that no longer exists: since the epoch, i.e. lost)."""
-        out = {}
-        for name in sorted(names):
-            node = self.node(name)
-            if node is None:
-                out[name] = datetime.fromtimestamp(0, timezone.utc)
-                continue
-            ready = next((c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"),
-                         None)
-            if ready is None or ready.get("status") != "True":
-                since = (ready or {}).get("lastTransitionTime") or node["metadata"].get("creationTimestamp")
-                out[name] = datetime.strptime(since, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
-        return out
+        return not_ready(names, self.node)
 
     def force_delete_pod(self, namespace: str, name: str) -> bool:
         """Delete a pod with grace period 0: the API server removes it without waiting for

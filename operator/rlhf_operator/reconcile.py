@@ -43,7 +43,7 @@ from .builders import (
     trainer_name,
 )
 from .builders.meta import attempt_of, jobset_name
-from .kube import Kube, observed_of
+from .kube import Kube, not_ready, observed_of
 
 log = logging.getLogger("rlhf_operator")
 
@@ -123,8 +123,9 @@ def status_view(st: dict[str, Any]) -> dict[str, Any]:
 
 class Reconciler:
     def __init__(self, kube: Kube, node_lost_after: timedelta = status.NODE_LOST_AFTER,
-                 index: Callable[[JobKey], dict[str, list[dict[str, Any]]]] | None = None):
-        """`index`: a job's children in kopf's indexes, by plural (handlers.read_indexes)."""
+                 index: Callable[[JobKey], tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]] | None = None):
+        """`index`: a job's children in kopf's indexes, by plural, and the nodes of its pods,
+        by name (handlers.read_indexes)."""
         self.kube = kube
         self.caches = JobCaches()
         self.node_lost_after = node_lost_after
@@ -137,8 +138,9 @@ class Reconciler:
             metrics.CHILD_READS.labels(source="api").inc()
             return self.kube.observe(namespace, name, backend)
         metrics.CHILD_READS.labels(source="index").inc()
-        indexed = self.index((namespace, name))
-        return observed_of(namespace, name, backend, lambda ck: indexed.get(ck.plural, []), self.kube.nodes_not_ready)
+        indexed, nodes = self.index((namespace, name))
+        return observed_of(namespace, name, backend, lambda ck: indexed.get(ck.plural, []),
+                           lambda names: not_ready(names, nodes.get))
 
     def note_pod(self, key: JobKey, pod: dict[str, Any]) -> bool:
         """Remember a pod from a watch event when it shows a failure; True if it does."""

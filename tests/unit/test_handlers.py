@@ -70,3 +70,26 @@ def test_observed_children_are_the_backends_kinds_by_their_fixed_names():
     # an object of another name (another job's child that shares no key) is not this job's
     objs["statefulsets"] = [_obj("other-rollout")]
     assert observed_of("ns", "j", "PyTorchJob", reader, not_ready).statefulset is None
+
+
+def test_a_nodes_readiness_from_the_index_entry_it_keeps():
+    from datetime import datetime, timezone
+
+    from rlhf_operator.kube import node_readiness, not_ready
+
+    def node(name: str, ready: str | None, since: str = "2026-01-01T00:01:00Z") -> dict:
+        conds = [{"type": "MemoryPressure", "status": "False"}]
+        conds += [{"type": "Ready", "status": ready, "lastTransitionTime": since}] if ready else []
+        return {"metadata": {"name": name, "creationTimestamp": "2026-01-01T00:00:00Z", "labels": {"a": "b"}},
+                "spec": {"taints": []}, "status": {"conditions": conds, "images": ["x"] * 50}}
+
+    index = {n["metadata"]["name"]: node_readiness(n) for n in (
+        node("up", "True"), node("down", "False"), node("unknown", "Unknown", "2026-01-01T00:02:00Z"), node("new", None))}
+    assert index["down"] == {"metadata": {"name": "down", "creationTimestamp": "2026-01-01T00:00:00Z"},
+                             "status": {"conditions": [{"type": "Ready", "status": "False",
+                                                        "lastTransitionTime": "2026-01-01T00:01:00Z"}]}}
+    utc = timezone.utc
+    assert not_ready({"up", "down", "unknown", "new", "gone"}, index.get) == {
+        "down": datetime(2026, 1, 1, 0, 1, tzinfo=utc), "unknown": datetime(2026, 1, 1, 0, 2, tzinfo=utc),
+        "new": datetime(2026, 1, 1, 0, 0, tzinfo=utc),  # no Ready condition yet: since its creation
+        "gone": datetime.fromtimestamp(0, utc)}  # deleted: lost at once
