@@ -9,7 +9,9 @@ Measures, with the clocks of this process:
   latency from this process's pod watch seeing the failed pod to its RLHFJob watch seeing
   the job Restarting (watch delivery on both ends, the operator's queue, reconcile and
   status patch in between). p50 / p90 / max.
-Also prints the operator's reconciles and CPU seconds, which say what limits the figures.
+Also prints the operator's reconciles and CPU seconds, which say what limits the figures,
+and the reads only reconciles make, from the API server's request counters (per second:
+over the whole run, from creating the jobs to the last restart seen).
 
     python bench/operator_scale.py [--jobs 100 --nodes 200 --failures 50]
     python bench/operator_scale.py --dir .cluster   # attach to a running `make cluster`
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -115,6 +118,23 @@ class Watcher:
                     self.trainer_pod.setdefault(job, pod.metadata.name)
 
 
+# Reads that only the operator's reconciles make: the controllers and kwok read through
+# LIST + WATCH informers, this script through watches (counted as WATCH).
+RECONCILE_READS = ("GET rlhfjobs", "GET statefulsets", "GET pytorchjobs", "GET jobsets", "LIST pods", "GET nodes")
+
+
+def api_reads(cluster: Cluster) -> dict[str, float]:
+    """The API server's own request counters (`apiserver_request_total`) for RECONCILE_READS."""
+    out = dict.fromkeys(RECONCILE_READS, 0.0)
+    for line in cluster.kubectl("get", "--raw", "/metrics", timeout=60).stdout.splitlines():
+        if line.startswith("apiserver_request_total{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}", 1)[0]))
+            key = f"{labels.get('verb')} {labels.get('resource')}"
+            if key in out:
+                out[key] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def percentile(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, max(0, round(q * (len(values) - 1))))]
@@ -168,7 +188,9 @@ def run(cluster: Cluster, args) -> int:
         cluster.wait_nodes_ready(timeout=300)
         print(f"{args.nodes} fake 8-GPU nodes Ready in {time.monotonic() - t:.1f} s")
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds" / "rlhfjobs.yaml"))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/rlhfjobs.rlhf.dev")
+    # a CRD just applied may have no status yet: `kubectl wait` refuses that instead of waiting
+    wait_for(lambda: cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/rlhfjobs.rlhf.dev",
+                                     check=False).returncode == 0, 90, "the RLHFJob CRD Established", interval=1)
     ns = f"bench-{os.getpid()}"
     cluster.kubectl("create", "namespace", ns)
     log = Path(tempfile.mkdtemp(prefix="rlhf-bench-op-")) / "operator.log"
@@ -182,7 +204,7 @@ def run(cluster: Cluster, args) -> int:
     watcher = Watcher(cluster, ns)
     try:
         wait_for(lambda: "leader:" in log.read_text(), 60, "the operator to lead")
-        cpu0 = cpu_seconds(op.pid)
+        cpu0, reads0 = cpu_seconds(op.pid), api_reads(cluster)
         names = [f"job-{i:04d}" for i in range(args.jobs)]
         docs = yaml.safe_dump_all([job_doc(n, args.backend) for n in names])
         t0 = time.monotonic()
@@ -219,6 +241,8 @@ def run(cluster: Cluster, args) -> int:
         with watcher.lock:
             lat = [watcher.restarting_at[n] - watcher.pod_failed_at[n] for n in sample]
         cpu_fail = cpu_seconds(op.pid) - cpu1
+        t_all = time.monotonic() - t0
+        reads = {k: v - reads0[k] for k, v in api_reads(cluster).items()}
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         def metric(prefix: str) -> float:
             return sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(prefix))
@@ -237,6 +261,9 @@ def run(cluster: Cluster, args) -> int:
             "operator_cpu_s_during_failures": round(cpu_fail, 1),
             "reconciles_total": int(reconciles),
             "reconcile_mean_s": round(mean_reconcile, 3),
+            "child_reads": {s: int(metric(f'rlhf_operator_child_reads_total{{source="{s}"}}')) for s in ("index", "api")},
+            "api_reads": {k: int(v) for k, v in reads.items() if v},
+            "api_reads_per_s": round(sum(reads.values()) / t_all, 1),
         }, indent=2))
         return 0
     finally:

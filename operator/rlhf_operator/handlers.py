@@ -1,16 +1,23 @@
 """kopf wiring only: the watches put job keys into the work queue; reconcile.py does the
 rest. Only the holder of the Lease runs kopf at all.
 
-Watches: RLHFJobs; pods, PyTorchJobs, JobSets and TrainJobs that carry the job label (a
-TrainJob's pods once kube.observe has labelled them), filtered by the API
-server (`settings.watching.label_selectors`), so the operator never receives the
-cluster's other pods. A resync thread queues every job every `resync_seconds`
-(deadlines, TTLs, missed events).
+Watches: RLHFJobs; the children of `kube.CHILD_KINDS` (pods, StatefulSets, PyTorchJobs,
+JobSets, TrainJobs: a TrainJob's pods once kube.py has labelled them) that carry the job label, filtered by the API server
+(`settings.watching.label_selectors`), so the operator never receives the cluster's
+other pods. Each child watch fills a kopf index (`@kopf.index`: job key -> its objects of
+that kind), from which reconciles read the children: no GET or LIST per reconcile. kopf
+runs no handler before every indexed watch has listed and indexed what exists, and the
+reconcile workers start from the first handler, so no reconcile sees an index not yet
+filled (a restarted operator would otherwise find no children and create them again).
+Nodes: one watch (every node's Ready condition, indexed by name) serves the lost-node
+check of every job. A resync thread queues every job every `resync_seconds` (deadlines,
+TTLs, missed events).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import os
@@ -28,7 +35,7 @@ from rlhf_contract.exit_codes import ExitCode
 from . import health, metrics
 from .health import Heartbeat
 from .builders import LABEL_JOB
-from .kube import Kube
+from .kube import CHILD_KINDS, ChildKind, Kube, node_readiness
 from .leader import Lease
 from .reconcile import Reconciler
 from .status import NODE_LOST_AFTER
@@ -43,6 +50,10 @@ class _State:
     reconciler: Reconciler | None = None
     queue: WorkQueue | None = None
     resync_seconds: float = 15.0
+    loop: asyncio.AbstractEventLoop | None = None
+    indexes: dict[str, Any] | None = None  # plural -> kopf's index of that child kind
+    nodes: Any = None  # kopf's index of the nodes' readiness, by name
+    reconciling: bool = False
 
 
 STATE = _State()
@@ -53,6 +64,65 @@ TRIGGER_PRIORITY = {"resync": 0, "job": 1, "pytorchjob": 2, "jobset": 2, "trainj
 def _enqueue(namespace: str, name: str, trigger: str, urgent: bool = False) -> None:
     assert STATE.queue is not None, "operator not started"
     STATE.queue.add((namespace, name), trigger, urgent=urgent)
+
+
+def _from_kopf(namespace: str, name: str, trigger: str, urgent: bool = False) -> None:
+    """`_enqueue` from a kopf handler. kopf (1.45) runs none before every indexed watch has
+    listed its kind and indexed each object listed: the first starts the reconciles."""
+    if not STATE.reconciling:  # handlers run on kopf's one event loop: no race here
+        STATE.reconciling = True
+        STATE.queue.start()
+        log.info("indexes filled: reconciling")
+    _enqueue(namespace, name, trigger, urgent)
+
+
+def _index_name(ck: ChildKind) -> str:
+    return f"{ck.plural}_by_job"
+
+
+def _by_job(namespace: str, labels: dict[str, str], body: kopf.Body, **_: Any) -> dict[tuple[str, str], Any]:
+    """An index entry: the child (a plain copy, without managedFields) under its job's key."""
+    obj = json.loads(json.dumps(dict(body)))
+    obj["metadata"].pop("managedFields", None)
+    return {(namespace, labels[LABEL_JOB]): obj}
+
+
+for _ck in CHILD_KINDS:  # on a cluster without the kind's CRD kopf watches nothing and the index stays empty
+    kopf.index(_ck.group, _ck.version, _ck.plural, labels={LABEL_JOB: kopf.PRESENT}, id=_index_name(_ck))(_by_job)
+
+
+@kopf.index("", "v1", "nodes")
+def nodes_by_name(name: str, body: kopf.Body, **_: Any) -> dict[str, Any]:
+    """Every node's Ready condition (lost nodes), by name: one watch instead of a GET of each
+    node of each job's pods."""
+    return {name: node_readiness(body)}
+
+
+@kopf.on.startup()
+async def _keep_indexes(nodes_by_name: kopf.Index, **kwargs: Any) -> None:
+    """The indexes (kopf passes them to every handler) and the loop that writes them."""
+    STATE.loop = asyncio.get_running_loop()
+    STATE.indexes = {ck.plural: kwargs[_index_name(ck)] for ck in CHILD_KINDS}
+    STATE.nodes = nodes_by_name
+
+
+def read_indexes(key: tuple[str, str]) -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]:
+    """A job's children in every index (plural -> objects) and the nodes of its pods (name ->
+    node, absent when gone), read on kopf's event loop, which alone writes the indexes: one
+    consistent snapshot, taken from a reconcile worker."""
+    assert STATE.loop is not None and STATE.indexes is not None, "kopf not started"
+    indexes, nodes, done = STATE.indexes, STATE.nodes, concurrent.futures.Future()
+
+    def snapshot() -> None:
+        try:
+            children = {plural: list(index.get(key, ())) for plural, index in indexes.items()}
+            names = {n for p in children.get("pods", ()) if (n := (p.get("spec") or {}).get("nodeName"))}
+            done.set_result((children, {n: next(iter(nodes[n])) for n in names if n in nodes}))
+        except BaseException as err:  # noqa: BLE001 - handed to the waiting worker
+            done.set_exception(err)
+
+    STATE.loop.call_soon_threadsafe(snapshot)
+    return done.result(timeout=30)
 
 
 @kopf.on.startup()
@@ -74,10 +144,8 @@ def _configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.client_timeout = 150
     settings.networking.request_timeout = 30
     # Server-side filtering: only the job's own children reach us.
-    settings.watching.label_selectors["v1", "pods"] = LABEL_JOB
-    settings.watching.label_selectors["kubeflow.org", "pytorchjobs"] = LABEL_JOB
-    settings.watching.label_selectors["jobset.x-k8s.io", "jobsets"] = LABEL_JOB
-    settings.watching.label_selectors["trainer.kubeflow.org", "trainjobs"] = LABEL_JOB
+    for ck in CHILD_KINDS:
+        settings.watching.label_selectors[ck.api_version, ck.plural] = LABEL_JOB
 
 
 @kopf.on.event(API_GROUP, API_VERSION, PLURAL)
@@ -85,7 +153,7 @@ async def on_job(event: dict[str, Any], namespace: str, name: str, **_: Any) -> 
     if event.get("type") == "DELETED":
         STATE.reconciler.forget((namespace, name))
     else:
-        _enqueue(namespace, name, "job")
+        _from_kopf(namespace, name, "job")
 
 
 @kopf.on.event("", "v1", "pods", labels={LABEL_JOB: kopf.PRESENT})
@@ -94,25 +162,25 @@ async def on_pod(event: dict[str, Any], body: kopf.Body, namespace: str, labels:
     pod = json.loads(json.dumps(dict(body)))
     log.debug("pod %s %s: %s", event.get("type"), pod["metadata"]["name"], (pod.get("status") or {}).get("phase"))
     failed = STATE.reconciler.note_pod(key, pod)
-    _enqueue(*key, "pod", urgent=failed)
+    _from_kopf(*key, "pod", urgent=failed)
 
 
 @kopf.on.event("kubeflow.org", "v1", "pytorchjobs", labels={LABEL_JOB: kopf.PRESENT})
 async def on_pytorchjob(namespace: str, labels: dict[str, str], **_: Any) -> None:
-    _enqueue(namespace, labels[LABEL_JOB], "pytorchjob")
+    _from_kopf(namespace, labels[LABEL_JOB], "pytorchjob")
 
 
 # Backend JobSet. On a cluster without the JobSet CRD kopf finds no such resource and
 # watches nothing here (jobs with that backend then stay Pending: the API refuses the JobSet).
 @kopf.on.event("jobset.x-k8s.io", "v1alpha2", "jobsets", labels={LABEL_JOB: kopf.PRESENT})
 async def on_jobset(namespace: str, labels: dict[str, str], **_: Any) -> None:
-    _enqueue(namespace, labels[LABEL_JOB], "jobset")
+    _from_kopf(namespace, labels[LABEL_JOB], "jobset")
 
 
 # Backend TrainJob (Kubeflow Trainer v2): as the JobSet watch, nothing without its CRD.
 @kopf.on.event("trainer.kubeflow.org", "v1alpha1", "trainjobs", labels={LABEL_JOB: kopf.PRESENT})
 async def on_trainjob(namespace: str, labels: dict[str, str], **_: Any) -> None:
-    _enqueue(namespace, labels[LABEL_JOB], "trainjob")
+    _from_kopf(namespace, labels[LABEL_JOB], "trainjob")
 
 
 def _resync_loop(namespaces: list[str], stop: threading.Event) -> None:
@@ -164,7 +232,7 @@ def run(namespaces: list[str], *, metrics_port: int = 8080, lease_namespace: str
         node_lost_seconds = float(env) if env else NODE_LOST_AFTER.total_seconds()
     workers = workers or int(os.environ.get("RLHF_OPERATOR_WORKERS") or 16)
     kube = Kube(connections=workers + 4)
-    STATE.reconciler = Reconciler(kube, node_lost_after=timedelta(seconds=node_lost_seconds))
+    STATE.reconciler = Reconciler(kube, node_lost_after=timedelta(seconds=node_lost_seconds), index=read_indexes)
     STATE.queue = WorkQueue(STATE.reconciler, workers=workers, priority=TRIGGER_PRIORITY.__getitem__,
                             on_depth=metrics.QUEUE_DEPTH.set, on_wait=metrics.QUEUE_WAIT.observe)
     STATE.resync_seconds = resync_seconds
@@ -192,7 +260,6 @@ def run(namespaces: list[str], *, metrics_port: int = 8080, lease_namespace: str
         log.error("lost the leader lease; exiting so that only one operator acts")
         os._exit(ExitCode.FAILED)
 
-    STATE.queue.start()
     threading.Thread(target=lease.hold, args=(stop, lost), daemon=True, name="lease").start()
     threading.Thread(target=_resync_loop, args=(namespaces, stop), daemon=True, name="resync").start()
     try:

@@ -8,13 +8,15 @@ replicas from acting at once is leader.py (over `Kube.request`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Callable
 
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
@@ -41,6 +43,80 @@ _PLURALS = {
 _API_VERSIONS = {"StatefulSet": "apps/v1", "PyTorchJob": "kubeflow.org/v1", "JobSet": JOBSET_API_VERSION,
                  "TrainJob": TRAINER_API_VERSION,
                  "RLHFJob": f"{API_GROUP}/{API_VERSION}", "Lease": "coordination.k8s.io/v1"}
+
+
+@dataclass(frozen=True)
+class ChildKind:
+    """A kind of child the operator reads back: kopf watches it (the job's label, filtered
+    by the API server) into an in-memory index; `Kube.observe` reads it with a GET (a LIST
+    for pods) where there is no index."""
+
+    kind: str
+    group: str  # "" for the core group
+    version: str
+    plural: str
+    field: str  # `Observed`'s attribute; "pods": every object of the job, else the one named `name(job)`
+    backends: tuple[str, ...] | None = None  # the backends whose jobs have it (None: every job)
+    name: Callable[[str], str] | None = None
+
+    @property
+    def api_version(self) -> str:
+        return f"{self.group}/{self.version}" if self.group else self.version
+
+
+# One line per kind of child whose state a reconcile reads (a new backend's workload: one more line).
+CHILD_KINDS = (
+    ChildKind("Pod", "", "v1", "pods", "pods"),
+    ChildKind("StatefulSet", "apps", "v1", "statefulsets", "statefulset", ("PyTorchJob", "TrainJob"), rollout_name),
+    ChildKind("PyTorchJob", "kubeflow.org", "v1", "pytorchjobs", "pytorchjob", ("PyTorchJob",), trainer_name),
+    ChildKind("JobSet", *JOBSET_API_VERSION.split("/"), "jobsets", "jobset", ("JobSet",), jobset_name),
+    ChildKind("TrainJob", *TRAINER_API_VERSION.split("/"), "trainjobs", "trainjob", ("TrainJob",), trainer_name),
+)
+
+
+def observed_of(namespace: str, name: str, backend: str, read: Callable[[ChildKind], list[dict[str, Any]]],
+                nodes_not_ready: Callable[[set[str]], dict[str, datetime]]) -> Observed:
+    """The job's children from `read(kind)` (the objects of that kind with the job's label,
+    or the one of its name): for each workload kind of `backend`, the object of the
+    child's name (the newest, should a stale one linger); every pod of the job."""
+    found: dict[str, Any] = {}
+    for ck in CHILD_KINDS:
+        if ck.backends is not None and backend not in ck.backends:
+            continue
+        objs = read(ck)
+        if ck.name is None:
+            found[ck.field] = objs
+        else:
+            named = [o for o in objs if o["metadata"]["name"] == ck.name(name)]
+            found[ck.field] = max(named, key=lambda o: o["metadata"].get("creationTimestamp") or "", default=None)
+    pods = found.get("pods") or []
+    nodes = {n for p in pods if (n := (p.get("spec") or {}).get("nodeName"))}
+    return Observed(**found, nodes_not_ready=nodes_not_ready(nodes))
+
+
+def node_readiness(node: dict[str, Any]) -> dict[str, Any]:
+    """What `not_ready` reads of a node (its name, creation time and Ready condition): all
+    that the node index keeps."""
+    ready = [c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"]
+    meta = node["metadata"]
+    return {"metadata": {"name": meta["name"], "creationTimestamp": meta.get("creationTimestamp")},
+            "status": {"conditions": ready}}
+
+
+def not_ready(names: set[str], node: Callable[[str], dict[str, Any] | None]) -> dict[str, datetime]:
+    """The nodes among `names` whose Ready condition is not True, with since when (a node
+    that no longer exists, `node(name)` None: since the epoch, i.e. lost)."""
+    out = {}
+    for name in sorted(names):
+        obj = node(name)
+        if obj is None:
+            out[name] = datetime.fromtimestamp(0, timezone.utc)
+            continue
+        ready = next((c for c in (obj.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), None)
+        if ready is None or ready.get("status") != "True":
+            since = (ready or {}).get("lastTransitionTime") or obj["metadata"].get("creationTimestamp")
+            out[name] = datetime.strptime(since, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+    return out
 
 
 def api_path(api_version: str, kind: str, namespace: str, name: str | None = None) -> str:
@@ -111,19 +187,23 @@ class Kube:
 
     # ---- children
     def observe(self, namespace: str, name: str, backend: str = "PyTorchJob") -> Observed:
-        sts = ptj = js = tj = None
-        if backend == "JobSet":
-            js = self.read(api_path(_API_VERSIONS["JobSet"], "JobSet", namespace, jobset_name(name)))
-        else:
-            sts = self.read(api_path("apps/v1", "StatefulSet", namespace, rollout_name(name)))
-            trainer = "TrainJob" if backend == "TrainJob" else "PyTorchJob"
-            ptj = self.read(api_path(_API_VERSIONS[trainer], trainer, namespace, trainer_name(name)))
-            tj, ptj = (ptj, None) if backend == "TrainJob" else (None, ptj)
-        pods = self.request("GET", api_path("v1", "Pod", namespace), query=[("labelSelector", f"{LABEL_JOB}={name}")])[0]
-        items = pods.get("items", []) + (self.adopt_trainjob_pods(namespace, name, tj) if tj else [])
-        nodes = {n for p in items if (n := (p.get("spec") or {}).get("nodeName"))}
-        return Observed(statefulset=sts, pytorchjob=ptj, jobset=js, trainjob=tj, pods=items,
-                        nodes_not_ready=self.nodes_not_ready(nodes))
+        """The job's children read from the API server (GETs and a pod LIST); the operator
+        reads them from kopf's indexes instead, and this only to audit those."""
+        def read(ck: ChildKind) -> list[dict[str, Any]]:
+            if ck.name is None:
+                return self.request("GET", api_path(ck.api_version, ck.kind, namespace),
+                                    query=[("labelSelector", f"{LABEL_JOB}={name}")])[0].get("items", [])
+            obj = self.read(api_path(ck.api_version, ck.kind, namespace, ck.name(name)))
+            return [obj] if obj is not None else []
+        return self.with_adopted(observed_of(namespace, name, backend, read, self.nodes_not_ready), namespace, name)
+
+    def with_adopted(self, observed: Observed, namespace: str, name: str) -> Observed:
+        """Backend TrainJob: the TrainJob's pods that do not carry the job's labels yet,
+        labelled now (`adopt_trainjob_pods`) and counted with the job's pods."""
+        if observed.trainjob is None:
+            return observed
+        adopted = self.adopt_trainjob_pods(namespace, name, observed.trainjob)
+        return dataclasses.replace(observed, pods=observed.pods + adopted) if adopted else observed
 
     def adopt_trainjob_pods(self, namespace: str, name: str, trainjob: dict[str, Any]) -> list[dict[str, Any]]:
         """Backend TrainJob: label the TrainJob's new pods as the job's (Trainer v2.0.0 cannot),
@@ -157,20 +237,7 @@ class Kube:
         return node
 
     def nodes_not_ready(self, names: set[str]) -> dict[str, datetime]:
-        """The nodes among `names` whose Ready condition is not True, with since when (a
-        node that no longer exists: since the epoch, i.e. lost)."""
-        out = {}
-        for name in sorted(names):
-            node = self.node(name)
-            if node is None:
-                out[name] = datetime.fromtimestamp(0, timezone.utc)
-                continue
-            ready = next((c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"),
-                         None)
-            if ready is None or ready.get("status") != "True":
-                since = (ready or {}).get("lastTransitionTime") or node["metadata"].get("creationTimestamp")
-                out[name] = datetime.strptime(since, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
-        return out
+        return not_ready(names, self.node)
 
     def force_delete_pod(self, namespace: str, name: str) -> bool:
         """Delete a pod with grace period 0: the API server removes it without waiting for

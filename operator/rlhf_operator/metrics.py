@@ -19,6 +19,9 @@ JOB_INFO = Gauge("rlhf_operator_job_info", "1 for each RLHFJob, labelled with it
 QUEUE_DEPTH = Gauge("rlhf_operator_workqueue_depth", "Jobs waiting in the work queue for a reconcile.")
 QUEUE_WAIT = Histogram("rlhf_operator_workqueue_wait_seconds", "Time a job waited in the work queue before its reconcile.",
                        buckets=(0.001, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60))
+CHILD_READS = Counter("rlhf_operator_child_reads_total",
+                      "Reads of a job's children by a reconcile: from kopf's indexes, or from the API server (audits).",
+                      ["source"])
 
 PHASES = ("Pending", "Initializing", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
 TRIGGERS = ("job", "pod", "pytorchjob", "resync")
@@ -28,12 +31,14 @@ for _trigger in TRIGGERS:
     RECONCILES.labels(trigger=_trigger)
 for _phase in PHASES:
     JOBS.labels(phase=_phase)
+for _source in ("index", "api"):
+    CHILD_READS.labels(source=_source)
 
 
 def exported_names() -> set[str]:
     """Every sample name the operator exports (counters with `_total`, histogram series)."""
     names = set()
-    for metric in (RECONCILES, ERRORS, DURATION, RESTARTS, JOBS, LEADER, JOB_INFO, QUEUE_DEPTH, QUEUE_WAIT):
+    for metric in (RECONCILES, ERRORS, DURATION, RESTARTS, JOBS, LEADER, JOB_INFO, QUEUE_DEPTH, QUEUE_WAIT, CHILD_READS):
         for family in metric.describe():
             names.add(family.name + ("_total" if family.type == "counter" else ""))
             if family.type == "histogram":

@@ -9,6 +9,11 @@ deleted, and children have fixed names and are written with server-side apply, s
 killing the operator at any point and starting it again neither loses a restart nor
 duplicates a child.
 
+Children are read from kopf's indexes of the operator's watches (`index`), and from the
+API server when there is no index (tests, tools) and once every AUDIT_SECONDS per job:
+kopf's index keeps an object deleted while its watch was down and listed again (a 410
+Gone), and such a pod would hold a restart for ever.
+
 `JobCache` is the operator's only memory of a job, runtime-only and safe to lose:
 everything that must survive a restart is in the job's status.
 """
@@ -22,7 +27,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, Callable
 
 from pydantic import ValidationError
 
@@ -38,11 +43,12 @@ from .builders import (
     trainer_name,
 )
 from .builders.meta import attempt_of, jobset_name
-from .kube import Kube
+from .kube import Kube, not_ready, observed_of
 
 log = logging.getLogger("rlhf_operator")
 
 APPLY_CACHE_SECONDS = 60.0  # children are re-applied at least this often (repairs manual edits)
+AUDIT_SECONDS = 300.0  # a job's children are read from the API server, not the indexes, this often
 JobKey = tuple[str, str]  # (namespace, name)
 
 
@@ -58,6 +64,8 @@ class JobCache:
     failed_pods: dict[str, dict[str, Any]] = field(default_factory=dict)  # written by the watch thread: iterate a copy
     """Failed pods seen in watch events, by uid: the training-operator and the StatefulSet
     controller delete failed pods within milliseconds, so a LIST may no longer show them."""
+    audited: float = field(default_factory=time.monotonic)
+    """When the job's children were last read from the API server (a new job's index is exact)."""
 
 
 class JobCaches:
@@ -114,10 +122,26 @@ def status_view(st: dict[str, Any]) -> dict[str, Any]:
 
 
 class Reconciler:
-    def __init__(self, kube: Kube, node_lost_after: timedelta = status.NODE_LOST_AFTER):
+    def __init__(self, kube: Kube, node_lost_after: timedelta = status.NODE_LOST_AFTER,
+                 index: Callable[[JobKey], tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]] | None = None):
+        """`index`: a job's children in kopf's indexes, by plural, and the nodes of its pods,
+        by name (handlers.read_indexes)."""
         self.kube = kube
         self.caches = JobCaches()
         self.node_lost_after = node_lost_after
+        self.index = index
+
+    def observe(self, cache: JobCache, namespace: str, name: str, backend: str) -> status.Observed:
+        now = time.monotonic()
+        if self.index is None or now - cache.audited >= AUDIT_SECONDS:
+            cache.audited = now
+            metrics.CHILD_READS.labels(source="api").inc()
+            return self.kube.observe(namespace, name, backend)
+        metrics.CHILD_READS.labels(source="index").inc()
+        indexed, nodes = self.index((namespace, name))
+        observed = observed_of(namespace, name, backend, lambda ck: indexed.get(ck.plural, []),
+                               lambda names: not_ready(names, nodes.get))
+        return self.kube.with_adopted(observed, namespace, name)  # backend TrainJob: its unlabelled pods
 
     def note_pod(self, key: JobKey, pod: dict[str, Any]) -> bool:
         """Remember a pod from a watch event when it shows a failure; True if it does."""
@@ -190,7 +214,7 @@ class Reconciler:
                     if (p["metadata"].get("labels") or {}).get(LABEL_JOB_UID) == body["metadata"]["uid"]}
             cache.uid, cache.applied, cache.failed_pods = body["metadata"]["uid"], {}, seen
         backend = resolve_backend((body.get("spec") or {}).get("backend"), body["metadata"].get("labels") or {})
-        observed = kube.observe(namespace, name, backend)
+        observed = self.observe(cache, namespace, name, backend)
         attempt = int((body.get("status") or {}).get("restarts") or 0)
         for uid, p in list(cache.failed_pods.items()):
             if (attempt_of(p) or 0) < attempt:

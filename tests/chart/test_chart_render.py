@@ -92,12 +92,15 @@ def test_rbac_is_least_privilege(render):
     # deleted when their node is lost; patched only to label a TrainJob's pods as the job's
     assert verbs[("", "pods")] == {"get", "list", "watch", "patch", "delete"}
     assert verbs[("rlhf.dev", "rlhfjobs/status")] == {"get", "patch"}
+    from rlhf_operator.kube import CHILD_KINDS  # each kind's watch fills the index that reconciles read
+    for ck in CHILD_KINDS:
+        assert {"list", "watch"} <= verbs[(ck.group, ck.plural)], ck.plural
     assert ("", "secrets") not in verbs and all("*" not in v for v in verbs.values())
     assert not any(r in ("clusterroles", "clusterrolebindings") for _, r in verbs)
     discovery = docs[("ClusterRole", "rel-rlhf-operator-discovery")]["rules"]  # what kopf observes
     assert {r: tuple(rule["verbs"]) for rule in discovery for r in rule["resources"]} == {
         "namespaces": ("list", "watch"), "customresourcedefinitions": ("list", "watch"),
-        "nodes": ("get",)}  # is a pod's node still Ready (lost nodes)
+        "nodes": ("get", "list", "watch")}  # is a pod's node still Ready (lost nodes): the node index
     lease = docs[("Role", "rel-rlhf-operator-leader-election")]["rules"]
     assert {"resourceNames": ["rel-rlhf-operator"], "verbs": ["get", "update"]}.items() <= lease[1].items()
     test = docs[("Role", "rel-rlhf-operator-test")]["rules"]  # helm test: one job's life, reading its children

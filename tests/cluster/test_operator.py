@@ -201,6 +201,9 @@ def test_valid_job_gets_its_children_and_runs(cluster: Cluster, setup):
     text = wait_for(gauge_counts_running, 10, "the jobs-by-phase gauge")
     counts = {t: float(v) for t, v in re.findall(r'rlhf_operator_reconciles_total\{trigger="(\w+)"\} (\S+)', text)}
     assert counts["pod"] > 0 and counts["resync"] > 0, counts  # the series exist at 0 from the start
+    # every reconcile read the children from kopf's indexes, none from the API server (audits come after 5 min)
+    reads = {s: float(v) for s, v in re.findall(r'rlhf_operator_child_reads_total\{source="(\w+)"\} (\S+)', text)}
+    assert reads["index"] > 0 and reads["api"] == 0, reads
     assert "rlhf_operator_reconcile_duration_seconds_bucket" in text and "rlhf_operator_leader 1.0" in text
     # one info series per job, labelled for per-job alerts; the work queue's depth and wait
     assert f'rlhf_operator_job_info{{namespace="{ns}",phase="Running",rlhf_job="run"}} 1.0' in text
