@@ -341,6 +341,8 @@ def _attempt(resolved: RLHFJob, out: Path, config_path: Path, console, *, resume
                 weight_sync_addr=f"127.0.0.1:{free_port()}", output_dir=str(out),
                 master_addr="127.0.0.1", master_port=free_port(), resume=resume, python=sys.executable,
             )
+            from rlhf_trainer.launch import ENV_CHECKED_CONFIG, config_digest  # run_local checked this very file
+            trainer = dataclasses.replace(trainer, env={**trainer.env, ENV_CHECKED_CONFIG: config_digest(config_path)})
             if threads:
                 trainer = dataclasses.replace(trainer, env={**trainer.env, "OMP_NUM_THREADS": str(threads["trainer"])})
             if judge_urls:

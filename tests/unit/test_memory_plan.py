@@ -250,6 +250,35 @@ def test_the_launcher_exits_2_on_a_plan_that_does_not_fit(tmp_path, monkeypatch,
     assert "spec.trainer: the plan needs" in capsys.readouterr().err
 
 
+def test_the_launcher_skips_only_the_check_rlhfctl_ran_on_that_very_file(tmp_path, monkeypatch, capsys):
+    """Local mode: `rlhfctl run` has checked the config file and passes its digest; the launcher
+    starts the trainer without checking it again. A file changed since is checked (exit 2)."""
+    from rlhf_contract.pod import ENV_TRAINER_CONFIG
+    from rlhf_trainer import launch
+
+    model = write_model(tmp_path, QWEN_7B)
+    config = grpo_config(f"model.path={model}", "trainer.gpuMemoryGiB=80",
+                         "trainer.parallelism.activationCheckpointing=false")
+    path = tmp_path / "trainer.json"
+    path.write_text(config.to_json())
+    monkeypatch.setenv(ENV_TRAINER_CONFIG, str(path))
+    monkeypatch.setenv("RLHF_TERMINATION_LOG", str(tmp_path / "termination-log"))
+    monkeypatch.setenv(launch.ENV_CHECKED_CONFIG, launch.config_digest(path))
+
+    class Started(Exception):
+        pass
+
+    def popen(command, **kwargs):
+        raise Started(command)
+
+    monkeypatch.setattr("subprocess.Popen", popen)
+    with pytest.raises(Started, match="torch.distributed.run"):
+        launch.main(["--nnodes=1", "--nproc-per-node=8"])
+    path.write_text(config.to_json() + "\n")  # not the file that was checked
+    assert launch.main(["--nnodes=1", "--nproc-per-node=8"]) == 2
+    assert "spec.trainer: the plan needs" in capsys.readouterr().err
+
+
 def test_weight_sync_term_holds_the_packing_codes_peak_wherever_the_largest_tensor_falls():
     """The sender's real packing (`checked_bytes`: fp32 gathered, cast to bf16; `pack_buckets`
     into its 3-buffer ring, two buckets in flight) over a 7B-like tensor sequence scaled to a

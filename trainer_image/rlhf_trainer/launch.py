@@ -15,6 +15,7 @@ answers Prometheus (`serve_node_endpoint`).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import subprocess
@@ -28,6 +29,17 @@ from rlhf_contract.trainer_config import TrainerConfig
 
 from .exits import ENV_CONFIG_ERROR_FILE, marked_exit_code, write_termination_message
 from .preflight import check
+
+
+ENV_CHECKED_CONFIG = "RLHF_CHECKED_CONFIG"
+"""`rlhfctl run` (local mode) sets it to the `config_digest` of the trainer config it has just
+passed through the same `preflight.check` for the same world: the launcher then skips its own
+check of that very file (seconds of imports and tokenizer loading, on every attempt). Nothing
+sets it in a pod, where the check always runs; any other file is checked."""
+
+
+def config_digest(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def _option(args: list[str], name: str, default: int) -> int:
@@ -56,8 +68,10 @@ def serve_node_endpoint(args: list[str]) -> int | None:
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     try:
-        config = TrainerConfig.from_json(Path(os.environ[ENV_TRAINER_CONFIG]).read_text())
-        problems = check(config, _option(args, "--nnodes", 1) * _option(args, "--nproc-per-node", 1))
+        path = Path(os.environ[ENV_TRAINER_CONFIG])
+        config = TrainerConfig.from_json(path.read_text())
+        checked = os.environ.get(ENV_CHECKED_CONFIG) == config_digest(path)
+        problems = [] if checked else check(config, _option(args, "--nnodes", 1) * _option(args, "--nproc-per-node", 1))
     except KeyError:
         problems = [f"{ENV_TRAINER_CONFIG} is not set: the trainer needs its config file"]
     except (OSError, ValueError) as err:
