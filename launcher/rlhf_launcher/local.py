@@ -21,7 +21,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,6 +37,7 @@ from rlhf_contract.pod import (ENV_JUDGE_ENDPOINTS, JOB_FILE, Process, fetch_pro
 from rlhf_contract.sources import localize, plan
 
 from .plot import plot_runs
+from .ports import free_port  # noqa: F401  (also the tests' one definition)
 
 _ERROR_LINE = re.compile(r"^(\[rank\d+\]: )?[A-Za-z_.]*(Error|Exception|Exit): ")
 
@@ -58,12 +58,6 @@ class Terminated(Exception):
 def _on_sigterm(signum, frame) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the clean-up below must not be cut short
     raise Terminated()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Child:
