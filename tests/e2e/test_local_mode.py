@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 def rlhfctl(*args, **kw):
     return subprocess.run([sys.executable, "-m", "rlhf_launcher.cli", *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=kw.pop("timeout", 400), **kw)
+                          cwd=ROOT, timeout=kw.pop("timeout", 570), **kw)
 
 
 def sets(*items):

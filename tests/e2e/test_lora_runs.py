@@ -29,7 +29,7 @@ HEAD = ["model.lora.modulesToSave=[lm_head]"]
 pytestmark = pytest.mark.slow
 
 
-def rlhfctl(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
+def rlhfctl(*args: str, timeout: float = 570) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "rlhf_launcher.cli", *args], capture_output=True, text=True,
                           cwd=ROOT, timeout=timeout)
 
