@@ -213,6 +213,8 @@ def trainer_process(
     }
     if metrics_port:
         env[ENV_METRICS_PORT] = str(metrics_port)
+    if t.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # on CPU even where the machine has GPUs
     return Process(command, env)
 
 

@@ -16,6 +16,7 @@
 # tools are built by ONE `go build` so shared packages compile once. Modules:
 #   k8s/               kube-apiserver, kube-controller-manager, kube-scheduler, kubectl
 #                      (k8s.io/kubernetes v1.34.4, staging modules replaced by v0.34.4),
+#                      kubelet and kube-proxy (the real node of tests/cluster/node/),
 #                      etcd (go.etcd.io/etcd/server/v3, the v3.6 that kubernetes pins), helm v3
 #   kwok/              kwok v0.8 (built against k8s.io/* v0.36; v0.7 does not compile with v0.34) and the
 #                      JobSet controller v0.12 (sigs.k8s.io/jobset, also k8s.io/* v0.36: one module,
@@ -30,7 +31,7 @@ TOOLS="$HERE/tools"
 CACHE_ROOT="${RLHF_CLUSTER_BIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/rlhf-operator/cluster-bin}"
 
 KUBE_VERSION=v1.34.4
-BINARIES=(etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kwok helm training-operator jobset)
+BINARIES=(etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy kwok helm training-operator jobset)
 
 hash_inputs() {
     (cd "$HERE" && cat build.sh tools/*/go.mod tools/*/go.sum) | sha256sum | cut -c1-16
@@ -92,7 +93,7 @@ mkdir -p "$out"
 mv "$TMP/k8s/server" "$out/etcd"
 mv "$TMP/kwok/kwok" "$out/kwok"
 mv "$TMP/kwok/jobset" "$out/jobset"
-for b in kube-apiserver kube-controller-manager kube-scheduler kubectl helm; do
+for b in kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy helm; do
     mv "$TMP/k8s/$b" "$out/$b"
 done
 mv "$TMP/training-operator/training-operator.v1" "$out/training-operator"

@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import shutil
+import socket
 import ssl
 import subprocess
 import time
@@ -34,6 +35,15 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULT_DIR = Path(os.environ.get("RLHF_CLUSTER_DIR", REPO / ".cluster"))
 KUBE_ORDER = ["etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok",
               "training-operator", "jobset"]
+
+
+def host_ip() -> str:
+    """The host's address on its default route (what pods of the real node reach it at);
+    127.0.0.1 when there is none."""
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("10.254.254.254", 9))  # no packet is sent: this only picks the route's source
+        return s.getsockname()[0]
+    return "127.0.0.1"
 
 
 def _stop_order(names) -> list[str]:
@@ -69,6 +79,7 @@ class Cluster(KubeClient, FakeNodes):
         except ValueError:
             return None
         c.ports, c.pids, c.bin_dir = st["ports"], st["pids"], Path(st["bin_dir"])
+        c.host_ip = st.get("host_ip", "127.0.0.1")
         if not all(pid_alive(p, c.bin_dir) for p in c.pids.values()):
             return None
         try:
@@ -76,10 +87,6 @@ class Cluster(KubeClient, FakeNodes):
         except Exception:  # noqa: BLE001
             return None
         return c
-
-    def _write_state(self) -> None:
-        self.state_file.write_text(json.dumps(
-            {"ports": self.ports, "pids": self.pids, "bin_dir": str(self.bin_dir)}, indent=2))
 
     # ---- processes
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
@@ -132,7 +139,8 @@ class Cluster(KubeClient, FakeNodes):
                      "to_metrics", "to_health", "js_webhook", "js_health"):
             self.ports[name] = free_port()
         try:
-            pki.cluster_pki(self.pki)
+            self.host_ip = host_ip()
+            pki.cluster_pki(self.pki, self.host_ip)
             pki.write_kubeconfig(self.kubeconfig, self.server, self.pki)
             self._start_etcd(timeout)
             self._start_apiserver(timeout)
@@ -178,6 +186,11 @@ class Cluster(KubeClient, FakeNodes):
         wait_for(lambda: self._check_alive("etcd") and http_ok(f"http://127.0.0.1:{p}/health"),
                  timeout, "etcd /health")
 
+    def _write_state(self) -> None:
+        self.state_file.write_text(json.dumps(
+            {"ports": self.ports, "pids": self.pids, "bin_dir": str(self.bin_dir),
+             "host_ip": getattr(self, "host_ip", "127.0.0.1")}, indent=2))
+
     def _apiserver_ready(self) -> bool:
         code, body = self._https_get(f"{self.server}/readyz")
         return code == 200
@@ -187,7 +200,11 @@ class Cluster(KubeClient, FakeNodes):
         self._spawn("kube-apiserver", [
             self.bin("kube-apiserver"),
             f"--etcd-servers=http://127.0.0.1:{self.ports['etcd']}",
-            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
+            # On all addresses, advertised on the host's: the real node's pods reach it through
+            # the `kubernetes` Service (10.96.0.1:443 -> this address), the kubelet's too.
+            "--bind-address=0.0.0.0", f"--advertise-address={self.host_ip}",
+            # `kubectl logs` / `exec` on the real node: the kubelet trusts the cluster CA.
+            f"--kubelet-client-certificate={d / 'admin.crt'}", f"--kubelet-client-key={d / 'admin.key'}",
             f"--secure-port={self.ports['apiserver']}",
             f"--cert-dir={self.root / 'pki'}",
             f"--tls-cert-file={d / 'apiserver.crt'}", f"--tls-private-key-file={d / 'apiserver.key'}",

@@ -54,12 +54,14 @@ def b64(path: Path) -> str:
     return base64.b64encode(path.read_bytes()).decode()
 
 
-def cluster_pki(d: Path) -> None:
+def cluster_pki(d: Path, host_ip: str | None = None) -> None:
     """CA, API server serving cert, admin client cert, front proxy, service-account keys
-    and an admin token, written into `d`."""
+    and an admin token, written into `d`. `host_ip`: the address the API server advertises
+    (pods of the real node reach it there through the `kubernetes` Service)."""
     make_ca(d, "ca", "rlhf-test-cluster-ca")
+    extra = f"IP:{host_ip}," if host_ip and host_ip != "127.0.0.1" else ""
     make_cert(d, "apiserver", "ca", "/CN=kube-apiserver", [
-        "subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,"
+        f"subjectAltName=IP:127.0.0.1,{extra}IP:10.96.0.1,DNS:localhost,DNS:kubernetes,"
         "DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local",
         "extendedKeyUsage=serverAuth",
         "keyUsage=critical,digitalSignature,keyEncipherment",

@@ -67,6 +67,11 @@ class RolloutSpec(SpecModel):
     colocated: ColocatedSpec = Field(default_factory=ColocatedSpec)
     """Sleep level and trainer offload of `placement: colocated`."""
 
+    @property
+    def gpus_per_server(self) -> int:
+        """Accelerators each rollout server pod requests: none for the CPU engine."""
+        return 0 if self.engine == "cpu" else self.tensor_parallel_size
+
 
 class ParallelismSpec(SpecModel):
     """Model and sequence parallelism; data-parallel sharding (FSDP2) takes the rest of the
@@ -108,6 +113,10 @@ class TrainerSpec(SpecModel):
     """Trainer pods (torchrun nodes)."""
     nproc_per_node: int = Field(default=1, ge=1, le=INT32_MAX)
     """Trainer processes per pod (GPUs per pod)."""
+    device: Literal["gpu", "cpu"] = "gpu"
+    """`gpu`: each trainer pod requests `nprocPerNode` GPUs. `cpu`: the trainer processes run
+    on CPU (gloo) and the pods request no accelerator: a tiny model, CI, a cluster or a
+    machine without GPUs."""
     learning_rate: float = Field(default=1e-6, gt=0)
     """AdamW learning rate."""
     weight_decay: float = Field(default=0.0, ge=0)
@@ -143,6 +152,11 @@ class TrainerSpec(SpecModel):
     """CPU and memory of each trainer pod's container (GPUs: `nprocPerNode`)."""
     pod: RolePodSpec = Field(default_factory=RolePodSpec)
     """Scheduling of the trainer pods over `spec.pod` (e.g. another GPU type's node pool)."""
+
+    @property
+    def gpus_per_pod(self) -> int:
+        """Accelerators each trainer pod requests: `nprocPerNode`, none with `device: cpu`."""
+        return 0 if self.device == "cpu" else self.nproc_per_node
 
 
 class ScheduleSpec(SpecModel):

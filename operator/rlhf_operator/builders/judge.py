@@ -53,7 +53,7 @@ def build_judge_statefulset(job: RLHFJob, settings: PodSettings) -> dict[str, An
         "command": proc.command,
         "env": env_list(proc.env) + list(job.spec.pod.env),
         "ports": [{"name": "http", "containerPort": contract.ROLLOUT_PORT, "protocol": "TCP"}],
-        "resources": container_resources(r.tensor_parallel_size, r.resources, settings.role(ROLE_ROLLOUT)),
+        "resources": container_resources(r.gpus_per_server, r.resources, settings.role(ROLE_ROLLOUT)),
         "securityContext": container_security_context(),
         "volumeMounts": volume_mounts(settings),
         "startupProbe": {**probe, "periodSeconds": contract.ROLLOUT_STARTUP_PROBE_PERIOD_S,

@@ -189,8 +189,9 @@ def container_resources(gpus: int, resources: Resources, placement: PodSchedulin
     limits = dict(resources.limits)
     if "memory" in requests and "memory" not in limits:
         limits["memory"] = requests["memory"]
-    requests[placement.accelerator_resource] = str(gpus)
-    limits[placement.accelerator_resource] = str(gpus)
+    if gpus:  # a CPU role (rollout.engine: cpu, trainer.device: cpu) asks for none
+        requests[placement.accelerator_resource] = str(gpus)
+        limits[placement.accelerator_resource] = str(gpus)
     out: dict[str, Any] = {"requests": requests, "limits": limits}
     if placement.resource_claims:
         out["claims"] = [{"name": c["name"]} for c in placement.resource_claims]

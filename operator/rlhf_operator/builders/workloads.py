@@ -77,7 +77,7 @@ def rollout_container(job: RLHFJob, settings: PodSettings) -> dict[str, Any]:
         "command": proc.command,
         "env": env_list({**proc.env, **nccl_network_env(job)}) + list(job.spec.pod.env),
         "ports": [{"name": "http", "containerPort": contract.ROLLOUT_PORT, "protocol": "TCP"}],
-        "resources": container_resources(r.tensor_parallel_size, r.resources, settings.role(ROLE_ROLLOUT)),
+        "resources": container_resources(r.gpus_per_server, r.resources, settings.role(ROLE_ROLLOUT)),
         "securityContext": container_security_context(),
         "volumeMounts": volume_mounts(settings),
         # Loading a large model takes minutes: up to 30 min before liveness applies.
@@ -173,7 +173,7 @@ def trainer_container(job: RLHFJob, settings: PodSettings, *, rollout_endpoints:
             # every trainer pod answers here; node 0's rank 0 serves the step metrics
             {"name": "metrics", "containerPort": contract.TRAINER_METRICS_PORT, "protocol": "TCP"},
         ],
-        "resources": container_resources(t.nproc_per_node, t.resources, settings.role(ROLE_TRAINER)),
+        "resources": container_resources(t.gpus_per_pod, t.resources, settings.role(ROLE_TRAINER)),
         "securityContext": container_security_context(),
         "volumeMounts": volume_mounts(settings, trainer=True),
         "terminationMessagePolicy": "FallbackToLogsOnError",
