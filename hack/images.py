@@ -10,8 +10,8 @@ and `buildctl`, both from the Go module proxy (`make buildkit-bin`, tests/cluste
 or on PATH, or $BUILDKIT_BIN). Each image is pushed as `<registry>/<name>:<version>`; the
 digests go to the lock file (`images.lock.json`: what `make release` and the tests read).
 
-Base images are build arguments (PYTHON_BASE_IMAGE, TORCH_BASE_IMAGE, VLLM_BASE_IMAGE); the
-colocated image is built FROM the inference image just pushed. `--insecure` talks plain
+Base images are build arguments (PYTHON_BASE_IMAGE, TORCH_BASE_IMAGE, VLLM_BASE_IMAGE; the
+inference and colocated images share the vLLM base). `--insecure` talks plain
 HTTP to the registry (a registry on loopback, as in the tests).
 
 Only the standard library: runs before any virtual environment exists.
@@ -226,9 +226,6 @@ def build_images(registry: str, version: str, names: list[str], build_args: dict
     lock: dict[str, dict[str, str]] = {}
     for name in names:
         args = dict(build_args)
-        if name == "colocated":
-            args.setdefault("INFERENCE_IMAGE", lock["inference"]["ref"] if "inference" in lock
-                            else f"{registry}/inference:{version}")
         ref = f"{registry}/{name}:{version}"
         t0 = time.monotonic()
         log(f"building {ref}")

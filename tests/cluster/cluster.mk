@@ -34,3 +34,13 @@ test: kueue-bin
 trainer-bin:
 	bash tests/cluster/trainer/build.sh
 test: trainer-bin
+
+# The images the real-pod tests run (tests/cluster/test_real_pods.py): pause, bases from
+# Debian's archive and PyPI, and our four images from their Dockerfiles, built by BuildKit
+# (hack/images.py) into the suite's registry, cached in ~/.cache/rlhf-operator/ (a warm run
+# checks a hash and builds nothing). Needs root; elsewhere it says so and the tests skip.
+.PHONY: test-images
+test-images: $(STAMP) node-tools
+	@if [ "$$(id -u)" = 0 ]; then $(BIN)/python tests/cluster/images/build_test_images.py; \
+	  else echo "test-images: not root: the real-pod tests will be skipped"; fi
+test: test-images

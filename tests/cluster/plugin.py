@@ -28,6 +28,8 @@ def pytest_configure(config):
         "markers", "cluster: needs the real Kubernetes control plane (tests/cluster/harness.py)")
     config.addinivalue_line(
         "markers", "cluster_last: run after every other test (soak checks of the shared cluster)")
+    config.addinivalue_line(
+        "markers", "realnode: runs real pods on the real node (tests/cluster/realnode.py; root, `make test-images`)")
 
 
 def pytest_collection_modifyitems(session, config, items):

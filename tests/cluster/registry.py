@@ -34,6 +34,20 @@ def node_tools() -> Path:
     return Path(out.stdout.strip().splitlines()[-1])
 
 
+SHARED_PORT = int(os.environ.get("RLHF_REGISTRY_PORT", "5055"))
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 class Registry:
     """`Registry.start(work_dir)` -> a running registry; `.host` is `127.0.0.1:<port>`."""
 
@@ -57,7 +71,9 @@ class Registry:
             lock_fh.close()
             storage, lock_fh = work_dir / "registry-data", None
             storage.mkdir(exist_ok=True)
-        port = free_port()
+        # The shared store is served on one fixed port: image references (and BuildKit's
+        # cache keys of FROM lines) name the registry's address, so a warm run finds them again.
+        port = SHARED_PORT if lock_fh is not None and _port_free(SHARED_PORT) else free_port()
         host = f"127.0.0.1:{port}"
         config = work_dir / "registry.yml"
         config.write_text(json.dumps({  # YAML is a superset of JSON

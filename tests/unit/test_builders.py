@@ -320,3 +320,23 @@ def test_offline_methods_get_the_trainer_alone(method):
     assert env[contract.ENV_ROLLOUT_ENDPOINTS] == ""
     config = json.loads(children[("ConfigMap", "demo-config")]["data"]["trainer.json"])
     assert config["method"] == method
+
+
+def test_a_cpu_job_requests_no_accelerator_on_any_pod():
+    """`rollout.engine: cpu` and `trainer.device: cpu`: the pods fit a node without GPUs (the
+    real test node runs such a job), the trainer hides any GPU, and CPU and memory stay as asked."""
+    cpu = {"requests": {"cpu": "500m", "memory": "2Gi"}}
+    children = children_of(make_job(rollout={"engine": "cpu", "replicas": 2, "resources": cpu},
+                                    trainer={"nprocPerNode": 2, "device": "cpu", "resources": cpu}))
+    sts = children[("StatefulSet", "demo-rollout")]["spec"]["template"]["spec"]["containers"][0]
+    ptj = children[("PyTorchJob", "demo-trainer")]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    trainer = ptj["containers"][0]
+    for c in (sts, trainer):
+        assert c["resources"] == {"requests": {"cpu": "500m", "memory": "2Gi"}, "limits": {"memory": "2Gi"}}
+    env = {e["name"]: e.get("value") for e in trainer["env"]}
+    assert env["CUDA_VISIBLE_DEVICES"] == ""
+    # the same job on GPUs asks for them (nprocPerNode per trainer pod; none for the CPU engine still)
+    gpu = children_of(make_job(rollout={"engine": "cpu", "replicas": 2}, trainer={"nprocPerNode": 2}))
+    gpu_trainer = gpu[("PyTorchJob", "demo-trainer")]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    assert gpu_trainer["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "2"}
+    assert "CUDA_VISIBLE_DEVICES" not in {e["name"] for e in gpu_trainer["containers"][0]["env"]}

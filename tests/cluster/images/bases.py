@@ -22,8 +22,21 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]
-sys.path.insert(0, str(REPO / "hack"))
-import images as image_builder  # noqa: E402  (hack/images.py: one builder for users and tests)
+
+def _load_builder():
+    """hack/images.py (one builder for users and tests), loaded from its file."""
+    import importlib.util
+
+    if "rlhf_hack_images" in sys.modules:
+        return sys.modules["rlhf_hack_images"]
+    spec = importlib.util.spec_from_file_location("rlhf_hack_images", REPO / "hack" / "images.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["rlhf_hack_images"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+image_builder = _load_builder()
 
 DEBIAN_SUITE = "bookworm"
 DEBIAN_MIRROR = os.environ.get("RLHF_DEBIAN_MIRROR", "http://deb.debian.org/debian")

@@ -1,0 +1,322 @@
+"""Pods that really run: our four images, built from their own Dockerfiles without a Docker
+engine (`make test-images`: hack/images.py on BuildKit, bases from Debian's archive and
+PyPI), pulled by a real node (containerd + runc + CNI, kubelet and kube-proxy from the
+control plane's module, CoreDNS) from the suite's registry. Nothing here starts a trainer or
+a rollout server itself: the chart is installed from the registry as an OCI artifact, its
+operator runs as the Deployment's pod and leader-elects, and `rlhfctl submit` sends a CPU
+job whose pods the operator and the training-operator create.
+
+One module, one job, in order (each test needs the state the one before left):
+  images  - vLLM's own CLI runs in the rollout image's base (`vllm serve --help`)
+  chart   - `helm install oci://` of the packaged chart; the operator's pod leader-elects
+  job     - the job's pods run; STEP and REWARD move in `kubectl get rlj`; Prometheus scrapes
+            the trainer pod; deleting the trainer pod restarts the whole job, which resumes
+            from its newest checkpoint on the PersistentVolume; the reward rises;
+            `rlhfctl logs` shows the trainer's log; `rlhfctl delete` removes every child and
+            the checkpoints stay.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlhf_contract import images
+
+from .harness import Cluster, wait_for
+from .realnode import NODE_NAME, SELECTOR, STATE, TOLERATION, RealNode
+from .registry import Registry, node_tools
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.realnode]
+
+ROOT = Path(__file__).resolve().parents[2]
+LOCK = Path.home() / ".cache" / "rlhf-operator" / "test-images.lock.json"
+CHART = ROOT / "charts" / "rlhf-operator"
+JOB = "pods-grpo"
+STEPS = 100
+
+
+def _lock() -> dict:
+    if not LOCK.exists():
+        pytest.skip(f"{LOCK} missing: `make test-images` builds the images these tests run")
+    return json.loads(LOCK.read_text())
+
+
+@pytest.fixture(scope="module")
+def stack(cluster: Cluster, tmp_path_factory):
+    if os.geteuid() != 0:
+        pytest.skip("a real node needs root (containerd, runc, iptables)")
+    lock = _lock()
+    work = tmp_path_factory.mktemp("real-pods")
+    tools = node_tools()
+    registry = Registry.start(work, tools)
+    if registry.host != lock["registry"]:
+        registry.stop()
+        pytest.skip(f"the test images' registry {lock['registry']} is not free to serve them (another session?)")
+    node = None
+    try:
+        missing = [e["ref"] for e in lock["images"].values()
+                   if registry.digest(*e["image"].split("/", 1)[1].rsplit(":", 1)) != e["digest"]]
+        assert not missing, f"images of {LOCK} not in the registry: {missing}; run `make test-images`"
+        node = RealNode(cluster, tools, registry.host, lock["pause"]).start()
+        ns = f"real-{uuid.uuid4().hex[:6]}"
+        cluster.kubectl("create", "namespace", ns)
+        yield {"lock": lock, "registry": registry, "node": node, "ns": ns, "work": work,
+               "ref": {n: e["ref"] for n, e in lock["images"].items()}}
+    finally:
+        if node is not None:
+            node.stop()
+        registry.stop()
+
+
+def pod_on_node(cluster: Cluster, ns: str, name: str, image: str, command: list[str]) -> dict:
+    cluster.apply({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": ns},
+        "spec": {"restartPolicy": "Never", "nodeSelector": SELECTOR, "tolerations": [TOLERATION],
+                 "containers": [{"name": "main", "image": image, "command": command,
+                                 "imagePullPolicy": "IfNotPresent"}]},
+    })
+    pod = wait_for(lambda: (p := cluster.get("pod", name, namespace=ns))["status"].get("phase") in ("Succeeded", "Failed")
+                   and p, 600, f"pod {name} to finish")
+    return pod
+
+
+def test_vllm_cli_runs_in_the_rollout_image(cluster: Cluster, stack):
+    """The rollout image's base is PyPI's vLLM wheel (the pinned release) on Debian: its own
+    CLI runs in a container on the real node (no GPU: `--help` only)."""
+    pod = pod_on_node(cluster, stack["ns"], "vllm-help", stack["ref"]["inference"], ["vllm", "serve", "--help"])
+    logs = cluster.kubectl("logs", "vllm-help", "-n", stack["ns"]).stdout
+    assert pod["status"]["phase"] == "Succeeded", logs[-3000:]
+    assert "--tensor-parallel-size" in logs and "--max-model-len" in logs
+    assert pod["spec"]["nodeName"] == NODE_NAME
+
+
+def test_helm_install_from_the_registry_and_the_operator_pod_leads(cluster: Cluster, stack):
+    reg, ns = stack["registry"], stack["ns"]
+    release_ns = f"{ns}-system"
+    op = stack["lock"]["images"]["operator"]
+    dist = stack["work"] / "dist"
+    dist.mkdir()
+    out = cluster.helm("package", str(CHART), "--destination", str(dist))
+    assert out.returncode == 0, out.stderr
+    tgz = dist / f"rlhf-operator-{images.VERSION}.tgz"
+    out = cluster.helm("push", str(tgz), f"oci://{reg.host}/rlhf-operator/charts", "--plain-http")
+    assert out.returncode == 0, out.stderr
+    assert reg.digest("rlhf-operator/charts/rlhf-operator", images.VERSION)  # an OCI artifact in the registry
+    repo = op["image"].rsplit(":", 1)[0]
+    values = {
+        "image": {"repository": repo, "tag": images.VERSION, "digest": op["digest"]},
+        "watchNamespaces": [ns], "nodeSelector": SELECTOR, "tolerations": [TOLERATION],
+        "resyncSeconds": 5, "helmTest": {"enabled": False},
+    }
+    (stack["work"] / "values.yaml").write_text(yaml.safe_dump(values))
+    out = cluster.helm("install", "rlhf", f"oci://{reg.host}/rlhf-operator/charts/rlhf-operator",
+                       "--version", images.VERSION, "--plain-http", "--namespace", release_ns, "--create-namespace",
+                       "-f", str(stack["work"] / "values.yaml"), "--take-ownership", "--wait", "--timeout", "5m")
+    assert out.returncode == 0, out.stdout + out.stderr + cluster.kubectl(
+        "get", "pods,events", "-n", release_ns, "-o", "wide", check=False).stdout
+    stack["release_ns"] = release_ns
+    pods = cluster.get("pods", namespace=release_ns)["items"]
+    assert len(pods) == 1 and pods[0]["spec"]["nodeName"] == NODE_NAME
+    status = pods[0]["status"]["containerStatuses"][0]
+    assert status["ready"] and status["imageID"].endswith(op["digest"])  # pulled by digest, running
+    # it leads: the Lease names its pod
+    leases = wait_for(lambda: [le for le in cluster.get("leases", namespace=release_ns)["items"]
+                               if le["spec"].get("holderIdentity", "").startswith(pods[0]["metadata"]["name"])],
+                      60, "the operator pod to hold the leader Lease")
+    assert leases
+
+
+def _job_doc(stack, claim: str) -> dict:
+    ref = stack["ref"]
+    return {
+        "apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob", "metadata": {"name": JOB},
+        "spec": {
+            "pod": {"nodeSelector": SELECTOR, "tolerations": [TOLERATION]},
+            "model": {"path": "builtin://tiny-qwen2"},
+            "data": {"path": "builtin://last-digit", "maxPromptLength": 16},
+            "reward": {"type": "exact_match"},
+            "algorithm": {"preset": "grpo", "lossAgg": "token-mean", "klCoef": 0.0},
+            "rollout": {"engine": "cpu", "image": ref["inference"], "replicas": 2, "samplesPerPrompt": 8,
+                        "maxTokens": 1, "temperature": 1.0,
+                        "resources": {"requests": {"cpu": "100m", "memory": "2Gi"}}},
+            "trainer": {"image": ref["trainer"], "device": "cpu", "nprocPerNode": 1, "learningRate": 0.001,
+                        "resources": {"requests": {"cpu": "100m", "memory": "4Gi"}}},
+            "schedule": {"totalSteps": STEPS, "promptsPerStep": 16, "saveEvery": 20, "seed": 0},
+            "output": {"claimName": claim},
+            "runPolicy": {"maxRestarts": 2},
+        },
+    }
+
+
+def rlhfctl(cluster: Cluster, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rlhf_launcher.cli", *args, "--kubeconfig", str(cluster.kubeconfig)],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def get_rlj(cluster: Cluster, ns: str) -> dict:
+    """`kubectl get rlj` as a user reads it: the printer columns by name."""
+    out = cluster.kubectl("get", "rlj", JOB, "-n", ns).stdout.splitlines()
+    header, row = out[0].split(), out[1].split()
+    return dict(zip(header, row))
+
+
+def test_a_cpu_job_runs_in_real_pods_restarts_whole_and_learns(cluster: Cluster, stack, tmp_path):
+    if "release_ns" not in stack:
+        pytest.skip("the operator was not installed (test_helm_install... failed)")
+    ns = stack["ns"]
+    # A PersistentVolume on the node (hostPath) for the output: checkpoints survive restarts and the job.
+    pv_dir = STATE / "pv" / ns
+    pv_dir.mkdir(parents=True, exist_ok=True)
+    os.chown(pv_dir, 1000, 1000)  # the pods' uid (a hostPath volume gets no fsGroup)
+    claim = "pods-grpo-output"
+    cluster.apply(
+        {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"{ns}-output"},
+         "spec": {"capacity": {"storage": "5Gi"}, "accessModes": ["ReadWriteOnce"],
+                  "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "real-node-local",
+                  "hostPath": {"path": str(pv_dir), "type": "Directory"},
+                  "claimRef": {"namespace": ns, "name": claim}}},
+        {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim, "namespace": ns},
+         "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "real-node-local",
+                  "resources": {"requests": {"storage": "5Gi"}}}},
+    )
+    prom = Prometheus.start(cluster, ns, tmp_path)
+    try:
+        (tmp_path / "job.yaml").write_text(yaml.safe_dump(_job_doc(stack, claim)))
+        out = rlhfctl(cluster, "submit", str(tmp_path / "job.yaml"), "-n", ns)
+        assert out.returncode == 0, out.stdout + out.stderr
+
+        def progressed(min_step: int):
+            row = get_rlj(cluster, ns)
+            return row if row.get("STEP", "").isdigit() and int(row["STEP"]) >= min_step else None
+
+        try:
+            first = wait_for(lambda: progressed(1), 600, "the job's first step in `kubectl get rlj`", interval=2)
+        except TimeoutError:
+            raise AssertionError(cluster.kubectl("get", "rlj,pods,events", "-n", ns, "-o", "wide").stdout
+                                 + rlhfctl(cluster, "logs", JOB, "-n", ns, "--tail", "60").stdout)
+        assert first["PHASE"] == "Running"
+        pods = cluster.get("pods", namespace=ns, selector=f"rlhf.dev/job-name={JOB}")["items"]
+        assert pods and all(p["spec"]["nodeName"] == NODE_NAME for p in pods)  # real containers, not kwok's
+        roles = sorted(p["metadata"]["labels"].get("rlhf.dev/role") for p in pods)
+        assert roles == ["rollout", "rollout", "trainer"], roles
+
+        # Prometheus (the real one) scrapes rank 0 at its pod IP through the same pod discovery a PodMonitor uses
+        scraped = wait_for(lambda: prom.value("max(rlhf_step)"), 120, "Prometheus to scrape rlhf_step", interval=2)
+        assert scraped >= 1
+
+        # Delete the trainer pod after a checkpoint: the WHOLE job restarts and resumes from it.
+        ckpt = wait_for(lambda: cluster.get("rlj", JOB, namespace=ns)["status"].get("progress", {}).get("lastCheckpoint"),
+                        600, "a first checkpoint", interval=2)
+        saved_step = int(ckpt.rstrip("/").rsplit("-", 1)[1])
+        trainer = next(p for p in pods if p["metadata"]["labels"].get("rlhf.dev/role") == "trainer")
+        old_uids = {p["metadata"]["uid"] for p in pods}
+        cluster.kubectl("delete", "pod", trainer["metadata"]["name"], "-n", ns, "--wait=false")
+        wait_for(lambda: cluster.get("rlj", JOB, namespace=ns)["status"].get("restarts", 0)
+                 + cluster.get("rlj", JOB, namespace=ns)["status"].get("disruptions", 0) >= 1,
+                 300, "the job to count the restart", interval=2)
+        done = wait_for(lambda: (s := cluster.get("rlj", JOB, namespace=ns)["status"]).get("phase") in ("Succeeded", "Failed")
+                        and s, 1500, "the job to finish", interval=5)
+        assert done["phase"] == "Succeeded", done
+        new_pods = cluster.get("pods", namespace=ns, selector=f"rlhf.dev/job-name={JOB}")["items"]
+        assert not old_uids & {p["metadata"]["uid"] for p in new_pods}  # every pod replaced, rollout servers too
+
+        logs = rlhfctl(cluster, "logs", JOB, "-n", ns)
+        assert logs.returncode == 0, logs.stderr
+        assert f"resumed from /output/checkpoints/step-" in logs.stdout or "resumed from" in logs.stdout, logs.stdout[-3000:]
+
+        rows = [json.loads(line) for line in (pv_dir / "metrics.jsonl").read_text().splitlines()]
+        steps = [r["step"] for r in rows]
+        assert steps[-1] == STEPS
+        resumed_at = next(s for a, s in zip(steps, steps[1:]) if s <= a)  # the step the second attempt began at
+        assert resumed_at >= saved_step + 1 - 0  # not from scratch: from the checkpoint
+        final = {}
+        for r in rows:
+            final[r["step"]] = r["reward_mean"]
+        rewards = [final[s] for s in sorted(final)]
+        first10, last10 = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+        assert last10 >= 0.4 and last10 >= 2 * first10, (first10, last10)
+        assert float(get_rlj(cluster, ns)["REWARD"]) == pytest.approx(done["progress"]["rewardMean"], abs=1e-3)
+
+        # `rlhfctl delete`: every child gone, the checkpoints kept on the volume
+        out = rlhfctl(cluster, "delete", JOB, "-n", ns, "--wait")
+        assert out.returncode == 0, out.stdout + out.stderr
+        wait_for(lambda: not cluster.kubectl("get", "pytorchjobs,statefulsets,services,configmaps,pods,serviceaccounts,roles,networkpolicies",
+                                             "-n", ns, "-l", f"rlhf.dev/job-name={JOB}", "-o", "name").stdout.strip(),
+                 120, "every child of the job gone")
+        assert sorted(p.name for p in (pv_dir / "checkpoints").iterdir() if p.name.startswith("step-"))
+    finally:
+        prom.stop()
+
+
+class Prometheus:
+    """The real Prometheus (Debian's, `make prometheus-tools`) with Kubernetes pod discovery
+    against the test API server, keeping the pods' `metrics` ports, as the chart's PodMonitor
+    has prometheus-operator do."""
+
+    def __init__(self, proc, port):
+        self.proc, self.port = proc, port
+
+    @classmethod
+    def start(cls, cluster: Cluster, ns: str, tmp_path: Path) -> "Prometheus":
+        bin_dir = os.environ.get("RLHF_PROMETHEUS_BIN") or next(
+            iter(sorted(Path.home().glob(".cache/rlhf-operator/prometheus-*/usr/bin"))), None)
+        if not bin_dir or not (Path(bin_dir) / "prometheus").exists():
+            pytest.skip("prometheus is not unpacked: `make prometheus-tools`")
+        from .procs import free_port
+
+        port = free_port()
+        pki = cluster.pki
+        config = {
+            "global": {"scrape_interval": "2s", "scrape_timeout": "2s"},
+            "scrape_configs": [{
+                "job_name": "rlhf-trainers",
+                "kubernetes_sd_configs": [{
+                    "role": "pod", "api_server": cluster.server, "namespaces": {"names": [ns]},
+                    "tls_config": {"ca_file": str(pki / "ca.crt"), "cert_file": str(pki / "admin.crt"),
+                                   "key_file": str(pki / "admin.key")}}],
+                "relabel_configs": [
+                    {"source_labels": ["__meta_kubernetes_pod_container_port_name"], "regex": "metrics",
+                     "action": "keep"},
+                    {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"}],
+            }],
+        }
+        (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+        log = open(tmp_path / "prometheus.log", "wb")
+        proc = subprocess.Popen([str(Path(bin_dir) / "prometheus"), f"--config.file={tmp_path / 'prometheus.yml'}",
+                                 f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
+                                stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        p = cls(proc, port)
+        wait_for(lambda: p._get("/-/ready") is not None, 60, "prometheus ready")
+        return p
+
+    def _get(self, path: str):
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as r:
+                return r.read()
+        except OSError:
+            return None
+
+    def value(self, query: str) -> float | None:
+        body = self._get("/api/v1/query?query=" + urllib.parse.quote(query))
+        result = json.loads(body)["data"]["result"] if body else []
+        return float(result[0]["value"][1]) if result else None
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
