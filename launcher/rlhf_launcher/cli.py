@@ -19,6 +19,9 @@ def _check_data(job):
     tokenizer is written to a temporary directory, without its weights) and transformers is installed."""
     import tempfile
 
+    from .installed import quiet_transformers_without_torch
+
+    quiet_transformers_without_torch()  # before transformers is imported
     from rlhf_contract.trainer_config import TrainerConfig
     from rlhf_trainer.preflight.data import check_data, load_tokenizer
 
@@ -120,7 +123,7 @@ def _plan_gpu_bytes(args: argparse.Namespace, config, job) -> tuple[int | None, 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     """The trainer's GPU memory plan (rlhf_trainer/preflight/memory_plan.py) for a job: a table, and
-    exit 2 with the preflight's message when it does not fit."""
+    exit 2 with the preflight's message when it does not fit; exit 1 without torch (the `plan` extra)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -128,11 +131,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from rlhf_contract.trainer_config import TrainerConfig
     from rlhf_trainer.preflight.memory_plan import GIB, plan
 
+    from .installed import PLAN_EXTRA, torch_installed
+
     try:
         job = load_job(args.job, args.set)
     except JobError as err:
         print(err, file=sys.stderr)
         return ExitCode.CONFIG_ERROR
+    if not torch_installed():
+        print("error: rlhfctl plan measures the model with torch (on its meta device: no weights, no GPU) and torch "
+              f"is not installed here: {PLAN_EXTRA}", file=sys.stderr)
+        return ExitCode.FAILED
     config = TrainerConfig.from_job(job)
     t = job.spec.trainer
     world = args.gpus or t.num_nodes * t.nproc_per_node
