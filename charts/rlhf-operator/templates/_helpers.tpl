@@ -42,12 +42,14 @@ app.kubernetes.io/part-of: rlhf-operator
 {{- end }}
 {{- end }}
 
-{{/* The operator image reference. */}}
+{{/* The operator image reference: repository:tag, and @digest when image.digest is set
+(the runtime pulls by the digest; the tag tells a reader which release it is). */}}
 {{- define "rlhf-operator.image" -}}
+{{- $ref := printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- if .Values.image.digest }}
-{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- printf "%s@%s" $ref .Values.image.digest }}
 {{- else }}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- $ref }}
 {{- end }}
 {{- end }}
 
