@@ -132,6 +132,18 @@ images:
 	$(PYTHON) hack/images.py --registry $(IMAGE_REGISTRY) --version $(IMAGE_VERSION) \
 	  --build-arg VLLM_BASE_IMAGE=$(VLLM_BASE_IMAGE) $(IMAGE_BUILD_ARGS) $(if $(IMAGE_INSECURE),--insecure)
 
+# A release for a registry (hack/release.sh): the chart packaged with the operator's image
+# pinned by tag and digest (from dist/images.lock.json, which `make images` writes) and pushed
+# as an OCI artifact to oci://$(REGISTRY)/charts, the Python sdist and wheel in dist/.
+#   make images IMAGE_REGISTRY=registry.example.com/rlhf && make release REGISTRY=registry.example.com/rlhf
+REGISTRY ?=
+PLAIN_HTTP ?= $(IMAGE_INSECURE)
+IMAGES_LOCK ?=
+HELM ?=
+.PHONY: release
+release: $(STAMP)
+	REGISTRY='$(REGISTRY)' PLAIN_HTTP='$(PLAIN_HTTP)' IMAGES_LOCK='$(IMAGES_LOCK)' HELM='$(HELM)' bash hack/release.sh
+
 # BuildKit, the registry, CoreDNS and the real test node's Debian packages (tests/cluster/node/build.sh).
 .PHONY: node-tools
 node-tools:

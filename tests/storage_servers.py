@@ -36,9 +36,11 @@ def _wait(url: str, proc: subprocess.Popen, log: Path, ok=lambda r: True, timeou
 
 
 class S3Server:
-    """versitygw on 127.0.0.1:<port>, serving `root` (one directory per bucket)."""
+    """versitygw on 127.0.0.1:<port> (or `host`: pods of the real node reach the host's
+    address), serving `root` (one directory per bucket)."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, host: str = "127.0.0.1"):
+        self.host = host
         self.root = root / "data"
         self.iam = root / "iam"  # versitygw's own accounts (add_user)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -47,14 +49,14 @@ class S3Server:
         self.binary = Path(out.stdout.strip()) / "versitygw"
         self.log = root / "versitygw.log"
         self.port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.endpoint = f"http://{host}:{self.port}"
         self.proc: subprocess.Popen | None = None
         self.start()
 
     def start(self) -> None:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                [str(self.binary), "--access", S3_ACCESS_KEY, "--secret", S3_SECRET_KEY, "--port", f"127.0.0.1:{self.port}",
+                [str(self.binary), "--access", S3_ACCESS_KEY, "--secret", S3_SECRET_KEY, "--port", f"{self.host}:{self.port}",
                  "--iam-dir", str(self.iam), "posix", str(self.root)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         _wait(self.endpoint, self.proc, self.log)
 
@@ -78,7 +80,7 @@ class S3Server:
     def client(self):
         from minio import Minio
 
-        return Minio(f"127.0.0.1:{self.port}", access_key=S3_ACCESS_KEY, secret_key=S3_SECRET_KEY, secure=False,
+        return Minio(f"{self.host}:{self.port}", access_key=S3_ACCESS_KEY, secret_key=S3_SECRET_KEY, secure=False,
                      region="us-east-1")
 
     def put_dir(self, bucket: str, prefix: str, directory: Path) -> None:
@@ -91,19 +93,19 @@ class S3Server:
 
 
 class HubServer:
-    """olah on 127.0.0.1:<port>, offline, serving the git repositories under `root/mirrors`."""
+    """olah on 127.0.0.1:<port> (or `host`), offline, serving the git repositories under `root/mirrors`."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, host: str = "127.0.0.1"):
         if not OLAH_PYTHON.exists():
             raise RuntimeError(f"{OLAH_PYTHON} is missing: run `make olah` (or set RLHF_OLAH_PYTHON)")
         self.root, self.mirrors = root, root / "mirrors"
         self.mirrors.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.endpoint = f"http://{host}:{self.port}"
         config = root / "olah.toml"
         config.write_text(
-            f'[basic]\nhost = "127.0.0.1"\nport = {self.port}\nrepos-path = "{root / "repos"}"\n'
-            f'mirror-netloc = "127.0.0.1:{self.port}"\nmirror-lfs-netloc = "127.0.0.1:{self.port}"\n'
+            f'[basic]\nhost = "{host}"\nport = {self.port}\nrepos-path = "{root / "repos"}"\n'
+            f'mirror-netloc = "{host}:{self.port}"\nmirror-lfs-netloc = "{host}:{self.port}"\n'
             f'mirrors-path = ["{self.mirrors}"]\n\n[accessibility]\noffline = true\n')
         self.log = root / "olah.log"
         with open(self.log, "ab") as log:

@@ -223,6 +223,7 @@ class Cluster(KubeClient, FakeNodes):
             f"--service-account-signing-key-file={d / 'sa.key'}",
             "--service-cluster-ip-range=10.96.0.0/16",
             "--allow-privileged=true",
+            "--kubelet-preferred-address-types=InternalIP,Hostname",
             "--profiling=false",
             "--enable-priority-and-fairness=false",
             "--event-ttl=30m",

@@ -194,8 +194,7 @@ state = "{RUN / 'containerd'}"
 }}
 """)
         self._spawn("coredns", [str(self.tools / "bin" / "coredns"), "-conf", str(corefile)])
-        wait_for(lambda: self._alive("coredns") and _sh("sh", "-c", f"exec 3<>/dev/tcp/{self.ip}/53").returncode == 0,
-                 timeout, "coredns")
+        wait_for(lambda: self._alive("coredns") and _tcp_open(self.ip, 53), timeout, "coredns")
 
     def _start_kubelet(self, timeout: float) -> None:
         root = STATE / "kubelet"
@@ -347,6 +346,14 @@ state = "{RUN / 'containerd'}"
                     _sh(cmd, "-t", table, "-F", chain, env=self.env)
                 for chain in chains:
                     _sh(cmd, "-t", table, "-X", chain, env=self.env)
+
+
+def _tcp_open(host: str, port: int) -> bool:
+    import socket
+
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=1):
+        return True
+    return False
 
 
 def _pids_with_cmdline(fragment: str) -> list[int]:

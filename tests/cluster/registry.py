@@ -4,8 +4,8 @@ real node's containerd pulls them from here, and `helm push` / `helm install oci
 
 Its storage lives outside the repository (~/.cache/rlhf-operator/registry/ or
 $RLHF_REGISTRY_DIR), so a warm run finds the images a cold run pushed and builds nothing.
-Only one registry serves that directory at a time (a lock file); a second session starts
-its own on a temporary directory.
+Only one registry serves that directory at a time (a lock file; a second waits); any other
+registry (`Registry.start(dir)`) has a store of its own, on a free port.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import fcntl
 import json
 import os
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -58,22 +59,36 @@ class Registry:
         self._lock_fh = lock_fh
 
     @classmethod
-    def start(cls, work_dir: Path, tools: Path | None = None, storage: Path | None = None) -> "Registry":
+    def start(cls, work_dir: Path, tools: Path | None = None, storage: Path | None = None,
+              shared: bool = False) -> "Registry":
+        """A registry on a fresh store in `work_dir` (or `storage`), on a free port; with
+        `shared`, the store cached outside the repository, on its fixed port (the test images)."""
         tools = tools or node_tools()
         work_dir = Path(work_dir)
         work_dir.mkdir(parents=True, exist_ok=True)
-        storage = Path(storage or DEFAULT_STORAGE)
+        storage = Path(DEFAULT_STORAGE if shared else (storage or work_dir / "registry-data"))
         storage.mkdir(parents=True, exist_ok=True)
         lock_fh = open(storage / ".lock", "a+")
-        try:
-            fcntl.flock(lock_fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:  # another session serves the shared store: use a private one
-            lock_fh.close()
-            storage, lock_fh = work_dir / "registry-data", None
-            storage.mkdir(exist_ok=True)
+        deadline = time.monotonic() + (900 if shared else 0)
+        while True:  # one registry serves a store at a time: the shared one waits its turn
+            try:
+                fcntl.flock(lock_fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    lock_fh.close()
+                    raise RuntimeError(f"{storage} is served by another registry (its .lock is held)") from None
+                time.sleep(1)
         # The shared store is served on one fixed port: image references (and BuildKit's
         # cache keys of FROM lines) name the registry's address, so a warm run finds them again.
-        port = SHARED_PORT if lock_fh is not None and _port_free(SHARED_PORT) else free_port()
+        port = free_port()
+        if shared:
+            deadline = time.monotonic() + 30
+            while not _port_free(SHARED_PORT) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            if not _port_free(SHARED_PORT):
+                raise RuntimeError(f"port {SHARED_PORT} (the shared registry's, RLHF_REGISTRY_PORT) is taken")
+            port = SHARED_PORT
         host = f"127.0.0.1:{port}"
         config = work_dir / "registry.yml"
         config.write_text(json.dumps({  # YAML is a superset of JSON

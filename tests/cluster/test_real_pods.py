@@ -60,7 +60,7 @@ def stack(cluster: Cluster, tmp_path_factory):
     lock = _lock()
     work = tmp_path_factory.mktemp("real-pods")
     tools = node_tools()
-    registry = Registry.start(work, tools)
+    registry = Registry.start(work, tools, shared=True)
     if registry.host != lock["registry"]:
         registry.stop()
         pytest.skip(f"the test images' registry {lock['registry']} is not free to serve them (another session?)")
@@ -103,23 +103,22 @@ def test_vllm_cli_runs_in_the_rollout_image(cluster: Cluster, stack):
 
 
 def test_helm_install_from_the_registry_and_the_operator_pod_leads(cluster: Cluster, stack):
+    """`make release` (hack/release.sh) against the suite's registry: the chart packaged with
+    the operator image pinned by tag and digest, pushed as an OCI artifact; then a team's
+    `helm install oci://...` of it, whose operator pod pulls that digest and leads."""
     reg, ns = stack["registry"], stack["ns"]
     release_ns = f"{ns}-system"
     op = stack["lock"]["images"]["operator"]
-    dist = stack["work"] / "dist"
-    dist.mkdir()
-    out = cluster.helm("package", str(CHART), "--destination", str(dist))
-    assert out.returncode == 0, out.stderr
-    tgz = dist / f"rlhf-operator-{images.VERSION}.tgz"
-    out = cluster.helm("push", str(tgz), f"oci://{reg.host}/rlhf-operator/charts", "--plain-http")
-    assert out.returncode == 0, out.stderr
+    lock = stack["work"] / "images.lock.json"
+    lock.write_text(json.dumps({n: {"image": e["image"], "digest": e["digest"]} for n, e in stack["lock"]["images"].items()}))
+    out = subprocess.run(["bash", str(ROOT / "hack" / "release.sh")], capture_output=True, text=True, timeout=600,
+                         cwd=stack["work"], env={**os.environ, "REGISTRY": f"{reg.host}/rlhf-operator", "PLAIN_HTTP": "1",
+                                                 "IMAGES_LOCK": str(lock), "HELM": cluster.bin("helm"),
+                                                 "DIST": str(stack["work"] / "dist")})
+    assert out.returncode == 0, out.stdout + out.stderr
     assert reg.digest("rlhf-operator/charts/rlhf-operator", images.VERSION)  # an OCI artifact in the registry
-    repo = op["image"].rsplit(":", 1)[0]
-    values = {
-        "image": {"repository": repo, "tag": images.VERSION, "digest": op["digest"]},
-        "watchNamespaces": [ns], "nodeSelector": SELECTOR, "tolerations": [TOLERATION],
-        "resyncSeconds": 5, "helmTest": {"enabled": False},
-    }
+    values = {"watchNamespaces": [ns], "nodeSelector": SELECTOR, "tolerations": [TOLERATION],
+              "resyncSeconds": 5, "helmTest": {"enabled": False}}
     (stack["work"] / "values.yaml").write_text(yaml.safe_dump(values))
     out = cluster.helm("install", "rlhf", f"oci://{reg.host}/rlhf-operator/charts/rlhf-operator",
                        "--version", images.VERSION, "--plain-http", "--namespace", release_ns, "--create-namespace",
@@ -129,8 +128,9 @@ def test_helm_install_from_the_registry_and_the_operator_pod_leads(cluster: Clus
     stack["release_ns"] = release_ns
     pods = cluster.get("pods", namespace=release_ns)["items"]
     assert len(pods) == 1 and pods[0]["spec"]["nodeName"] == NODE_NAME
+    assert pods[0]["spec"]["containers"][0]["image"] == f"{op['image']}@{op['digest']}"  # by tag and digest
     status = pods[0]["status"]["containerStatuses"][0]
-    assert status["ready"] and status["imageID"].endswith(op["digest"])  # pulled by digest, running
+    assert status["ready"] and status["imageID"].endswith(op["digest"])  # that digest pulled, and running
     # it leads: the Lease names its pod
     leases = wait_for(lambda: [le for le in cluster.get("leases", namespace=release_ns)["items"]
                                if le["spec"].get("holderIdentity", "").startswith(pods[0]["metadata"]["name"])],
@@ -144,8 +144,10 @@ def _job_doc(stack, claim: str) -> dict:
         "apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob", "metadata": {"name": JOB},
         "spec": {
             "pod": {"nodeSelector": SELECTOR, "tolerations": [TOLERATION]},
-            "model": {"path": "builtin://tiny-qwen2"},
-            "data": {"path": "builtin://last-digit", "maxPromptLength": 16},
+            # fetched by the pods' own init step from the suite's Hub server and S3 server
+            "model": {"path": "hf://real/tiny@v1"},
+            "data": {"path": "s3://real-data/lastdigit/train.jsonl", "maxPromptLength": 16},
+            "storageSecret": "storage",
             "reward": {"type": "exact_match"},
             "algorithm": {"preset": "grpo", "lossAgg": "token-mean", "klCoef": 0.0},
             "rollout": {"engine": "cpu", "image": ref["inference"], "replicas": 2, "samplesPerPrompt": 8,
@@ -172,7 +174,30 @@ def get_rlj(cluster: Cluster, ns: str) -> dict:
     return dict(zip(header, row))
 
 
-def test_a_cpu_job_runs_in_real_pods_restarts_whole_and_learns(cluster: Cluster, stack, tmp_path):
+@pytest.fixture
+def remote_sources(cluster: Cluster, stack, tiny_model_dir, tmp_path_factory):
+    """The suite's Hub server (olah) and S3 server (versitygw) on the host's address (pods
+    cannot reach its loopback), holding the built-in model and the demo's prompts, and the
+    job's storage Secret naming them."""
+    from storage_servers import HubServer, S3Server
+
+    hub = HubServer(tmp_path_factory.mktemp("hub"), host=cluster.host_ip)
+    s3 = S3Server(tmp_path_factory.mktemp("s3"), host=cluster.host_ip)
+    try:
+        hub.add_repo("real/tiny", tiny_model_dir, tag="v1")
+        data = tmp_path_factory.mktemp("data")
+        (data / "train.jsonl").write_text("".join(json.dumps({"prompt": f"{n}:", "answer": str(n)[-1]}) + "\n"
+                                                  for n in range(1000, 2000)))
+        s3.put_dir("real-data", "lastdigit", data)
+        cluster.apply({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "storage", "namespace": stack["ns"]},
+                       "stringData": {**s3.env(), "HF_ENDPOINT": hub.endpoint}})
+        yield {"hub": hub, "s3": s3}
+    finally:
+        hub.stop()
+        s3.kill()
+
+
+def test_a_cpu_job_runs_in_real_pods_restarts_whole_and_learns(cluster: Cluster, stack, remote_sources, tmp_path):
     if "release_ns" not in stack:
         pytest.skip("the operator was not installed (test_helm_install... failed)")
     ns = stack["ns"]
@@ -211,6 +236,11 @@ def test_a_cpu_job_runs_in_real_pods_restarts_whole_and_learns(cluster: Cluster,
         assert pods and all(p["spec"]["nodeName"] == NODE_NAME for p in pods)  # real containers, not kwok's
         roles = sorted(p["metadata"]["labels"].get("rlhf.dev/role") for p in pods)
         assert roles == ["rollout", "rollout", "trainer"], roles
+        for p in pods:  # the init steps (the trainer's fetches hf:// and s3://) ended well
+            inits = p["status"].get("initContainerStatuses", [])
+            assert all(i["state"].get("terminated", {}).get("exitCode") == 0 for i in inits), inits
+            if p["metadata"]["labels"].get("rlhf.dev/role") == "trainer":
+                assert inits, "the trainer pod has no fetch step"
 
         # Prometheus (the real one) scrapes rank 0 at its pod IP through the same pod discovery a PodMonitor uses
         scraped = wait_for(lambda: prom.value("max(rlhf_step)"), 120, "Prometheus to scrape rlhf_step", interval=2)
@@ -236,6 +266,7 @@ def test_a_cpu_job_runs_in_real_pods_restarts_whole_and_learns(cluster: Cluster,
         assert logs.returncode == 0, logs.stderr
         assert f"resumed from /output/checkpoints/step-" in logs.stdout or "resumed from" in logs.stdout, logs.stdout[-3000:]
 
+        assert list(pv_dir.glob("**/hf/models/real/tiny/**/config.json")), "the Hub model is not on the volume"
         rows = [json.loads(line) for line in (pv_dir / "metrics.jsonl").read_text().splitlines()]
         steps = [r["step"] for r in rows]
         assert steps[-1] == STEPS

@@ -46,9 +46,18 @@ BASES = ("python", "torch", "vllm")
 BASE_ARG = {"python": "PYTHON_BASE_IMAGE", "torch": "TORCH_BASE_IMAGE", "vllm": "VLLM_BASE_IMAGE"}
 
 
+EXTRA_CA_DIR = Path("/usr/local/share/ca-certificates")
+
+
+def extra_cas() -> list[Path]:
+    return sorted(EXTRA_CA_DIR.glob("*.crt")) if EXTRA_CA_DIR.is_dir() else []
+
+
 def inputs_hash(name: str) -> str:
     h = hashlib.sha256()
     h.update(Path(__file__).read_bytes())
+    for ca in extra_cas():
+        h.update(ca.read_bytes())
     for base in BASES[: BASES.index(name) + 1]:  # a base changes when anything below it does
         h.update((HERE / f"{base}.Dockerfile").read_bytes())
     return h.hexdigest()[:16]
@@ -95,6 +104,9 @@ def ensure_bases(registry, builder, tools: Path, names=BASES) -> dict[str, str]:
             args = {k: v for k, v in refs.items()}
             with tempfile.TemporaryDirectory(prefix=f"base-{name}-") as ctx:
                 if name == "python":
+                    (Path(ctx) / "extra-ca").mkdir()
+                    for ca in extra_cas():
+                        shutil.copy(ca, Path(ctx) / "extra-ca" / ca.name)
                     try:
                         os.link(rootfs_tar(tools), Path(ctx) / "rootfs.tar")
                     except OSError:  # another filesystem

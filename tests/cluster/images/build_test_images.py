@@ -65,7 +65,7 @@ def build(force: bool = False) -> dict:
     t0 = time.monotonic()
     tools = node_tools()
     WORK.mkdir(parents=True, exist_ok=True)
-    registry = Registry.start(WORK, tools)
+    registry = Registry.start(WORK, tools, shared=True)
     try:
         want = inputs_hash()
         old = json.loads(LOCK.read_text()) if LOCK.exists() else {}

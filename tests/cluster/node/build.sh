@@ -66,15 +66,15 @@ build_in_module github.com/coredns/coredns "$COREDNS_VERSION" "$TMP/out/bin" .
 D="$CACHE_ROOT/$(hash_inputs)/debs"
 for name in iptables iptables-save iptables-restore ip6tables ip6tables-save ip6tables-restore; do
     cat > "$TMP/out/bin/$name" <<WRAP
-#!/bin/sh
+#!/bin/bash
 export LD_LIBRARY_PATH="$D/usr/lib/x86_64-linux-gnu\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
 export XTABLES_LIBDIR="$D/usr/lib/x86_64-linux-gnu/xtables"
-exec -a "$name" "$D/usr/sbin/xtables-nft-multi" "$name" "\$@"
+exec "$D/usr/sbin/xtables-nft-multi" "$name" "\$@"
 WRAP
     chmod +x "$TMP/out/bin/$name"
 done
 cat > "$TMP/out/bin/conntrack" <<WRAP
-#!/bin/sh
+#!/bin/bash
 export LD_LIBRARY_PATH="$D/usr/lib/x86_64-linux-gnu\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
 exec "$D/usr/sbin/conntrack" "\$@"
 WRAP
