@@ -20,6 +20,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -41,6 +42,7 @@ STATE = Path(os.environ.get("RLHF_NODE_STATE", "/var/lib/rlhf-test-node"))
 RUN = Path("/run/rlhf-test-node")
 # containerd's image store survives sessions (a warm run pulls nothing).
 CONTAINERD_ROOT = Path.home() / ".cache" / "rlhf-operator" / "containerd-root"
+SYSCTL_FILE = STATE / "host-sysctls.json"
 SYSCTLS = ("vm/overcommit_memory", "kernel/panic", "kernel/panic_on_oops", "net/ipv4/ip_forward")
 
 
@@ -61,7 +63,6 @@ class RealNode:
         self.ports = {k: free_port() for k in ("kubelet", "kubelet_healthz", "proxy_metrics", "proxy_healthz")}
         self.path = f"{tools / 'bin'}:{self.debs / 'usr' / 'bin'}:{self.debs / 'usr' / 'sbin'}:{os.environ['PATH']}"
         self.env = {**os.environ, "PATH": self.path}
-        self._sysctl_saved: dict[str, str] = {}
         self._lock = None
 
     # ------------------------------------------------------------------ start
@@ -76,10 +77,14 @@ class RealNode:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as exc:
             raise ClusterError(f"another real node runs on this host ({STATE}/.lock)") from exc
-        self._cleanup_host()  # what a killed session left behind
+        self._cleanup_host()  # what a killed session left behind (its sysctls restored too)
+        # The host's own values, kept on disk until stop() puts them back: a session killed
+        # before its stop() leaves them for the next start to restore.
+        saved = {}
         for key in SYSCTLS:
             with contextlib.suppress(OSError):
-                self._sysctl_saved[key] = Path("/proc/sys", key).read_text().strip()
+                saved[key] = Path("/proc/sys", key).read_text().strip()
+        SYSCTL_FILE.write_text(json.dumps(saved))
         Path("/proc/sys/net/ipv4/ip_forward").write_text("1")
         try:
             self._cgroups()
@@ -264,9 +269,6 @@ state = "{RUN / 'containerd'}"
         with contextlib.suppress(Exception):
             self.c.kubectl("delete", "node", NODE_NAME, "--wait=false", check=False)
         self._cleanup_host()
-        for key, value in self._sysctl_saved.items():
-            with contextlib.suppress(OSError):
-                Path("/proc/sys", key).write_text(value)
         if self._lock is not None:
             self._lock.close()
             self._lock = None
@@ -318,6 +320,11 @@ state = "{RUN / 'containerd'}"
             _sh("ip", "link", "delete", "cni0")
         shutil.rmtree(RUN, ignore_errors=True)
         shutil.rmtree(STATE / "kubelet", ignore_errors=True)
+        if SYSCTL_FILE.exists():
+            for key, value in json.loads(SYSCTL_FILE.read_text()).items():
+                with contextlib.suppress(OSError):
+                    Path("/proc/sys", key).write_text(value)
+            SYSCTL_FILE.unlink()
 
     def _remove_cgroups(self) -> None:
         for h in Path("/sys/fs/cgroup").iterdir():
@@ -337,7 +344,7 @@ state = "{RUN / 'containerd'}"
                 rules = _sh(cmd, "-t", table, "-S", env=self.env).stdout.splitlines()
                 ours = lambda name: name.startswith(("KUBE-", "CNI-"))  # noqa: E731
                 for rule in rules:
-                    parts = rule.split()
+                    parts = shlex.split(rule)  # comments are quoted
                     if parts[:1] == ["-A"] and not ours(parts[1]) and "-j" in parts \
                             and ours(parts[parts.index("-j") + 1]):
                         _sh(cmd, "-t", table, "-D", *parts[1:], env=self.env)

@@ -40,7 +40,9 @@ image_builder = _load_builder()
 
 DEBIAN_SUITE = "bookworm"
 DEBIAN_MIRROR = os.environ.get("RLHF_DEBIAN_MIRROR", "http://deb.debian.org/debian")
-ROOTFS_PACKAGES = "python3,python3-venv,ca-certificates"
+# python3-dev: the headers a python:*-slim or pytorch image has (sdists such as pycosat build
+# against them; so do DeepSpeed's JIT ops).
+ROOTFS_PACKAGES = "python3,python3-venv,python3-dev,ca-certificates"
 ROOTFS_CACHE = Path.home() / ".cache" / "rlhf-operator" / "debian-rootfs"
 BASES = ("python", "torch", "vllm")
 BASE_ARG = {"python": "PYTHON_BASE_IMAGE", "torch": "TORCH_BASE_IMAGE", "vllm": "VLLM_BASE_IMAGE"}
@@ -65,7 +67,7 @@ def inputs_hash(name: str) -> str:
 
 def rootfs_tar(tools: Path) -> Path:
     """A minbase bookworm rootfs with python3 as a tarball (cached)."""
-    key = hashlib.sha256(f"{DEBIAN_SUITE} {ROOTFS_PACKAGES} {Path(__file__).read_bytes()!r}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{DEBIAN_SUITE} {ROOTFS_PACKAGES} {DEBIAN_MIRROR}".encode()).hexdigest()[:16]
     out = ROOTFS_CACHE / f"rootfs-{key}.tar"
     if out.exists():
         return out
