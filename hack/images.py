@@ -94,7 +94,9 @@ class BuildKit:
         self.tmp = Path(tempfile.mkdtemp(prefix="rlhf-buildkit-"))
         self.sock = self.tmp / "buildkitd.sock"
         config = self.tmp / "buildkitd.toml"
-        lines = ["[worker.oci]", "  gc = true", "  gckeepstorage = \"60GB\"", ""]
+        # BuildKit's cache is collected past this size (images of several GB each; the disk is shared)
+        keep = os.environ.get("RLHF_BUILDKIT_KEEP", "15GB")
+        lines = ["[worker.oci]", "  gc = true", f"  gckeepstorage = \"{keep}\"", ""]
         for host in insecure_hosts:
             lines += [f'[registry."{host}"]', "  http = true", "  insecure = true", ""]
         config.write_text("\n".join(lines))

@@ -162,6 +162,8 @@ state = "{RUN / 'containerd'}"
   enable_selinux = false
   [plugins."io.containerd.grpc.v1.cri".containerd]
     snapshotter = "overlayfs"
+    # the compressed layers go once unpacked: the images are several GB and the disk shared
+    discard_unpacked_layers = true
     default_runtime_name = "runc"
     [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"

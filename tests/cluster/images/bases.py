@@ -45,6 +45,7 @@ DEBIAN_MIRROR = os.environ.get("RLHF_DEBIAN_MIRROR", "http://deb.debian.org/debi
 ROOTFS_PACKAGES = "python3,python3-venv,python3-dev,ca-certificates"
 ROOTFS_CACHE = Path.home() / ".cache" / "rlhf-operator" / "debian-rootfs"
 BASES = ("python", "torch", "vllm")
+COMPRESSION = "zstd"  # the torch and vLLM layers are several GB: the registry keeps them compressed
 BASE_ARG = {"python": "PYTHON_BASE_IMAGE", "torch": "TORCH_BASE_IMAGE", "vllm": "VLLM_BASE_IMAGE"}
 
 
@@ -89,6 +90,9 @@ def rootfs_tar(tools: Path) -> Path:
         subprocess.run(["tar", "-C", str(target), "--numeric-owner", "--exclude=./dev/*", "--exclude=./proc/*",
                         "--exclude=./sys/*", "-cf", str(tmp_tar), "."], check=True)
         tmp_tar.rename(out)
+        for old in ROOTFS_CACHE.glob("rootfs-*.tar"):  # other package sets: stale
+            if old != out:
+                old.unlink()
         return out
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -114,6 +118,6 @@ def ensure_bases(registry, builder, tools: Path, names=BASES) -> dict[str, str]:
                     except OSError:  # another filesystem
                         shutil.copy(rootfs_tar(tools), Path(ctx) / "rootfs.tar")
                 shutil.copy(HERE / f"{name}.Dockerfile", Path(ctx) / "Dockerfile")
-                digest = builder.build(Path(ctx) / "Dockerfile", Path(ctx), ref, args, "uncompressed")
+                digest = builder.build(Path(ctx) / "Dockerfile", Path(ctx), ref, args, COMPRESSION)
         refs[BASE_ARG[name]] = f"{ref}@{digest}"
     return refs

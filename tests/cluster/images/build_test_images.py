@@ -15,10 +15,13 @@ the registry, for a second.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import shutil
+import subprocess
 import sys
+import urllib.request
 import tempfile
 import time
 from pathlib import Path
@@ -66,6 +69,7 @@ def build(force: bool = False) -> dict:
     tools = node_tools()
     WORK.mkdir(parents=True, exist_ok=True)
     registry = Registry.start(WORK, tools, shared=True)
+    collect = False
     try:
         want = inputs_hash()
         old = json.loads(LOCK.read_text()) if LOCK.exists() else {}
@@ -87,7 +91,7 @@ def build(force: bool = False) -> dict:
             timings["bases"] = time.monotonic() - t
             version = image_builder.contract_defaults()[1]
             built = image_builder.build_images(f"{registry.host}/{NAMESPACE}", version, list(image_builder.IMAGES),
-                                               base_refs, builder, "uncompressed")
+                                               base_refs, builder, bases.COMPRESSION)
             timings.update({name: entry["seconds"] for name, entry in built.items()})
         finally:
             builder.close()
@@ -97,9 +101,28 @@ def build(force: bool = False) -> dict:
                 "built_in": round(time.monotonic() - t0, 1)}
         LOCK.write_text(json.dumps(lock, indent=2) + "\n")
         print(f"test images: built in {lock['built_in']} s {lock['seconds']}", file=sys.stderr)
+        drop_old_bases(registry, lock)
+        collect = True
         return lock
     finally:
         registry.stop()
+        if collect:  # what no tag names any more (earlier builds' layers): gone from the disk
+            subprocess.run([str(tools / "bin" / "registry"), "garbage-collect", "--delete-untagged",
+                            str(WORK / "registry.yml")], capture_output=True)
+
+
+def drop_old_bases(registry: Registry, lock: dict) -> None:
+    """Untag the bases of earlier inputs (their layers are several GB)."""
+    keep = {ref.split("@")[0] for ref in lock["bases"].values()}
+    for name in bases.BASES:
+        repo = f"test-bases/{name}"
+        for tag in registry.tags(repo):
+            if f"{registry.host}/{repo}:{tag}" not in keep:
+                digest = registry.digest(repo, tag)
+                if digest:
+                    req = urllib.request.Request(f"http://{registry.host}/v2/{repo}/manifests/{digest}", method="DELETE")
+                    with contextlib.suppress(OSError):
+                        urllib.request.urlopen(req, timeout=10).close()
 
 
 def main() -> int:
