@@ -85,6 +85,7 @@ def pod_on_node(cluster: Cluster, ns: str, name: str, image: str, command: list[
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": ns},
         "spec": {"restartPolicy": "Never", "nodeSelector": SELECTOR, "tolerations": [TOLERATION],
                  "containers": [{"name": "main", "image": image, "command": command,
+                                 "env": [{"name": "HOME", "value": "/tmp"}],  # the image's uid has no home
                                  "imagePullPolicy": "IfNotPresent"}]},
     })
     pod = wait_for(lambda: (p := cluster.get("pod", name, namespace=ns))["status"].get("phase") in ("Succeeded", "Failed")
