@@ -95,7 +95,7 @@ class BuildKit:
         self.sock = self.tmp / "buildkitd.sock"
         config = self.tmp / "buildkitd.toml"
         # BuildKit's cache is collected past this size (images of several GB each; the disk is shared)
-        keep = os.environ.get("RLHF_BUILDKIT_KEEP", "15GB")
+        keep = os.environ.get("RLHF_BUILDKIT_KEEP", "24GB")
         lines = ["[worker.oci]", "  gc = true", f"  gckeepstorage = \"{keep}\"", ""]
         for host in insecure_hosts:
             lines += [f'[registry."{host}"]', "  http = true", "  insecure = true", ""]
@@ -132,9 +132,9 @@ class BuildKit:
         meta = self.tmp / "meta.json"
         meta.unlink(missing_ok=True)
         insecure = ",registry.insecure=true" if any(ref.startswith(h + "/") for h in self._insecure()) else ""
+        # Layers built here get `compression`; layers of the base keep theirs (forcing would
+        # recompress the base's multi-GB layers on every build).
         output = f"type=image,name={ref},push={'true' if push else 'false'}{insecure},compression={compression}"
-        if compression != "gzip":
-            output += ",force-compression=true"
         cmd = [str(self.bin_dir / "buildctl"), "--addr", f"unix://{self.sock}", "build",
                "--frontend", "dockerfile.v0", "--local", f"context={context}",
                "--local", f"dockerfile={dockerfile.parent}", "--opt", f"filename={dockerfile.name}",

@@ -263,7 +263,10 @@ def run(namespaces: list[str], *, metrics_port: int = 8080, lease_namespace: str
     threading.Thread(target=lease.hold, args=(stop, lost), daemon=True, name="lease").start()
     threading.Thread(target=_resync_loop, args=(namespaces, stop), daemon=True, name="resync").start()
     try:
-        kopf.run(standalone=True, clusterwide=not namespaces, namespaces=namespaces)
+        # Our lease identity for kopf too: its own default asks the passwd database for the
+        # user name, and the operator's uid (65532) has no entry in most images (a KeyError
+        # in the first real pod that ran it).
+        kopf.run(standalone=True, clusterwide=not namespaces, namespaces=namespaces, identity=lease.identity)
     finally:
         stop.set()
         STATE.queue.stop()

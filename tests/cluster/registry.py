@@ -42,6 +42,8 @@ def _port_free(port: int) -> bool:
     import socket
 
     with socket.socket() as s:
+        # as Go's listener does: connections of the last registry in TIME_WAIT do not count
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
