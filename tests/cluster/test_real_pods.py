@@ -296,10 +296,12 @@ def test_a_cpu_job_runs_in_real_pods_restarts_whole_and_learns(cluster: Cluster,
         rewards = [r["reward_mean"] for r in rows]
         first10, last10 = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
         assert last10 >= 0.4 and last10 >= 2 * first10, (first10, last10)
+        print(f"real pods: reward {first10:.2f} (first 10 steps) -> {last10:.2f} (last 10); saved step {saved_step}, "
+              f"resumed at step {resumed.group(2)}")
         assert float(get_rlj(cluster, ns)["REWARD"]) == pytest.approx(done["progress"]["rewardMean"], abs=1e-3)
 
         # `rlhfctl delete`: every child gone, the checkpoints kept on the volume
-        out = rlhfctl(cluster, "delete", JOB, "-n", ns, "--wait")
+        out = rlhfctl(cluster, "delete", JOB, "-n", ns)
         assert out.returncode == 0, out.stdout + out.stderr
         wait_for(lambda: not cluster.kubectl("get", "pytorchjobs,statefulsets,services,configmaps,pods,serviceaccounts,roles,networkpolicies",
                                              "-n", ns, "-l", f"rlhf.dev/job={JOB}", "-o", "name").stdout.strip(),
