@@ -137,11 +137,11 @@ PROMPTS = [[3, 4, 5, 15], [6, 7, 15], [12, 3, 14, 9, 15]]
 
 def test_it_is_the_release_and_serves_the_contracts_flags(server):
     url, _, job = server
-    assert httpx.get(url + "/version").json()["version"] == VERSION
-    models = httpx.get(url + "/v1/models").json()["data"]
+    assert httpx.get(url + "/version", timeout=60).json()["version"] == VERSION
+    models = httpx.get(url + "/v1/models", timeout=60).json()["data"]
     assert [m["id"] for m in models] == [job.metadata.name]  # --served-model-name
     assert models[0]["max_model_len"] == 32 + 32  # data.maxPromptLength + rollout.maxTokens
-    info = httpx.get(url + "/server_info", params={"config_format": "json"})
+    info = httpx.get(url + "/server_info", params={"config_format": "json"}, timeout=60)
     assert info.status_code == 200, info.text  # needs pip in the server's environment (collect_env)
     config = info.json()["vllm_config"]
     assert config["weight_transfer_config"]["backend"] == "nccl"  # --weight-transfer-config
@@ -246,7 +246,7 @@ def test_pause_waits_for_requests_in_flight_then_resume(either):
     time.sleep(0.3)
     paused = httpx.post(url + "/pause", params={"mode": "wait"}, timeout=120)
     assert paused.status_code == 200, paused.text
-    assert httpx.get(url + "/is_paused").json()["is_paused"] is True
+    assert httpx.get(url + "/is_paused", timeout=60).json()["is_paused"] is True
     thread.join(120)
     reply = results["reply"]
     assert reply.status_code == 200
@@ -254,7 +254,7 @@ def test_pause_waits_for_requests_in_flight_then_resume(either):
     assert [c["finish_reason"] for c in reply.json()["choices"]] == ["length"] * 8
     assert all(len(c["token_ids"]) == 30 for c in reply.json()["choices"])
     assert httpx.post(url + "/resume").status_code == 200
-    assert httpx.get(url + "/is_paused").json()["is_paused"] is False
+    assert httpx.get(url + "/is_paused", timeout=60).json()["is_paused"] is False
     assert httpx.post(url + "/reset_prefix_cache").status_code == 200
     after = httpx.post(url + "/v1/completions", timeout=60, json={
         "model": job.metadata.name, "prompt": PROMPTS[1], "max_tokens": 3, "temperature": 1.0})
@@ -305,7 +305,7 @@ def test_the_nccl_check_reads_the_real_server_info(server):
     from rlhf_trainer.rollout.servers import package_version
     from rlhf_trainer.weight_sync.nccl import load, release_mismatch
 
-    system_env = httpx.get(url + "/server_info", params={"config_format": "json"}).json()["system_env"]
+    system_env = httpx.get(url + "/server_info", params={"config_format": "json"}, timeout=60).json()["system_env"]
     theirs = package_version(system_env["pip_packages"])
     assert theirs is not None and theirs[:2] == (2, 29)
     message = release_mismatch(url, theirs)
@@ -321,7 +321,7 @@ def test_init_weight_transfer_engine_accepts_our_init_info_up_to_nccl(server):
     from rlhf_trainer.weight_sync.sender import DEFAULT_BUCKET_BYTES, init_info
     from rlhf_trainer.weight_sync.transport import nccl_rendezvous
 
-    size = httpx.get(url + "/get_world_size").json()["world_size"]
+    size = httpx.get(url + "/get_world_size", timeout=60).json()["world_size"]
     info = init_info(nccl_rendezvous(load().unique_id()), world_size=1 + size, rank_offset=1,
                      bucket_bytes=DEFAULT_BUCKET_BYTES)
     reply = httpx.post(url + "/init_weight_transfer_engine", json={"init_info": info}, timeout=60)
@@ -329,4 +329,4 @@ def test_init_weight_transfer_engine_accepts_our_init_info_up_to_nccl(server):
     broken = {k: v for k, v in info.items() if k != "nccl_unique_id_b64"}
     reply = httpx.post(url + "/init_weight_transfer_engine", json={"init_info": broken}, timeout=60)
     assert reply.status_code != 200 and "NVIDIA driver" not in reply.text, reply.text[:500]
-    assert httpx.get(url + "/health").status_code == 200  # the server survives both
+    assert httpx.get(url + "/health", timeout=60).status_code == 200  # the server survives both
