@@ -229,6 +229,8 @@ state = "{RUN / 'containerd'}"
             "shutdownGracePeriod": "0s",
         }
         (RUN / "kubelet.yaml").write_text(yaml.safe_dump(cfg))
+        # A Node object a killed session left still reads Ready: wait for this kubelet's own.
+        self.c.kubectl("delete", "node", NODE_NAME, "--ignore-not-found", "--wait=true", check=False)
         self._spawn("kubelet", [
             self.c.bin("kubelet"), f"--config={RUN / 'kubelet.yaml'}", f"--kubeconfig={self.c.kubeconfig}",
             f"--hostname-override={NODE_NAME}", f"--node-ip={self.ip}", f"--root-dir={root}",

@@ -309,6 +309,8 @@ def test_a_cpu_job_runs_in_real_pods_restarts_whole_and_learns(cluster: Cluster,
         assert sorted(p.name for p in (pv_dir / "checkpoints").iterdir() if p.name.startswith("step-"))
     finally:
         prom.stop()
+        cluster.kubectl("delete", "pv", f"{ns}-output", "--wait=false", check=False)
+        shutil.rmtree(pv_dir, ignore_errors=True)  # the volume's data on the host, kept until here
 
 
 class Prometheus:
