@@ -6,7 +6,7 @@
 
 The builder: a Docker, Podman or nerdctl engine when one answers; otherwise BuildKit without
 any daemon of the system's: `buildkitd` (started here, as root, with runc as its OCI worker)
-and `buildctl`, both from the Go module proxy (`make buildkit-bin`, tests/cluster/node/build.sh;
+and `buildctl`, both from the Go module proxy (`make node-tools`, tests/cluster/node/build.sh;
 or on PATH, or $BUILDKIT_BIN). Each image is pushed as `<registry>/<name>:<version>`; the
 digests go to the lock file (`images.lock.json`: what `make release` and the tests read).
 
@@ -91,6 +91,7 @@ class BuildKit:
 
     def __init__(self, bin_dir: Path, runc: Path, insecure_hosts: list[str]):
         self.bin_dir = bin_dir
+        self.insecure_hosts = list(insecure_hosts)
         self.tmp = Path(tempfile.mkdtemp(prefix="rlhf-buildkit-"))
         self.sock = self.tmp / "buildkitd.sock"
         config = self.tmp / "buildkitd.toml"
@@ -131,7 +132,7 @@ class BuildKit:
               push: bool = True) -> str:
         meta = self.tmp / "meta.json"
         meta.unlink(missing_ok=True)
-        insecure = ",registry.insecure=true" if any(ref.startswith(h + "/") for h in self._insecure()) else ""
+        insecure = ",registry.insecure=true" if any(ref.startswith(h + "/") for h in self.insecure_hosts) else ""
         # Layers built here get `compression`; layers of the base keep theirs (forcing would
         # recompress the base's multi-GB layers on every build).
         output = f"type=image,name={ref},push={'true' if push else 'false'}{insecure},compression={compression}"
@@ -147,10 +148,6 @@ class BuildKit:
                              f"{self.log_path}")
         return json.loads(meta.read_text())["containerimage.digest"]
 
-    def _insecure(self) -> list[str]:
-        text = (self.tmp / "buildkitd.toml").read_text()
-        return [line.split('"')[1] for line in text.splitlines() if line.startswith("[registry.")]
-
     def close(self) -> None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
@@ -163,38 +160,29 @@ class BuildKit:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+def _node_tools() -> Path:
+    """tests/cluster/node/build.sh's directory (BuildKit, and Debian's runc in debs/), built once."""
+    log("building BuildKit from the Go module proxy and fetching runc from Debian (tests/cluster/node/build.sh, once)")
+    out = subprocess.run(["bash", str(REPO / "tests" / "cluster" / "node" / "build.sh")], stdout=subprocess.PIPE, text=True)
+    if out.returncode != 0:
+        raise SystemExit("images: could not build BuildKit (needs go >= 1.24 and apt-get download); "
+                         "install docker, podman or nerdctl, or put buildkitd, buildctl and runc on PATH")
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
 def find_buildkit() -> tuple[Path, Path]:
-    """(directory with buildkitd and buildctl, runc binary)."""
-    env_dir = os.environ.get("BUILDKIT_BIN")
-    node_tools = None
-    if env_dir:
-        bin_dir = Path(env_dir)
-    elif shutil.which("buildkitd") and shutil.which("buildctl"):
-        bin_dir = Path(shutil.which("buildkitd")).parent
-    else:
-        log("no Docker engine and no buildkitd on PATH: building BuildKit from the Go module proxy "
-            "(tests/cluster/node/build.sh, once)")
-        out = subprocess.run(["bash", str(REPO / "tests" / "cluster" / "node" / "build.sh")],
-                             stdout=subprocess.PIPE, text=True)
-        if out.returncode != 0:
-            raise SystemExit("images: could not build BuildKit (needs go >= 1.24 and apt-get download); "
-                             "install docker, podman or nerdctl, or put buildkitd and buildctl on PATH")
-        node_tools = Path(out.stdout.strip().splitlines()[-1])
-        bin_dir = node_tools / "bin"
-    runc = os.environ.get("RUNC") or shutil.which("runc")
-    if not runc:
-        if node_tools is None:
-            out = subprocess.run(["bash", str(REPO / "tests" / "cluster" / "node" / "build.sh")],
-                                 stdout=subprocess.PIPE, text=True)
-            node_tools = Path(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None
-        candidate = node_tools / "debs" / "usr" / "sbin" / "runc" if node_tools else None
-        if candidate is None or not candidate.exists():
-            raise SystemExit("images: BuildKit needs runc: install it (Debian: apt-get install runc) or set RUNC")
-        runc = str(candidate)
+    """(directory with buildkitd and buildctl, runc binary): $BUILDKIT_BIN / $RUNC, PATH, or built."""
     if os.geteuid() != 0:
         raise SystemExit("images: BuildKit without a Docker engine runs buildkitd as root here; "
                          "run as root, or use docker/podman/nerdctl")
-    return bin_dir, Path(runc)
+    bin_dir = os.environ.get("BUILDKIT_BIN") or (
+        str(Path(shutil.which("buildkitd")).parent) if shutil.which("buildkitd") and shutil.which("buildctl") else None)
+    runc = os.environ.get("RUNC") or shutil.which("runc")
+    if bin_dir is None or runc is None:
+        tools = _node_tools()
+        bin_dir = bin_dir or str(tools / "bin")
+        runc = runc or str(tools / "debs" / "usr" / "sbin" / "runc")
+    return Path(bin_dir), Path(runc)
 
 
 def engine_cli(name: str) -> str | None:

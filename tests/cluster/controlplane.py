@@ -62,6 +62,7 @@ class Cluster(KubeClient, FakeNodes):
         self.pids: dict[str, int] = {}
         self.procs: dict[str, subprocess.Popen] = {}
         self.owned = False  # True when this object started the processes
+        self.host_ip = "127.0.0.1"  # the API server's advertised address (start() sets the host's)
 
     @property
     def server(self) -> str:
@@ -87,6 +88,11 @@ class Cluster(KubeClient, FakeNodes):
         except Exception:  # noqa: BLE001
             return None
         return c
+
+    def _write_state(self) -> None:
+        self.state_file.write_text(json.dumps(
+            {"ports": self.ports, "pids": self.pids, "bin_dir": str(self.bin_dir), "host_ip": self.host_ip},
+            indent=2))
 
     # ---- processes
     def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
@@ -185,11 +191,6 @@ class Cluster(KubeClient, FakeNodes):
         ])
         wait_for(lambda: self._check_alive("etcd") and http_ok(f"http://127.0.0.1:{p}/health"),
                  timeout, "etcd /health")
-
-    def _write_state(self) -> None:
-        self.state_file.write_text(json.dumps(
-            {"ports": self.ports, "pids": self.pids, "bin_dir": str(self.bin_dir),
-             "host_ip": getattr(self, "host_ip", "127.0.0.1")}, indent=2))
 
     def _apiserver_ready(self) -> bool:
         code, body = self._https_get(f"{self.server}/readyz")

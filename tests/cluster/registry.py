@@ -136,6 +136,14 @@ class Registry:
         got = self._get(f"/v2/{repository}/manifests/{tag}", accept)
         return None if got is None else got[0].get("Docker-Content-Digest")
 
+    def delete(self, repository: str, tag: str) -> None:
+        """Untag `repository:tag` (its manifest; `registry garbage-collect` frees the layers)."""
+        digest = self.digest(repository, tag)
+        if digest:
+            req = urllib.request.Request(f"http://{self.host}/v2/{repository}/manifests/{digest}", method="DELETE")
+            with contextlib.suppress(OSError):
+                urllib.request.urlopen(req, timeout=10).close()
+
     def tags(self, repository: str) -> list[str]:
         got = self._get(f"/v2/{repository}/tags/list")
         return [] if got is None else (json.loads(got[1]).get("tags") or [])

@@ -66,20 +66,19 @@ def stack(cluster: Cluster, tmp_path_factory):
         registry.stop()
         pytest.skip(f"the test images' registry {lock['registry']} is not free to serve them (another session?)")
     node = None
+    ns = f"real-{uuid.uuid4().hex[:6]}"
     try:
         missing = [e["ref"] for e in lock["images"].values()
                    if registry.digest(*e["image"].split("/", 1)[1].rsplit(":", 1)) != e["digest"]]
         assert not missing, f"images of {LOCK} not in the registry: {missing}; run `make test-images`"
         node = RealNode(cluster, tools, registry.host, lock["pause"]).start()
-        ns = f"real-{uuid.uuid4().hex[:6]}"
         cluster.kubectl("create", "namespace", ns)
         yield {"lock": lock, "registry": registry, "node": node, "ns": ns, "work": work,
                "ref": {n: e["ref"] for n, e in lock["images"].items()}}
     finally:
         if node is not None:
-            if "ns" in locals():
-                cluster.helm("uninstall", "rlhf", "-n", f"{ns}-system", "--wait", "--timeout", "60s", check=False)
-                cluster.kubectl("delete", "namespace", ns, f"{ns}-system", "--wait=false", check=False)
+            cluster.helm("uninstall", "rlhf", "-n", f"{ns}-system", "--wait", "--timeout", "60s", check=False)
+            cluster.kubectl("delete", "namespace", ns, f"{ns}-system", "--wait=false", "--ignore-not-found", check=False)
             node.stop()
         registry.stop()
 

@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import tarfile
-import urllib.request
 import zipfile
 from pathlib import Path
 
@@ -55,14 +54,6 @@ def registry(tmp_path_factory, helm):
     reg.stop()
 
 
-def delete_tag(registry: Registry, repository: str, tag: str) -> None:
-    """The registry's store may be the suite's shared one: leave no chart of ours in it."""
-    digest = registry.digest(repository, tag)
-    if digest:
-        req = urllib.request.Request(f"http://{registry.host}/v2/{repository}/manifests/{digest}", method="DELETE")
-        urllib.request.urlopen(req, timeout=10).close()
-
-
 def fake_lock(path: Path, registry: str, ver: str, **entries) -> dict:
     lock = {name: {"image": f"{registry}/{name}:{ver}",
                    "digest": "sha256:" + hashlib.sha256(f"{name} {ver}".encode()).hexdigest()} for name in IMAGES}
@@ -79,9 +70,8 @@ def release(env: dict[str, str], tmp_path: Path) -> subprocess.CompletedProcess:
 
 @pytest.fixture
 def repo(registry):
-    """A path of the registry no other test pushes to (the store may be the suite's shared one)."""
-    yield f"{registry.host}/{PREFIX}"
-    delete_tag(registry, f"{PREFIX}/charts/rlhf-operator", version())
+    """A path in the module's own registry (a store of its own, on a free port)."""
+    return f"{registry.host}/{PREFIX}"
 
 
 def test_release_publishes_the_chart_pinned_to_the_operator_digest(registry, repo, helm, tmp_path):

@@ -340,3 +340,18 @@ def test_a_cpu_job_requests_no_accelerator_on_any_pod():
     gpu_trainer = gpu[("PyTorchJob", "demo-trainer")]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
     assert gpu_trainer["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "2"}
     assert "CUDA_VISIBLE_DEVICES" not in {e["name"] for e in gpu_trainer["containers"][0]["env"]}
+
+
+def test_a_cpu_trainer_with_vllm_servers_is_refused_naming_the_field():
+    """A trainer on CPU cannot send weights to vLLM over NCCL: refused on a cluster before
+    anything starts (the CRD's CEL says the same; local mode always runs the CPU engine)."""
+    from rlhf_contract.api.rules import CLUSTER_RULES
+
+    job = validate_job(copy.deepcopy(make_job(trainer={"device": "cpu"})))
+    broken = [r for r in CLUSTER_RULES if not r.check(job.spec)]
+    assert [r.field_path for r in broken] == ["trainer.device"] and "rollout.engine: cpu" in broken[0].message
+    sft_data = make_job(trainer={"device": "cpu"}, method="sft")
+    del sft_data["spec"]["rollout"]
+    sft = validate_job(sft_data)
+    cpu = validate_job(copy.deepcopy(make_job(trainer={"device": "cpu"}, rollout={"engine": "cpu"})))
+    assert all(r.check(sft.spec) and r.check(cpu.spec) for r in CLUSTER_RULES if r.field_path == "trainer.device")

@@ -14,7 +14,7 @@ from typing import Any
 from .common import Method
 from .presets import cel_resolved
 from .rule import Rule, required_for_component, required_for_reward  # noqa: F401  (re-exported)
-from .rules_rollout import CLUSTER_RULES, COLOCATED_RULES  # noqa: F401  (re-exported)
+from .rules_rollout import CLUSTER_RULES, COLOCATED_RULES, ONLINE_CEL  # noqa: F401  (re-exported)
 
 ESTIMATOR = cel_resolved("advantage_estimator", "advantageEstimator")
 CRITIC = cel_resolved("critic", "critic")
@@ -25,8 +25,8 @@ _TP = "(has(self.trainer.parallelism) && has(self.trainer.parallelism.tensorPara
 _CP = "(has(self.trainer.parallelism) && has(self.trainer.parallelism.contextParallel) ? self.trainer.parallelism.contextParallel : 1)"
 _ALGO_MINI = cel_resolved("num_mini_batches", "numMiniBatches")
 POLICY_LOSS = cel_resolved("policy_loss", "policyLoss")
-_RL, _RM, _DISTILL = f"'{Method.RL}'", f"'{Method.RM}'", f"'{Method.DISTILL}'"
-_ONLINE = f"(self.method == {_RL} || self.method == {_DISTILL})"
+_RM, _DISTILL = f"'{Method.RM}'", f"'{Method.DISTILL}'"
+_ONLINE = ONLINE_CEL
 KL_COEF = cel_resolved("kl_coef", "klCoef")
 
 

@@ -4,7 +4,11 @@ mode runs these jobs)."""
 
 from __future__ import annotations
 
+from .common import Method
 from .rule import Rule
+
+ONLINE_CEL = "(" + " || ".join(f"self.method == '{m}'" for m in Method if not m.offline) + ")"
+"""CEL: the job has rollout servers (method rl or distill)."""
 
 COLOCATED_RULES: tuple[Rule, ...] = (
     Rule(
@@ -47,6 +51,13 @@ CLUSTER_RULES: tuple[Rule, ...] = (
                          or s.rollout.replicas * s.rollout.tensor_parallel_size == s.trainer.nproc_per_node),
         detail=lambda s: (f"got {s.rollout.replicas} x {s.rollout.tensor_parallel_size} for "
                           f"{s.trainer.nproc_per_node} GPUs"),
+    ),
+    Rule(
+        field_path="trainer.device",
+        cel=f"!has(self.trainer.device) || self.trainer.device != 'cpu' || self.rollout.engine == 'cpu' || !{ONLINE_CEL}",
+        message="cpu needs rollout.engine cpu on a cluster: a trainer on CPU cannot send weights to vLLM "
+        "servers over NCCL; set rollout.engine: cpu, or trainer.device: gpu",
+        check=lambda s: s.trainer.device != "cpu" or s.rollout.engine == "cpu" or s.offline,
     ),
 )
 """Rules of what the operator can build (the CRD's CEL and the operator's builders), not of

@@ -15,13 +15,11 @@ the registry, for a second.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import shutil
 import subprocess
 import sys
-import urllib.request
 import tempfile
 import time
 from pathlib import Path
@@ -118,11 +116,7 @@ def drop_old_bases(registry: Registry, lock: dict) -> None:
         repo = f"test-bases/{name}"
         for tag in registry.tags(repo):
             if f"{registry.host}/{repo}:{tag}" not in keep:
-                digest = registry.digest(repo, tag)
-                if digest:
-                    req = urllib.request.Request(f"http://{registry.host}/v2/{repo}/manifests/{digest}", method="DELETE")
-                    with contextlib.suppress(OSError):
-                        urllib.request.urlopen(req, timeout=10).close()
+                registry.delete(repo, tag)
 
 
 def main() -> int:
