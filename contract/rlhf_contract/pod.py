@@ -22,6 +22,7 @@ import json
 from dataclasses import dataclass, field
 
 from .api.models import RLHFJob, RLHFJobSpec
+from .redact import redact_spec
 from .sources import Fetch, plan_json
 
 ENV_TRAINER_CONFIG = "RLHF_TRAINER_CONFIG"
@@ -58,8 +59,10 @@ TRAINER_METRICS_PORT = 9400
 
 
 def run_config(job: RLHFJob) -> dict:
-    """The job's name, namespace and resolved spec (presets applied; camelCase)."""
-    return {"name": job.metadata.name, "namespace": job.metadata.namespace, "spec": job.to_config()["spec"]}
+    """The job's name, namespace and resolved spec (presets applied; camelCase), as others may
+    read it (ConfigMap, trackers, model card): env values and URL credentials redacted."""
+    return {"name": job.metadata.name, "namespace": job.metadata.namespace,
+            "spec": redact_spec(job.to_config()["spec"])}
 
 
 @dataclass(frozen=True)
