@@ -74,3 +74,13 @@ def test_urls_lose_user_info_and_query_strings_and_secret_named_keys_their_value
     assert out["judge"]["apiKeySecret"] == "judge-key"  # a Secret's name is a reference, not a secret
     assert out["rollout"] == {"maxTokens": 64} and out["tracking"]["mlflow"]["trackingUri"] == f"http://{REDACTED}@mlflow:5000"
     assert spec["judge"]["apiKey"] == "sk-live"  # a copy: the caller's dict is untouched
+
+
+def test_the_termination_message_the_operator_copies_into_status_has_no_url_credentials(tmp_path, monkeypatch):
+    from rlhf_trainer.exits import write_termination_message
+
+    log = tmp_path / "termination-log"
+    log.write_text("")
+    monkeypatch.setenv("RLHF_TERMINATION_LOG", str(log))
+    write_termination_message("ConnectError: https://svc:hunter2@judge.team.svc:8000/v1/chat/completions refused")
+    assert "hunter2" not in log.read_text() and "judge.team.svc:8000" in log.read_text()

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from rlhf_contract.exit_codes import ExitCode
+from rlhf_contract.redact import redact_text
 
 TERMINATION_LOG = "/dev/termination-log"
 ENV_CONFIG_ERROR_FILE = "RLHF_CONFIG_ERROR_FILE"
@@ -43,11 +44,12 @@ def marked_exit_code(path: Path) -> int | None:
 
 
 def write_termination_message(message: str) -> None:
-    """Put `message` in the container's termination message; only the first is kept."""
+    """Put `message` in the container's termination message (which the operator copies into the
+    job's status and events), URL credentials cut; only the first is kept."""
     path = os.environ.get("RLHF_TERMINATION_LOG", TERMINATION_LOG)
     try:
         if os.path.exists(path) and os.path.getsize(path) == 0:
             with open(path, "a") as f:
-                f.write(message[:4000])
+                f.write(redact_text(message)[:4000])
     except OSError:
         pass
