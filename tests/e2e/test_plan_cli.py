@@ -61,3 +61,13 @@ def test_the_gpu_memory_comes_from_the_gpu_product_the_pods_select(tmp_path, cap
     unknown = ["--set", 'pod.nodeSelector={"nvidia.com/gpu.product": "NVIDIA-B999"}']
     assert main(["plan", job, "--model-config", str(config), *unknown]) == 2  # usage or invalid job (rlhfctl --help: exit codes)
     assert "nvidia.com/gpu.product 'NVIDIA-B999' is not a product we know" in capsys.readouterr().err
+
+
+def test_plan_of_a_lora_job_with_no_pod_settings(capsys):
+    """A LoRA job (adapters measured on fake tensors) that sets no `spec.pod` at all: planned,
+    with the adapters' gradients and no GPU product to read."""
+    assert main(["plan", str(ROOT / "examples/local-grpo-lora.yaml"), "--gpu-memory-gib", "80", "-o", "json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    terms = {t["name"]: t for t in plan["terms"]}
+    assert plan["fits"] is True and terms["activations"]["bytes"] > 0
+    assert "LoRA adapters only" in json.dumps(terms)

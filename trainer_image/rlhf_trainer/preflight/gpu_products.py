@@ -29,10 +29,10 @@ SHARED_SUFFIX = "-SHARED"
 """GPU feature discovery appends it to the product when the GPU is time-sliced (same memory)."""
 
 
-def selected_gpu_bytes(node_selector: dict[str, str]) -> tuple[int, str] | None:
+def selected_gpu_bytes(node_selector: dict[str, str] | None) -> tuple[int, str] | None:
     """(bytes of one GPU, the product) for the product a node selector names, or None when
     it names none or one not listed."""
-    product = node_selector.get(GPU_PRODUCT_LABEL)
+    product = (node_selector or {}).get(GPU_PRODUCT_LABEL)
     if not product:
         return None
     mib = GPU_MEMORY_MIB.get(product.removesuffix(SHARED_SUFFIX))

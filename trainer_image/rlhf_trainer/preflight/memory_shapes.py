@@ -153,7 +153,16 @@ def _saved_bytes(config_json: str, num_layers: int, dtype: str, lora_key: str | 
         if lora_key is not None:
             from ..models.lora import add_adapters
 
-            add_adapters(model, _lora_spec(lora_key))
+            # peft moves each new adapter to its base layer's device with `Module.to`, which
+            # cannot swap a fake tensor (it holds weakrefs) on torch 2.14; the adapters are made
+            # on the fake CPU already and keep fp32 (peft's autocast_adapter_dtype, as in the
+            # trainer), so while they are added `to` is the identity and the set measured is the same.
+            to = torch.nn.Module.to
+            torch.nn.Module.to = lambda self, *a, **k: self
+            try:
+                add_adapters(model, _lora_spec(lora_key))
+            finally:
+                torch.nn.Module.to = to
         apply_cp(model, None)  # the trainer's attention: packed, per document, from explicit bounds
         model.train()
         own = {t.untyped_storage()._cdata for t in [*model.parameters(), *model.buffers()]}
