@@ -13,82 +13,6 @@ from pathlib import Path
 from rlhf_contract.exit_codes import ExitCode
 
 
-def _check_data(job):
-    """The trainer's data checks (rlhf_trainer/preflight/data.py) on the datasets that are on
-    this machine, measured with the model's tokenizer when it is here too (a built-in model
-    tokenizer is written to a temporary directory, without its weights) and transformers is installed."""
-    import tempfile
-
-    from .installed import quiet_transformers_without_torch
-
-    quiet_transformers_without_torch()  # before transformers is imported
-    from rlhf_contract.trainer_config import TrainerConfig
-    from rlhf_trainer.preflight.data import check_data, load_tokenizer
-
-    with tempfile.TemporaryDirectory(prefix="rlhfctl-validate-") as tmp:
-        def tokenizer():
-            path = job.spec.model.path
-            try:
-                if path.startswith("builtin://"):
-                    from rlhf_trainer.models.builtin import materialize_tokenizer
-
-                    path = str(materialize_tokenizer(path, tmp))
-                return load_tokenizer(path) if Path(path).is_dir() else None
-            except ImportError:
-                return None
-
-        return check_data(TrainerConfig.from_job(job), tokenizer, require_paths=False)
-
-
-def _cmd_validate(args: argparse.Namespace) -> int:
-    from rlhf_contract.api import JobError, job_source, load_job
-
-    from .output import emit
-
-    source = job_source(args.job)
-    try:
-        job = load_job(args.job, args.set)
-    except JobError as err:
-        if args.output_format:
-            emit({"valid": False, "source": source, "problems": [vars(p) for p in err.problems]}, args.output_format)
-        print(err, file=sys.stderr)
-        return ExitCode.CONFIG_ERROR
-    report = _check_data(job)
-    if args.output_format:
-        emit({"valid": not report.problems, "source": source, "name": job.metadata.name,
-              "problems": [{"path": None, "message": p} for p in report.problems], "warnings": list(report.warnings),
-              "notes": list(report.unchecked)}, args.output_format)
-    for line in report.unchecked:
-        print(f"note: {line}", file=sys.stderr)
-    for line in report.warnings:
-        print(f"warning: {line}", file=sys.stderr)
-    if report.problems:
-        print(f"{source}: the data cannot work as configured:\n" + "\n".join(f"  {p}" for p in report.problems),
-              file=sys.stderr)
-        return ExitCode.CONFIG_ERROR
-    if not args.output_format:
-        print(f"{source}: valid RLHFJob {job.metadata.name!r}")
-    return ExitCode.OK
-
-
-def _plan_model_config(path: str) -> dict:
-    """The config.json of `model.path` (a built-in model's own config, built without its
-    weights or model code), or a ValueError."""
-    from rlhf_trainer.preflight.memory_plan import read_model_config
-    from rlhf_trainer.models.builtin import BUILTIN_MODELS, BUILTIN_PREFIX, tiny_qwen2_config
-
-    if path.startswith(BUILTIN_PREFIX):
-        name = path[len(BUILTIN_PREFIX):]
-        if name not in BUILTIN_MODELS:
-            raise ValueError(f"model.path: unknown built-in model {path!r}")
-        return tiny_qwen2_config(name).to_dict()
-    config = read_model_config(path)
-    if config is None:
-        raise ValueError(f"model.path: {path} has no readable config.json on this machine (the plan reads only "
-                         "that file: give it with --model-config FILE)")
-    return config
-
-
 def _emit_plan(job, world: int, gpu: int, result, fmt: str) -> int:
     """`plan -o json|yaml`: the plan's numbers (bytes), and the same exit code as the table."""
     from .output import emit
@@ -115,7 +39,7 @@ def _plan_gpu_bytes(args: argparse.Namespace, config, job) -> tuple[int | None, 
     selected = selected_gpu_bytes(job.spec.pod.node_selector)
     if selected is not None:
         return selected[0], f" ({GPU_PRODUCT_LABEL}: {selected[1]})"
-    product = job.spec.pod.node_selector.get(GPU_PRODUCT_LABEL)
+    product = (job.spec.pod.node_selector or {}).get(GPU_PRODUCT_LABEL)
     unknown = f", and spec.pod.nodeSelector's {GPU_PRODUCT_LABEL} {product!r} is not a product we know" if product else ""
     here = detect_gpu_bytes()
     return (here, " (this machine's GPU)") if here is not None else (None, unknown)
@@ -132,6 +56,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from rlhf_trainer.preflight.memory_plan import GIB, plan
 
     from .installed import PLAN_EXTRA, torch_installed
+    from .validate import model_config_here
 
     try:
         job = load_job(args.job, args.set)
@@ -152,8 +77,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return ExitCode.CONFIG_ERROR
     try:
         model = (json.loads(Path(args.model_config).read_text()) if args.model_config
-                 else _plan_model_config(config.model_path))
-        rm = _plan_model_config(config.reward.model.path) if config.reward.model is not None else None
+                 else model_config_here(config.model_path))
+        rm = model_config_here(config.reward.model.path) if config.reward.model is not None else None
         result = plan(config, model, world, gpu, reward_model_config=rm)
     except (OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -267,7 +192,7 @@ def _cmd_render(args: argparse.Namespace) -> int:
         "namespace": args.namespace or job.metadata.namespace or "default"})})
     job.metadata.__pydantic_extra__.update(extra)
     try:
-        settings = job_settings(job)  # and what the backend cannot carry (TrainJob)
+        settings = job_settings(job, allow_host_path=args.allow_host_path)  # and what the backend cannot carry
     except PodSettingsError as err:
         print(f"error: {err}", file=sys.stderr)
         return ExitCode.CONFIG_ERROR
@@ -312,6 +237,13 @@ def exit_codes_help() -> str:
             f"run's own codes as they are: {run_codes}.")
 
 
+def add_allow_host_path(p: argparse.ArgumentParser) -> None:
+    """`--allow-host-path`: render as an operator installed with security.allowHostPath would."""
+    p.add_argument("--allow-host-path", action="store_true",
+                   help="accept hostPath volumes in spec.pod, as an operator installed with security.allowHostPath "
+                        "does (default: refused, naming the volume)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .cluster_cli import add_cluster_commands
     from .output import add_output_arg
@@ -335,10 +267,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--overwrite", action="store_true", help="start afresh in an output directory that has checkpoints")
     run.set_defaults(func=_cmd_run)
 
+    from .validate import cmd_validate
+
     validate = sub.add_parser("validate", help="check a job file and report every problem")
     add_job_args(validate)
     add_output_arg(validate, "the result (valid, problems, warnings)")
-    validate.set_defaults(func=_cmd_validate)
+    validate.set_defaults(func=cmd_validate)
 
     plan_cmd = sub.add_parser("plan", help="print the trainer's GPU memory plan of a job; exit 2 when it does not fit")
     add_job_args(plan_cmd)
@@ -356,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     render.add_argument("--namespace", help="the job's namespace (default: metadata.namespace or default)")
     render.add_argument("--uid", help=f"the job's metadata.uid, once the API server gave it (default {PLACEHOLDER_UID})")
     render.add_argument("--attempt", type=int, default=0, help="the attempt (status.restarts) to render")
+    add_allow_host_path(render)
     add_output_arg(render, "the manifests (default YAML documents; json: a v1 List)")
     render.set_defaults(func=_cmd_render)
     add_cluster_commands(sub, add_job_args)

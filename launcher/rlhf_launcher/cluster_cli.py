@@ -74,7 +74,7 @@ def _prepare(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, 
         doc, config_maps = packed.doc, packed.config_maps
     doc.setdefault("metadata", {})["namespace"] = namespace
     final = validate_job(copy.deepcopy(doc), (), job_source(args.job))
-    PodSettings.from_job(final)  # what the operator refuses, refused here
+    PodSettings.from_job(final, allow_host_path=args.allow_host_path)  # what the operator refuses, refused here
     root = (cwd / args.working_dir).resolve() if args.working_dir else None
     return config_maps, doc, left_behind(job, cwd, root)
 
@@ -304,6 +304,8 @@ def add_cluster_commands(sub: argparse._SubParsersAction, add_job_args: Callable
                         "job; the job's paths inside DIR are rewritten to where the pods mount them")
     submit.add_argument("--dry-run", action="store_true", help="print every object it would create, create none")
     submit.add_argument("--wait", action="store_true", help="follow the job until it ends; exit with its result")
+    submit.add_argument("--allow-host-path", action="store_true", help="accept hostPath volumes in spec.pod (the "
+                        "cluster's operator must be installed with security.allowHostPath; default: refused here)")
     add_cluster_args(submit, "metadata.namespace, else the context's, else default")
     add_output_arg(submit, "the objects created (with --dry-run: to be created; default YAML)")
     submit.set_defaults(func=_cmd_submit)

@@ -18,11 +18,13 @@ import typing
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator,
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator,
                       model_validator)
 from pydantic.alias_generators import to_camel
 from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue
 from pydantic_core import core_schema
+
+from .pod_security import ANNOTATIONS_CEL, VOLUME_SCHEMA, check_annotations, check_group, check_volume
 
 
 API_GROUP = "rlhf.dev"
@@ -132,6 +134,12 @@ class ApiJsonSchema(GenerateJsonSchema):
 # A Kubernetes object kept as written (a Volume, a Toleration, an Affinity): the API server
 # checks it when the operator creates the pods; the CRD keeps its unknown fields.
 KubeObject = Annotated[dict[str, Any], WithJsonSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True})]
+CRD_SCHEMA = "x-rlhf-crd-schema"
+"""In a field's JSON schema: the schema the CRD uses instead (crd.py); the docs and pydantic
+see a Kubernetes object kept as written."""
+PodVolume = Annotated[dict[str, Any], AfterValidator(check_volume), WithJsonSchema(
+    {"type": "object", "x-kubernetes-preserve-unknown-fields": True, CRD_SCHEMA: VOLUME_SCHEMA})]
+"""A Kubernetes Volume of an allowed type (api/pod_security.py)."""
 _QUANTITY = re.compile(r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+|Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)?$")
 GPU_RESOURCE = "nvidia.com/gpu"
 
@@ -205,17 +213,18 @@ def _int_item(value: Any) -> Any:
     return value
 
 
-GroupId = Annotated[int, BeforeValidator(_int_item), Field(ge=0, le=INT32_MAX)]
+GroupId = Annotated[int, Field(ge=1, le=INT32_MAX), BeforeValidator(_int_item), BeforeValidator(check_group)]
 
 
 class PodSecurity(SpecModel):
-    """The pods' identity on the node (always non-root: the `restricted` Pod Security level)."""
+    """The pods' identity on the node (always non-root: the `restricted` Pod Security level;
+    never root's group 0)."""
 
     run_as_user: int | None = Field(default=None, ge=1, le=INT32_MAX)
     """uid of every container (1000 when unset), e.g. the uid an NFS export maps."""
-    run_as_group: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    run_as_group: int | None = Field(default=None, ge=1, le=INT32_MAX)
     """Primary gid of every container (runAsUser when unset)."""
-    fs_group: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    fs_group: int | None = Field(default=None, ge=1, le=INT32_MAX)
     """Group that owns the pod's volumes (runAsGroup when unset)."""
     fs_group_change_policy: Literal["OnRootMismatch", "Always"] | None = None
     """When the kubelet hands volumes to fsGroup: `OnRootMismatch` (when unset) only when the
@@ -223,6 +232,11 @@ class PodSecurity(SpecModel):
     `Always` at every start."""
     supplemental_groups: list[GroupId] | None = None
     """More groups of every container (e.g. the group of a shared dataset)."""
+
+    @field_validator("run_as_group", "fs_group", mode="before")
+    @classmethod
+    def _no_root_group(cls, value: Any) -> Any:
+        return check_group(value)
 
 
 class PodScheduling(SpecModel):
@@ -234,9 +248,9 @@ class PodScheduling(SpecModel):
         "rule": "self.all(k, " + " && ".join(f"!k.startsWith('{p}')" for p in OPERATOR_LABEL_PREFIXES) + ")",
         "message": f"labels under {', '.join(OPERATOR_LABEL_PREFIXES)} are set by the operator; use another key"}]})
     """Labels of the pods (not `rlhf.dev/` ones: those are the operator's)."""
-    annotations: dict[str, str] | None = None
+    annotations: dict[str, str] | None = Field(default=None, json_schema_extra=ANNOTATIONS_CEL)
     """Annotations of the pods, e.g. a Multus network for RDMA
-    {k8s.v1.cni.cncf.io/networks: rdma-net}."""
+    {k8s.v1.cni.cncf.io/networks: rdma-net} (not security profiles: the operator sets those)."""
     node_selector: dict[str, str] | None = None
     """Node labels a pod's node must have, e.g. {nvidia.com/gpu.product: NVIDIA-H100-80GB-HBM3}."""
     tolerations: list[KubeObject] | None = None
@@ -272,6 +286,11 @@ class PodScheduling(SpecModel):
                              "the operator; use another key")
         return value
 
+    @field_validator("annotations")
+    @classmethod
+    def _no_profiles(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        return check_annotations(value)
+
     def over(self, base: "PodScheduling") -> "PodScheduling":
         """These settings over `base` (spec.pod), with every default filled in."""
         merged = {name: getattr(self, name) if getattr(self, name) is not None else getattr(base, name)
@@ -302,9 +321,12 @@ class PodTemplateSpec(PodScheduling):
     scheduling fields per role)."""
     image_pull_secrets: list[str] = []
     """Names of Secrets (in the job's namespace) used to pull the images."""
-    volumes: list[KubeObject] = []
+    volumes: list[PodVolume] = []
     """Kubernetes volumes, e.g. [{name: work, persistentVolumeClaim: {claimName: rlhf-work}}];
-    the model, the data and the output directory must be on one of them."""
+    the model, the data and the output directory must be on one of them. Types:
+    persistentVolumeClaim, configMap, emptyDir, ephemeral, csi, nfs, downwardAPI, projected
+    (configMap and downwardAPI sources); hostPath only where the operator is installed with
+    security.allowHostPath; never secret (use the job's Secret fields)."""
     volume_mounts: list[VolumeMount] = []
     """Mounts of `volumes` into every container."""
     env: list[KubeObject] = []

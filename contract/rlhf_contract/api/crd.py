@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from .common import ApiJsonSchema
+from .common import CRD_SCHEMA, ApiJsonSchema
 from .models import (
     API_GROUP, API_VERSION, KIND, MAX_NAME_LENGTH, PLURAL, SHORT_NAME, RLHFJobSpec, RLHFJobStatus, RunPolicy,
 )
@@ -31,6 +31,8 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
         return [_structural(n, defs) for n in node]
     if not isinstance(node, dict):
         return node
+    if CRD_SCHEMA in node:  # a Kubernetes object the CRD describes further (a pod volume's sources)
+        return copy.deepcopy(node[CRD_SCHEMA])
     if "$ref" in node:
         target = copy.deepcopy(defs[node["$ref"].split("/")[-1]])
         extra = {k: v for k, v in node.items() if k != "$ref"}

@@ -67,17 +67,20 @@ def build_workloads(job: RLHFJob, attempt: int, settings: PodSettings) -> list[d
     return [build_rollout_statefulset(job, attempt, settings), build_trainer(job, attempt, settings)]
 
 
-def job_settings(job: RLHFJob) -> PodSettings:
+def job_settings(job: RLHFJob, *, allow_host_path: bool = False) -> PodSettings:
     """`PodSettings.from_job`, and for backend TrainJob what Trainer v2.0.0 cannot carry
-    (TrainJobError, a PodSettingsError: the job is refused before any child is built)."""
-    settings = PodSettings.from_job(job)
+    (TrainJobError, a PodSettingsError: the job is refused before any child is built).
+    `allow_host_path`: the operator is installed with `security.allowHostPath`; otherwise a
+    `hostPath` volume in `spec.pod` is a PodSettingsError naming it."""
+    settings = PodSettings.from_job(job, allow_host_path=allow_host_path)
     if job.spec.backend == "TrainJob":
         check_trainjob(job, settings)
     return settings
 
 
-def build_children(job: RLHFJob, attempt: int, settings: PodSettings | None = None) -> list[dict[str, Any]]:
-    settings = settings if settings is not None else job_settings(job)
+def build_children(job: RLHFJob, attempt: int, settings: PodSettings | None = None, *,
+                   allow_host_path: bool = False) -> list[dict[str, Any]]:
+    settings = settings if settings is not None else job_settings(job, allow_host_path=allow_host_path)
     return build_support(job, settings) + build_workloads(job, attempt, settings)
 
 

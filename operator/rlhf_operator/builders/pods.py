@@ -13,7 +13,9 @@ pods could not read or keep them), naming the field; `builtin://`, `hf://` and `
 (storage.py downloads the latter). The
 old annotation `rlhf.dev/pod-settings` is refused with a pointer to `spec.pod`. The Kueue
 queue label (`kueue.x-k8s.io/queue-name`) is copied from the job's labels
-(meta.job_labels).
+(meta.job_labels). `hostPath` volumes are refused unless the operator allows them
+(`allow_host_path`, its `security.allowHostPath`); the contract refuses the other
+host-reaching settings (rlhf_contract/api/pod_security.py).
 
 Every pod gets `runPolicy.terminationGracePeriodSeconds` between SIGTERM and SIGKILL (the
 trainer saves a checkpoint in it).
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf_contract.api.models import PodScheduling, Resources, RLHFJob
+from rlhf_contract.api.pod_security import HOST_PATH
 from rlhf_contract.api.uris import is_remote
 from .meta import ROLE_ROLLOUT, ROLE_TRAINER, config_map_name
 
@@ -65,7 +68,9 @@ class PodSettings:
     output_dir: str = DEFAULT_OUTPUT_DIR
 
     @classmethod
-    def from_job(cls, job: RLHFJob) -> "PodSettings":
+    def from_job(cls, job: RLHFJob, *, allow_host_path: bool = False) -> "PodSettings":
+        """The job's pod settings, or a PodSettingsError naming the field; `hostPath` volumes
+        only with `allow_host_path` (the operator's `security.allowHostPath`)."""
         if POD_SETTINGS_ANNOTATION in job.metadata.annotations:
             raise PodSettingsError(
                 f"metadata.annotations[{POD_SETTINGS_ANNOTATION}] is no longer read: move its keys to spec.pod "
@@ -77,6 +82,8 @@ class PodSettings:
             if not rule.check(job.spec):
                 raise PodSettingsError(rule.problem(rule.detail(job.spec)))
         p = job.spec.pod
+        if not allow_host_path:
+            check_no_host_path(p.volumes)
         names = {v["name"] for v in p.volumes}
         taken = sorted(names & set(RESERVED_VOLUMES))
         if taken:
@@ -138,6 +145,18 @@ class PodSettings:
         if self.output_claim:
             vols.append({"name": OUTPUT_VOLUME, "persistentVolumeClaim": {"claimName": self.output_claim}})
         return vols
+
+
+def check_no_host_path(vols: list[dict[str, Any]]) -> None:
+    """hostPath volumes reach the node's filesystem (`/`, the container runtime's socket): refused,
+    naming each, unless the operator is installed to allow them."""
+    found = [f"spec.pod.volumes[{i}].{HOST_PATH}: {(v[HOST_PATH] or {}).get('path')!r}"
+             for i, v in enumerate(vols) if HOST_PATH in v]
+    if found:
+        raise PodSettingsError(
+            f"{'; '.join(found)}: hostPath volumes reach the node and this operator is installed without "
+            "security.allowHostPath (RLHF_ALLOW_HOST_PATH); put the data on a persistentVolumeClaim (an admin "
+            "may back it with a hostPath PersistentVolume), or ask the cluster's admin to allow hostPath")
 
 
 def mount_of(path: str, mounts: list[dict[str, Any]]) -> dict[str, Any] | None:
