@@ -53,12 +53,12 @@ def _cluster_command(fn: Callable[..., int]) -> Callable[..., int]:
 
 # ---- submit
 
-def _prepare(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any], list[str]]:
-    """The ConfigMaps and the job document to create, and warnings; a `JobError`,
-    `WorkdirError`, `PodSettingsError` or `ValueError` for a job that cannot go."""
+def _prepare(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any], list[str], list[str]]:
+    """The ConfigMaps and the job document to create, warnings, and the list of files sent;
+    a `JobError`, `WorkdirError`, `PodSettingsError` or `ValueError` for a job that cannot go."""
     from rlhf_contract.api import job_source, read_job_document, validate_job
     from rlhf_operator.builders.pods import PodSettings
-    from .workdir import left_behind, pack
+    from .workdir import Selection, left_behind, pack
 
     doc = read_job_document(args.job)
     job = validate_job(doc, args.set, job_source(args.job))  # `doc` now holds the overrides
@@ -68,15 +68,19 @@ def _prepare(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, 
                          "remove one of them")
     namespace = args.namespace or written or context_namespace(args) or DEFAULT_NAMESPACE
     config_maps: list[dict[str, Any]] = []
+    sent: list[str] = []
     cwd = Path.cwd()
     if args.working_dir:
-        packed = pack(doc, job, Path(args.working_dir), cwd, namespace)
-        doc, config_maps = packed.doc, packed.config_maps
+        packed = pack(doc, job, Path(args.working_dir), cwd, namespace,
+                      Selection(tuple(args.exclude), tuple(args.include_secret)))
+        doc, config_maps, sent = packed.doc, packed.config_maps, packed.listing(args.working_dir)
+    elif args.exclude or args.include_secret:
+        raise ValueError("--exclude and --include-secret choose files of --working-dir; pass --working-dir DIR")
     doc.setdefault("metadata", {})["namespace"] = namespace
     final = validate_job(copy.deepcopy(doc), (), job_source(args.job))
     PodSettings.from_job(final, allow_host_path=args.allow_host_path)  # what the operator refuses, refused here
     root = (cwd / args.working_dir).resolve() if args.working_dir else None
-    return config_maps, doc, left_behind(job, cwd, root)
+    return config_maps, doc, left_behind(job, cwd, root), sent
 
 
 def _create(kube: Kube, config_maps: list[dict[str, Any]], doc: dict[str, Any]) -> dict[str, Any]:
@@ -142,7 +146,7 @@ def _cmd_submit(args: argparse.Namespace) -> int:
     from .workdir import WorkdirError
 
     try:
-        config_maps, doc, warnings = _prepare(args)
+        config_maps, doc, warnings, sent = _prepare(args)
     except JobError as err:
         print(err, file=sys.stderr)
         return ExitCode.CONFIG_ERROR
@@ -151,6 +155,8 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         return ExitCode.CONFIG_ERROR
     for line in warnings:
         print(f"warning: {line}", file=sys.stderr)
+    for line in sent:  # on stderr: what goes, before it goes (stdout stays the objects)
+        print(line, file=sys.stderr)
     if args.dry_run:
         sys.stdout.write(dump_objects([*config_maps, doc], args.output_format or "yaml"))
         return ExitCode.OK
@@ -301,7 +307,14 @@ def add_cluster_commands(sub: argparse._SubParsersAction, add_job_args: Callable
     submit = sub.add_parser("submit", help="create a job on the cluster, with the files of a working directory")
     add_job_args(submit)
     submit.add_argument("--working-dir", metavar="DIR", help="send the files under DIR in ConfigMaps owned by the "
-                        "job; the job's paths inside DIR are rewritten to where the pods mount them")
+                        "job (not .git, hidden entries, __pycache__, nor what .gitignore or .rlhfignore leave out); "
+                        "the job's paths inside DIR are rewritten to where the pods mount them")
+    submit.add_argument("--exclude", metavar="PATTERN", action="append", default=[],
+                        help="leave out of --working-dir what PATTERN matches (.gitignore syntax, relative to DIR; "
+                        "repeatable)")
+    submit.add_argument("--include-secret", metavar="PATH", action="append", default=[],
+                        help="send PATH (relative to DIR) although it looks like a credential (a key, a token, "
+                        ".env, credentials); repeatable")
     submit.add_argument("--dry-run", action="store_true", help="print every object it would create, create none")
     submit.add_argument("--wait", action="store_true", help="follow the job until it ends; exit with its result")
     submit.add_argument("--allow-host-path", action="store_true", help="accept hostPath volumes in spec.pod (the "

@@ -2,7 +2,8 @@
 environment, small data) carried to the job's pods in ConfigMaps. Pure: files in, manifests
 and the rewritten job document out; cluster_cli.py creates them.
 
-Every regular file under DIR goes (hidden entries and `__pycache__` are left out), split
+Which files go, and reading them within the caps, is workdir_files.py (ignore files,
+`--exclude`, links, credentials, sizes checked before reading); here they are split
 over at most `MAX_CONFIGMAPS` ConfigMaps `<job>-workdir[-N]` of under 1 MiB each (the API
 server refuses a larger one). The job mounts them read-only at `WORKDIR_MOUNT` through
 `spec.pod` (one projected volume; the operator's builders put `spec.pod`'s volumes into every
@@ -10,9 +11,9 @@ pod), and each path field of the job that names a file or directory inside DIR (
 paths are read from the current directory, as local mode does) is rewritten to its place
 under `WORKDIR_MOUNT`: the same job file runs locally and on the cluster.
 
-Simplifications: symbolic links are followed; files keep the ConfigMap volume's mode (0644,
-nothing executable); a reward file that imports a sibling module must add the directory to
-`sys.path` itself (files are loaded by path)."""
+Simplifications: a link inside DIR arrives as a copy of its target; files keep the
+ConfigMap volume's mode (0644, nothing executable); a reward file that imports a sibling
+module must add the directory to `sys.path` itself (files are loaded by path)."""
 
 from __future__ import annotations
 
@@ -25,23 +26,16 @@ from typing import Any
 
 from rlhf_contract.api.models import RLHFJob
 
+from .workdir_files import (  # noqa: F401 (MIB, human: the names callers know)
+    CONFIGMAP_BYTES, MAX_CONFIGMAPS, MIB, Scan, Selection, WorkdirError, human, listing, select, too_large,
+)
+
 WORKDIR_MOUNT = "/opt/rlhf/workdir"
 WORKDIR_VOLUME = "rlhf-workdir"
 WORKDIR_LABEL = "rlhf.dev/workdir-of"
 """Label of the ConfigMaps holding a job's working directory (not `rlhf.dev/job`: the
 operator's children carry that one)."""
-MIB = 1024 * 1024
-CONFIGMAP_BYTES = MIB - 16 * 1024
-"""What one ConfigMap carries (keys + values): the API server refuses more than 1 MiB."""
-MAX_CONFIGMAPS = 4
-MAX_FILES = 256
-"""Each file is an item of the pod volume: the job and every pod spec carry the list."""
-SKIPPED = ("__pycache__",)
 _KEY_CHARS = re.compile(r"[^-._a-zA-Z0-9]")
-
-
-class WorkdirError(ValueError):
-    """The working directory cannot go to the cluster as given; the message says why and what to do."""
 
 
 @dataclass(frozen=True)
@@ -71,39 +65,12 @@ class Packed:
     moved: dict[str, str]
     """Field path -> its path in the pods."""
     files: list[WorkdirFile]
+    scan: Scan
+    """What was sent, skipped and left out, and why."""
 
-
-def human(n: float) -> str:
-    """A byte count as people read it: `784 B`, `3.2 KiB`, `5.1 MiB`."""
-    for unit in ("B", "KiB", "MiB"):
-        if n < 1024 or unit == "MiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return ""
-
-
-def scan(workdir: Path) -> list[WorkdirFile]:
-    """Every regular file under `workdir` but hidden entries and `SKIPPED`, by path."""
-    if not workdir.is_dir():
-        raise WorkdirError(f"--working-dir {workdir}: not a directory")
-    files = []
-    for path in sorted(workdir.rglob("*")):
-        rel = path.relative_to(workdir)
-        if any(part.startswith(".") or part in SKIPPED for part in rel.parts) or not path.is_file():
-            continue
-        files.append(WorkdirFile(rel.as_posix(), path.read_bytes()))
-    return files
-
-
-def _too_large(workdir: Path, files: list[WorkdirFile], why: str) -> WorkdirError:
-    total = sum(f.stored_bytes for f in files)
-    largest = max(files, key=lambda f: f.stored_bytes)
-    return WorkdirError(
-        f"--working-dir {workdir}: {len(files)} files, {human(total)} in all (largest: {largest.path}, "
-        f"{human(largest.stored_bytes)}); {why}. A job carries at most {MAX_FILES} files in {MAX_CONFIGMAPS} "
-        f"ConfigMaps of {human(CONFIGMAP_BYTES)} (the API server's limit for one ConfigMap is 1 MiB). Put large "
-        "files (datasets, models) on a volume (spec.pod.volumes, e.g. a PersistentVolumeClaim, named by their "
-        "path there) or into the image, and pass a working directory with only code and small files")
+    def listing(self, label: str) -> list[str]:
+        """The files sent (path, size, total) and what was not, for the user to read before it goes."""
+        return listing(label, self.scan, ", ".join(f"configmap/{cm['metadata']['name']}" for cm in self.config_maps))
 
 
 def _key(path: str, taken: set[str]) -> str:
@@ -119,23 +86,23 @@ def _key(path: str, taken: set[str]) -> str:
 
 def _groups(workdir: Path, files: list[WorkdirFile]) -> list[list[tuple[str, WorkdirFile]]]:
     """`files` with their ConfigMap keys, split into ConfigMaps; refused, naming the size,
-    when they would not fit."""
-    if len(files) > MAX_FILES:
-        raise _too_large(workdir, files, f"more than {MAX_FILES} files")
+    when they would not fit (as stored: base64 for binary files, with the key)."""
+    sizes = {f.path: f.stored_bytes for f in files}
     groups: list[list[tuple[str, WorkdirFile]]] = [[]]
     used, taken = 0, set()
     for f in files:
         key = _key(f.path, taken)
         size = len(key) + f.stored_bytes
         if size > CONFIGMAP_BYTES:
-            raise _too_large(workdir, files, f"{f.path} alone does not fit in one ConfigMap")
+            raise WorkdirError(f"--working-dir {workdir}: "
+                               + too_large(sizes, f"{f.path} alone does not fit in one ConfigMap"))
         if used + size > CONFIGMAP_BYTES:
             groups.append([])
             used = 0
         groups[-1].append((key, f))
         used += size
     if len(groups) > MAX_CONFIGMAPS:
-        raise _too_large(workdir, files, f"that needs {len(groups)} ConfigMaps")
+        raise WorkdirError(f"--working-dir {workdir}: " + too_large(sizes, f"that needs {len(groups)} ConfigMaps"))
     return groups
 
 
@@ -177,11 +144,15 @@ def path_fields(job: RLHFJob) -> dict[str, tuple[tuple[Any, ...], str]]:
             (("spec", *loc), path) for loc, path in fields if path and "://" not in path}
 
 
-def pack(doc: dict[str, Any], job: RLHFJob, workdir: Path, cwd: Path, namespace: str) -> Packed:
+def pack(doc: dict[str, Any], job: RLHFJob, workdir: Path, cwd: Path, namespace: str,
+         selection: Selection = Selection()) -> Packed:
     """The ConfigMaps of `workdir` and `doc` (the job as written, overrides applied) mounting
     them, with every path inside `workdir` rewritten to its place in the pods."""
     root = (cwd / workdir).resolve()
-    files = scan(root)
+    if not root.is_dir():
+        raise WorkdirError(f"--working-dir {workdir}: not a directory")
+    found, data = select(root, str(workdir), selection)
+    files = [WorkdirFile(e.path, data[e.path]) for e in found.entries]
     names = {f.path for f in files}
     cms, volume = config_maps(job.metadata.name, namespace, workdir, files)
     doc = copy.deepcopy(doc)
@@ -193,7 +164,7 @@ def pack(doc: dict[str, Any], job: RLHFJob, workdir: Path, cwd: Path, namespace:
         rel = local.relative_to(root).as_posix()
         if rel != "." and rel not in names and not any(n.startswith(rel + "/") for n in names):
             raise WorkdirError(f"{field}: {path!r} is inside --working-dir {workdir} but no file of it is sent "
-                               f"(missing, hidden or under {', '.join(SKIPPED)}); fix the path or the file")
+                               f"({_why_not_sent(found, rel)}); fix the path or the rule")
         moved[field] = str(PurePosixPath(WORKDIR_MOUNT) / rel) if rel != "." else WORKDIR_MOUNT
         node = doc
         for part in loc[:-1]:
@@ -205,7 +176,17 @@ def pack(doc: dict[str, Any], job: RLHFJob, workdir: Path, cwd: Path, namespace:
     pod.setdefault("volumes", []).append(volume)
     mounts = "volume_mounts" if "volume_mounts" in pod else "volumeMounts"
     pod.setdefault(mounts, []).append({"name": WORKDIR_VOLUME, "mountPath": WORKDIR_MOUNT, "readOnly": True})
-    return Packed(doc, cms, moved, files)
+    return Packed(doc, cms, moved, files, found)
+
+
+def _why_not_sent(found: Scan, rel: str) -> str:
+    """Which rule kept `rel` (or the directory above it) here."""
+    parts = rel.split("/")
+    for above in ("/".join(parts[:i]) for i in range(len(parts), 0, -1)):
+        if above in found.left_out:
+            return f"{above} is left out: {found.left_out[above]}"
+    skipped = [s for s in found.skipped if s.startswith(rel + " ")]
+    return f"skipped: {skipped[0]}" if skipped else "no such file"
 
 
 def left_behind(job: RLHFJob, cwd: Path, root: Path | None) -> list[str]:

@@ -1,12 +1,17 @@
 """`rlhfctl submit --working-dir`: a directory into ConfigMaps and the job rewritten to mount
-them (rlhf_launcher/workdir.py). The files a pod would see are rebuilt from the manifests as
-the kubelet projects them (each source's items, `data` as text, `binaryData` base64), and the
-job must pass the operator's own pod-settings check."""
+them (rlhf_launcher/workdir.py), and which files go (workdir_files.py). The files a pod would
+see are rebuilt from the manifests as the kubelet projects them (each source's items, `data`
+as text, `binaryData` base64), and the job must pass the operator's own pod-settings check.
+A hostile directory (credentials, keys, links out of it, a fifo, a 1.5 GiB sparse file) is
+refused before a byte of it is read."""
 
 from __future__ import annotations
 
 import base64
 import copy
+import os
+import re
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -17,9 +22,10 @@ from rlhf_launcher.cli import main
 from rlhf_launcher.workdir import (
     CONFIGMAP_BYTES, MAX_CONFIGMAPS, MIB, WORKDIR_MOUNT, WORKDIR_VOLUME, WorkdirError, left_behind, pack,
 )
+from rlhf_launcher.workdir_files import Entry, Selection, credential_problems, human, select
 from rlhf_operator.builders.pods import PodSettings, PodSettingsError
 
-KEY = __import__("re").compile(r"^[-._a-zA-Z0-9]+$")  # the API server's ConfigMap key rule
+KEY = re.compile(r"^[-._a-zA-Z0-9]+$")  # the API server's ConfigMap key rule
 
 
 def job_doc(**spec) -> dict:
@@ -153,3 +159,144 @@ def test_the_examples_reward_file_is_what_the_trainer_loads():
     assert fn(r"so \boxed{4}", "4", {}) == (1.1, 1.0)
     assert fn(r"\boxed{3} or \boxed{ 5 }", "5", {}) == (1.1, 1.0)
     assert fn("4", "4", {}) == (0.0, 0.0)
+
+
+# ---- which files go
+
+SENT_LINE = re.compile(r"^  +(\d+(?:\.\d)? (?:B|KiB|MiB|GiB))  (\S.*?)(?: \(-> .*\))?$")
+
+
+@pytest.fixture
+def hostile(tmp_path: Path, monkeypatch) -> Path:
+    """A working directory with what must not leave this machine, beside what should."""
+    wd = tmp_path / "wd"
+    (wd / "data").mkdir(parents=True)
+    (wd / "reward.py").write_text("def reward_fn(response, answer, extra_info):\n    return 1.0\n")
+    (wd / "data" / "train.jsonl").write_text('{"prompt": "1+1", "answer": "2"}\n')
+    (wd / "credentials").write_text("[default]\naws_secret_access_key = abc\n")
+    (wd / "id_rsa").write_text("-----BEGIN OPENSSH PRIVATE KEY-----\nb3Blbn\n-----END OPENSSH PRIVATE KEY-----\n")
+    (wd / ".env").write_text("HF_TOKEN=hf_abc\n")
+    (tmp_path / "outside.txt").write_text("not yours\n")
+    (wd / "environ").symlink_to("/proc/self/environ")
+    (wd / "up").symlink_to("../outside.txt")
+    (wd / "same-reward.py").symlink_to("reward.py")  # inside: sent as a copy
+    os.mkfifo(wd / "pipe")  # opened, it would hang
+    (wd / ".gitignore").write_text("build/\n*.log\n")
+    (wd / "build").mkdir()
+    (wd / "build" / "out.bin").write_bytes(b"\0" * 100)
+    (wd / "debug.log").write_text("log\n")
+    (wd / "sub").mkdir()
+    (wd / "sub" / ".gitignore").write_text("local.txt\n")
+    (wd / "sub" / "local.txt").write_text("nested-ignored\n")
+    (wd / "sub" / "kept.txt").write_text("kept\n")
+    (wd / ".rlhfignore").write_text("notes-ignored.txt\n!.env\n")  # and re-includes a hidden file
+    (wd / "notes-ignored.txt").write_text("x\n")
+    (wd / "scratch").mkdir()
+    (wd / "scratch" / "notes.txt").write_text("excluded\n")
+    with open(wd / "huge.bin", "wb"):
+        pass
+    os.truncate(wd / "huge.bin", 1536 * MIB)  # sparse: 1.5 GiB on paper, no disk
+    (wd / ".git").mkdir()
+    (wd / ".git" / "config").write_text("[core]\n")
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job_doc()))
+    monkeypatch.chdir(tmp_path)
+    return wd
+
+
+def test_a_hostile_directory_is_refused_naming_each_file_before_any_is_read(hostile: Path, capsys):
+    tracemalloc.start()
+    try:
+        code = main(["submit", "job.yaml", "--working-dir", "wd", "--dry-run", "--exclude", "scratch/"])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert err.startswith("error: --working-dir wd: nothing sent:\n  - ")
+    problems = err.split("\n  - ")[1:]
+    assert [p.split(" ")[0] for p in problems] == ["environ", "up", ".env", "credentials", "id_rsa", "8"]
+    assert problems[0].startswith("environ -> /proc/self/environ leaves the directory (/proc/")
+    assert problems[1].startswith(f"up -> ../outside.txt leaves the directory ({hostile.parent / 'outside.txt'})")
+    for name in (".env", "credentials", "id_rsa"):
+        assert f"{name} looks like a credential (its name): leave it out" in err
+        assert f"send it on purpose: --include-secret {name}\n" in err
+    assert problems[5].startswith("8 files, 1.5 GiB in all (largest: huge.bin, 1.5 GiB); huge.bin alone does not "
+                                  "fit in one ConfigMap")  # by stat: it was not read
+    assert "pipe" not in err  # skipped, never opened: not a reason to refuse
+    assert peak < 100 * MIB, f"{peak / MIB:.0f} MiB traced: a file was read before its size was checked"
+
+
+def test_what_is_sent_is_what_was_listed(hostile: Path, capsys):
+    (hostile / "id_rsa").unlink()
+    argv = ["submit", "job.yaml", "--working-dir", "wd", "--dry-run", "-o", "yaml",
+            "--exclude", "scratch/", "--exclude", "huge.bin", "--exclude", "/environ", "--exclude", "up",
+            "--exclude", ".env", "--include-secret", "credentials"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    *config_maps, job = yaml.safe_load_all(out)
+    volume = next(v for v in job["spec"]["pod"]["volumes"] if v["name"] == WORKDIR_VOLUME)
+    sent = projected(config_maps, volume)
+    assert sent == {"credentials": (hostile / "credentials").read_bytes(),  # named: it goes
+                    "data/train.jsonl": (hostile / "data" / "train.jsonl").read_bytes(),
+                    "reward.py": (hostile / "reward.py").read_bytes(),
+                    "same-reward.py": (hostile / "reward.py").read_bytes(),
+                    "sub/kept.txt": b"kept\n"}
+    listed = {m.group(2): m.group(1) for m in map(SENT_LINE.match, err.splitlines()) if m}
+    assert listed == {path: human(len(data)) for path, data in sent.items()}
+    assert f"--working-dir wd: sending 5 files, {human(sum(map(len, sent.values())))} in all, in " \
+           "configmap/wd-job-workdir:" in err
+    assert "  skipped     pipe (a fifo: not read)" in err
+    assert "same-reward.py (-> reward.py)" in err
+    assert ("  left out    .env, .git, .gitignore, .rlhfignore, build, debug.log, environ, huge.bin and 5 more "
+            "(.git, hidden, __pycache__, .gitignore, .rlhfignore, --exclude)") in err
+
+
+def test_a_path_field_left_out_by_a_rule_names_the_rule(workdir: Path):
+    (workdir / ".gitignore").write_text("# generated\ndata/\n")
+    doc = job_doc()
+    with pytest.raises(WorkdirError, match=r"spec.data.path: 'wd/data/train.jsonl' is inside --working-dir wd but no "
+                                           r"file of it is sent \(data is left out: .gitignore:2 'data/'\)"):
+        pack(doc, validate_job(copy.deepcopy(doc)), Path("wd"), workdir.parent, "ns")
+    with pytest.raises(WorkdirError, match=r"--exclude 'train\.jsonl'"):
+        (workdir / ".gitignore").unlink()
+        pack(doc, validate_job(copy.deepcopy(doc)), Path("wd"), workdir.parent, "ns", Selection(("train.jsonl",)))
+
+
+@pytest.mark.parametrize("name, refused", [
+    ("credentials", True), ("credentials.json", True), (".env.local", True), ("id_ed25519", True),
+    ("server.pem", True), ("tls.key", True), ("cert.p12", True), (".netrc", True), (".npmrc", True),
+    (".pypirc", True), (".aws/config", True), (".ssh/known_hosts", True), (".kube/config", True),
+    ("HF_TOKEN", True), ("github-token.txt", True), ("sub/secrets.yaml", True),
+    ("tokenizer.json", False), ("special_tokens_map.json", False), ("id_rsa.pub", False), ("reward.py", False),
+    ("keys.py", False), ("data/train.jsonl", False)])
+def test_credential_names(name: str, refused: bool):
+    assert bool(credential_problems([Entry(name, Path(name), 1, (0, 0))])) == refused
+
+
+def test_a_private_key_inside_any_file_is_refused_and_a_named_one_goes(tmp_path: Path):
+    (tmp_path / "notes.txt").write_text("my key:\n-----BEGIN RSA PRIVATE KEY-----\nMIIE\n")
+    (tmp_path / "reward.py").write_text("def reward_fn(r, a, e):\n    return 0.0\n")
+    with pytest.raises(WorkdirError, match=r"notes.txt looks like a credential \(a private key inside\).*"
+                                           r"--include-secret notes.txt"):
+        select(tmp_path, "wd")
+    found, data = select(tmp_path, "wd", Selection(include_secrets=("./notes.txt",)))
+    assert sorted(data) == ["notes.txt", "reward.py"]
+    with pytest.raises(WorkdirError, match=r"--include-secret nope: no such file is sent from wd"):
+        select(tmp_path, "wd", Selection(include_secrets=("nope",)))
+
+
+def test_links_that_stay_inside_but_reach_git_or_nothing_are_refused(tmp_path: Path):
+    (tmp_path / ".git").mkdir()
+    (tmp_path / ".git" / "config").write_text('[remote "origin"]\n  url = https://user:pat@example.com/r\n')
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.txt").write_text("a\n")
+    (tmp_path / "git-config").symlink_to(".git/config")
+    (tmp_path / "gone").symlink_to("missing.txt")
+    (tmp_path / "latest").symlink_to("data")
+    with pytest.raises(WorkdirError) as err:
+        select(tmp_path, "wd")
+    problems = str(err.value).split("\n  - ")[1:]
+    assert [p.split(" (")[0] for p in problems] == [
+        "git-config -> .git/config points into .git, which is never sent", "gone -> missing.txt points to nothing"]
+    found, data = select(tmp_path, "wd", Selection(excludes=("/git-config", "gone")))
+    assert sorted(data) == ["data/a.txt"] and found.skipped == ["latest -> data (a link to a directory: not followed)"]
