@@ -1,8 +1,10 @@
 """The job's status conditions, each set by its own small function from the phase just
-decided: Suspended, Running, Restarting, Succeeded, Failed; and `ChildRefused`, set after
-an apply (`refused_condition`): True with the API server's message while it refuses a child
-of the job (a 422: e.g. an invalid `spec.pod.volumes` entry), False once it accepts them.
-A condition's transition time moves only when its status does."""
+decided: Suspended, Running, Restarting, Succeeded, Failed; and two set after an apply:
+`ChildRefused` (`refused_condition`): True with the API server's message while it refuses a
+child of the job (a 422: e.g. an invalid `spec.pod.volumes` entry), False once it accepts
+them; `ChildConflict` (`conflict_condition`): True, naming the objects, while objects with
+the names of the job's children exist that the job does not control (ownership.py), False
+once they are gone. A condition's transition time moves only when its status does."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from typing import Any
 from .failures import ts
 
 CHILD_REFUSED = "ChildRefused"
-CONDITION_TYPES = ("Suspended", "Running", "Restarting", "Succeeded", "Failed", CHILD_REFUSED)
+CHILD_CONFLICT = "ChildConflict"
+CONDITION_TYPES = ("Suspended", "Running", "Restarting", "Succeeded", "Failed", CHILD_REFUSED, CHILD_CONFLICT)
 
 
 def conditions_by_type(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -76,13 +79,29 @@ def failed_condition(conds, phase, reason, message) -> tuple[bool | None, str, s
     return (True, reason, message) if phase == "Failed" else (None, "", "")
 
 
+def _outcome_condition(conds: dict[str, dict[str, Any]], type_: str, problem: str | None, reason: str,
+                       cleared: tuple[str, str], now: datetime, generation: int | None) -> bool:
+    """Set `type_` True with `problem`, or False with `cleared` (reason, message) once a
+    problem it showed is gone (absent while there never was one); True when it changed."""
+    old = dict(conds.get(type_) or {})
+    if problem is not None:
+        _set(conds, type_, True, reason, problem, now, generation)
+    elif old.get("status") == "True":
+        _set(conds, type_, False, *cleared, now, generation)
+    return conds.get(type_) != (old or None)
+
+
 def refused_condition(conds: dict[str, dict[str, Any]], refusal: str | None, now: datetime,
                       generation: int | None = None) -> bool:
     """Set `ChildRefused` from an apply's outcome (`refusal`: the server's message, or None
     when every child was accepted); True when the condition changed."""
-    old = dict(conds.get(CHILD_REFUSED) or {})
-    if refusal is not None:
-        _set(conds, CHILD_REFUSED, True, "Invalid", refusal, now, generation)
-    elif old.get("status") == "True":
-        _set(conds, CHILD_REFUSED, False, "Accepted", "the API server accepts every child of the job", now, generation)
-    return conds.get(CHILD_REFUSED) != (old or None)
+    return _outcome_condition(conds, CHILD_REFUSED, refusal, "Invalid",
+                              ("Accepted", "the API server accepts every child of the job"), now, generation)
+
+
+def conflict_condition(conds: dict[str, dict[str, Any]], conflict: str | None, now: datetime,
+                       generation: int | None = None) -> bool:
+    """Set `ChildConflict` from an apply's outcome (`conflict`: the objects in the way, or
+    None when every child is the job's or absent); True when the condition changed."""
+    return _outcome_condition(conds, CHILD_CONFLICT, conflict, "NotOwned",
+                              ("Resolved", "every child of the job is the job's own"), now, generation)

@@ -2,7 +2,10 @@
 
 Children are written with server-side apply (field manager `rlhf-operator`, forced), so
 applying the same manifest twice, or from two operator processes, never makes two
-objects. Every request has a timeout. The leader election that keeps two operator
+objects. An apply that names the object's uid (reconcile.py does, once it has read the
+object and found it the job's) changes that object or nothing: the API server refuses it
+when the object was replaced (422) or deleted (409). Deletes carry the uid as a
+precondition, so a same-named object created since is never deleted. Every request has a timeout. The leader election that keeps two operator
 replicas from acting at once is leader.py (over `Kube.request`).
 """
 
@@ -22,6 +25,7 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
 from rlhf_contract.api.models import API_GROUP, API_VERSION, PLURAL
+from rlhf_contract.redact import redact_text
 from .builders.jobset import JOBSET_API_VERSION
 from .builders.trainjob import TRAINER_API_VERSION, adoption_labels, unadopted_selector
 from .builders.meta import LABEL_JOB, jobset_name, rollout_name, trainer_name
@@ -182,8 +186,8 @@ class Kube:
         self.request("PATCH", api_path(_API_VERSIONS["RLHFJob"], "RLHFJob", namespace, name) + "/status",
                    body={"status": status}, content_type="application/merge-patch+json")
 
-    def delete_job(self, namespace: str, name: str) -> None:
-        self.delete("RLHFJob", namespace, name)
+    def delete_job(self, namespace: str, name: str, uid: str) -> None:
+        self.delete("RLHFJob", namespace, name, uid)
 
     # ---- children
     def observe(self, namespace: str, name: str, backend: str = "PyTorchJob") -> Observed:
@@ -217,7 +221,7 @@ class Kube:
         for pod in found:
             if (labels := adoption_labels(trainjob, jobset, pod)) is not None:
                 adopted.append(self.request("PATCH", api_path("v1", "Pod", namespace, pod["metadata"]["name"]),
-                                            body={"metadata": {"labels": labels}},
+                                            body={"metadata": {"uid": pod["metadata"]["uid"], "labels": labels}},
                                             content_type="application/merge-patch+json")[0])
         return adopted
 
@@ -239,36 +243,43 @@ class Kube:
     def nodes_not_ready(self, names: set[str]) -> dict[str, datetime]:
         return not_ready(names, self.node)
 
-    def force_delete_pod(self, namespace: str, name: str) -> bool:
-        """Delete a pod with grace period 0: the API server removes it without waiting for
-        its kubelet (what the pod garbage collector does on an out-of-service node)."""
-        try:
-            self.request("DELETE", api_path("v1", "Pod", namespace, name), body={"gracePeriodSeconds": 0})
-        except ApiException as err:
-            if err.status == 404:
-                return False
-            raise
-        log.info("force-deleted Pod %s/%s", namespace, name)
-        return True
+    def force_delete_pod(self, namespace: str, name: str, uid: str) -> bool:
+        """Delete the pod of that uid with grace period 0: the API server removes it without
+        waiting for its kubelet (what the pod garbage collector does on an out-of-service node)."""
+        return self.delete("Pod", namespace, name, uid, body={"gracePeriodSeconds": 0})
 
-    def apply(self, obj: dict[str, Any]) -> bool:
-        """Server-side apply; True when the object was created."""
+    def get(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        """The object of `obj`'s kind and name as the API server holds it, or None."""
+        meta = obj["metadata"]
+        return self.read(api_path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"]))
+
+    def apply(self, obj: dict[str, Any], uid: str | None = None) -> dict[str, Any]:
+        """Server-side apply; with `uid`, of that object only (never a create: the API server
+        refuses the apply when the object of the name has another uid, 422, or none, 409).
+        Returns the object as written."""
         meta = obj["metadata"]
         path = api_path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
-        _, code = self.request("PATCH", path, body=obj, content_type="application/apply-patch+yaml",
-                             query=[("fieldManager", FIELD_MANAGER), ("force", "true")])
-        created = code == 201
-        if created:
+        body = {**obj, "metadata": {**meta, "uid": uid}} if uid else obj
+        written, code = self.request("PATCH", path, body=body, content_type="application/apply-patch+yaml",
+                                     query=[("fieldManager", FIELD_MANAGER), ("force", "true")])
+        if code == 201:
             log.info("created %s %s/%s", obj["kind"], meta["namespace"], meta["name"])
-        return created
+        return written
 
-    def delete(self, kind: str, namespace: str, name: str) -> bool:
-        """Delete (background propagation: the garbage collector removes the pods)."""
+    def delete(self, kind: str, namespace: str, name: str, uid: str | None = None,
+               body: dict[str, Any] | None = None) -> bool:
+        """Delete the object of that uid (background propagation: the garbage collector
+        removes its pods); False when it is gone, or the name now holds another object (409).
+        Every delete of the operator names the uid; None (whatever holds the name) is for
+        `rlhfctl smoke-test`'s own job."""
         api_version = _API_VERSIONS.get(kind, "v1")
+        options = {"propagationPolicy": "Background", **(body or {}), **({"preconditions": {"uid": uid}} if uid else {})}
         try:
-            self.request("DELETE", api_path(api_version, kind, namespace, name),
-                       body={"propagationPolicy": "Background"})
+            self.request("DELETE", api_path(api_version, kind, namespace, name), body=options)
         except ApiException as err:
+            if err.status == 409:
+                log.warning("not deleting %s %s/%s: the name holds another object now", kind, namespace, name)
+                return False
             if err.status == 404:
                 return False
             raise
@@ -276,6 +287,8 @@ class Kube:
         return True
 
     def event(self, job: dict[str, Any], type_: str, reason: str, message: str) -> None:
+        """An Event about the job; its message with URL credentials cut (`redact_text`: an
+        error may quote a judge's URL)."""
         meta = job["metadata"]
         now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
         body = {
@@ -283,7 +296,7 @@ class Kube:
             "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
             "involvedObject": {"apiVersion": job.get("apiVersion"), "kind": job.get("kind"), "name": meta["name"],
                                "namespace": meta["namespace"], "uid": meta.get("uid")},
-            "type": type_, "reason": reason, "message": message[:1024],
+            "type": type_, "reason": reason, "message": redact_text(message)[:1024],
             "firstTimestamp": now[:19] + "Z", "lastTimestamp": now[:19] + "Z", "count": 1,
             "source": {"component": FIELD_MANAGER}, "reportingComponent": FIELD_MANAGER,
             "reportingInstance": socket.gethostname(),

@@ -9,6 +9,13 @@ deleted, and children have fixed names and are written with server-side apply, s
 killing the operator at any point and starting it again neither loses a restart nor
 duplicates a child.
 
+Ownership before write (ownership.py): a child's name is read before the operator first
+writes it (a GET, or the index's object); an object there that the job does not control is
+left alone, and the job shows a `ChildConflict` condition and one Warning event instead.
+Later applies and every delete name the uid of the object found, so an object replaced
+under the same name is never changed or deleted. Left open: an object created by someone
+else between that read and the operator's first write (the same instant) is taken over.
+
 Children are read from kopf's indexes of the operator's watches (`index`), and from the
 API server when there is no index (tests, tools) and once every AUDIT_SECONDS per job:
 kopf's index keeps an object deleted while its watch was down and listed again (a 410
@@ -33,23 +40,37 @@ from pydantic import ValidationError
 
 from rlhf_contract.api import problems
 from rlhf_contract.api.models import RLHFJob, resolve_backend
+from rlhf_contract.redact import redact_text
 
 from kubernetes.client.rest import ApiException
 
 from . import metrics, status
-from .conditions import CHILD_REFUSED, CONDITION_TYPES, conditions_by_type, refused_condition
-from .builders import (
-    LABEL_JOB_UID, PodSettings, PodSettingsError, build_support, build_workloads, job_settings, rollout_name,
-    trainer_name,
-)
-from .builders.meta import attempt_of, jobset_name
+from .conditions import (CHILD_CONFLICT, CHILD_REFUSED, CONDITION_TYPES, conditions_by_type, conflict_condition,
+                         refused_condition)
+from .builders import LABEL_JOB_UID, PodSettings, PodSettingsError, build_support, build_workloads, job_settings
+from .builders.meta import attempt_of
 from .kube import Kube, not_ready, observed_of
+from .ownership import conflict, controlled_by, earlier_job
 
 log = logging.getLogger("rlhf_operator")
 
 APPLY_CACHE_SECONDS = 60.0  # children are re-applied at least this often (repairs manual edits)
 AUDIT_SECONDS = 300.0  # a job's children are read from the API server, not the indexes, this often
 JobKey = tuple[str, str]  # (namespace, name)
+REFUSED, CONFLICT, EARLIER = "refused", "conflict", "earlier"  # why a child was not written
+
+
+@dataclass(frozen=True)
+class Written:
+    """One child as the operator last left it."""
+
+    digest: str  # of the manifest last applied (or not written)
+    when: float  # time.monotonic()
+    uid: str | None = None
+    """The object's uid, once written or found the job's: later applies name it."""
+    problem: tuple[str, str] | None = None
+    """Why it is not written: (REFUSED, the API server's message), (CONFLICT, whose it is)
+    or (EARLIER, ...: an earlier job's, being garbage-collected)."""
 
 
 @dataclass
@@ -59,8 +80,8 @@ class JobCache:
     took away (the PyTorchJob's Failed condition still restarts the job)."""
 
     uid: str | None = None
-    applied: dict[tuple[str, str], tuple[str, float]] = field(default_factory=dict)
-    """(kind, name) -> (digest of the manifest last applied, when)."""
+    applied: dict[tuple[str, str], Written] = field(default_factory=dict)
+    """(kind, name) -> what was last done with it."""
     failed_pods: dict[str, dict[str, Any]] = field(default_factory=dict)  # written by the watch thread: iterate a copy
     """Failed pods seen in watch events, by uid: the training-operator and the StatefulSet
     controller delete failed pods within milliseconds, so a LIST may no longer show them."""
@@ -114,9 +135,25 @@ def _server_message(err: ApiException) -> str:
         return f"{err.status} {err.reason}: {err.body or ''}".strip()
 
 
+def _workloads(observed: status.Observed) -> dict[str, dict[str, Any] | None]:
+    return {"StatefulSet": observed.statefulset, "PyTorchJob": observed.pytorchjob, "JobSet": observed.jobset,
+            "TrainJob": observed.trainjob}
+
+
+def _job(obj: dict[str, Any]) -> str:
+    """The name of the job a child manifest is built for."""
+    return obj["metadata"]["ownerReferences"][0]["name"]
+
+
 def status_view(st: dict[str, Any]) -> dict[str, Any]:
-    """The part of the status the operator owns (the trainer owns progress, but totalSteps)."""
+    """The part of the status the operator owns (the trainer owns progress, but totalSteps),
+    what is compared and written: its messages with URL credentials cut (`redact_text`)."""
     view = {k: v for k, v in st.items() if k != "progress"}
+    if isinstance(view.get("message"), str):
+        view["message"] = redact_text(view["message"])
+    if view.get("conditions"):
+        view["conditions"] = [{**c, "message": redact_text(c["message"])} if isinstance(c.get("message"), str) else c
+                              for c in view["conditions"]]
     view["progress"] = {"totalSteps": (st.get("progress") or {}).get("totalSteps")}
     return view
 
@@ -162,44 +199,89 @@ class Reconciler:
                 metrics.ERRORS.labels(error=type(err).__name__).inc()
                 raise
 
-    def _apply(self, cache: JobCache, obj: dict[str, Any], force: bool = False) -> None:
-        key = (obj["kind"], obj["metadata"]["name"])
+    def _apply(self, cache: JobCache, obj: dict[str, Any], seen: dict[str, Any] | None = None,
+               force: bool = False, again: bool = True) -> Written:
+        """Apply `obj` unless applied within APPLY_CACHE_SECONDS as it is (`force`: its
+        workload is missing). Its name is read first unless known to hold the job's object
+        (`seen`: the object observed, else a GET); an object there that the job does not
+        control is not written (a problem, remembered as a refusal is)."""
+        key, name = (obj["kind"], obj["metadata"]["name"]), obj["metadata"]["name"]
         digest, now = _digest(obj), time.monotonic()
-        cached = cache.applied.get(key)
-        if not force and cached and cached[0] == digest and now - cached[1] < APPLY_CACHE_SECONDS:
-            return
-        self.kube.apply(obj)
-        cache.applied[key] = (digest, now)
+        old = cache.applied.get(key)
+        if not force and old and old.digest == digest and now - old.when < APPLY_CACHE_SECONDS:
+            return old
+        uid = old.uid if old and not force else None
+        if uid is None and (existing := seen or self.kube.get(obj)) is not None:
+            if not controlled_by(existing, cache.uid):
+                earlier = earlier_job(existing, _job(obj))
+                out = Written(digest, now, problem=(EARLIER, "") if earlier else (CONFLICT, conflict(existing, _job(obj))))
+                if not earlier:  # an earlier job's: read again next time (the garbage collector is at it)
+                    cache.applied[key] = out
+                return out
+            uid = existing["metadata"]["uid"]
+        try:
+            written = self.kube.apply(obj, uid)
+        except ApiException as err:
+            if uid and again and (err.status == 409 or (err.status == 422 and "metadata.uid" in (err.body or ""))):
+                cache.applied.pop(key, None)  # deleted or replaced since: whose is the name now?
+                return self._apply(cache, obj, force=True, again=False)
+            if err.status != 422:
+                raise
+            out = Written(digest, now, problem=(REFUSED, redact_text(
+                f"{obj['kind']} {name} refused by the API server: {_server_message(err)}")))
+            cache.applied[key] = out
+            return out
+        cache.applied[key] = Written(digest, now, uid=written["metadata"]["uid"])
+        return cache.applied[key]
 
-    def _apply_all(self, cache: JobCache, objs: list[dict[str, Any]], missing: dict[str, bool]) -> str | None:
-        """Apply `objs` in order; the API server's message for the first it refuses as
-        invalid (422), or None. A refused manifest is tried again only after
-        APPLY_CACHE_SECONDS or once it changes (the job's spec was edited)."""
+    def _apply_all(self, cache: JobCache, objs: list[dict[str, Any]], observed: status.Observed) -> dict[str, str]:
+        """Apply `objs` in order, stopping at the first not written: {REFUSED: the API
+        server's message} for one it refuses as invalid (422), {CONFLICT: ...} for one of
+        another owner, {} for all written or an earlier job's still there (nothing after it is
+        written: the RoleBinding must not bind the job's Role to a ServiceAccount not the job's)."""
+        workloads = _workloads(observed)
         for obj in objs:
-            try:
-                self._apply(cache, obj, force=missing.get(obj["kind"], False))
-            except ApiException as err:
-                if err.status != 422:
-                    raise
-                cache.applied[(obj["kind"], obj["metadata"]["name"])] = (_digest(obj), time.monotonic())
-                return f"{obj['kind']} {obj['metadata']['name']} refused by the API server: {_server_message(err)}"
-        return None
+            seen = workloads.get(obj["kind"])
+            seen = seen if seen is not None and seen["metadata"]["name"] == obj["metadata"]["name"] else None
+            written = self._apply(cache, obj, seen, force=obj["kind"] in workloads and seen is None)
+            if written.problem is not None:
+                return {written.problem[0]: written.problem[1]} if written.problem[0] != EARLIER else {}
+        return {}
 
-    def _report_refusal(self, body: dict[str, Any], plan_status: dict[str, Any], refusal: str | None) -> None:
-        """The `ChildRefused` condition (and a Warning event when it turns True or its message
-        changes) from the outcome of the apply."""
-        conds = conditions_by_type(plan_status)
-        if not refused_condition(conds, refusal, datetime.now(timezone.utc), body["metadata"].get("generation")):
+    def _delete_workloads(self, cache: JobCache, job_name: str, kinds: list[str], observed: status.Observed) -> list[str]:
+        """Delete the workloads of `kinds` that the job controls, each by its uid; the others
+        are left alone: the conflicts among them (not an earlier job's)."""
+        conflicts, workloads = [], _workloads(observed)
+        for kind in kinds:
+            obj = workloads.get(kind)
+            if obj is None:
+                continue
+            meta = obj["metadata"]
+            if controlled_by(obj, cache.uid):
+                self.kube.delete(kind, meta["namespace"], meta["name"], meta["uid"])
+            elif not earlier_job(obj, job_name):
+                conflicts.append(conflict(obj, job_name))
+        return conflicts
+
+    def _report(self, body: dict[str, Any], plan_status: dict[str, Any], outcome: dict[str, str]) -> None:
+        """The `ChildRefused` and `ChildConflict` conditions (and a Warning event when one turns
+        True or its message changes) from the outcome of the apply."""
+        conds, now, generation = conditions_by_type(plan_status), datetime.now(timezone.utc), body["metadata"].get("generation")
+        changed = [type_ for type_, problem, set_condition in (
+            (CHILD_REFUSED, outcome.get(REFUSED), refused_condition),
+            (CHILD_CONFLICT, outcome.get(CONFLICT), conflict_condition)) if set_condition(conds, problem, now, generation)]
+        if not changed:
             return
         plan_status["conditions"] = [conds[t] for t in CONDITION_TYPES if t in conds]
-        if refusal is not None:
-            plan_status["message"] = refusal
+        if problem := outcome.get(CONFLICT) or outcome.get(REFUSED):
+            plan_status["message"] = problem
         meta = body["metadata"]
         self.kube.patch_status(meta["namespace"], meta["name"], status_view(plan_status))
-        if refusal is not None:
-            metrics.ERRORS.labels(error="ChildRefused").inc()
-            self.kube.event(body, "Warning", "ChildRefused", refusal)
-            log.warning("%s/%s: %s", meta["namespace"], meta["name"], refusal)
+        for type_ in changed:
+            if conds[type_]["status"] == "True":
+                metrics.ERRORS.labels(error=type_).inc()
+                self.kube.event(body, "Warning", type_, conds[type_]["message"])
+                log.warning("%s/%s: %s", meta["namespace"], meta["name"], conds[type_]["message"])
 
     def reconcile(self, namespace: str, name: str) -> str | None:
         """Bring one job's children and status in line with its spec; returns the phase."""
@@ -234,9 +316,10 @@ class Reconciler:
         plan = status.plan(body, job, observed, datetime.now(timezone.utc), invalid=invalid,
                            node_lost_after=self.node_lost_after)
         old = body.get("status") or {}
-        refused = conditions_by_type(plan.status).get(CHILD_REFUSED) or {}
-        if refused.get("status") == "True" and plan.status["phase"] not in status.TERMINAL:  # still the reason nothing runs, until an apply is accepted
-            plan.status["message"] = refused["message"]
+        conds = conditions_by_type(plan.status)
+        blocked = next((c for t in (CHILD_CONFLICT, CHILD_REFUSED) if (c := conds.get(t, {})).get("status") == "True"), None)
+        if blocked and plan.status["phase"] not in status.TERMINAL:  # still why nothing runs, until the children are written
+            plan.status["message"] = blocked["message"]
         # 1. The decision first: a restart or a terminal phase is durable before anything is deleted.
         if status_view(plan.status) != status_view(old):
             kube.patch_status(namespace, name, status_view(plan.status))
@@ -246,21 +329,21 @@ class Reconciler:
                 kube.event(body, ev.type, ev.reason, ev.message)
             log.info("%s/%s: %s (%s)", namespace, name, plan.status["phase"],
                      (plan.events[0].message if plan.events else ""))
-        # 2. Stop what must stop; pods of lost nodes go at once.
-        for kind in plan.delete:
-            kube.delete(kind, namespace, {"StatefulSet": rollout_name(name), "JobSet": jobset_name(name)}.get(
-                kind, trainer_name(name)))
+        # 2. Stop what must stop (what the job controls); pods of lost nodes go at once.
+        in_the_way = self._delete_workloads(cache, name, plan.delete, observed)
+        uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in observed.pods}
         for pod in plan.force_delete:
             log.warning("%s/%s: force-deleting pod %s (its node is lost)", namespace, name, pod)
-            kube.force_delete_pod(namespace, pod)
-        # 3. Create or update what must run; a child the API server refuses stops the rest.
+            kube.force_delete_pod(namespace, pod, uids[pod])
+        # 3. Create or update what must run; a child refused or in conflict stops the rest.
         if job is not None and (plan.apply_support or plan.create_workloads):
-            missing = {"StatefulSet": observed.statefulset is None, "PyTorchJob": observed.pytorchjob is None,
-                       "JobSet": observed.jobset is None, "TrainJob": observed.trainjob is None}
             wanted = [*(build_support(job, settings) if plan.apply_support else []),
                       *(build_workloads(job, plan.status["restarts"], settings) if plan.create_workloads else [])]
-            self._report_refusal(body, plan.status, self._apply_all(cache, wanted, missing))
+            outcome = self._apply_all(cache, wanted, observed)
+            if in_the_way:
+                outcome[CONFLICT] = "; ".join([*in_the_way, *filter(None, [outcome.get(CONFLICT)])])
+            self._report(body, plan.status, outcome)
         if plan.delete_job:
             log.info("%s/%s: ttlSecondsAfterFinished passed, deleting the job", namespace, name)
-            kube.delete_job(namespace, name)
+            kube.delete_job(namespace, name, body["metadata"]["uid"])
         return plan.status["phase"]

@@ -43,6 +43,7 @@ from .builders.meta import LABEL_JOB_UID, LABEL_ROLE, ROLE_ROLLOUT, ROLE_TRAINER
 from .conditions import CONDITION_TYPES, conditions_by_type, set_conditions
 from .failures import (NODE_LOST_AFTER, Failure, attempt_failure, labels, lost_pod,
                        parse_time, pod_failure, pod_ready, true_condition, ts, unschedulable)
+from .ownership import controlled_by
 
 __all__ = ["NODE_LOST_AFTER", "Event", "Failure", "Observed", "Plan", "attempt_failure",
            "lost_pod", "parse_time", "plan", "pod_failure", "set_conditions"]
@@ -91,10 +92,6 @@ class Plan:
     force_delete: list[str] = field(default_factory=list)
     """Pods to delete with grace period 0: being deleted, on a lost node."""
     events: list[Event] = field(default_factory=list)
-
-
-def _owned_by(obj: dict[str, Any], uid: str) -> bool:
-    return any(r.get("uid") == uid and r.get("controller") for r in obj.get("metadata", {}).get("ownerReferences") or [])
 
 
 # ---------------------------------------------------------------- the plan
@@ -150,7 +147,7 @@ def _context(body: dict[str, Any], job: RLHFJob | None, observed: Observed) -> _
     workloads = {"StatefulSet": observed.statefulset, "PyTorchJob": observed.pytorchjob, "JobSet": observed.jobset,
                  "TrainJob": observed.trainjob}
     # A JobSet lives through every attempt (it restarts its own jobs).
-    current = {k: w for k, w in workloads.items() if w is not None and _owned_by(w, uid)
+    current = {k: w for k, w in workloads.items() if w is not None and controlled_by(w, uid)
                and (k == "JobSet" or attempt_of(w) == restarts) and not w["metadata"].get("deletionTimestamp")}
     stale = [k for k, w in workloads.items() if w is not None and k not in current
              and not w["metadata"].get("deletionTimestamp")]
