@@ -203,6 +203,11 @@ def _resync_loop(namespaces: list[str], stop: threading.Event) -> None:
         metrics.set_jobs_by_phase(phases, jobs_seen if listed_all else None)
 
 
+def allow_host_path() -> bool:
+    """$RLHF_ALLOW_HOST_PATH: `1` or `true` (what the chart's `security.allowHostPath` sets)."""
+    return os.environ.get("RLHF_ALLOW_HOST_PATH", "").strip().lower() in ("1", "true")
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per line (`logFormat: json`): time (UTC, RFC 3339), level, logger,
     message, and the traceback when there is one."""
@@ -221,7 +226,8 @@ def run(namespaces: list[str], *, metrics_port: int = 8080, lease_namespace: str
     """`rlhfctl operator`: wait for the leader lease, then run kopf until stopped.
     `node_lost_seconds` (default $RLHF_OPERATOR_NODE_LOST_SECONDS or 60): how long a node
     may be not Ready before its pods count as failed and are force-deleted. `workers`
-    (default $RLHF_OPERATOR_WORKERS or 16): reconciles run at once, on different jobs."""
+    (default $RLHF_OPERATOR_WORKERS or 16): reconciles run at once, on different jobs.
+    $RLHF_ALLOW_HOST_PATH=1 (the chart's `security.allowHostPath`): jobs may mount hostPath volumes."""
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if log_format == "json"
                          else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -232,7 +238,8 @@ def run(namespaces: list[str], *, metrics_port: int = 8080, lease_namespace: str
         node_lost_seconds = float(env) if env else NODE_LOST_AFTER.total_seconds()
     workers = workers or int(os.environ.get("RLHF_OPERATOR_WORKERS") or 16)
     kube = Kube(connections=workers + 4)
-    STATE.reconciler = Reconciler(kube, node_lost_after=timedelta(seconds=node_lost_seconds), index=read_indexes)
+    STATE.reconciler = Reconciler(kube, node_lost_after=timedelta(seconds=node_lost_seconds), index=read_indexes,
+                                  allow_host_path=allow_host_path())
     STATE.queue = WorkQueue(STATE.reconciler, workers=workers, priority=TRIGGER_PRIORITY.__getitem__,
                             on_depth=metrics.QUEUE_DEPTH.set, on_wait=metrics.QUEUE_WAIT.observe)
     STATE.resync_seconds = resync_seconds

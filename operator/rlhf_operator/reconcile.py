@@ -160,10 +160,13 @@ def status_view(st: dict[str, Any]) -> dict[str, Any]:
 
 class Reconciler:
     def __init__(self, kube: Kube, node_lost_after: timedelta = status.NODE_LOST_AFTER,
-                 index: Callable[[JobKey], tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]] | None = None):
+                 index: Callable[[JobKey], tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]] | None = None,
+                 allow_host_path: bool = False):
         """`index`: a job's children in kopf's indexes, by plural, and the nodes of its pods,
-        by name (handlers.read_indexes)."""
+        by name (handlers.read_indexes). `allow_host_path`: jobs may mount hostPath volumes
+        (the chart's `security.allowHostPath`; builders/pods.py refuses them otherwise)."""
         self.kube = kube
+        self.allow_host_path = allow_host_path
         self.caches = JobCaches()
         self.node_lost_after = node_lost_after
         self.index = index
@@ -307,7 +310,7 @@ class Reconciler:
         job, invalid, settings = None, None, PodSettings()
         try:
             job = job_model(body)
-            settings = job_settings(job)  # PodSettings.from_job and the backend's own limits
+            settings = job_settings(job, allow_host_path=self.allow_host_path)  # PodSettings and the backend's limits
         except ValidationError as err:
             job, invalid = None, "; ".join(str(p) for p in problems(err))
         except PodSettingsError as err:

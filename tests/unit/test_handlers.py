@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import kopf
+import pytest
 from kopf._cogs.structs.references import Resource
 
 from rlhf_operator.builders import LABEL_JOB
@@ -93,3 +94,17 @@ def test_a_nodes_readiness_from_the_index_entry_it_keeps():
         "down": datetime(2026, 1, 1, 0, 1, tzinfo=utc), "unknown": datetime(2026, 1, 1, 0, 2, tzinfo=utc),
         "new": datetime(2026, 1, 1, 0, 0, tzinfo=utc),  # no Ready condition yet: since its creation
         "gone": datetime.fromtimestamp(0, utc)}  # deleted: lost at once
+
+
+@pytest.mark.parametrize("value, allowed", [(None, False), ("", False), ("0", False), ("false", False),
+                                            ("1", True), ("true", True), ("True", True)])
+def test_host_path_volumes_are_allowed_only_when_the_chart_says_so(monkeypatch, value, allowed):
+    """`security.allowHostPath` sets RLHF_ALLOW_HOST_PATH=1 on the operator; the reconcile
+    passes it to the builders, which refuse hostPath volumes without it."""
+    from rlhf_operator.handlers import allow_host_path
+
+    if value is None:
+        monkeypatch.delenv("RLHF_ALLOW_HOST_PATH", raising=False)
+    else:
+        monkeypatch.setenv("RLHF_ALLOW_HOST_PATH", value)
+    assert allow_host_path() is allowed
