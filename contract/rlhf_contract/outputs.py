@@ -41,12 +41,15 @@ def manifest(path: Path) -> dict[str, int]:
 
 
 def damage(path: Path) -> str | None:
-    """What is wrong with a complete checkpoint: a file its COMPLETE lists that is missing
-    or of another size; None when it is whole (or its COMPLETE predates the listing)."""
-    text = (path / MARKER).read_text()
-    if not text.strip():
-        return None
-    for name, size in json.loads(text)["files"].items():
+    """What is wrong with a complete checkpoint: a COMPLETE that cannot be read (cut short
+    mid-write, empty), or a file it lists that is missing or of another size; None when it
+    is whole."""
+    try:
+        files = json.loads((path / MARKER).read_text())["files"]
+        listed = [(str(name), int(size)) for name, size in files.items()]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        return f"{path / MARKER} cannot be read ({type(err).__name__}): the checkpoint is incomplete"
+    for name, size in listed:
         f = path / name
         if not f.is_file():
             return f"{f} is missing"

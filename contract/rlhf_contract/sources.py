@@ -6,9 +6,15 @@ operator (the config it mounts names the local copies) and by local mode.
 Layout under the sources directory (`<output dir>/sources`, on the job's volume):
   hf/<models|datasets>/<org>/<name>/<revision>/   a repository's snapshot
   s3/<bucket>/<key...>                            the objects, by key
-  .complete/<sha256(uri)[:16]>.json               written last: the download is whole
-so a restart or a second pod with the volume downloads nothing again, and a copy without
-its marker is never used (rlhf_trainer.storage downloads it afresh).
+  .complete/<sha256(uri)[:16]>.json               written last: the download is whole (it
+                                                  lists the files, their sizes and sha256)
+  .pins/<sha256(uri)[:16]>.json                   the revision the job reads: the Hub commit
+                                                  or the S3 objects' ETags, fixed by the
+                                                  job's first download and never changed
+  .partial/<marker stem>.<pid>.<random>/          one download in progress (per process)
+so a restart or a second pod with the volume downloads nothing again, every download of
+the job reads the same revision, and a copy without its marker, or whose files differ from
+it, is never used (rlhf_trainer.storage downloads it afresh).
 
 Credentials come from the environment by these names (`spec.storageSecret` on a cluster)."""
 
@@ -25,6 +31,8 @@ from .api.uris import parse_remote
 SOURCES_DIR = "sources"
 """Under the output directory."""
 COMPLETE_DIR = ".complete"
+PINS_DIR = ".pins"
+PARTIAL_DIR = ".partial"
 
 CREDENTIAL_ENV = ("HF_TOKEN", "HF_ENDPOINT", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
                   "AWS_ENDPOINT_URL", "AWS_REGION")
@@ -43,12 +51,22 @@ class Fetch:
     kind: str
     local: str
 
-    def marker(self) -> str:
-        """The completion marker's path."""
+    def sources_dir(self) -> str:
         root = PurePosixPath(self.local)
         while root.name != SOURCES_DIR:
             root = root.parent
-        return str(root / COMPLETE_DIR / f"{hashlib.sha256(self.uri.encode()).hexdigest()[:16]}.json")
+        return str(root)
+
+    def marker(self) -> str:
+        """The completion marker's path."""
+        return str(PurePosixPath(self.sources_dir(), COMPLETE_DIR, self._file_name()))
+
+    def pin_file(self) -> str:
+        """Where the revision this job reads is recorded (by its first download)."""
+        return str(PurePosixPath(self.sources_dir(), PINS_DIR, self._file_name()))
+
+    def _file_name(self) -> str:
+        return f"{hashlib.sha256(self.uri.encode()).hexdigest()[:16]}.json"
 
 
 def local_path(uri: str, kind: str, sources_dir: str) -> str:

@@ -7,8 +7,16 @@ Layout under `<output>/checkpoints/`:
                      trainable parameters only, with LoRA the adapters); an engine
                      with files of its own (DeepSpeed) writes them in step-N/<part>/,
                      trainer_state.json (step, data position), rng-rank<R>.pt
-  step-N/COMPLETE    written LAST, after every rank finished; only then does the
-                     checkpoint count (`rlhf_contract.outputs` reads this layout)
+  step-N/COMPLETE    written LAST, after every rank finished, atomically (temporary
+                     file, fsync, rename, fsync of the directory); only then does the
+                     checkpoint count (`rlhf_contract.outputs` reads this layout; a
+                     COMPLETE that cannot be read counts as incomplete: the one before
+                     is resumed)
+Loading trusts no pickle: `rng-rank<R>.pt` holds tensors and Python's RNG state as a tuple
+of ints and is read with `weights_only=True`, DCP's `.metadata` with an unpickler that
+knows only DCP's own metadata classes (`SafeReader`); a checkpoint that fails either is
+set aside at resume like a damaged one. (DeepSpeed's own files, engine/zero.py, are read
+by DeepSpeed, which does not use `weights_only`.)
 The final model goes to `<output>/final/` in Hugging Face format (written to a temporary
 directory and renamed, so `final/` is never half-written).
 """
@@ -17,8 +25,10 @@ from __future__ import annotations
 
 import copy
 import errno
+import io
 import json
 import logging
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -28,9 +38,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 from rlhf_contract.outputs import (MARKER, checkpoint_step as _step_of, complete_checkpoints, damage, latest_checkpoint,
                                    manifest)
+
+from .storage.files import write_atomic
 
 
 __all__ = ["complete_checkpoints", "latest_checkpoint", "load_checkpoint", "resume_checkpoint", "save_checkpoint",
@@ -79,11 +92,13 @@ def save_checkpoint(output_dir: str | Path, step: int, parts: Parts, trainer_sta
         rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()
-        torch.save(rng, path / f"rng-rank{rank}.pt")
+        buffer = io.BytesIO()
+        torch.save(rng, buffer)
+        write_atomic(path / f"rng-rank{rank}.pt", buffer.getvalue())
         dist.barrier()
         if rank == 0:
-            (path / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}))
-            (path / MARKER).write_text(json.dumps({"files": manifest(path)}))
+            write_atomic(path / "trainer_state.json", json.dumps({**trainer_state, "step": step}))
+            write_atomic(path / MARKER, json.dumps({"files": manifest(path)}))  # last, whole or not at all
     except (Exception, CheckpointException) as err:  # DCP's is a BaseException
         usage = shutil.disk_usage(root)
         # torch.save reports a full disk as a short write ("unexpected pos"), not ENOSPC
@@ -142,7 +157,7 @@ def resume_checkpoint(output_dir: str | Path) -> Path | None:
     or missing since it was written) is renamed `damaged-step-N`, kept for inspection, and the
     one before it is used, saying so."""
     for path in reversed(complete_checkpoints(output_dir)):
-        problem = damage(path)
+        problem = damage(path) or unsafe(path)
         if problem is None:
             return path
         aside = path.with_name(f"damaged-{path.name}")
@@ -160,17 +175,83 @@ def load_checkpoint(path: Path, parts: Parts) -> dict[str, Any]:
         engine.load_files(path, name)
     state = _dcp_state(parts)
     if state:
-        dcp.load(state, checkpoint_id=str(path))
+        SafeReader(path).read_metadata()  # a refusal as our error, not wrapped in DCP's
+        dcp.load(state, storage_reader=SafeReader(path))
     for name, part in state.items():
         parts[name].load_dcp_state(part)
     rng_file = path / f"rng-rank{dist.get_rank()}.pt"
     if rng_file.exists():
-        rng = torch.load(rng_file, weights_only=False)
+        rng = _load_rng(rng_file)
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
     return json.loads((path / "trainer_state.json").read_text())
+
+
+def _load_rng(path: Path) -> dict[str, Any]:
+    """An RNG file read with `weights_only=True` (tensors, ints, tuples: no code runs)."""
+    try:
+        rng = torch.load(path, weights_only=True)
+        random.Random().setstate(rng["python"])  # its shape checked on a throwaway generator
+        if not isinstance(rng["torch"], torch.Tensor):
+            raise TypeError("its torch state is not a tensor")
+    except (pickle.UnpicklingError, RuntimeError, KeyError, TypeError, ValueError, IndexError, EOFError) as err:
+        lines = str(err).splitlines()
+        why = next((line.strip() for line in lines if "unsupported global" in line.lower()), lines[0] if lines else "")
+        raise CheckpointError(f"checkpoint file {path} is refused: it is not a plain RNG state (tensors and ints "
+                              f"read with weights_only=True, no code run): {why[:300]}") from None
+    return rng
+
+
+_DCP_MODULE = "torch.distributed.checkpoint."
+_SAFE_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                 ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("builtins", "set"), ("builtins", "frozenset")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's `.metadata` pickle with nothing but its own classes: DCP's metadata classes,
+    torch dtypes and sizes (a planted `__reduce__` names anything else and is refused)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _SAFE_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module.startswith(_DCP_MODULE) and isinstance(found := super().find_class(module, name), type):
+            return found
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's metadata")
+
+
+class SafeReader(FileSystemReader):
+    """torch.distributed.checkpoint's file reader, its metadata read by `_MetadataUnpickler`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        with open(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+            try:
+                metadata = _MetadataUnpickler(f).load()
+            except (pickle.UnpicklingError, AttributeError, EOFError, ImportError) as err:
+                raise CheckpointError(f"checkpoint {self.path} is refused: its metadata is not DCP's ({err})") from None
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def unsafe(path: Path) -> str | None:
+    """Why loading the checkpoint at `path` would run code from it (its RNG files or DCP
+    metadata are not plain data); None when every file reads as data."""
+    try:
+        for rng_file in sorted(path.glob("rng-rank*.pt")):
+            _load_rng(rng_file)
+        if (path / ".metadata").is_file():
+            SafeReader(path).read_metadata()
+    except CheckpointError as err:
+        return str(err)
+    return None
+
 
 
 MAX_SHARD_BYTES = 5 * 1024**3

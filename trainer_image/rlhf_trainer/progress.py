@@ -9,7 +9,10 @@ the trainer image does not carry one.
     PATCH /apis/rlhf.dev/v1alpha1/namespaces/<ns>/rlhfjobs/<name>/status
     Content-Type: application/merge-patch+json
     {"status": {"progress": {"step", "totalSteps", "rewardMean", "policyVersion",
-                             "lastCheckpoint", "updatedTime"}}}
+                             "lastCheckpoint", "updatedTime", "sources"}}}
+
+`sources` is {address: revision} of the job's pinned `hf://` / `s3://` sources
+(rlhf_trainer.storage.pins, read from `$RLHF_OUTPUT_DIR/sources` once at start; also logged).
 
 The run loop calls `ProgressReporter.report(...)` once per step; it only records the
 values and returns at once. A background thread sends the newest values at most every
@@ -65,6 +68,21 @@ class ApiServer:
         return cls(url=f"https://{host}:{port}", token_file=token, ca_file=ca if ca.is_file() else None)
 
 
+def pinned_sources(output_dir: str | None = None) -> dict[str, str]:
+    """{address: revision} pinned by the download step under `<output dir>/sources`
+    (default: $RLHF_OUTPUT_DIR); logged once, since local mode has no status."""
+    from rlhf_contract.pod import ENV_OUTPUT_DIR
+    from rlhf_contract.sources import SOURCES_DIR
+
+    from .storage.pins import summaries
+
+    output_dir = output_dir or os.environ.get(ENV_OUTPUT_DIR)
+    found = summaries(Path(output_dir, SOURCES_DIR)) if output_dir else {}
+    for uri, revision in found.items():
+        log.info("source %s pinned to %s", uri, revision)
+    return found
+
+
 def _finite(x: float | None) -> float | None:
     return None if x is None or not math.isfinite(float(x)) else float(x)
 
@@ -73,8 +91,10 @@ class ProgressReporter:
     """Sends the newest progress of one job to its status, rate-limited, in the background."""
 
     def __init__(self, name: str, namespace: str | None, total_steps: int, *, api: ApiServer | None,
-                 min_interval: float = DEFAULT_MIN_INTERVAL):
+                 min_interval: float = DEFAULT_MIN_INTERVAL, sources: dict[str, str] | None = None):
         self.name, self.namespace, self.total_steps = name, namespace, total_steps
+        self.sources = dict(sources or {})
+        """{address: pinned revision} of the job's remote sources (status.progress.sources)."""
         self.api = api if namespace else None
         self.min_interval = min_interval
         self.sent = 0
@@ -94,7 +114,7 @@ class ProgressReporter:
         """For a trainer in a pod: the job from the trainer config (`jobName`, `namespace`,
         `schedule.totalSteps`), the API server from the pod's service account."""
         return cls(config.job_name, config.namespace, config.schedule.total_steps, api=ApiServer.in_cluster(),
-                   min_interval=min_interval)
+                   min_interval=min_interval, sources=pinned_sources())
 
     @property
     def enabled(self) -> bool:
@@ -121,6 +141,8 @@ class ProgressReporter:
                 self._last_checkpoint = str(last_checkpoint)
             if self._last_checkpoint is not None:  # kept, so a skipped step's checkpoint is not lost
                 progress["lastCheckpoint"] = self._last_checkpoint
+            if self.sources:
+                progress["sources"] = self.sources
             with self._cond:
                 self._pending = progress
                 if self._thread is None:

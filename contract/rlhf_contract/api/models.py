@@ -228,6 +228,9 @@ class Progress(SpecModel):
     """Newest complete checkpoint."""
     updated_time: str | None = None
     """When the trainer last reported (RFC 3339, UTC)."""
+    sources: dict[str, str] | None = None
+    """The revision each `hf://` / `s3://` source is pinned to for this job (address: Hub
+    commit, or the S3 objects' ETags), fixed by the job's first download."""
 
 
 class RLHFJobStatus(SpecModel):

@@ -1,14 +1,19 @@
 """The download step: every `hf://` / `s3://` model and dataset of a job into its sources
-directory (rlhf_contract.sources has the plan and the layout), once: a copy whose
-completion marker exists is kept as it is, anything else is downloaded afresh into a
-staging directory, renamed into place, and only then marked complete. So a restart or a
-second pod with the same volume downloads nothing, and a download cut short (a killed pod,
-a server gone mid-file) is never read as a model.
+directory (rlhf_contract.sources has the plan and the layout), once: a copy is kept when
+its completion marker reads whole, is of the job's pinned revision (pins.py) and every
+file it lists is there with its size; anything else is downloaded afresh into a staging
+directory of this process alone (`.partial/<stem>.<pid>.<random>`), renamed into place,
+and only then marked complete (files.write_atomic). So a restart or a second pod with the
+same volume downloads nothing, two pods downloading at once (where file locks do not hold
+across nodes) each finish a whole copy, and a download cut short (a killed pod, a server
+gone mid-file) is never read as a model. Every name a server gives is kept inside its
+directory (files.confined): a key with `..` fails the step naming it.
 
-Hub repositories: huggingface_hub's `snapshot_download` (HF_ENDPOINT, HF_TOKEN). S3:
-MinIO's client (s3.py). A missing repository, revision, bucket or object, or a refused credential
-is permanent (exit 2, naming the field and the Secret); a broken connection is not (exit 1:
-the job's next attempt tries again)."""
+Hub repositories: huggingface_hub's `snapshot_download` at the pinned commit (HF_ENDPOINT,
+HF_TOKEN). S3: MinIO's client (s3.py), each object at its pinned ETag. A missing
+repository, revision, bucket or object, a refused credential, a hostile object name or a
+pinned object that changed is permanent (exit 2, naming the field and the Secret); a
+broken connection is not (exit 1: the job's next attempt tries again)."""
 
 from __future__ import annotations
 
@@ -21,66 +26,87 @@ import time
 from pathlib import Path
 
 from rlhf_contract.api.uris import DEFAULT_REVISION, parse_remote
-from rlhf_contract.sources import Fetch
+from rlhf_contract.sources import PARTIAL_DIR, Fetch
 
-from . import StorageError, credentials_source, s3
+from . import StorageError, credentials_source, pins, s3
+from .files import listing, listing_matches, unique_name, write_atomic
 
 log = logging.getLogger(__name__)
+
 
 def fetch_all(fetches: list[Fetch]) -> list[str]:
     """Download what is not there yet; returns one line per fetch (what was done)."""
     return [_fetch_one(f) for f in fetches]
 
 
-def is_complete(fetch: Fetch) -> bool:
-    return Path(fetch.marker()).is_file() and Path(fetch.local).exists()
+def copy_problem(fetch: Fetch, pin: dict | None) -> str | None:
+    """Why the copy of `fetch` may not be used as it is (None: it is whole and pinned)."""
+    marker = Path(fetch.marker())
+    try:
+        record = json.loads(marker.read_text())
+    except FileNotFoundError:
+        return "no completion marker"
+    except (OSError, ValueError) as err:
+        return f"its marker is unreadable ({err})"
+    if not isinstance(record, dict) or record.get("uri") != fetch.uri:
+        return "its marker is of another address"
+    if pin is not None and not pins.same(pin, record):
+        return f"it is not of the pinned revision {pins.summary(pin)}"
+    return listing_matches(Path(fetch.local), record.get("files"))
 
 
 def _fetch_one(fetch: Fetch) -> str:
-    if is_complete(fetch):
+    if copy_problem(fetch, pins.read(fetch)) is None:
         return f"{fetch.field}: {fetch.uri} already at {fetch.local}"
     marker = Path(fetch.marker())
     marker.parent.mkdir(parents=True, exist_ok=True)
-    # pods sharing the volume (trainer nodes on a ReadWriteMany claim) download one at a
-    # time: the second finds the first's marker
+    # a speed-up only: pods on one node download one at a time, the second finds the
+    # first's marker; where the lock does not hold (across nodes), each downloads into its
+    # own staging directory and the copies are the same pinned revision
     with open(marker.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if is_complete(fetch):
+        problem = copy_problem(fetch, pins.read(fetch))
+        if problem is None:
             return f"{fetch.field}: {fetch.uri} already at {fetch.local} (downloaded by another pod)"
+        if Path(fetch.local).exists() or marker.exists():
+            log.warning("%s: the copy at %s is not used (%s): downloading it again", fetch.field, fetch.local, problem)
         return _download(fetch, marker)
 
 
 def _download(fetch: Fetch, marker: Path) -> str:
     start = time.monotonic()
-    staging = marker.parent.parent / ".partial" / marker.stem
-    shutil.rmtree(staging, ignore_errors=True)  # an earlier attempt's leftovers are never trusted
+    staging = Path(fetch.sources_dir()) / PARTIAL_DIR / unique_name(marker.stem)
     staging.mkdir(parents=True)
     remote = parse_remote(fetch.uri)
+    pin = pins.read(fetch)
     try:
         if remote.scheme == "hf":
-            record = _hf(fetch, remote.name, remote.ref, staging)
+            record = _hf(fetch, remote.name, remote.ref, staging, pin)
         else:
-            record = _s3(fetch, remote.name, remote.ref, staging)
-        target = Path(fetch.local)
-        if target.is_dir():
-            shutil.rmtree(target)
-        elif target.exists():
-            target.unlink()
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(staging / "content", target)
+            record = _s3(fetch, remote.name, remote.ref, staging, pin)
+        record["files"] = listing(staging / "content")
+        _install(fetch, staging)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    tmp = marker.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"uri": fetch.uri, "local": fetch.local, **record}, indent=1))
-    os.replace(tmp, marker)  # written last: the copy counts from here on
+    write_atomic(marker, json.dumps({"uri": fetch.uri, "local": fetch.local, **record}, indent=1))  # last
     return f"{fetch.field}: {fetch.uri} downloaded to {fetch.local} in {time.monotonic() - start:.1f} s"
+
+
+def _install(fetch: Fetch, staging: Path) -> None:
+    """Rename the staged copy into place; one already there (partial, or another process's
+    complete one) is first renamed aside into this staging directory, then deleted."""
+    target = Path(fetch.local)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists() or target.is_symlink():
+        os.replace(target, staging / "replaced")
+    os.replace(staging / "content", target)
 
 
 class _MissingRevision(Exception):
     """The repository exists, the revision does not."""
 
 
-def _hf(fetch: Fetch, repo: str, revision: str, staging: Path) -> dict:
+def _hf(fetch: Fetch, repo: str, revision: str, staging: Path, pin: dict | None) -> dict:
     from huggingface_hub import HfApi, snapshot_download
     from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, RepositoryNotFoundError,
                                         RevisionNotFoundError)
@@ -90,14 +116,17 @@ def _hf(fetch: Fetch, repo: str, revision: str, staging: Path) -> dict:
     server = endpoint or "the Hugging Face Hub"
     api = HfApi(endpoint=endpoint)
     try:
-        try:
-            info = api.repo_info(repo, repo_type=fetch.kind, revision=revision)
-        except RepositoryNotFoundError:
-            if revision == DEFAULT_REVISION:
-                raise
-            api.repo_info(repo, repo_type=fetch.kind, revision=DEFAULT_REVISION)  # raises when the repository itself is missing
-            raise _MissingRevision() from None  # a server that answers 404 to both
-        snapshot_download(repo, repo_type=fetch.kind, revision=info.sha or revision, local_dir=staging / "content",
+        if pin is None:
+            try:
+                info = api.repo_info(repo, repo_type=fetch.kind, revision=revision)
+            except RepositoryNotFoundError:
+                if revision == DEFAULT_REVISION:
+                    raise
+                api.repo_info(repo, repo_type=fetch.kind, revision=DEFAULT_REVISION)  # raises when the repository itself is missing
+                raise _MissingRevision() from None  # a server that answers 404 to both
+            pin = pins.record(fetch, {"revision": info.sha or revision})
+        revision = pin["revision"]
+        snapshot_download(repo, repo_type=fetch.kind, revision=revision, local_dir=staging / "content",
                           endpoint=endpoint, cache_dir=staging / "hub-cache")
     except (RevisionNotFoundError, _MissingRevision):
         raise StorageError(f"{where}: revision {revision!r} not found in the {fetch.kind} repository {repo!r} on "
@@ -115,14 +144,29 @@ def _hf(fetch: Fetch, repo: str, revision: str, staging: Path) -> dict:
         raise StorageError(f"{where}: {server} answered {status}"
                            + (f": {credentials_source('HF_TOKEN')} is refused" if permanent else f" ({err})"),
                            permanent=permanent) from None
+    except ValueError as err:
+        if "Invalid filename" not in str(err):
+            raise
+        raise StorageError(f"{where}: refusing the repository's file name ({err})", permanent=True) from None
     except OSError as err:  # connection refused or cut (requests/httpx errors are OSErrors here)
         raise StorageError(f"{where}: download from {server} failed ({type(err).__name__}: {err}); the partial "
                            "copy is not used, the next attempt downloads it again", permanent=False) from None
     shutil.rmtree(staging / "content" / ".cache", ignore_errors=True)  # huggingface_hub's bookkeeping
-    return {"revision": info.sha or revision}
+    _check_inside(staging, fetch)
+    return {"revision": revision}
 
 
-def _s3(fetch: Fetch, bucket: str, prefix: str, staging: Path) -> dict:
+def _check_inside(staging: Path, fetch: Fetch) -> None:
+    """huggingface_hub joins the repository's file names itself (refusing `..` and absolute
+    ones, exit 2 here); this checks that nothing it wrote is a link out of the copy."""
+    root = (staging / "content").resolve()
+    for f in (staging / "content").rglob("*"):
+        if f.is_symlink() and not f.resolve().is_relative_to(root):
+            raise StorageError(f"{fetch.field}: {fetch.uri}: refusing the file {f.relative_to(staging / 'content')}: "
+                               "it points outside the copy", permanent=True)
+
+
+def _s3(fetch: Fetch, bucket: str, prefix: str, staging: Path, pin: dict | None) -> dict:
     where = f"{fetch.field}: {fetch.uri}"
     client = s3.client()
     try:
@@ -130,7 +174,15 @@ def _s3(fetch: Fetch, bucket: str, prefix: str, staging: Path) -> dict:
         if not objects:
             raise StorageError(f"{where}: no objects under {prefix or 'the bucket'!r} in bucket {bucket!r} at "
                                f"{s3.endpoint()}; fix the prefix", permanent=True)
-        s3.download(client, bucket, list(objects), prefix, staging / "content")
+        pin = pin or pins.record(fetch, {"objects": objects})
+        for key, etag in pin["objects"].items():
+            if objects.get(key) != etag:
+                now = f"its ETag is {objects[key]!r}" if key in objects else "it is gone"
+                raise StorageError(f"{where}: the object {key!r} changed after this job pinned it (pinned ETag "
+                                   f"{etag!r}, {now}); a job reads one version of its sources: restore the object, "
+                                   f"or start a new job (or delete {fetch.pin_file()}) to read the new one",
+                                   permanent=True)
+        s3.download(client, bucket, pin["objects"], prefix, staging / "content", where)
     except s3.errors() as err:
-        raise s3.error(err, where, bucket) from None
-    return {"objects": objects}
+        raise s3.changed_error(err, where) or s3.error(err, where, bucket) from None
+    return {"objects": pin["objects"]}

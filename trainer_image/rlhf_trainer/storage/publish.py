@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 from rlhf_contract.api.uris import parse_remote
-from rlhf_contract.outputs import CHECKPOINTS, FINAL, MARKER, METRICS_FILE, checkpoint_step, complete_checkpoints
+from rlhf_contract.outputs import (CHECKPOINTS, FINAL, MARKER, METRICS_FILE, checkpoint_step, complete_checkpoints,
+                                   damage)
 
 from . import StorageError, credentials_source, s3
+from .files import unique_name
 
 log = logging.getLogger(__name__)
 
@@ -35,28 +38,34 @@ def _key(prefix: str, *parts: str) -> str:
 
 def restore_checkpoint(uri: str, output_dir: str) -> str:
     """Copy the newest complete checkpoint under `uri` (and its metrics.jsonl) into
-    `output_dir` when that holds no complete checkpoint; also proves the key may write
-    there. Returns what was done."""
+    `output_dir` when that holds no usable one; also proves the key may write there.
+    Every key is kept inside the checkpoint directory (files.confined: a key with `..`
+    fails the step naming it, nothing is written). Returns what was done."""
     bucket, prefix = _split(uri)
     out = Path(output_dir)
     client = s3.client()
     where = f"spec.output.uri: {uri}"
     try:
         s3.check_writable(client, bucket, _key(prefix, ".rlhf-write-check"))
-        if complete_checkpoints(out):
+        if any(damage(p) is None for p in complete_checkpoints(out)):
             return f"{where}: writable; {out} already holds a complete checkpoint"
-        objects = s3.list_objects(client, bucket, _key(prefix, CHECKPOINTS))
-        steps = sorted({int(k.split("/")[-2].split("-", 1)[1]) for k in objects
-                        if k.endswith("/" + MARKER) and k.split("/")[-2].startswith("step-")})
+        root = _key(prefix, CHECKPOINTS)
+        objects = s3.list_objects(client, bucket, root)
+        steps = sorted({int(m.group(1)) for k in objects
+                        if (m := re.fullmatch(re.escape(root) + r"/step-(\d+)/" + MARKER, k))})
         if not steps:
             return f"{where}: writable; no complete checkpoint there, the job starts from step 0"
         name = f"step-{steps[-1]}"
         ckpt_prefix = _key(prefix, CHECKPOINTS, name)
         keys = [k for k in objects if k.startswith(ckpt_prefix + "/")]
-        staging = out / CHECKPOINTS / f".restore-{name}"
-        shutil.rmtree(staging, ignore_errors=True)
-        s3.download(client, bucket, keys, ckpt_prefix, staging)
-        os.replace(staging, out / CHECKPOINTS / name)
+        (out / CHECKPOINTS).mkdir(parents=True, exist_ok=True)
+        staging = out / CHECKPOINTS / unique_name(f".restore-{name}")
+        shutil.rmtree(out / CHECKPOINTS / name, ignore_errors=True)  # not usable (above): a partial one
+        try:
+            s3.download(client, bucket, keys, ckpt_prefix, staging, where)
+            os.replace(staging, out / CHECKPOINTS / name)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
         metrics = _key(prefix, METRICS_FILE)
         if not (out / METRICS_FILE).exists() and s3.list_objects(client, bucket, metrics):
             client.fget_object(bucket, metrics, str(out / METRICS_FILE))

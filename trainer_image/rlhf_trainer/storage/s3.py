@@ -14,6 +14,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from . import StorageError, credentials_source
+from .files import confined
 
 KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
 _CREDENTIAL_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken",
@@ -70,13 +71,33 @@ def list_objects(s3: Any, bucket: str, prefix: str) -> dict[str, str]:
     return found
 
 
-def download(s3: Any, bucket: str, keys: list[str], prefix: str, into: Path) -> None:
-    """Each key to `into/<key relative to prefix>` (a key equal to the prefix: `into` itself)."""
+def download(s3: Any, bucket: str, keys: dict[str, str] | list[str], prefix: str, into: Path, what: str) -> None:
+    """Each key to `into/<key relative to prefix>` (a key equal to the prefix: `into` itself),
+    every name checked first (files.confined: a key with `..` never leaves `into`). Given
+    {key: ETag}, each object is read only if it still has that ETag (If-Match: a pinned
+    object that changed is refused, `changed_error`)."""
+    targets = {}
     for key in keys:
         rel = key[len(prefix):].lstrip("/") if prefix else key
-        target = into / rel if rel else into
+        if prefix and not (key == prefix or key.startswith(prefix + "/")):
+            raise StorageError(f"{what}: refusing the object {key!r}: it is not under {prefix!r}", permanent=True)
+        targets[key] = confined(into, rel, what) if rel else into
+    for key, target in targets.items():
         target.parent.mkdir(parents=True, exist_ok=True)
-        s3.fget_object(bucket, key, str(target))
+        etag = keys.get(key) if isinstance(keys, dict) else None
+        s3.fget_object(bucket, key, str(target), request_headers={"If-Match": f'"{etag}"'} if etag else None)
+
+
+def changed_error(err: Exception, what: str) -> StorageError | None:
+    """An If-Match refusal as the permanent error it is (the object changed after the job
+    pinned it); None for any other error."""
+    from minio.error import S3Error
+
+    if isinstance(err, S3Error) and err.code == "PreconditionFailed":
+        return StorageError(f"{what}: the object {err.object_name!r} changed after this job pinned it (its ETag is "
+                            "no longer the pinned one); a job reads one version of its sources: start a new job "
+                            "(or delete its sources/.pins/ file) to use the new objects", permanent=True)
+    return None
 
 
 def upload_dir(s3: Any, directory: Path, bucket: str, prefix: str, *, last: str | None = None) -> int:

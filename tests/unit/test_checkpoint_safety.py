@@ -1,0 +1,120 @@
+"""Checkpoints that were planted or cut short (issue 49): a COMPLETE cut mid-write counts
+as incomplete and the one before is resumed; an `rng-rank*.pt` or DCP `.metadata` whose
+pickle would run code is refused, never executed, and the checkpoint set aside. Real
+checkpoints written by `save_checkpoint` in a one-process gloo group."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rlhf_contract.outputs import MARKER
+from rlhf_trainer.checkpoint import CheckpointError, load_checkpoint, resume_checkpoint, save_checkpoint
+
+
+class Planted:
+    """What a bucket writer plants: unpickling it runs a command."""
+
+    def __init__(self, sentinel):
+        self.sentinel = str(sentinel)
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.sentinel}",)
+
+
+class Part:
+    """A trained part with a DCP state (one tensor), as an engine gives it."""
+
+    def __init__(self, value: float):
+        self.weight = torch.full((4,), value)
+
+    def dcp_state(self):
+        return {"model": {"weight": self.weight}}
+
+    def load_dcp_state(self, state):
+        self.weight = state["model"]["weight"]
+
+    def save_files(self, directory, tag):
+        pass
+
+    def load_files(self, directory, tag):
+        pass
+
+
+@pytest.fixture(autouse=True)
+def one_process_group():
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def save(out, step, value):
+    return save_checkpoint(out, step, {"policy": Part(value)}, {"data_position": step * 10}, keep=5)
+
+
+def test_a_marker_cut_mid_write_falls_back_to_the_previous_checkpoint(tmp_path):
+    save(tmp_path, 2, 2.0)
+    newest = save(tmp_path, 4, 4.0)
+    marker = newest / MARKER
+    assert json.loads(marker.read_text())["files"]  # written whole: it lists the checkpoint's files
+    assert not [p for p in newest.iterdir() if p.name.endswith(".tmp")]  # no temporary file left
+    marker.write_text(marker.read_text()[: len(marker.read_text()) // 2])  # what a crash mid-write left
+    chosen = resume_checkpoint(tmp_path)
+    assert chosen == tmp_path / "checkpoints" / "step-2"
+    assert (tmp_path / "checkpoints" / "damaged-step-4").is_dir()
+    part = Part(0.0)
+    assert load_checkpoint(chosen, {"policy": part}) == {"data_position": 20, "step": 2}
+    assert part.weight.tolist() == [2.0] * 4
+
+
+def test_an_empty_marker_is_incomplete_too(tmp_path):
+    save(tmp_path, 1, 1.0)
+    (save(tmp_path, 3, 3.0) / MARKER).write_text("")
+    assert resume_checkpoint(tmp_path).name == "step-1"
+
+
+def test_rng_state_round_trips_through_weights_only(tmp_path):
+    random.seed(7)
+    torch.manual_seed(7)
+    path = save(tmp_path, 1, 1.0)
+    expected = (random.random(), torch.rand(3))
+    random.seed(99)
+    torch.manual_seed(99)
+    load_checkpoint(path, {"policy": Part(0.0)})
+    got = (random.random(), torch.rand(3))
+    assert got[0] == expected[0] and torch.equal(got[1], expected[1])
+
+
+def test_a_planted_rng_pickle_is_refused_not_executed(tmp_path):
+    save(tmp_path, 2, 2.0)
+    planted = save(tmp_path, 4, 4.0)
+    sentinel = tmp_path / "code-ran"
+    torch.save({"torch": torch.get_rng_state(), "python": Planted(sentinel)}, planted / "rng-rank0.pt")
+    (planted / MARKER).write_text(json.dumps({"files": {p.name: p.stat().st_size for p in planted.iterdir()
+                                                       if p.is_file() and p.name != MARKER}}))
+    with pytest.raises(CheckpointError) as err:  # loaded directly: refused
+        load_checkpoint(planted, {"policy": Part(0.0)})
+    assert "rng-rank0.pt is refused" in str(err.value) and "posix.system" in str(err.value)
+    assert resume_checkpoint(tmp_path).name == "step-2"  # at resume: set aside, the one before used
+    assert (tmp_path / "checkpoints" / "damaged-step-4" / "rng-rank0.pt").exists()
+    assert not sentinel.exists()
+
+
+def test_a_planted_dcp_metadata_pickle_is_refused_not_executed(tmp_path):
+    save(tmp_path, 2, 2.0)
+    planted = save(tmp_path, 4, 4.0)
+    sentinel = tmp_path / "code-ran"
+    (planted / ".metadata").write_bytes(pickle.dumps(Planted(sentinel)))
+    (planted / MARKER).write_text(json.dumps({"files": {}}))
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(planted, {"policy": Part(0.0)})
+    assert "metadata is not DCP's" in str(err.value)
+    assert resume_checkpoint(tmp_path).name == "step-2"
+    assert not sentinel.exists()
