@@ -14,7 +14,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "rlhf-operator"
-KUBE_VERSION = "1.34.0"  # helm built from source defaults to v1.20; the chart needs >= 1.29
+KUBE_VERSION = "1.34.0"  # helm built from source defaults to v1.20; the chart needs >= 1.30
 
 
 def _helm_path() -> Path | None:

@@ -20,7 +20,9 @@ from .conftest import CHART, by_kind
 
 MODELS = {"Deployment": "V1Deployment", "ServiceAccount": "V1ServiceAccount", "ClusterRole": "V1ClusterRole",
           "ClusterRoleBinding": "V1ClusterRoleBinding", "Role": "V1Role", "RoleBinding": "V1RoleBinding",
-          "Service": "V1Service", "ConfigMap": "V1ConfigMap", "NetworkPolicy": "V1NetworkPolicy", "Pod": "V1Pod"}
+          "Service": "V1Service", "ConfigMap": "V1ConfigMap", "NetworkPolicy": "V1NetworkPolicy", "Pod": "V1Pod",
+          "ValidatingAdmissionPolicy": "V1ValidatingAdmissionPolicy",
+          "ValidatingAdmissionPolicyBinding": "V1ValidatingAdmissionPolicyBinding"}
 ALL_ON = ["metrics.serviceMonitor.enabled=true", "trainerMetrics.podMonitor.enabled=true",
           "trainerMetrics.rolloutPodMonitor.enabled=true",
           "prometheusRule.enabled=true", "grafana.dashboards.enabled=true"]
@@ -36,10 +38,12 @@ def test_defaults_render_the_operator_and_nothing_of_monitoring(render):
     docs = render()
     kinds = sorted(d["kind"] for d in docs)
     # the operator's two ClusterRoles, and two aggregated into view / edit / admin for people
-    # and `helm test`'s Pod with its own ServiceAccount, Role and RoleBinding
+    # and `helm test`'s Pod with its own ServiceAccount, Role and RoleBinding; the admission
+    # policies that hold the operator to its own children and to adoption on pods
     assert kinds == ["ClusterRole"] * 4 + ["ClusterRoleBinding", "ClusterRoleBinding", "CustomResourceDefinition",
                                            "Deployment", "Pod", "Role", "Role", "RoleBinding", "RoleBinding",
-                                           "Service", "ServiceAccount", "ServiceAccount"]
+                                           "Service", "ServiceAccount", "ServiceAccount"] + [
+        "ValidatingAdmissionPolicy"] * 2 + ["ValidatingAdmissionPolicyBinding"] * 2
     (crd,) = [d for d in docs if d["kind"] == "CustomResourceDefinition"]
     assert crd["spec"] == yaml.safe_load(crd_yaml())["spec"]  # the generated CRD, numbers intact
     assert crd["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}  # uninstall keeps every job
@@ -109,11 +113,19 @@ def test_rbac_is_least_privilege(render):
 
 
 def test_watch_namespaces_bind_the_role_in_those_namespaces_only(render):
+    """The production setting: the operator's rights are a Role in each watched namespace,
+    the same rules as the cluster-wide ClusterRole otherwise; cluster-wide only discovery."""
     docs = render("watchNamespaces={ml,research}")
     bindings = [d for d in docs if d["kind"] in ("RoleBinding", "ClusterRoleBinding")
                 and d["roleRef"]["name"] == "rel-rlhf-operator"]
-    assert sorted((d["kind"], d["metadata"]["namespace"]) for d in bindings) == [("RoleBinding", "ml"),
-                                                                                ("RoleBinding", "research")]
+    assert sorted((d["kind"], d["metadata"]["namespace"], d["roleRef"]["kind"]) for d in bindings) == [
+        ("RoleBinding", "ml", "Role"), ("RoleBinding", "research", "Role")]
+    roles = [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "rel-rlhf-operator"]
+    cluster_wide = by_kind(render())[("ClusterRole", "rel-rlhf-operator")]["rules"]
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["ml", "research"]
+    assert all(r["rules"] == cluster_wide for r in roles)
+    assert [d["metadata"]["name"] for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")
+            and "rel-rlhf-operator" in (d["metadata"]["name"], d.get("roleRef", {}).get("name"))] == []
     args = by_kind(docs)[("Deployment", "rel-rlhf-operator")]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--namespace=ml" in args and "--namespace=research" in args
 
@@ -221,3 +233,32 @@ def test_installs_as_a_subchart_with_global_values_and_its_enabled_condition(hel
 
     assert "Deployment" in kinds() and "CustomResourceDefinition" in kinds()
     assert kinds("rlhf-operator.enabled=false") == []
+
+
+def test_admission_policies_hold_the_operators_service_account_and_can_be_turned_off(render):
+    """The policies match the release's ServiceAccount only (`serviceAccount.name` too), deny,
+    fail closed; their CEL is checked by the real API server in
+    tests/cluster/test_ownership.py."""
+    docs = by_kind(render("serviceAccount.name=ops"))
+    pods = docs[("ValidatingAdmissionPolicy", "rel-rlhf-operator-pods")]["spec"]
+    children = docs[("ValidatingAdmissionPolicy", "rel-rlhf-operator-children")]["spec"]
+    for spec in (pods, children):
+        assert spec["matchConditions"] == [{"name": "the-operator", "expression":
+                                            "request.userInfo.username == 'system:serviceaccount:rlhf-system:ops'"}]
+        assert spec["failurePolicy"] == "Fail" and all(v["reason"] == "Forbidden" for v in spec["validations"])
+    # every kind of child the operator writes, besides pods (whose rules are the pod policy's)
+    from rlhf_operator.kube import _PLURALS
+    written = {p for k, p in _PLURALS.items() if k not in ("Pod", "Event", "RLHFJob", "Lease", "Node")}
+    assert set(children["matchConstraints"]["resourceRules"][0]["resources"]) == written
+    for name in ("pods", "children"):
+        binding = docs[("ValidatingAdmissionPolicyBinding", f"rel-rlhf-operator-{name}")]["spec"]
+        assert binding == {"policyName": f"rel-rlhf-operator-{name}", "validationActions": ["Deny"]}
+    assert not [d for d in render("admissionPolicy.enabled=false") if "AdmissionPolicy" in d["kind"]]
+
+
+def test_allow_host_path_sets_the_operators_environment(render):
+    def env(*sets):
+        dep = by_kind(render(*sets))[("Deployment", "rel-rlhf-operator")]
+        return dep["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "RLHF_ALLOW_HOST_PATH", "value": "1"} in env("security.allowHostPath=true")
+    assert "RLHF_ALLOW_HOST_PATH" not in {e["name"] for e in env()}

@@ -6,6 +6,9 @@ object replaced under the same name is left alone too."""
 
 from __future__ import annotations
 
+import uuid
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -14,6 +17,8 @@ from .test_admission import install_crd
 from .test_operator import job_doc, new_namespace
 
 pytestmark = pytest.mark.cluster
+
+CHART = Path(__file__).resolve().parents[2] / "charts" / "rlhf-operator"
 
 
 def _snapshot(obj: dict) -> dict:
@@ -142,4 +147,52 @@ def test_an_object_replaced_under_a_childs_name_is_neither_changed_nor_deleted(c
             cond = next(c for c in st["conditions"] if c["type"] == "ChildConflict")
             assert cond["status"] == "True" and cond["message"].startswith("ConfigMap swap-config already exists")
     finally:
+        cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def test_the_charts_admission_policies_hold_the_operators_service_account_to_adoption(cluster: Cluster):
+    """The chart's ValidatingAdmissionPolicies, installed from `helm template`, against
+    requests made as the operator's ServiceAccount (impersonated; RBAC grants it everything
+    in the namespace, so a refusal is the policy's): adding a job's labels to its TrainJob's
+    pod is admitted; a spec change, another label, a delete of a pod not a job's, and a
+    change to a ConfigMap no RLHFJob controls are refused. An administrator is not held."""
+    release = f"vap{uuid.uuid4().hex[:6]}"
+    out = cluster.helm("template", release, str(CHART), "--namespace", "rlhf-system",
+                       "--show-only", "templates/admission-policy.yaml", "--kube-version", "1.34.0")
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    assert sorted(d["kind"] for d in docs) == ["ValidatingAdmissionPolicy"] * 2 + ["ValidatingAdmissionPolicyBinding"] * 2
+    ns = new_namespace(cluster, "vap", level="baseline")
+    sa = f"system:serviceaccount:rlhf-system:{release}-rlhf-operator"
+    try:
+        cluster.kubectl("create", "rolebinding", "operator-all", "-n", ns, "--clusterrole=cluster-admin", f"--user={sa}")
+        for name, labels in (("trainjob-pod", "jobset.sigs.k8s.io/jobset-name=j-trainer"), ("web", "app=web")):
+            cluster.kubectl("run", name, "-n", ns, "--image=example.invalid/x:1", "--restart=Never", f"--labels={labels}")
+        cluster.kubectl("create", "configmap", "theirs", "-n", ns, "--from-literal=a=1")
+        cluster.apply(*docs)
+
+        def as_operator(*args: str, patch: dict | None = None):
+            extra = ["--type=merge", "-p", yaml.safe_dump(patch)] if patch is not None else []
+            return cluster.kubectl(*args, "-n", ns, f"--as={sa}", *extra, check=False)
+
+        adopt = {"metadata": {"labels": {"rlhf.dev/job": "j", "rlhf.dev/job-uid": "u", "rlhf.dev/attempt": "0"}}}
+        # the policies take a moment to reach the API server's admission: wait for the first refusal
+        wait_for(lambda: "may not change a pod's spec" in as_operator(
+            "patch", "pod", "trainjob-pod", patch={"spec": {"activeDeadlineSeconds": 5}}).stderr, 30, "the policy")
+        refused = {
+            "a pod's annotations": as_operator("patch", "pod", "trainjob-pod", patch={"metadata": {"annotations": {"a": "b"}}}),
+            "another label": as_operator("patch", "pod", "web", patch={"metadata": {"labels": {"app": "db"}}}),
+            "a job's label on a pod not its TrainJob's": as_operator("patch", "pod", "web", patch=adopt),
+            "deleting a pod not a job's": as_operator("delete", "pod", "web", "--wait=false"),
+            "a ConfigMap no RLHFJob controls": as_operator("patch", "configmap", "theirs", patch={"data": {"a": "2"}}),
+            "deleting it": as_operator("delete", "configmap", "theirs"),
+        }
+        for what, result in refused.items():
+            assert result.returncode != 0 and "ValidatingAdmissionPolicy" in result.stderr, what
+        assert as_operator("patch", "pod", "trainjob-pod", patch=adopt).returncode == 0  # adoption
+        assert as_operator("delete", "pod", "trainjob-pod", "--wait=false").returncode == 0  # now a job's pod
+        assert as_operator("create", "configmap", "mine", "--from-literal=a=1").returncode == 0  # creating is RBAC's
+        assert cluster.kubectl("patch", "configmap", "theirs", "-n", ns, "--type=merge", "-p", '{"data":{"a":"3"}}')
+    finally:
+        for d in docs:
+            cluster.kubectl("delete", d["kind"].lower(), d["metadata"]["name"], "--wait=false", check=False)
         cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)

@@ -24,7 +24,7 @@ RL post-training of language models as one custom resource, `RLHFJob` (trainer p
 a Kubeflow PyTorchJob or a JobSet, vLLM rollout servers in a StatefulSet, restarted together,
 resumed from checkpoints, followed in `kubectl get rlhfjobs`, Prometheus and Grafana).
 
-Needs Kubernetes >= 1.29 and the Kubeflow training-operator (v1, PyTorchJob) or JobSet on
+Needs Kubernetes >= 1.30 (ValidatingAdmissionPolicy) and the Kubeflow training-operator (v1, PyTorchJob) or JobSet on
 GPU nodes. The RLHFJob CRD is part of the release (`crds.install`): `helm upgrade` updates
 it and `helm uninstall` keeps it, with every job (`crds.keep`).
 
@@ -35,6 +35,24 @@ kubectl get rlj
 ```
 
 `values.schema.json` refuses unknown keys, so a misspelt value fails the install.
+
+## The operator's rights in production
+
+Set `watchNamespaces` to the namespaces that run jobs. The operator's rights (RLHFJobs,
+their status, their children, pod patch and delete, Events) are then a Role and RoleBinding
+in each of those namespaces; cluster-wide it keeps only kopf's read-only discovery
+(namespaces, CRDs) and the nodes' Ready condition. Without `watchNamespaces` the same rights
+hold in every namespace (a ClusterRoleBinding): fine for a cluster that belongs to one team.
+
+Either way `admissionPolicy.enabled` (on by default) installs two ValidatingAdmissionPolicies
+for the operator's ServiceAccount: of a pod it may only add a job's labels (how it adopts a
+TrainJob's pods), never change its spec, annotations or owners, and delete only pods of a
+job (`rlhf.dev/job`); ConfigMaps, Services, ServiceAccounts, Roles, RoleBindings,
+NetworkPolicies and workloads it may change or delete only when an RLHFJob controls them.
+The operator itself never writes an object of a child's name that the job does not own (the
+job shows a `ChildConflict` condition instead). `security.allowHostPath` (off) is the one
+switch that lets jobs mount host paths; with it off the job pods pass the `restricted` Pod
+Security level's volume rules.
 """
 
 

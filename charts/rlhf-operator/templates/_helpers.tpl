@@ -73,3 +73,46 @@ app.kubernetes.io/part-of: rlhf-operator
 {{- define "rlhf-operator.trainerImage" -}}
 {{- printf "%s:%s" .Values.trainingRuntime.image.repository (default .Chart.AppVersion .Values.trainingRuntime.image.tag) }}
 {{- end }}
+
+{{/* The operator's namespaced rights (rbac.yaml: a ClusterRole, or a Role in each watched
+namespace): RLHFJobs, their status, their children, Events. */}}
+{{- define "rlhf-operator.operatorRules" }}
+rules:
+  - apiGroups: [rlhf.dev]
+    resources: [rlhfjobs]
+    verbs: [get, list, watch, patch, delete]
+  - apiGroups: [rlhf.dev]
+    resources: [rlhfjobs/status]
+    verbs: [get, patch]
+  - apiGroups: [""]
+    resources: [pods]
+    # delete: force-delete the pods of a lost node (grace 0); patch: label a TrainJob's pods as the job's
+    verbs: [get, list, watch, patch, delete]
+  - apiGroups: [""]
+    resources: [configmaps, services, serviceaccounts]
+    verbs: [get, create, patch, delete]
+  - apiGroups: [""]
+    resources: [events]
+    verbs: [create, patch]
+  - apiGroups: [events.k8s.io]
+    resources: [events]
+    verbs: [create, patch]
+  - apiGroups: [apps]
+    resources: [statefulsets]
+    verbs: [get, list, watch, create, patch, delete]
+  - apiGroups: [kubeflow.org]
+    resources: [pytorchjobs]
+    verbs: [get, list, watch, create, patch, delete]
+  - apiGroups: [jobset.x-k8s.io]
+    resources: [jobsets]
+    verbs: [get, list, watch, create, patch, delete]
+  - apiGroups: [trainer.kubeflow.org]
+    resources: [trainjobs]
+    verbs: [get, list, watch, create, patch, delete]
+  - apiGroups: [networking.k8s.io]
+    resources: [networkpolicies]
+    verbs: [get, create, patch, delete]
+  - apiGroups: [rbac.authorization.k8s.io]
+    resources: [roles, rolebindings]
+    verbs: [get, create, patch, delete]
+{{- end }}
