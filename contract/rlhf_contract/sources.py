@@ -11,7 +11,7 @@ Layout under the sources directory (`<output dir>/sources`, on the job's volume)
   .pins/<sha256(uri)[:16]>.json                   the revision the job reads: the Hub commit
                                                   or the S3 objects' ETags, fixed by the
                                                   job's first download and never changed
-  .partial/<marker stem>.<pid>.<random>/          one download in progress (per process)
+  .partial/<marker stem>.<host>.<pid>.<random>/   one download in progress (per process)
 so a restart or a second pod with the volume downloads nothing again, every download of
 the job reads the same revision, and a copy without its marker, or whose files differ from
 it, is never used (rlhf_trainer.storage downloads it afresh).

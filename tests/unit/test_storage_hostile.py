@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import subprocess
 import threading
 import time
@@ -192,7 +193,11 @@ def test_a_copy_that_differs_from_its_marker_is_downloaded_again(shards, tmp_pat
     for key, value in server.env().items():
         monkeypatch.setenv(key, value)
     fetch = Fetch("spec.model.path", "s3://shards/m", "model", str(tmp_path / "sources/s3/shards/m"))
+    stem = Path(fetch.marker()).stem
+    abandoned = tmp_path / f"sources/.partial/{stem}.{socket.gethostname()}.999999999.0a0b"  # a killed pod's
+    (abandoned / "content").mkdir(parents=True)
     fetch_all([fetch])
+    assert not abandoned.exists()
     (Path(fetch.local) / "model-00003-of-00006.safetensors").unlink()  # 5 of 6 shards, marker still there
     line, = fetch_all([fetch])
     assert "downloaded to" in line and files_of(Path(fetch.local)) == files_of(model)

@@ -2,7 +2,7 @@
 directory (rlhf_contract.sources has the plan and the layout), once: a copy is kept when
 its completion marker reads whole, is of the job's pinned revision (pins.py) and every
 file it lists is there with its size; anything else is downloaded afresh into a staging
-directory of this process alone (`.partial/<stem>.<pid>.<random>`), renamed into place,
+directory of this process alone (`.partial/<stem>.<host>.<pid>.<random>`), renamed into place,
 and only then marked complete (files.write_atomic). So a restart or a second pod with the
 same volume downloads nothing, two pods downloading at once (where file locks do not hold
 across nodes) each finish a whole copy, and a download cut short (a killed pod, a server
@@ -29,7 +29,7 @@ from rlhf_contract.api.uris import DEFAULT_REVISION, parse_remote
 from rlhf_contract.sources import PARTIAL_DIR, Fetch
 
 from . import StorageError, credentials_source, pins, s3
-from .files import listing, listing_matches, unique_name, write_atomic
+from .files import listing, listing_matches, remove_abandoned, unique_name, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,7 @@ def _download(fetch: Fetch, marker: Path) -> str:
     start = time.monotonic()
     staging = Path(fetch.sources_dir()) / PARTIAL_DIR / unique_name(marker.stem)
     staging.mkdir(parents=True)
+    remove_abandoned(staging.parent, marker.stem)
     remote = parse_remote(fetch.uri)
     pin = pins.read(fetch)
     try:

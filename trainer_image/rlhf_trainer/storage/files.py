@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+import shutil
+import socket
 from pathlib import Path, PurePosixPath
 
 from . import StorageError
@@ -32,8 +34,18 @@ def confined(root: Path, name: str, what: str) -> Path:
 
 
 def unique_name(stem: str) -> str:
-    """A name no other process on any node picks: `<stem>.<pid>.<random>`."""
-    return f"{stem}.{os.getpid()}.{secrets.token_hex(6)}"
+    """A name no other process on any node picks: `<stem>.<host>.<pid>.<random>`."""
+    return f"{stem}.{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(6)}"
+
+
+def remove_abandoned(directory: Path, stem: str) -> None:
+    """Delete the `unique_name(stem)` entries of `directory` left by processes of this host
+    that are gone (a pod killed mid-download); other hosts' are left to their owners."""
+    host = socket.gethostname()
+    for entry in directory.glob(f"{stem}.{host}.*"):
+        pid = entry.name[len(f"{stem}.{host}."):].split(".")[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def fsync_dir(directory: Path) -> None:
