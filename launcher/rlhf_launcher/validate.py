@@ -47,12 +47,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
     source = job_source(args.job)
     try:
         job = load_job(args.job, args.set)
+        budget_warnings = check_budgets_here(job, source)
     except JobError as err:
         if args.output_format:
             emit({"valid": False, "source": source, "problems": [vars(p) for p in err.problems]}, args.output_format)
         print(err, file=sys.stderr)
         return ExitCode.CONFIG_ERROR
     report = check_data_here(job)
+    report.warnings[:0] = budget_warnings
     if args.output_format:
         emit({"valid": not report.problems, "source": source, "name": job.metadata.name,
               "problems": [{"path": None, "message": p} for p in report.problems], "warnings": list(report.warnings),
@@ -68,6 +70,45 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if not args.output_format:
         print(f"{source}: valid RLHFJob {job.metadata.name!r}")
     return ExitCode.OK
+
+
+def check_budgets_here(job, source: str) -> list[str]:
+    """The token budgets against the context of each model whose config is here
+    (rlhf_contract/api/budgets.py): warnings, or a JobError naming the field."""
+    from rlhf_contract.api import JobError, Problem
+    from rlhf_contract.api.budgets import budget_problems, context_length
+
+    def context_of(path: str) -> int | None:
+        try:
+            return context_length(model_config_here(path))
+        except (ValueError, ImportError, OSError):
+            return None  # not on this machine: the trainer's preflight checks it in the pod
+
+    problems, warnings = budget_problems(job.spec, context_of, count_tokens_here)
+    if problems:
+        raise JobError([Problem(path, message) for path, message in problems], source)
+    return warnings
+
+
+def count_tokens_here(path: str, text: str) -> int | None:
+    """Tokens of `text` by the tokenizer of the model at `path` (a local directory or a
+    built-in model), or None when it cannot be loaded here."""
+    import tempfile
+
+    from .installed import quiet_transformers_without_torch
+
+    quiet_transformers_without_torch()
+    try:
+        from rlhf_trainer.models.builtin import BUILTIN_PREFIX, materialize_tokenizer
+        from rlhf_trainer.preflight.data import load_tokenizer
+
+        with tempfile.TemporaryDirectory(prefix="rlhfctl-validate-") as tmp:
+            where = str(materialize_tokenizer(path, tmp)) if path.startswith(BUILTIN_PREFIX) else path
+            if not Path(where).is_dir():
+                return None
+            return len(load_tokenizer(where)(text, add_special_tokens=False)["input_ids"])
+    except (ImportError, ValueError, OSError):
+        return None
 
 
 def model_config_here(path: str) -> dict:

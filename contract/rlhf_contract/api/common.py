@@ -24,6 +24,7 @@ from pydantic.alias_generators import to_camel
 from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue
 from pydantic_core import core_schema
 
+from .uris import url_credentials
 from .pod_security import ANNOTATIONS_CEL, VOLUME_SCHEMA, check_annotations, check_group, check_volume
 
 
@@ -347,6 +348,10 @@ class PodTemplateSpec(PodScheduling):
             if name.startswith(RESERVED_ENV_PREFIXES):
                 raise ValueError(f"env[{i}].name: {name} is set by the operator (names starting with "
                                  f"{', '.join(RESERVED_ENV_PREFIXES)} are reserved); use another name")
+            found = url_credentials(v["value"]) if isinstance(v.get("value"), str) else None
+            if found:  # e.g. HF_ENDPOINT or AWS_ENDPOINT_URL with user:password@
+                raise ValueError(f"env[{i}].value: carries a credential ({found}); give {name} through "
+                                 "valueFrom.secretKeyRef (or storageSecret for the storage variables)")
         return value
 
     @field_validator("volumes")

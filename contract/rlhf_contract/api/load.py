@@ -1,5 +1,6 @@
-"""Loading a job file: YAML -> overrides -> validated `RLHFJob`, with every problem
-reported by its field path (`spec.rollout.replicas: ...`)."""
+"""Loading a job file: YAML (job_yaml.py: one document, size-capped, no aliases, no
+duplicate keys) -> overrides -> validated `RLHFJob`, with every problem reported by its
+field path (`spec.rollout.replicas: ...`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic.alias_generators import to_camel
 
+from .job_yaml import MAX_JOB_BYTES, YamlRefused, parse_job_yaml, too_large
 from .models import Method, RLHFJob
 from .rules import RL_ONLY_FIELDS, RuleViolations
 
@@ -102,7 +104,10 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise JobError([Problem("--set", f"{text!r} has an empty field name")])
     if parts[0] not in ("spec", "metadata"):
         parts = ["spec", *parts]
-    return parts, yaml.safe_load(value) if value.strip() else None  # empty: unset
+    try:
+        return parts, parse_job_yaml(value) if value.strip() else None  # empty: unset
+    except (YamlRefused, yaml.YAMLError) as err:
+        raise JobError([Problem("--set", f"{text!r}: {err}")]) from None
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -149,11 +154,21 @@ def read_job_document(path: str | Path) -> Any:
     """The parsed YAML of a job file (`-`: standard input), or a `JobError`."""
     source = job_source(path)
     try:
-        text = sys.stdin.read() if str(path) == STDIN else Path(path).read_text()
+        if str(path) == STDIN:
+            text = sys.stdin.read(MAX_JOB_BYTES + 1)  # characters: at least as many bytes
+            if len(text) > MAX_JOB_BYTES:  # not read further
+                raise JobError([Problem("", too_large(MAX_JOB_BYTES, at_least=True))], source)
+        else:
+            size = Path(path).stat().st_size
+            if size > MAX_JOB_BYTES:  # refused before it is read
+                raise JobError([Problem("", too_large(size))], source)
+            text = Path(path).read_text()
     except OSError as err:
         raise JobError([Problem("", f"cannot read {path}: {err.strerror}")], source) from None
     try:
-        return yaml.safe_load(text)
+        return parse_job_yaml(text)
+    except YamlRefused as err:
+        raise JobError([Problem(p, m) for p, m in err.problems], source) from None
     except yaml.YAMLError as err:
         raise JobError([Problem("", f"not valid YAML: {err}")], source) from None
 

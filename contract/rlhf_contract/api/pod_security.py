@@ -110,8 +110,7 @@ VOLUME_SCHEMA: dict[str, Any] = {
     "properties": {
         "name": {"type": "string", "minLength": 1},
         **{t: _OPEN for t in KUBERNETES_VOLUME_TYPES if t != "projected"},
-        "projected": {"type": "object", "properties": {
-            "defaultMode": {"type": "integer", "format": "int32"},
+        "projected": {"type": "object", "x-kubernetes-preserve-unknown-fields": True, "properties": {  # defaultMode
             "sources": {"type": "array", "maxItems": MAX_PROJECTED_SOURCES, "items": {
                 "type": "object", "properties": {s: _OPEN for s in KUBERNETES_PROJECTED_SOURCES}}}}},
     },

@@ -8,7 +8,7 @@ from typing import Literal, get_args
 from pydantic import Field, field_validator, model_validator
 
 from .common import INT32_MAX, MAX_SECONDS, SecretKeyRef, SpecModel
-from .uris import check_path
+from .uris import ENV_SECRET, EndpointUrl, check_path
 
 MAX_REWARD_WEIGHT = 1e6
 """Rewards are float32 (about 7 significant digits): beyond this a weight drowns every other term."""
@@ -95,7 +95,7 @@ class DataSpec(SpecModel):
 class CodeSandboxSpec(SpecModel):
     """Where model-written programs run (`reward.type: code`) and their per-run limits."""
 
-    url: str | None = Field(default=None, pattern=r"^https?://")
+    url: EndpointUrl(ENV_SECRET) | None = Field(default=None, pattern=r"^https?://")
     """A sandbox service to use (this project's `rlhf_trainer.rewards.sandbox_service`);
     null: on a cluster the operator creates `<job>-sandbox`, locally the trainer runs programs
     itself with bubblewrap."""
@@ -155,7 +155,7 @@ class JudgeSpec(SpecModel):
     the response and the reference answer, and answers a score (a number in [minScore,
     maxScore], scaled to 0..1) or one of `choices`."""
 
-    url: str | None = Field(default=None, pattern=r"^https?://")
+    url: EndpointUrl("reward.judge.apiKeySecret") | None = Field(default=None, pattern=r"^https?://")
     """An OpenAI-compatible endpoint, up to its `/v1` (`https://api.example.com/v1`); null:
     the judge servers this job starts for `model` (`<job>-judge`; local mode starts them too)."""
     model: str = Field(min_length=1, max_length=1024)
@@ -219,7 +219,7 @@ class RewardFunctionSpec(SpecModel):
     pick the form (docs/methods.md): TRL's batched `(prompts, completions, completion_ids,
     **columns)`, veRL's `compute_score(data_source, solution_str, ground_truth, extra_info)`,
     or `fn(response, answer, extra_info) -> float | {reward, score}`."""
-    url: str | None = None
+    url: EndpointUrl(ENV_SECRET) | None = None
     """`http`: endpoint that answers {prompt, response, answer, extra_info} with {reward, score}."""
     timeout_seconds: float = Field(default=10.0, gt=0, le=MAX_SECONDS)
     """`code`: wall-clock limit per test case; `math`: per answer; `http` and `judge`: per request."""

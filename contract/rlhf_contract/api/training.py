@@ -10,7 +10,7 @@ from pydantic import Field, field_validator, model_validator
 from ..images import INFERENCE_IMAGE, TRAINER_IMAGE
 from .common import INT32_MAX, MAX_SECONDS, SEED_MAX, SecretKeyRef, SpecModel, Resources, RolePodSpec
 from .serving import ColocatedSpec, VllmSpec  # noqa: F401  (re-exported)
-from .uris import check_path, parse_remote
+from .uris import ENV_SECRET, EndpointUrl, check_no_parent, check_path, parse_remote
 
 
 class RolloutSpec(SpecModel):
@@ -216,6 +216,11 @@ class OutputSpec(SpecModel):
             parse_remote(value)
         return value
 
+    @field_validator("dir")
+    @classmethod
+    def _stays_on_its_volume(cls, value: str) -> str:
+        return check_no_parent(value)
+
 
 class WandbSpec(SpecModel):
     """Weights & Biases: rank 0 logs every metrics.jsonl key, the resolved job spec as the
@@ -234,7 +239,7 @@ class WandbSpec(SpecModel):
     api_key_secret: SecretKeyRef | None = None
     """The Secret key holding the API key (becomes WANDB_API_KEY in the trainer pods; locally
     the environment's WANDB_API_KEY is used)."""
-    base_url: str | None = Field(default=None, pattern=r"^https?://")
+    base_url: EndpointUrl("tracking.wandb.apiKeySecret") | None = Field(default=None, pattern=r"^https?://")
     """A self-hosted W&B server (WANDB_BASE_URL)."""
 
 
@@ -242,7 +247,7 @@ class MlflowSpec(SpecModel):
     """MLflow: rank 0 logs every metrics.jsonl key, the resolved job spec as parameters and
     an artifact, and tables of samples."""
 
-    tracking_uri: str = Field(min_length=1)
+    tracking_uri: EndpointUrl(f"MLFLOW_TRACKING_TOKEN (or _USERNAME / _PASSWORD) from {ENV_SECRET}") = Field(min_length=1)
     """`http(s)://` tracking server, or a store the trainer can write: `file:///...` or
     `sqlite:///...` on the output volume. Credentials (MLFLOW_TRACKING_TOKEN, ...) through
     `pod.env` / `pod.envFrom`."""

@@ -27,6 +27,7 @@ at a writable emptyDir because such a uid has no home directory in most images.
 from __future__ import annotations
 
 import copy
+import posixpath
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -160,7 +161,9 @@ def check_no_host_path(vols: list[dict[str, Any]]) -> None:
 
 
 def mount_of(path: str, mounts: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The deepest mount whose mountPath contains `path` (None: no mount does)."""
+    """The deepest mount whose mountPath contains `path` after normalisation (None: no mount
+    does; `/work/../etc` is on no mount at /work)."""
+    path = posixpath.normpath(path)
     best = None
     for m in mounts:
         root = m["mountPath"].rstrip("/")
