@@ -49,7 +49,7 @@ from .conditions import (CHILD_CONFLICT, CHILD_REFUSED, CONDITION_TYPES, conditi
                          refused_condition)
 from .builders import LABEL_JOB_UID, PodSettings, PodSettingsError, build_support, build_workloads, job_settings
 from .builders.meta import attempt_of
-from .kube import Kube, not_ready, observed_of
+from .kube import CHILD_KINDS, Kube, not_ready, observed_of
 from .ownership import conflict, controlled_by, earlier_job
 
 log = logging.getLogger("rlhf_operator")
@@ -58,6 +58,7 @@ APPLY_CACHE_SECONDS = 60.0  # children are re-applied at least this often (repai
 AUDIT_SECONDS = 300.0  # a job's children are read from the API server, not the indexes, this often
 JobKey = tuple[str, str]  # (namespace, name)
 REFUSED, CONFLICT, EARLIER = "refused", "conflict", "earlier"  # why a child was not written
+WORKLOAD_NAMES = {ck.kind: ck.name for ck in CHILD_KINDS if ck.name is not None}  # kind -> name(job)
 
 
 @dataclass(frozen=True)
@@ -244,9 +245,10 @@ class Reconciler:
         written: the RoleBinding must not bind the job's Role to a ServiceAccount not the job's)."""
         workloads = _workloads(observed)
         for obj in objs:
-            seen = workloads.get(obj["kind"])
-            seen = seen if seen is not None and seen["metadata"]["name"] == obj["metadata"]["name"] else None
-            written = self._apply(cache, obj, seen, force=obj["kind"] in workloads and seen is None)
+            # the job's workload of its kind (not the judge's or sandbox's StatefulSet): observed, or missing
+            workload = obj["metadata"]["name"] == WORKLOAD_NAMES.get(obj["kind"], lambda _: None)(_job(obj))
+            seen = workloads.get(obj["kind"]) if workload else None
+            written = self._apply(cache, obj, seen, force=workload and seen is None)
             if written.problem is not None:
                 return {written.problem[0]: written.problem[1]} if written.problem[0] != EARLIER else {}
         return {}

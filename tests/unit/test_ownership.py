@@ -212,3 +212,18 @@ def test_a_delete_of_a_gone_or_replaced_object_is_no_error(status_code):
     assert sent[0]["preconditions"] == {"uid": "uid-1"} and sent[0]["propagationPolicy"] == "Background"
     assert kube.force_delete_pod("ns", "p", "uid-2") is False
     assert sent[1] == {"propagationPolicy": "Background", "gracePeriodSeconds": 0, "preconditions": {"uid": "uid-2"}}
+
+
+def test_a_support_statefulset_is_not_mistaken_for_the_missing_rollout_workload():
+    """The judge's StatefulSet `<job>-judge` is applied like any support child (cached), not
+    re-read and re-applied on every reconcile because the rollout StatefulSet is missing."""
+    kube = RecordingKube()
+    r, cache = reconciler(kube)
+    judge = manifest("StatefulSet", "j-judge")
+    r._apply_all(cache, [judge], Observed())
+    r._apply_all(cache, [judge], Observed())
+    assert kube.calls == [("get", "StatefulSet", "j-judge"), ("apply", "StatefulSet", "j-judge", None)]
+    rollout = manifest("StatefulSet", "j-rollout")
+    r._apply_all(cache, [rollout], Observed())
+    r._apply_all(cache, [rollout], Observed())  # missing from what was observed: applied again, its name read again
+    assert [c[0] for c in kube.calls[2:]] == ["get", "apply", "get", "apply"]
