@@ -177,7 +177,8 @@ def test_urls_without_credentials_pass():
 def test_the_crd_refuses_url_credentials_at_admission():
     spec = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
     judge_url = spec["reward"]["properties"]["judge"]["properties"]["url"]
-    assert judge_url["maxLength"] == 2048 and judge_url["x-kubernetes-validations"][0]["rule"] == URL_CEL
+    assert judge_url["maxLength"] == 2048 and judge_url["pattern"] == "^https?://"
+    assert judge_url["x-kubernetes-validations"][0]["rule"] == URL_CEL
     assert "reward.judge.apiKeySecret" in judge_url["x-kubernetes-validations"][0]["message"]
     mlflow = spec["tracking"]["properties"]["mlflow"]["properties"]["trackingUri"]
-    assert mlflow["x-kubernetes-validations"][0]["rule"] == URL_CEL
+    assert mlflow["x-kubernetes-validations"][0]["rule"] == URL_CEL and mlflow["minLength"] == 1

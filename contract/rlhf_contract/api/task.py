@@ -95,7 +95,7 @@ class DataSpec(SpecModel):
 class CodeSandboxSpec(SpecModel):
     """Where model-written programs run (`reward.type: code`) and their per-run limits."""
 
-    url: EndpointUrl(ENV_SECRET) | None = Field(default=None, pattern=r"^https?://")
+    url: EndpointUrl(ENV_SECRET, pattern=r"^https?://") | None = None
     """A sandbox service to use (this project's `rlhf_trainer.rewards.sandbox_service`);
     null: on a cluster the operator creates `<job>-sandbox`, locally the trainer runs programs
     itself with bubblewrap."""
@@ -155,7 +155,7 @@ class JudgeSpec(SpecModel):
     the response and the reference answer, and answers a score (a number in [minScore,
     maxScore], scaled to 0..1) or one of `choices`."""
 
-    url: EndpointUrl("reward.judge.apiKeySecret") | None = Field(default=None, pattern=r"^https?://")
+    url: EndpointUrl("reward.judge.apiKeySecret", pattern=r"^https?://") | None = None
     """An OpenAI-compatible endpoint, up to its `/v1` (`https://api.example.com/v1`); null:
     the judge servers this job starts for `model` (`<job>-judge`; local mode starts them too)."""
     model: str = Field(min_length=1, max_length=1024)

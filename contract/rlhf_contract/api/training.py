@@ -239,7 +239,7 @@ class WandbSpec(SpecModel):
     api_key_secret: SecretKeyRef | None = None
     """The Secret key holding the API key (becomes WANDB_API_KEY in the trainer pods; locally
     the environment's WANDB_API_KEY is used)."""
-    base_url: EndpointUrl("tracking.wandb.apiKeySecret") | None = Field(default=None, pattern=r"^https?://")
+    base_url: EndpointUrl("tracking.wandb.apiKeySecret", pattern=r"^https?://") | None = None
     """A self-hosted W&B server (WANDB_BASE_URL)."""
 
 
@@ -247,7 +247,7 @@ class MlflowSpec(SpecModel):
     """MLflow: rank 0 logs every metrics.jsonl key, the resolved job spec as parameters and
     an artifact, and tables of samples."""
 
-    tracking_uri: EndpointUrl(f"MLFLOW_TRACKING_TOKEN (or _USERNAME / _PASSWORD) from {ENV_SECRET}") = Field(min_length=1)
+    tracking_uri: EndpointUrl(f"MLFLOW_TRACKING_TOKEN (or _USERNAME / _PASSWORD) from {ENV_SECRET}", min_length=1)
     """`http(s)://` tracking server, or a store the trainer can write: `file:///...` or
     `sqlite:///...` on the output volume. Credentials (MLFLOW_TRACKING_TOKEN, ...) through
     `pod.env` / `pod.envFrom`."""

@@ -121,9 +121,10 @@ URL_CEL = ("!self.matches('^[a-zA-Z][a-zA-Z0-9+.-]*://[^/?#]*@') && !self.matche
 """CEL of `no_credentials` (the query's names matched as `url_credentials` matches them)."""
 
 
-def EndpointUrl(secret_field: str) -> Any:  # noqa: N802 (a type)
-    """A URL field's type: at most MAX_URL_LENGTH characters, no credentials (Python and CEL)."""
-    return Annotated[str, Field(max_length=MAX_URL_LENGTH, json_schema_extra={"x-kubernetes-validations": [{
+def EndpointUrl(secret_field: str, **constraints: Any) -> Any:  # noqa: N802 (a type)
+    """A URL field's type: at most MAX_URL_LENGTH characters, no credentials (Python and CEL),
+    and `constraints` (pattern, min_length: on this type, where the CRD keeps them)."""
+    return Annotated[str, Field(max_length=MAX_URL_LENGTH, **constraints, json_schema_extra={"x-kubernetes-validations": [{
         "rule": URL_CEL, "message": f"carries a credential (user info, or a key / token / secret / signature in "
         f"its query); remove it from the URL and give it through {secret_field}"}]}),
         AfterValidator(no_credentials(secret_field))]
