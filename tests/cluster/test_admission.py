@@ -170,6 +170,53 @@ INVALID = [
 ]
 
 
+# What reaches the host or carries a secret (api/pod_security.py, api/uris.py; issue 49): CEL on
+# a volume's declared sources, the schema's minimum for groups, CEL on URL fields. hostPath is
+# admitted: the operator refuses it unless installed with security.allowHostPath.
+HOST_REACHING = [
+    ("secret volume", with_("spec.pod", {"volumes": [{"name": "s", "secret": {"secretName": "admin-token"}}]}),
+     ["spec.pod.volumes[0]", "secret volumes are not allowed"]),
+    ("projected service-account token", with_("spec.pod", {"volumes": [{"name": "t", "projected": {"sources": [
+        {"configMap": {"name": "c"}}, {"serviceAccountToken": {"path": "token"}}]}}]}),
+     ["spec.pod.volumes[0]", "projected volumes may combine configMap and downwardAPI sources only"]),
+    ("gitRepo volume", with_("spec.pod", {"volumes": [{"name": "g", "gitRepo": {"repository": "https://x"}}]}),
+     ["spec.pod.volumes[0]", "this volume type is not allowed"]),
+    ("runAsGroup 0", with_("spec.pod", {"securityContext": {"runAsGroup": 0}}),
+     ["spec.pod.securityContext.runAsGroup", "greater than or equal to 1"]),
+    ("supplementalGroups [0]", with_("spec.pod", {"securityContext": {"supplementalGroups": [0]}}),
+     ["spec.pod.securityContext.supplementalGroups[0]", "greater than or equal to 1"]),
+    ("fsGroup 0 in a role's pod", with_("spec.trainer", {"pod": {"securityContext": {"fsGroup": 0}}}),
+     ["spec.trainer.pod.securityContext.fsGroup", "greater than or equal to 1"]),
+    ("an AppArmor profile annotation", with_("spec.pod", {"annotations": {
+        "container.apparmor.security.beta.kubernetes.io/trainer": "unconfined"}}),
+     ["spec.pod.annotations", "set security profiles"]),
+    ("judge url with user info", with_("spec.reward", {"type": "judge", "judge": {
+        "model": "big", "url": "https://user:pass@judge.example/v1"}}),
+     ["spec.reward.judge.url", "carries a credential", "reward.judge.apiKeySecret"]),
+    ("http reward url with a key", with_("spec.reward", {"type": "http", "url": "https://svc/score?api_key=abc"}),
+     ["spec.reward.url", "carries a credential"]),
+    ("mlflow uri with user info", with_("spec.tracking", {"mlflow": {"trackingUri": "https://u:p@mlflow:5000"}}),
+     ["spec.tracking.mlflow.trackingUri", "carries a credential"]),
+]
+
+
+@pytest.mark.parametrize("what, doc, expected", HOST_REACHING, ids=[w for w, _, _ in HOST_REACHING])
+def test_host_reaching_settings_and_url_credentials_are_refused(cluster: Cluster, ns: str, what, doc, expected):
+    test_invalid_spec_is_rejected_naming_the_field(cluster, ns, what, doc, expected)
+
+
+def test_platform_volumes_and_host_path_are_admitted(cluster: Cluster, ns: str):
+    vols = [{"name": "pvc", "persistentVolumeClaim": {"claimName": "c"}}, {"name": "nfs", "nfs": {"server": "s",
+            "path": "/x"}}, {"name": "host", "hostPath": {"path": "/data"}},
+            {"name": "proj", "projected": {"defaultMode": 420, "sources": [{"configMap": {"name": "c"}}]}}]
+    doc = with_("spec.pod", {"volumes": vols, "securityContext": {"runAsGroup": 3000, "supplementalGroups": [4000]}})
+    validate_job(copy.deepcopy(doc))
+    proc = dry_run(cluster, ns, doc)
+    assert proc.returncode == 0, proc.stderr
+    stored = yaml.safe_load(cluster.kubectl("create", "--dry-run=server", "-o", "yaml", "-n", ns, "-f", "-",
+                                            input=yaml.safe_dump(doc)).stdout)
+    assert stored["spec"]["pod"]["volumes"] == vols  # nothing pruned, defaultMode kept
+
 # Numbers (api/common.py): a sample of each kind, each refused by the API server as by
 # `rlhfctl validate`: a float, an int64, a field bounded to what works.
 BAD_NUMBERS = [

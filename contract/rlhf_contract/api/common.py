@@ -25,7 +25,7 @@ from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue
 from pydantic_core import core_schema
 
 from .uris import url_credentials
-from .pod_security import ANNOTATIONS_CEL, VOLUME_SCHEMA, check_annotations, check_group, check_volume
+from .pod_security import MAX_POD_VOLUMES, ANNOTATIONS_CEL, VOLUME_SCHEMA, check_annotations, check_group, check_volume
 
 
 API_GROUP = "rlhf.dev"
@@ -322,7 +322,7 @@ class PodTemplateSpec(PodScheduling):
     scheduling fields per role)."""
     image_pull_secrets: list[str] = []
     """Names of Secrets (in the job's namespace) used to pull the images."""
-    volumes: list[PodVolume] = []
+    volumes: list[PodVolume] = Field(default=[], max_length=MAX_POD_VOLUMES)
     """Kubernetes volumes, e.g. [{name: work, persistentVolumeClaim: {claimName: rlhf-work}}];
     the model, the data and the output directory must be on one of them. Types:
     persistentVolumeClaim, configMap, emptyDir, ephemeral, csi, nfs, downwardAPI, projected

@@ -39,7 +39,10 @@ KUBERNETES_VOLUME_TYPES = (
 KUBERNETES_PROJECTED_SOURCES = ("clusterTrustBundle", "configMap", "downwardAPI", "podCertificate", "secret",
                                 "serviceAccountToken")
 REFUSED_VOLUME_TYPES = tuple(t for t in KUBERNETES_VOLUME_TYPES if t not in ALLOWED_VOLUME_TYPES and t != "secret")
-MAX_PROJECTED_SOURCES = 64
+MAX_PROJECTED_SOURCES = 16
+MAX_POD_VOLUMES = 64
+"""Bounds the API server needs to price the CEL rules below (an unbounded list is priced at
+what fits in a request, and the CRD is refused)."""
 
 SECRET_MESSAGE = ("secret volumes are not allowed (a job could mount any Secret of its namespace): give credentials "
                   "through the job's Secret fields (storageSecret, reward.judge.apiKeySecret, "
