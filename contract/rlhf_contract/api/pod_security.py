@@ -109,7 +109,9 @@ VOLUME_SCHEMA: dict[str, Any] = {
     "type": "object",
     "required": ["name"],
     # Every source of Kubernetes' Volume is a declared property, so CEL can see (and refuse)
-    # it; a key that is none of them is pruned, or refused by kubectl's strict field validation.
+    # it. A key that is none of them is kept, unseen by CEL (preserved fields are), and refused
+    # by the models when `rlhfctl validate` or the operator reads the job.
+    "x-kubernetes-preserve-unknown-fields": True,
     "properties": {
         "name": {"type": "string", "minLength": 1},
         **{t: _OPEN for t in KUBERNETES_VOLUME_TYPES if t != "projected"},
