@@ -147,7 +147,8 @@ def test_monitoring_objects_when_enabled(render):
     rule = docs[("PrometheusRule", "rel-rlhf-operator")]
     alerts = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]}
     assert alerts == {"RLHFJobFailed", "RLHFJobRestarting", "RLHFJobStalled", "RLHFWeightSyncSlow",
-                      "RLHFRewardCollapsed", "RLHFKLDiverging", "RLHFOperatorReconcileErrors", "RLHFOperatorNoLeader"}
+                      "RLHFRewardCollapsed", "RLHFKLDiverging", "RLHFJudgeAnswersUnparsable",
+                      "RLHFOperatorReconcileErrors", "RLHFOperatorNoLeader"}
     for name in ("training-run", "operator"):
         cm = docs[("ConfigMap", f"rel-rlhf-operator-dashboard-{name}")]
         assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
@@ -182,7 +183,7 @@ def test_prometheus_rule_passes_promtool(render, promtool, tmp_path):
     groups = docs[("PrometheusRule", "rel-rlhf-operator")]["spec"]["groups"]
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": groups}, sort_keys=False))
     check = subprocess.run([str(promtool), "check", "rules", str(tmp_path / "rules.yaml")], capture_output=True, text=True)
-    assert check.returncode == 0 and "SUCCESS: 8 rules found" in check.stdout, check.stdout + check.stderr
+    assert check.returncode == 0 and "SUCCESS: 9 rules found" in check.stdout, check.stdout + check.stderr
     cases = yaml.safe_load((CHART / "tests" / "promtool" / "alerts.yaml").read_text())
     tested = {t["alertname"] for c in cases["tests"] for t in c["alert_rule_test"] if t.get("exp_alerts")}
     assert tested == {r["alert"] for g in groups for r in g["rules"]}, "every alert needs a firing test case"
@@ -206,7 +207,7 @@ def test_every_alert_links_to_its_runbook_in_the_docs(render):
     docs = render("prometheusRule.enabled=true")
     (rule,) = [d for d in docs if d["kind"] == "PrometheusRule"]
     alerts = [r for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r]
-    assert len(alerts) == 8
+    assert len(alerts) == 9
     for alert in alerts:
         url = alert["annotations"]["runbook_url"]
         assert url == f"https://github.com/rlhf-operator/rlhf-operator/blob/main/docs/alerts.md#{alert['alert'].lower()}"

@@ -52,8 +52,8 @@ def test_prometheus_conventions_counters_ratios_and_labelled_families(tmp_path):
     assert got['rlhf_step_duration_seconds{phase="weight_sync"}'] == 0.25
     assert got['rlhf_reward_component_mean{component="format"}'] == 1.0
     assert got['rlhf_reward_component_mean{component="math"}'] == 0.25
-    assert got['rlhf_judge_parse_failures{component="style"}'] == 3.0  # a judge's counters, not its mean
-    assert got['rlhf_judge_tokens{component="style"}'] == 1200.0
+    assert got['rlhf_judge_parse_failures_total{component="style"}'] == 3.0  # a judge's counters, not its mean
+    assert got['rlhf_judge_tokens_total{component="style"}'] == 1200.0
     assert got['rlhf_reward_component_mean{component="style"}'] == 0.5
     assert got['rlhf_eval_pass_at_k_ratio{dataset="gsm",k="4"}'] == 0.75
     assert got['rlhf_eval_greedy_score{dataset="gsm"}'] == 0.5

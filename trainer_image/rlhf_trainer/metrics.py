@@ -40,8 +40,10 @@ log = logging.getLogger(__name__)
 LAST_STEP_TIMESTAMP = "rlhf_last_step_timestamp_seconds"
 STEPS_TOTAL = "rlhf_steps_total"
 COMPONENT_FAMILY = "rlhf_reward_component_mean"
-JUDGE_FAMILIES = {"parse_failures": "rlhf_judge_parse_failures", "judge_tokens": "rlhf_judge_tokens"}
-"""`reward/<name>_<counter>` of a judge -> its family (label `component`: the function's name)."""
+JUDGE_FAMILIES = {"judge_answers": "rlhf_judge_answers_total", "parse_failures": "rlhf_judge_parse_failures_total",
+                  "judge_tokens": "rlhf_judge_tokens_total"}
+"""`reward/<name>_<counter>` of a judge (the step's amount) -> its counter (label `component`:
+the function's name); the alert RLHFJudgeAnswersUnparsable divides the first two."""
 PASS_AT_K_FAMILY = "rlhf_eval_pass_at_k_ratio"
 
 
@@ -78,10 +80,12 @@ FAMILIES: dict[str, Family] = {
     "rlhf_reward_max": _g("Largest reward of the step's samples."),
     COMPONENT_FAMILY: Family("Mean of each reward component before weighting (reward.components).", "gauge",
                              ("component",)),
-    JUDGE_FAMILIES["parse_failures"]: Family("Judge answers of the step that gave no score (reward.type judge; left "
-                                             "out of the reward).", "gauge", ("component",)),
-    JUDGE_FAMILIES["judge_tokens"]: Family("Tokens (prompt + answer) the step's judge requests used (reward.type "
-                                           "judge).", "gauge", ("component",)),
+    JUDGE_FAMILIES["judge_answers"]: Family("Answers the judge gave (reward.type judge).", "counter_sum",
+                                            ("component",)),
+    JUDGE_FAMILIES["parse_failures"]: Family("Judge answers not in the judge's strict format (reward.type judge; "
+                                             "each scored the judge's lowest reward).", "counter_sum", ("component",)),
+    JUDGE_FAMILIES["judge_tokens"]: Family("Tokens (prompt + answer) the judge requests used (reward.type judge).",
+                                           "counter_sum", ("component",)),
     "rlhf_score_mean": _g("Mean score (the logged task metric) of the step's samples."),
     "rlhf_response_length_mean": _g("Mean response length in tokens."),
     "rlhf_response_length_min": _g("Shortest response of the step in tokens."),
@@ -179,7 +183,7 @@ def exported_names() -> set[str]:
 
 
 _COMPONENT = re.compile(r"^reward/(.+)_mean$")
-_JUDGE = re.compile(r"^reward/(.+)_(parse_failures|judge_tokens)$")
+_JUDGE = re.compile(r"^reward/(.+)_(" + "|".join(JUDGE_FAMILIES) + r")$")
 _PASS_AT = re.compile(r"^pass@(\d+)$")
 
 

@@ -19,8 +19,8 @@ reward, left out of that function's `reward/<name>_mean`). `reward` feeds the ad
 `reward.components` adds weighted further functions (`CombinedReward`): the trained reward
 is the main reward + sum of weight x component reward, the score is the main function's,
 and each function's reward is kept by name (`reward/<name>_mean` in the metrics). A function
-may also count events per step (a judge: `parse_failures`, `judge_tokens`), logged as
-`reward/<name>_<counter>` (`drain_counters`).
+may also count events per step (a judge: `judge_answers`, `parse_failures`, `judge_tokens`),
+logged as `reward/<name>_<counter>` (`drain_counters`).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class RewardFunction:
         return [r if r is not None else (0.0, 0.0) for r in self.score_all(items)]
 
     def drain_counters(self) -> dict[str, float]:
-        """The events counted since the last call (judge: parse_failures, judge_tokens)."""
+        """The events counted since the last call (judge: judge_answers, parse_failures, judge_tokens)."""
         return self._counters() if self._counters is not None else {}
 
 
