@@ -135,8 +135,11 @@ def test_the_judges_context_must_hold_the_prompt_the_response_and_its_answer(tmp
     assert code == 2 and "spec.reward.judge.maxTokens: the judge reads" in err
     assert "(16 + 2 + 120" in err and "(128 tokens)" in err
     job = validate_job(yaml.safe_load(dumped(reward=judge)))
-    problems, _ = budget_problems(job.spec, lambda p: 150, lambda p, text: 20)  # the rubric's own tokens count
-    assert "16 + 2 + 120 + 20 of the rubric's own text = 158" in problems[0][1]
+    counted = []
+    problems, _ = budget_problems(job.spec, lambda p: 150, lambda p, text: counted.append(text) or 20)
+    assert "16 + 2 + 120 + 20 of the judge's own text = 158" in problems[0][1]
+    # what is counted is what the judge reads: its instructions, the rubric and the tags
+    assert "You are a grader" in counted[0] and "<response>" in counted[0] and "</reference>" in counted[0]
     external = {"type": "judge", "judge": {**judge["judge"], "url": "https://judge.example/v1"}}
     assert budget_problems(validate_job(yaml.safe_load(dumped(reward=external))).spec, lambda p: 128) == ([], [])
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from ..judge_prompt import judge_text
+
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 """Where a Hugging Face config.json states the context length (the first present wins)."""
 
@@ -66,12 +68,10 @@ def budget_problems(spec: Any, context_of: Callable[[str], int | None],
                  None)
     if judge is not None:
         context = context_of(judge.model)
-        rubric = judge.template.format(prompt="", response="", answer="", min_score=judge.min_score,
-                                       max_score=judge.max_score)
-        fixed = count_tokens(judge.model, rubric)
+        fixed = count_tokens(judge.model, judge_text(judge, "", "", ""))  # instructions, rubric, tags
         need = prompt + response + judge.max_tokens + (fixed or 0)
         if context is not None and need > context:
-            parts = f"{prompt} + {response} + {judge.max_tokens}" + (f" + {fixed} of the rubric's own text"
+            parts = f"{prompt} + {response} + {judge.max_tokens}" + (f" + {fixed} of the judge's own text"
                                                                       if fixed else "")
             problems.append(("spec.reward.judge.maxTokens" if spec.reward.type == "judge" else "spec.reward.components",
                              f"the judge reads the prompt and the response in its rubric and answers: data."

@@ -176,8 +176,9 @@ class JudgeSpec(SpecModel):
     max_score: float = 10.0
     """Highest score the rubric asks for (reward 1); a number outside the range is unparsable."""
     choices: dict[str, float] = {}
-    """A choice judge: each answer word and its reward (`{"yes": 1, "no": 0}`), found as a
-    whole word, case-insensitive, the last one named wins; empty: a number is expected."""
+    """A choice judge: each answer word and its reward (`{"yes": 1, "no": 0}`); the answer must
+    be exactly one of them (case-insensitive), anything else is a parse failure; empty: a
+    number is expected."""
     max_tokens: int = Field(default=32, ge=1, le=INT32_MAX)
     """Tokens the judge may answer with."""
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
