@@ -176,9 +176,12 @@ def test_the_charts_admission_policies_hold_the_operators_service_account_to_ado
 
         adopt = {"metadata": {"labels": {"rlhf.dev/job": "j", "rlhf.dev/job-uid": "u", "rlhf.dev/attempt": "0"}}}
         # the policies take a moment to reach the API server's admission: wait for the first refusal
+        # (a dry run: a patch admitted before then would make the next ones no-ops, never refused)
         wait_for(lambda: "may not change a pod's spec" in as_operator(
-            "patch", "pod", "trainjob-pod", patch={"spec": {"activeDeadlineSeconds": 5}}).stderr, 30, "the policy")
+            "patch", "pod", "trainjob-pod", "--dry-run=server", patch={"spec": {"activeDeadlineSeconds": 5}}).stderr,
+            60, "the policy")
         refused = {
+            "a pod's spec": as_operator("patch", "pod", "trainjob-pod", patch={"spec": {"activeDeadlineSeconds": 5}}),
             "a pod's annotations": as_operator("patch", "pod", "trainjob-pod", patch={"metadata": {"annotations": {"a": "b"}}}),
             "another label": as_operator("patch", "pod", "web", patch={"metadata": {"labels": {"app": "db"}}}),
             "a job's label on a pod not its TrainJob's": as_operator("patch", "pod", "web", patch=adopt),
