@@ -333,7 +333,7 @@ class Reconciler:
             for ev in plan.events:
                 kube.event(body, ev.type, ev.reason, ev.message)
             log.info("%s/%s: %s (%s)", namespace, name, plan.status["phase"],
-                     (plan.events[0].message if plan.events else ""))
+                     redact_text(plan.events[0].message if plan.events else ""))
         # 2. Stop what must stop (what the job controls); pods of lost nodes go at once.
         in_the_way = self._delete_workloads(cache, name, plan.delete, observed)
         uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in observed.pods}
