@@ -24,7 +24,7 @@ REDACTED = "<redacted>"
 _SECRET_KEY = re.compile(r"(?i)(password|passwd|secret(?!Name|KeyRef|Ref|s?$)|token(?!izer|s\b|sPer)|api_?key(?!Secret)|"
                          r"credential|private_?key|access_?key(?!Secret))")
 # A URL with a scheme and authority; user info or a query string are what we cut.
-_URL = re.compile(r"\b([a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"<>]+)")
+_URL = re.compile(r"\b([a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"<>]*[^\s'\"<>:,.;)])")  # not its trailing punctuation
 
 
 def redact_url(url: str) -> str:

@@ -67,6 +67,7 @@ def test_urls_lose_user_info_and_query_strings_and_secret_named_keys_their_value
     assert redact_text(f"POST {url} failed: 503") == \
         f"POST https://{REDACTED}@judge.example.com:8443/v1/chat/completions?{REDACTED}#frag failed: 503"
     assert redact_text("no url here: 5 > 3") == "no url here: 5 > 3"
+    assert redact_text("GET http://h/x?token=t: 401.") == f"GET http://h/x?{REDACTED}: 401."  # its colon kept
     spec = {"judge": {"url": url, "apiKeySecret": "judge-key", "apiKey": "sk-live"},
             "tracking": {"mlflow": {"trackingUri": "http://u:p@mlflow:5000"}}, "rollout": {"maxTokens": 64}}
     out = redact_spec(spec)
