@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import pickle
 import shutil
 import sys
 import tempfile
@@ -53,10 +54,13 @@ def _policy_state(checkpoint: Path) -> dict:
 
     if any((checkpoint / "policy").glob("*model_states.pt")):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        from rlhf_trainer.engine.zero import data_only_loads
 
-        with contextlib.redirect_stdout(sys.stderr):  # it prints its progress
+        with contextlib.redirect_stdout(sys.stderr), data_only_loads():  # it prints its progress; no pickle runs code
             return dict(get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag="policy"))
-    reader = dcp.FileSystemReader(str(checkpoint))
+    from rlhf_trainer.checkpoint import SafeReader
+
+    reader = SafeReader(str(checkpoint))  # DCP's metadata pickle read with DCP's classes only
     prefix = "policy.model."
     state = {key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
              for key, meta in reader.read_metadata().state_dict_metadata.items()
@@ -102,7 +106,12 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, model: str | None
             raise ExportError(f"{model} is not a Hugging Face model directory (no config.json): give the model the "
                               "run started from with --model DIR")
         config = AutoConfig.from_pretrained(model)
-        state = _policy_state(checkpoint)
+        from rlhf_trainer.checkpoint import CheckpointError
+
+        try:
+            state = _policy_state(checkpoint)
+        except (pickle.UnpicklingError, CheckpointError) as err:  # a planted file: nothing in it ran
+            raise ExportError(f"{checkpoint} is refused: a file in it is not plain data ({err})") from None
         if not state:
             raise ExportError(f"{checkpoint} holds no policy weights (keys policy.model.*, or ZeRO files in policy/)")
         lora = None

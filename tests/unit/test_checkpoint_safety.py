@@ -118,3 +118,65 @@ def test_a_planted_dcp_metadata_pickle_is_refused_not_executed(tmp_path):
     assert "metadata is not DCP's" in str(err.value)
     assert resume_checkpoint(tmp_path).name == "step-2"
     assert not sentinel.exists()
+
+
+def test_rlhfctl_export_refuses_a_planted_dcp_metadata_pickle(tmp_path):
+    from rlhf_launcher.export import ExportError, export_checkpoint
+
+    planted = save(tmp_path, 2, 2.0)
+    sentinel = tmp_path / "code-ran"
+    (planted / ".metadata").write_bytes(pickle.dumps(Planted(sentinel)))
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "qwen2", "hidden_size": 8,
+                                                                "num_attention_heads": 2, "vocab_size": 8}))
+    with pytest.raises(ExportError, match="is refused: a file in it is not plain data"):
+        export_checkpoint(planted, tmp_path / "exported", model=str(tmp_path / "model"))
+    assert not sentinel.exists()
+
+
+def _zero_engine(stage: int):
+    import deepspeed
+
+    from rlhf_trainer.engine.zero import ZeroEngine
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    config = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    ds, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                  config=config, dist_init_required=False)
+    return ZeroEngine(model, ds, 1)
+
+
+def test_deepspeed_files_are_read_back_as_data_and_a_planted_one_never_runs(tmp_path, monkeypatch, stage=2):
+    """DeepSpeed asks torch.load for weights_only=False; ZeroEngine.load_files and
+    `rlhfctl export` hold it to data (DeepSpeed's own plain classes allowed). ZeRO-3's files
+    (one process here: DeepSpeed keeps its groups across process groups) are read back the
+    same way by tests/e2e/test_deepspeed_runs.py's resume and export."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from rlhf_trainer.engine.zero import data_only_loads
+
+    for k, v in {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(k, v)
+    engine = _zero_engine(stage)
+    loss = engine.ds(torch.ones(1, 8, dtype=torch.bfloat16)).float().sum()
+    engine.ds.backward(loss)
+    engine.ds.step()
+    engine.save_files(tmp_path, "policy")
+    before = {k: v.clone() for k, v in get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag="policy").items()}
+
+    fresh = _zero_engine(stage)
+    fresh.load_files(tmp_path, "policy")  # every file DeepSpeed wrote reads as data
+    with data_only_loads():
+        after = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag="policy")
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+    sentinel = tmp_path / "code-ran"
+    states = next((tmp_path / "policy").glob("*model_states.pt"))
+    torch.save({**torch.load(states, weights_only=False), "planted": Planted(sentinel)}, states)
+    with pytest.raises(pickle.UnpicklingError):
+        _zero_engine(stage).load_files(tmp_path, "policy")
+    with pytest.raises(pickle.UnpicklingError), data_only_loads():
+        get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag="policy")
+    assert not sentinel.exists()
+    assert torch.load is not None and torch.load.__name__ == "load"  # restored after each use

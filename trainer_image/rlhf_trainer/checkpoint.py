@@ -15,8 +15,8 @@ Layout under `<output>/checkpoints/`:
 Loading trusts no pickle: `rng-rank<R>.pt` holds tensors and Python's RNG state as a tuple
 of ints and is read with `weights_only=True`, DCP's `.metadata` with an unpickler that
 knows only DCP's own metadata classes (`SafeReader`); a checkpoint that fails either is
-set aside at resume like a damaged one. (DeepSpeed's own files, engine/zero.py, are read
-by DeepSpeed, which does not use `weights_only`.)
+set aside at resume like a damaged one. DeepSpeed's own files (engine/zero.py) are read
+by DeepSpeed with `torch.load` held to `weights_only=True` (`data_only_loads`).
 The final model goes to `<output>/final/` in Hugging Face format (written to a temporary
 directory and renamed, so `final/` is never half-written).
 """

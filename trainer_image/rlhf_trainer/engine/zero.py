@@ -22,7 +22,8 @@ Frozen models (the reference, the reward model) run as ZeRO-3 inference engines 
 3 (partitioned, no optimizer) and stay whole on every rank at stage 2. Checkpoints: each
 trained part's engine writes its own ZeRO files into the step's directory
 (`save_files`: `save_checkpoint(path, tag=part)`), the rest of the checkpoint (trainer state, RNG, the
-COMPLETE marker) is as under FSDP2. Weight sync and export gather one parameter at a time
+COMPLETE marker) is as under FSDP2; DeepSpeed reads its files back as data only
+(`data_only_loads`: no pickle runs code). Weight sync and export gather one parameter at a time
 (`GatheredParameters`), never the whole model on one rank.
 
 Optimizer: torch's AdamW (the same update as under FSDP2) as DeepSpeed's client optimizer;
@@ -36,8 +37,9 @@ nothing more to move.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -73,6 +75,38 @@ def _client_optimizer(params: list[torch.nn.Parameter], optim, learning_rate: fl
         return DeepSpeedCPUAdam(params, lr=learning_rate, weight_decay=optim.weight_decay, adamw_mode=True)
     return torch.optim.AdamW(params, lr=learning_rate, weight_decay=optim.weight_decay, foreach=not cuda,
                              fused=cuda or None)
+
+
+def _deepspeed_classes() -> list[type]:
+    """The plain classes DeepSpeed pickles into its checkpoint files (ZeRO stage 2 and 3,
+    bf16 and fp16; found with torch.serialization.get_unsafe_globals_in_checkpoint)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+
+
+@contextlib.contextmanager
+def data_only_loads() -> Iterator[None]:
+    """Within: every `torch.load` reads data only (`weights_only=True`, DeepSpeed's own plain
+    classes allowed), whatever its caller asks. DeepSpeed's checkpoint engine and its
+    `zero_to_fp32` ask for `weights_only=False`, so a planted file would run its code in the
+    trainer (or in `rlhfctl export`); here it is refused (pickle.UnpicklingError). Not thread
+    safe: checkpoints are loaded on the main thread."""
+    load = torch.load
+    allowed = _deepspeed_classes()
+
+    def data_only(f, *args, **kwargs):
+        kwargs["weights_only"] = True
+        with torch.serialization.safe_globals(allowed):
+            return load(f, *args, **kwargs)
+
+    torch.load = data_only
+    try:
+        yield
+    finally:
+        torch.load = load
 
 
 class ZeroEngine(Engine):
@@ -140,8 +174,9 @@ class ZeroEngine(Engine):
 
     def load_files(self, directory: Path, tag: str) -> None:
         """Collective: restore what `save_files` wrote (same world size)."""
-        path, _ = self.ds.load_checkpoint(str(directory), tag=tag, load_optimizer_states=True,
-                                          load_lr_scheduler_states=False)
+        with data_only_loads():
+            path, _ = self.ds.load_checkpoint(str(directory), tag=tag, load_optimizer_states=True,
+                                              load_lr_scheduler_states=False)
         if path is None:
             raise FileNotFoundError(f"checkpoint {directory}: no DeepSpeed state for {tag}")
 
