@@ -129,6 +129,20 @@ def test_honours_the_deadline(clock, asynchronous):
     assert len(calls) == 2
 
 
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_servers_retry_after_lengthens_the_wait_within_the_deadline(clock, asynchronous):
+    policy = Retry(attempts=5, delay_s=0.5, factor=2.0, deadline_s=20)
+    fn, calls = failing([TryAgain("429", after_s=7.0), TryAgain("503"), TryAgain("429", after_s=0.1)], clock=clock)
+    assert run(policy, fn, asynchronous) == "done"
+    assert clock.sleeps == [7.0, 1.0, 2.0]  # at least what the server asked; never shorter than our own wait
+    fn, calls = failing([TryAgain("429", after_s=30.0)], clock=clock)
+    with pytest.raises(TryAgain):  # a Retry-After past the deadline: give up now rather than sleep past it
+        run(policy, fn, asynchronous)
+    assert len(calls) == 1
+    assert retry.retry_after("12") == 12.0 and retry.retry_after("Wed, 21 Oct 2026 07:28:00 GMT") is None
+    assert retry.retry_after(None) is None and retry.retry_after("-3") == 0.0
+
+
 def test_real_clock_sync_and_async():
     policy = Retry(attempts=None, delay_s=0.05, factor=1.0, deadline_s=0.3)
     for asynchronous in (False, True):

@@ -10,7 +10,8 @@ message that names their service). An attempt that is still running at the deadl
 interrupted: the deadline decides only whether another one starts.
 
 Conditions that are not exceptions (an HTTP status worth retrying) are raised by the attempt as
-`TryAgain("why")`, the default `retry_on`.
+`TryAgain("why")`, the default `retry_on`; `TryAgain("why", after_s=N)` carries a server's
+`Retry-After`: the next wait is at least that long (still within the deadline).
 
 Each call site states its policy in one place, with a docstring: a constant, or an attribute
 its constructor builds from its arguments (`rollout.client.RolloutClient.retry_policy` and
@@ -29,13 +30,26 @@ import itertools
 import math
 import time
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Iterator, TypeVar
+from typing import Awaitable, Callable, TypeVar
 
 T = TypeVar("T")
 
 
 class TryAgain(Exception):
-    """Raised by an attempt for a condition worth another attempt; `str()` says what it was."""
+    """Raised by an attempt for a condition worth another attempt; `str()` says what it was,
+    `after_s` the wait the server asked for (its Retry-After), if any."""
+
+    def __init__(self, why: str = "", *, after_s: float | None = None):
+        super().__init__(why)
+        self.after_s = after_s
+
+
+def retry_after(value: str | None) -> float | None:
+    """Seconds from an HTTP `Retry-After` header (delta-seconds; an HTTP date is not read: None)."""
+    try:
+        return max(0.0, float(value)) if value else None
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -67,17 +81,23 @@ class Retry:
         """The wait before retry number `retry` (0: the second attempt)."""
         return min(self.delay_s * self.factor ** retry, self.max_delay_s)
 
-    def _waits(self, deadline: float | None) -> Iterator[float]:
-        """The waits between attempts, until the attempts or the deadline run out (a deadline
-        of the policy counts from this call: make it before the first attempt)."""
+    def _waits(self, deadline: float | None) -> Callable[[BaseException], float | None]:
+        """The wait after each failed attempt (None: give up), until the attempts or the
+        deadline run out; an error's `after_s` (a server's Retry-After) lengthens its wait (a
+        deadline of the policy counts from this call: make it before the first attempt)."""
         if self.deadline_s is not None:
             own = time.monotonic() + self.deadline_s
             deadline = own if deadline is None else min(deadline, own)
         retries = itertools.count() if self.attempts is None else range(self.attempts - 1)
         waits = map(self.wait_s, retries)
-        if deadline is None:
-            return waits
-        return itertools.takewhile(lambda wait: time.monotonic() + wait <= deadline, waits)
+
+        def after(err: BaseException) -> float | None:
+            wait = next(waits, None)
+            if wait is None:
+                return None
+            wait = max(wait, getattr(err, "after_s", None) or 0.0)
+            return None if deadline is not None and time.monotonic() + wait > deadline else wait
+        return after
 
     def call(self, fn: Callable[[], T], *, deadline: float | None = None) -> T:
         """`fn()` under this policy; `deadline` (time.monotonic()) cuts it shorter."""
@@ -85,8 +105,8 @@ class Retry:
         while True:
             try:
                 return fn()
-            except self.retry_on:
-                wait = next(waits, None)
+            except self.retry_on as err:
+                wait = waits(err)
                 if wait is None:
                     raise
             time.sleep(wait)
@@ -97,8 +117,8 @@ class Retry:
         while True:
             try:
                 return await fn()
-            except self.retry_on:
-                wait = next(waits, None)
+            except self.retry_on as err:
+                wait = waits(err)
                 if wait is None:
                     raise
             await asyncio.sleep(wait)

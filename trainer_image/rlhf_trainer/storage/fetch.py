@@ -169,9 +169,10 @@ def _check_inside(staging: Path, fetch: Fetch) -> None:
 
 def _s3(fetch: Fetch, bucket: str, prefix: str, staging: Path, pin: dict | None) -> dict:
     where = f"{fetch.field}: {fetch.uri}"
-    client = s3.client()
     try:
-        objects = s3.list_objects(client, bucket, prefix)
+        client = s3.client(bucket)
+        sizes: dict[str, int] = {}
+        objects = s3.list_objects(client, bucket, prefix, sizes)
         if not objects:
             raise StorageError(f"{where}: no objects under {prefix or 'the bucket'!r} in bucket {bucket!r} at "
                                f"{s3.endpoint()}; fix the prefix", permanent=True)
@@ -183,7 +184,7 @@ def _s3(fetch: Fetch, bucket: str, prefix: str, staging: Path, pin: dict | None)
                                    f"{etag!r}, {now}); a job reads one version of its sources: restore the object, "
                                    f"or start a new job (or delete {fetch.pin_file()}) to read the new one",
                                    permanent=True)
-        s3.download(client, bucket, pin["objects"], prefix, staging / "content", where)
+        s3.download(client, bucket, pin["objects"], prefix, staging / "content", where, sizes)
     except s3.errors() as err:
         raise s3.changed_error(err, where) or s3.error(err, where, bucket) from None
     return {"objects": pin["objects"]}

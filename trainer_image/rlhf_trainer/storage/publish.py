@@ -43,32 +43,33 @@ def restore_checkpoint(uri: str, output_dir: str) -> str:
     fails the step naming it, nothing is written). Returns what was done."""
     bucket, prefix = _split(uri)
     out = Path(output_dir)
-    client = s3.client()
     where = f"spec.output.uri: {uri}"
     try:
+        client = s3.client(bucket)
         s3.check_writable(client, bucket, _key(prefix, ".rlhf-write-check"))
         if any(damage(p) is None for p in complete_checkpoints(out)):
             return f"{where}: writable; {out} already holds a complete checkpoint"
         root = _key(prefix, CHECKPOINTS)
-        objects = s3.list_objects(client, bucket, root)
+        sizes: dict[str, int] = {}
+        objects = s3.list_objects(client, bucket, root, sizes)
         steps = sorted({int(m.group(1)) for k in objects
                         if (m := re.fullmatch(re.escape(root) + r"/step-(\d+)/" + MARKER, k))})
         if not steps:
             return f"{where}: writable; no complete checkpoint there, the job starts from step 0"
         name = f"step-{steps[-1]}"
         ckpt_prefix = _key(prefix, CHECKPOINTS, name)
-        keys = [k for k in objects if k.startswith(ckpt_prefix + "/")]
+        keys = {k: etag for k, etag in objects.items() if k.startswith(ckpt_prefix + "/")}
         (out / CHECKPOINTS).mkdir(parents=True, exist_ok=True)
         staging = out / CHECKPOINTS / unique_name(f".restore-{name}")
         shutil.rmtree(out / CHECKPOINTS / name, ignore_errors=True)  # not usable (above): a partial one
         try:
-            s3.download(client, bucket, keys, ckpt_prefix, staging, where)
+            s3.download(client, bucket, keys, ckpt_prefix, staging, where, sizes)
             os.replace(staging, out / CHECKPOINTS / name)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         metrics = _key(prefix, METRICS_FILE)
         if not (out / METRICS_FILE).exists() and s3.list_objects(client, bucket, metrics):
-            client.fget_object(bucket, metrics, str(out / METRICS_FILE))
+            s3.retried(lambda: client.fget_object(bucket, metrics, str(out / METRICS_FILE)))
         return f"{where}: restored {name} into {out / CHECKPOINTS / name}"
     except s3.errors() as err:
         raise s3.error(err, where, bucket) from None
@@ -84,7 +85,7 @@ class Publisher:
         step = checkpoint_step(path)
         if self.uri:
             bucket, prefix = _split(self.uri)
-            client = s3.client()
+            client = s3.client(bucket)
             sent = s3.upload_dir(client, path, bucket, _key(prefix, CHECKPOINTS, path.name), last=MARKER)
             self.metrics(client)
             log.info("uploaded %s to %s (%d bytes)", path.name, self.uri, sent)
@@ -95,12 +96,13 @@ class Publisher:
         """metrics.jsonl as it is now, to `output.uri` (a resume from the bucket keeps its rows)."""
         if self.uri and (self.output_dir / METRICS_FILE).exists():
             bucket, prefix = _split(self.uri)
-            (client or s3.client()).fput_object(bucket, _key(prefix, METRICS_FILE), str(self.output_dir / METRICS_FILE))
+            client = client or s3.client(bucket)
+            s3.retried(lambda: client.fput_object(bucket, _key(prefix, METRICS_FILE), str(self.output_dir / METRICS_FILE)))
 
     def final(self, final_dir: Path) -> None:
         if self.uri:
             bucket, prefix = _split(self.uri)
-            sent = s3.upload_dir(s3.client(), final_dir, bucket, _key(prefix, FINAL))
+            sent = s3.upload_dir(s3.client(bucket), final_dir, bucket, _key(prefix, FINAL))
             log.info("uploaded %s to %s (%d bytes)", final_dir, self.uri, sent)
         if self.hub is not None:
             self._push(final_dir, None, "final model")
