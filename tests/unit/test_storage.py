@@ -120,6 +120,17 @@ def test_rendered_pods_download_first_with_the_secret():
     assert "envFrom" not in server and SECRET not in json.dumps(server)
 
 
+def test_pod_env_reaches_the_download_step_after_the_secret():
+    env = [{"name": "HTTPS_PROXY", "value": "http://proxy.corp:3128"}, {"name": "HF_XET_HIGH_PERFORMANCE", "value": "1"},
+           {"name": "AWS_REGION", "value": "eu-west-3"}, {"name": "AWS_CA_BUNDLE", "value": "/certs/ca.pem"}]
+    env_from = [{"configMapRef": {"name": "proxy-settings"}}]
+    pods = _pods(job_data(storageSecret=SECRET, pod={"env": env, "envFrom": env_from}))
+    for role in ("trainer", "rollout"):
+        init, = pods[role]["initContainers"]
+        assert init["env"][-len(env):] == env  # last: a spec.pod.env entry wins over the contract's
+        assert init["envFrom"] == [{"secretRef": {"name": SECRET}}, *env_from]  # the Secret first, as in the trainer
+
+
 def test_jobset_backend_has_the_same_download_steps():
     job = validate_job(job_data(storageSecret=SECRET, backend="JobSet"))
     jobset, = [c for c in build_children(job, 1) if c["kind"] == "JobSet"]

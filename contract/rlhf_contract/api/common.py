@@ -331,12 +331,13 @@ class PodTemplateSpec(PodScheduling):
     volume_mounts: list[VolumeMount] = []
     """Mounts of `volumes` into every container."""
     env: list[KubeObject] = []
-    """Environment variables of the trainer and rollout containers (Kubernetes EnvVar:
-    {name, value} or {name, valueFrom: {secretKeyRef: ...}}), e.g. NCCL settings or a
-    tracker's credentials. Not given to the code sandbox."""
+    """Environment variables of the trainer and rollout containers and of their download step
+    (Kubernetes EnvVar: {name, value} or {name, valueFrom: {secretKeyRef: ...}}), e.g. NCCL
+    settings, a tracker's credentials, HTTPS_PROXY, HF_XET_HIGH_PERFORMANCE or AWS_REGION.
+    Not given to the code sandbox."""
     env_from: list[KubeObject] = []
-    """Kubernetes EnvFromSource of the trainer and rollout containers, e.g.
-    [{secretRef: {name: mlflow-credentials}}]."""
+    """Kubernetes EnvFromSource of the trainer and rollout containers and of their download
+    step, e.g. [{secretRef: {name: mlflow-credentials}}]."""
 
     @field_validator("env")
     @classmethod

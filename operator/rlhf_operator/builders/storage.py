@@ -3,7 +3,9 @@
 an `hf://` / `s3://` model or dataset (the trainer pods: all of them, and the bucket's
 newest checkpoint with `output.uri`; the rollout servers: the model), and the Secret wiring
 of `spec.storageSecret` (envFrom into the init container and the trainer, never into the
-rollout server's own container or the sandbox pods).
+rollout server's own container or the sandbox pods). The init container also gets
+`spec.pod.env` and `spec.pod.envFrom` (proxies, HF_XET_HIGH_PERFORMANCE, AWS_REGION, a CA
+bundle's path), after the Secret, as the trainer container does.
 
 Where the copies land: `<output dir>/sources` (rlhf_contract.sources). On the trainer pods
 that is the output volume, so a restart downloads nothing again. A rollout pod whose
@@ -60,12 +62,13 @@ def with_storage(job: RLHFJob, settings: PodSettings, spec: dict[str, Any], *, t
         "name": FETCH_CONTAINER,
         "image": job.spec.trainer.image,
         "command": proc.command,
-        "env": env_list(proc.env) + env,
+        "env": env_list(proc.env) + env + list(job.spec.pod.env),
         "resources": resources,
         "securityContext": container_security_context(),
         "volumeMounts": copy.deepcopy(main["volumeMounts"]),
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
+    env_from = env_from + list(job.spec.pod.env_from)
     if env_from:
         init["envFrom"] = env_from
     spec["initContainers"] = [init]

@@ -13,7 +13,9 @@ Hub repositories: huggingface_hub's `snapshot_download` at the pinned commit (HF
 HF_TOKEN). S3: MinIO's client (s3.py), each object at its pinned ETag. A missing
 repository, revision, bucket or object, a refused credential, a hostile object name or a
 pinned object that changed is permanent (exit 2, naming the field and the Secret); a
-broken connection is not (exit 1: the job's next attempt tries again)."""
+Hub 429 or 5xx, an S3 SlowDown or 5xx, is retried inside the step (HUB_RETRY, s3.RETRY; the
+server's Retry-After respected); a broken connection is not (exit 1: the job's next attempt
+tries again)."""
 
 from __future__ import annotations
 
@@ -28,10 +30,41 @@ from pathlib import Path
 from rlhf_contract.api.uris import DEFAULT_REVISION, parse_remote
 from rlhf_contract.sources import PARTIAL_DIR, Fetch
 
+from ..retry import Retry, TryAgain, retry_after
 from . import StorageError, credentials_source, pins, s3
 from .files import listing, listing_matches, remove_abandoned, unique_name, write_atomic
 
 log = logging.getLogger(__name__)
+
+HUB_RETRY = Retry(attempts=8, delay_s=1.0, factor=2.0, max_delay_s=60.0, deadline_s=600.0)
+"""A Hub answer of 429 (rate limited) or 5xx: the call is made again inside the step (1, 2, 4 ...
+60 s, or the Retry-After the Hub gave, for at most 10 minutes), not by restarting the job;
+snapshot_download keeps the files it already has in the staging directory."""
+
+
+class _HubBusy(TryAgain):
+    def __init__(self, err: Exception, after_s: float | None):
+        super().__init__(str(err), after_s=after_s)
+        self.err = err
+
+
+def _hub_retried(fn):
+    """`fn()`, a Hub 429 or 5xx retried under HUB_RETRY; then the last error goes up as raised."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    def attempt():
+        try:
+            return fn()
+        except HfHubHTTPError as err:
+            status = err.response.status_code if err.response is not None else None
+            if status == 429 or (status or 0) >= 500:
+                log.warning("the Hub answered %s; trying again", status)
+                raise _HubBusy(err, retry_after(err.response.headers.get("Retry-After"))) from None
+            raise
+    try:
+        return HUB_RETRY.call(attempt)
+    except _HubBusy as last:
+        raise last.err from None
 
 
 def fetch_all(fetches: list[Fetch]) -> list[str]:
@@ -119,16 +152,17 @@ def _hf(fetch: Fetch, repo: str, revision: str, staging: Path, pin: dict | None)
     try:
         if pin is None:
             try:
-                info = api.repo_info(repo, repo_type=fetch.kind, revision=revision)
+                info = _hub_retried(lambda: api.repo_info(repo, repo_type=fetch.kind, revision=revision))
             except RepositoryNotFoundError:
                 if revision == DEFAULT_REVISION:
                     raise
-                api.repo_info(repo, repo_type=fetch.kind, revision=DEFAULT_REVISION)  # raises when the repository itself is missing
+                _hub_retried(lambda: api.repo_info(repo, repo_type=fetch.kind, revision=DEFAULT_REVISION))  # raises when the repository itself is missing
                 raise _MissingRevision() from None  # a server that answers 404 to both
             pin = pins.record(fetch, {"revision": info.sha or revision})
         revision = pin["revision"]
-        snapshot_download(repo, repo_type=fetch.kind, revision=revision, local_dir=staging / "content",
-                          endpoint=endpoint, cache_dir=staging / "hub-cache")
+        _hub_retried(lambda: snapshot_download(repo, repo_type=fetch.kind, revision=revision,
+                                               local_dir=staging / "content", endpoint=endpoint,
+                                               cache_dir=staging / "hub-cache"))
     except (RevisionNotFoundError, _MissingRevision):
         raise StorageError(f"{where}: revision {revision!r} not found in the {fetch.kind} repository {repo!r} on "
                            f"{server}; give an existing branch, tag or commit after '@'", permanent=True) from None
@@ -143,7 +177,9 @@ def _hf(fetch: Fetch, repo: str, revision: str, staging: Path, pin: dict | None)
         status = err.response.status_code if err.response is not None else None
         permanent = status in (401, 403)
         raise StorageError(f"{where}: {server} answered {status}"
-                           + (f": {credentials_source('HF_TOKEN')} is refused" if permanent else f" ({err})"),
+                           + (f": {credentials_source('HF_TOKEN')} is refused" if permanent else
+                              f" ({err}) after retries within the step for {HUB_RETRY.deadline_s:.0f} s"
+                              if status == 429 or (status or 0) >= 500 else f" ({err})"),
                            permanent=permanent) from None
     except ValueError as err:
         if "Invalid filename" not in str(err):
