@@ -21,13 +21,14 @@ OLAH_PYTHON = Path(os.environ.get("RLHF_OLAH_PYTHON", Path.home() / ".cache/rlhf
 S3_ACCESS_KEY, S3_SECRET_KEY = "rlhf-test-access", "rlhf-test-secret-key"
 
 
-def _wait(url: str, proc: subprocess.Popen, log: Path, ok=lambda r: True, timeout: float = 60) -> None:
+def _wait(url: str, proc: subprocess.Popen, log: Path, ok=lambda r: True, timeout: float = 60,
+          verify: bool = True) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{proc.args[0]} exited with {proc.returncode}: {log.read_text()[-2000:]}")
         try:
-            if ok(httpx.get(url, timeout=2)):
+            if ok(httpx.get(url, timeout=2, verify=verify)):
                 return
         except httpx.HTTPError:
             pass
@@ -37,10 +38,12 @@ def _wait(url: str, proc: subprocess.Popen, log: Path, ok=lambda r: True, timeou
 
 class S3Server:
     """versitygw on 127.0.0.1:<port> (or `host`: pods of the real node reach the host's
-    address), serving `root` (one directory per bucket)."""
+    address), serving `root` (one directory per bucket); in `region` (versitygw's --region:
+    it refuses requests signed for another), over TLS with `tls` ((cert file, key file))."""
 
-    def __init__(self, root: Path, host: str = "127.0.0.1"):
-        self.host = host
+    def __init__(self, root: Path, host: str = "127.0.0.1", *, region: str = "us-east-1",
+                 tls: tuple[Path, Path] | None = None):
+        self.host, self.region, self.tls = host, region, tls
         self.root = root / "data"
         self.iam = root / "iam"  # versitygw's own accounts (add_user)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -49,7 +52,7 @@ class S3Server:
         self.binary = Path(out.stdout.strip()) / "versitygw"
         self.log = root / "versitygw.log"
         self.port = free_port()
-        self.endpoint = f"http://{host}:{self.port}"
+        self.endpoint = f"{'https' if tls else 'http'}://{host}:{self.port}"
         self.proc: subprocess.Popen | None = None
         self.start()
 
@@ -57,13 +60,14 @@ class S3Server:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [str(self.binary), "--access", S3_ACCESS_KEY, "--secret", S3_SECRET_KEY, "--port", f"{self.host}:{self.port}",
+                 "--region", self.region, *(["--cert", str(self.tls[0]), "--key", str(self.tls[1])] if self.tls else []),
                  "--iam-dir", str(self.iam), "posix", str(self.root)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        _wait(self.endpoint, self.proc, self.log)
+        _wait(self.endpoint, self.proc, self.log, verify=False)
 
     def add_user(self, access: str, secret: str) -> None:
         """An account with the `user` role: it reaches only the buckets it owns."""
         subprocess.run([str(self.binary), "admin", "--access", S3_ACCESS_KEY, "--secret", S3_SECRET_KEY,
-                        "--endpoint-url", self.endpoint, "create-user", "--access", access, "--secret", secret,
+                        "--region", self.region, "--endpoint-url", self.endpoint, "create-user", "--access", access, "--secret", secret,
                         "--role", "user"], check=True, capture_output=True)
 
     def kill(self) -> None:
@@ -73,20 +77,21 @@ class S3Server:
             self.proc.wait()
 
     def env(self, **changes: str) -> dict[str, str]:
-        """The variables a job's pods get from its storageSecret."""
-        return {"AWS_ACCESS_KEY_ID": S3_ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET_KEY,
-                "AWS_ENDPOINT_URL": self.endpoint, "AWS_REGION": "us-east-1", **changes}
+        """The variables a job's pods get from its storageSecret (a change to "" drops one)."""
+        env = {"AWS_ACCESS_KEY_ID": S3_ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET_KEY,
+               "AWS_ENDPOINT_URL": self.endpoint, "AWS_REGION": self.region, **changes}
+        return {k: v for k, v in env.items() if v != ""}
 
     def client(self):
         from minio import Minio
 
-        return Minio(f"{self.host}:{self.port}", access_key=S3_ACCESS_KEY, secret_key=S3_SECRET_KEY, secure=False,
-                     region="us-east-1")
+        return Minio(f"{self.host}:{self.port}", access_key=S3_ACCESS_KEY, secret_key=S3_SECRET_KEY,
+                     secure=bool(self.tls), cert_check=False, region=self.region)
 
     def put_dir(self, bucket: str, prefix: str, directory: Path) -> None:
         c = self.client()
         if not c.bucket_exists(bucket):
-            c.make_bucket(bucket)
+            c.make_bucket(bucket, location=self.region)
         for f in sorted(directory.rglob("*")):
             if f.is_file():
                 c.fput_object(bucket, f"{prefix}/{f.relative_to(directory).as_posix()}", str(f))

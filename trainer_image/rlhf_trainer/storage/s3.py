@@ -95,7 +95,8 @@ def http_client(*, maxsize: int = PARALLEL + 2, connect_s: float = 30.0, read_s:
     return urllib3.PoolManager(
         timeout=urllib3.Timeout(connect=connect_s, read=read_s), maxsize=maxsize, cert_reqs="CERT_REQUIRED",
         ca_certs=os.environ.get("AWS_CA_BUNDLE") or os.environ.get("SSL_CERT_FILE") or certifi.where(),
-        retries=urllib3.Retry(total=retries, connect=retries, read=0, status=0, redirect=0, backoff_factor=0.2))
+        retries=urllib3.Retry(total=retries, connect=retries, read=0, status=0, redirect=0, backoff_factor=0.2,
+                              respect_retry_after_header=False))
 
 
 def credentials() -> Any | None:
@@ -300,6 +301,8 @@ def download(s3: Any, bucket: str, keys: dict[str, str] | list[str], prefix: str
     object that changed is refused, `changed_error`). `parallel` requests at once; an object
     whose size (`sizes`) is over `part_bytes` is read in ranged parts written in place. The
     first error stops the rest (parts not started are dropped) and goes up."""
+    from minio.error import S3Error
+
     targets = {}
     for key in keys:
         rel = key[len(prefix):].lstrip("/") if prefix else key
@@ -325,7 +328,15 @@ def download(s3: Any, bucket: str, keys: dict[str, str] | list[str], prefix: str
             return
         etag = etags.get(key)
         headers = {"If-Match": f'"{etag}"'} if etag else None
-        response = retried(lambda: s3.get_object(bucket, key, offset=offset, length=length, request_headers=headers))
+        try:
+            response = retried(lambda: s3.get_object(bucket, key, offset=offset, length=length,
+                                                     request_headers=headers))
+        except S3Error as err:
+            if err.code == "NoSuchKey":  # listed, then gone
+                raise StorageError(f"{what}: the object {key!r} is not in bucket {bucket!r} at {endpoint()} (it "
+                                   "was listed, then deleted); fix the address or restore the object",
+                                   permanent=True) from None
+            raise
         fd = os.open(target, os.O_WRONLY)
         try:
             position = offset
