@@ -218,11 +218,13 @@ def test_tls_verified_against_aws_ca_bundle(tmp_path, tiny_model_dir):
     server = S3Server(tmp_path / "server", tls=(cert, key))
     try:
         server.put_dir("private-ca", "models/tiny", tiny_model_dir)
-        fetch = Fetch("spec.model.path", "s3://private-ca/models/tiny", "model", str(tmp_path / "a/tiny"))
+        fetch = Fetch("spec.model.path", "s3://private-ca/models/tiny", "model",
+                      str(tmp_path / "a/sources/s3/private-ca/models/tiny"))
         proc = run_step([fetch], server.env(AWS_CA_BUNDLE=str(ca)))
         assert proc.returncode == 0, proc.stderr
         assert files_of(Path(fetch.local)) == files_of(tiny_model_dir)
-        unverified = Fetch("spec.model.path", "s3://private-ca/models/tiny", "model", str(tmp_path / "b/tiny"))
+        unverified = Fetch("spec.model.path", "s3://private-ca/models/tiny", "model",
+                           str(tmp_path / "b/sources/s3/private-ca/models/tiny"))
         proc = run_step([unverified], server.env())  # certifi's bundle does not know this CA
         assert proc.returncode == 1 and "CERTIFICATE_VERIFY_FAILED" in proc.stderr, proc.stderr
     finally:
