@@ -74,7 +74,8 @@ class Served:
         self.httpd.shutdown()
 
 
-def forward(port: int, handler, body: bytes, scheme: str = "http") -> tuple[int, dict, bytes]:
+def forward(port: int, handler, body: bytes) -> tuple[int, dict, bytes]:
+    """`handler`'s request passed on to 127.0.0.1:`port`; its answer."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     conn.request(handler.command, handler.path, body=body or None, headers=dict(handler.headers))
     resp = conn.getresponse()
@@ -120,7 +121,8 @@ def _sts_answer(issued: dict):
         query = parse_qs(urlsplit(handler.path).query)
         issued.setdefault("queries", []).append(query)
         if query.get("Action") != ["AssumeRoleWithWebIdentity"] or query.get("WebIdentityToken") != ["the-pod-jwt"]:
-            return 403, {"Content-Type": "text/xml"}, b"<ErrorResponse><Error><Code>AccessDenied</Code></Error></ErrorResponse>"
+            refusal = b"<ErrorResponse><Error><Code>AccessDenied</Code></Error></ErrorResponse>"
+            return 403, {"Content-Type": "text/xml"}, refusal
         expires = (datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(hours=1)).strftime(
             "%Y-%m-%dT%H:%M:%SZ")
         xml = (f'<AssumeRoleWithWebIdentityResponse xmlns="https://sts.amazonaws.com/doc/2011-06-15/">'
@@ -159,13 +161,15 @@ def test_web_identity_irsa_through_the_sdks_provider(regional, tiny_model_dir, t
 def test_container_credentials_eks_pod_identity(regional, tiny_model_dir, tmp_path):
     """EKS Pod Identity's variables: the credentials endpoint is asked with the token file's
     content as Authorization, and its keys sign the requests."""
-    expires = (datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(hours=1)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    expires = (datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(hours=1)).strftime(
+        "%Y-%m-%dT%H:%M:%SZ")
 
     def answer(handler, body):
         if handler.headers.get("Authorization") != "pod-identity-token":
             return 401, {}, b"{}"
         return 200, {"Content-Type": "application/json"}, json.dumps(
-            {"AccessKeyId": S3_ACCESS_KEY, "SecretAccessKey": S3_SECRET_KEY, "Token": "", "Expiration": expires}).encode()
+            {"AccessKeyId": S3_ACCESS_KEY, "SecretAccessKey": S3_SECRET_KEY, "Token": "",
+             "Expiration": expires}).encode()
 
     agent = Served(answer)
     try:
@@ -310,7 +314,8 @@ def test_objects_and_ranged_parts_in_parallel_byte_for_byte(regional, tmp_path, 
         assert files_of(tmp_path / "copy") == files_of(data)
         assert hashlib.sha256((tmp_path / "copy/big.bin").read_bytes()).digest() == hashlib.sha256(
             (data / "big.bin").read_bytes()).digest()
-        ranges = [r[2].get("Range") for r in proxy.requests if r[0] == "GET" and r[1].startswith("/team-paris/parallel/big")]
+        ranges = [r[2].get("Range") for r in proxy.requests
+                  if r[0] == "GET" and r[1].startswith("/team-paris/parallel/big")]
         assert sorted(ranges) == sorted(f"bytes={o}-{min(o + (1 << 20), (5 << 20) + 4) - 1}"
                                         for o in range(0, (5 << 20) + 4, 1 << 20))  # 6 parts, the last 4 bytes
         assert peak[0] >= 4  # objects and parts overlap
@@ -321,8 +326,6 @@ def test_objects_and_ranged_parts_in_parallel_byte_for_byte(regional, tmp_path, 
 def test_hub_429_retried_inside_the_step(hub_server, tiny_model_dir, tmp_path):
     """The Hub answers 429 (Retry-After: 1) to the first two API calls: the step waits and
     finishes in one run rather than failing the attempt."""
-    from test_storage_servers import SECRET  # noqa: F401  (the step's Secret name, as in the other tests)
-
     commit = hub_server.add_repo("org/busy", tiny_model_dir)
     upstream = int(hub_server.endpoint.rsplit(":", 1)[1])
     limited = [0]

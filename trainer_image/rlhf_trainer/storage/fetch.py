@@ -156,7 +156,8 @@ def _hf(fetch: Fetch, repo: str, revision: str, staging: Path, pin: dict | None)
             except RepositoryNotFoundError:
                 if revision == DEFAULT_REVISION:
                     raise
-                _hub_retried(lambda: api.repo_info(repo, repo_type=fetch.kind, revision=DEFAULT_REVISION))  # raises when the repository itself is missing
+                # raises when the repository itself is missing
+                _hub_retried(lambda: api.repo_info(repo, repo_type=fetch.kind, revision=DEFAULT_REVISION))
                 raise _MissingRevision() from None  # a server that answers 404 to both
             pin = pins.record(fetch, {"revision": info.sha or revision})
         revision = pin["revision"]

@@ -97,7 +97,8 @@ class Publisher:
         if self.uri and (self.output_dir / METRICS_FILE).exists():
             bucket, prefix = _split(self.uri)
             client = client or s3.client(bucket)
-            s3.retried(lambda: client.fput_object(bucket, _key(prefix, METRICS_FILE), str(self.output_dir / METRICS_FILE)))
+            local = str(self.output_dir / METRICS_FILE)
+            s3.retried(lambda: client.fput_object(bucket, _key(prefix, METRICS_FILE), local))
 
     def final(self, final_dir: Path) -> None:
         if self.uri:
