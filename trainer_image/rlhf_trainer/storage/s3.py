@@ -126,8 +126,10 @@ def credentials() -> Any | None:
         tried.append("container credentials (AWS_CONTAINER_CREDENTIALS_*)")
     elif not _custom_endpoint() and os.environ.get("AWS_EC2_METADATA_DISABLED", "").lower() != "true":
         class InstanceProfile(Provider):
-            """IMDS, where an unreachable endpoint means: not on EC2 (the next provider, or none)."""
-            inner = IamAwsProvider(http_client=iam_http)
+            """IMDS, where an unreachable endpoint means: not on EC2 (no credentials, exit 2)."""
+
+            def __init__(self):
+                self.inner = IamAwsProvider(http_client=iam_http)
 
             def retrieve(self):
                 try:
