@@ -35,8 +35,10 @@ PINS_DIR = ".pins"
 PARTIAL_DIR = ".partial"
 
 CREDENTIAL_ENV = ("HF_TOKEN", "HF_ENDPOINT", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
-                  "AWS_ENDPOINT_URL", "AWS_REGION")
-"""The keys of `spec.storageSecret` the download step and the trainer read."""
+                  "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION")
+"""The keys of `spec.storageSecret` the download step and the trainer read (the rest of the
+AWS chain, rlhf_trainer.storage.s3, comes from the pods' environment: IRSA's and Pod
+Identity's variables, AWS_CA_BUNDLE, AWS_PROFILE)."""
 ENV_STORAGE_SECRET = "RLHF_STORAGE_SECRET"
 """The Secret's name, so that an error can name it (unset: the credentials are this environment's)."""
 

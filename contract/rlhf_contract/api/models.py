@@ -139,7 +139,9 @@ class RLHFJobSpec(SpecModel):
     """A Secret (in the job's namespace) with the credentials of `hf://` and `s3://` models,
     data and outputs, by key, each optional: HF_TOKEN, HF_ENDPOINT (a Hub-compatible
     server), AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_ENDPOINT_URL
-    (an S3-compatible server), AWS_REGION. Given to the download step and the trainer
+    or AWS_ENDPOINT_URL_S3 (an S3-compatible server), AWS_REGION (none: the bucket's own).
+    Without keys, S3 uses the pods' cloud identity (IRSA, EKS Pod Identity, the instance
+    profile: spec.pod.serviceAccountAnnotations). Given to the download step and the trainer
     only (never to rollout servers or the code sandbox). Locally: this environment's."""
 
     @property
