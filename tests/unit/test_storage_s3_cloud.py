@@ -11,7 +11,7 @@ Limits: the STS and credentials endpoints are small servers here speaking the do
 wire formats (AssumeRoleWithWebIdentity's XML, the container-credentials JSON), not AWS's;
 they hand out versitygw's own keys with an empty session token (versitygw has no STS and
 refuses a session token it did not issue: InvalidToken), so the token's header is not tested;
-the instance profile (IMDS) and AWS_PROFILE paths are minio's own providers, not exercised."""
+the instance profile (IMDS) is minio's own provider, not exercised."""
 
 from __future__ import annotations
 
@@ -185,6 +185,21 @@ def test_container_credentials_eks_pod_identity(regional, tiny_model_dir, tmp_pa
         assert agent.requests and all(r[1] == "/v1/credentials" for r in agent.requests)
     finally:
         agent.close()
+
+
+def test_a_profile_of_the_shared_credentials_file(regional, tiny_model_dir, tmp_path):
+    """AWS_PROFILE (local mode, a mounted file): its keys sign; a profile that is not there
+    is exit 2 naming it."""
+    shared = tmp_path / "credentials"
+    shared.write_text(f"[default]\naws_access_key_id = nobody\naws_secret_access_key = nothing\n\n"
+                      f"[team]\naws_access_key_id = {S3_ACCESS_KEY}\naws_secret_access_key = {S3_SECRET_KEY}\n")
+    env = regional.env(AWS_ACCESS_KEY_ID="", AWS_SECRET_ACCESS_KEY="", AWS_SHARED_CREDENTIALS_FILE=str(shared))
+    fetch = _fetch(tmp_path)
+    proc = run_step([fetch], {**env, "AWS_PROFILE": "team"})
+    assert proc.returncode == 0, proc.stderr
+    assert files_of(Path(fetch.local)) == files_of(tiny_model_dir)
+    proc = run_step([_fetch(tmp_path / "other")], {**env, "AWS_PROFILE": "missing"})
+    assert proc.returncode == 2 and f"no credentials from profile 'missing' of {shared}" in proc.stderr, proc.stderr
 
 
 def _self_signed(directory: Path) -> tuple[Path, Path, Path]:
