@@ -272,11 +272,16 @@ def error(err: Exception, what: str, bucket: str) -> StorageError:
         if err.code in _REGION_CODES:
             return StorageError(f"{what}: S3 error {err.code} from {endpoint()}: {err.message} (check AWS_REGION "
                                 "and the endpoint)", permanent=True)
-        return StorageError(f"{what}: S3 error {err.code} from {endpoint()}: {err.message}", permanent=False)
+        busy = err.code in _THROTTLE_CODES or (_status(err) or 0) in (429, *range(500, 600))
+        return StorageError(f"{what}: S3 error {err.code} from {endpoint()}: {err.message}"
+                            + (f" (still, after {RETRY.deadline_s:.0f} s of retries in this step)" if busy else ""),
+                            permanent=False)
     status = _status(err)
     if status is not None:
-        return StorageError(f"{what}: {endpoint()} answered {status} ({type(err).__name__}); retried within the "
-                            "step until its deadline, the next attempt tries again", permanent=False)
+        busy = status == 429 or status >= 500
+        return StorageError(f"{what}: {endpoint()} answered {status} ({type(err).__name__})"
+                            + (f", still after {RETRY.deadline_s:.0f} s of retries in this step" if busy else "")
+                            + "; the next attempt tries again", permanent=False)
     return StorageError(f"{what}: S3 transfer from {endpoint()} failed ({type(err).__name__}: {err}); the partial "
                         "copy is not used, the next attempt downloads it again", permanent=False)
 
