@@ -3,9 +3,10 @@ Python, HTTP, a learned reward model), the multi-turn environment, the RL algori
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+import keyword
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, JsonValue, WithJsonSchema, field_validator, model_validator
 
 from .common import INT32_MAX, MAX_SECONDS, SecretKeyRef, SpecModel
 from .uris import ENV_SECRET, EndpointUrl, check_path
@@ -204,6 +205,17 @@ class JudgeSpec(SpecModel):
         return self
 
 
+REWARD_ARGUMENTS = frozenset({
+    "prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra",  # TRL's
+    "data_source", "solution_str", "ground_truth", "extra_info",  # veRL's
+    "response", "answer",  # ours
+})
+"""Keywords the trainer itself passes to a python reward function: not allowed in `kwargs`."""
+RewardKwargs = Annotated[dict[str, JsonValue], WithJsonSchema(
+    {"type": "object", "x-kubernetes-preserve-unknown-fields": True})]
+"""A free-form JSON object, kept as written (the CRD keeps its unknown fields)."""
+
+
 RewardType = Literal["exact_match", "prefix_match", "math", "code", "python", "http", "judge"]
 
 
@@ -215,11 +227,18 @@ class RewardFunctionSpec(SpecModel):
     """`python`: path of the file defining the reward function (null: `function` is an
     import path)."""
     function: str = Field(default="reward_fn", min_length=1, max_length=512)
-    """`python`: the function's name in `file`, or without `file` an import path
-    `package.module:function` of a package installed in the trainer image. Its parameters
-    pick the form (docs/methods.md): TRL's batched `(prompts, completions, completion_ids,
-    **columns)`, veRL's `compute_score(data_source, solution_str, ground_truth, extra_info)`,
-    or `fn(response, answer, extra_info) -> float | {reward, score}`."""
+    """`python`: the function's name in `file`, or without `file` an import path of a package
+    installed in the trainer image, dotted as TRL's CLI takes it (`my_pkg.rewards.accuracy`,
+    TRL's own `trl.rewards.accuracy_reward`, `trl.rewards.think_format_reward`) or
+    `package.module:function`; a `trl.rewards.get_*` factory is called with `kwargs`. Its
+    parameters pick the form (docs/methods.md): TRL's batched `(prompts, completions,
+    completion_ids, **columns)` with `trainer_state`, `log_metric` and `log_extra` as TRL
+    passes them, veRL's `compute_score(data_source, solution_str, ground_truth, extra_info)`,
+    or `fn(response, answer, extra_info) -> float | {reward, score}`; None or NaN for a
+    response means "does not apply"."""
+    kwargs: RewardKwargs = {}
+    """`python`: further keyword arguments for every call of the function (veRL's
+    `reward_kwargs`), any JSON values, e.g. `{max_len: 512, strict: true}`."""
     url: EndpointUrl(ENV_SECRET) | None = None
     """`http`: endpoint that answers {prompt, response, answer, extra_info} with {reward, score}."""
     timeout_seconds: float = Field(default=10.0, gt=0, le=MAX_SECONDS)
@@ -236,6 +255,17 @@ class RewardFunctionSpec(SpecModel):
     profile, which forbids user namespaces."""
     sandbox: CodeSandboxSpec = CodeSandboxSpec()
     """`code`: where and within which limits model-written programs run."""
+
+    @field_validator("kwargs")
+    @classmethod
+    def _keyword_names(cls, value: dict[str, Any]) -> dict[str, Any]:
+        bad = [k for k in value if not k.isidentifier() or keyword.iskeyword(k)]
+        if bad:
+            raise ValueError(f"keys {bad} are not Python keyword-argument names")
+        taken = sorted(REWARD_ARGUMENTS & set(value))
+        if taken:
+            raise ValueError(f"keys {taken} are passed by the trainer itself; rename them")
+        return value
 
 
 class RewardComponentSpec(RewardFunctionSpec):
