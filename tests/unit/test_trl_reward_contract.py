@@ -208,7 +208,7 @@ def test_trls_own_reward_functions_by_import_path():
         "get_soft_overlong_punishment() missing 1 required positional argument: 'soft_punish_cache'"]
 
 
-def test_none_and_nan_do_not_apply_in_every_form_and_all_none_counts_zero(reward_file, caplog):
+def test_none_and_nan_do_not_apply_in_every_form_and_all_none_counts_zero(reward_file, caplog, monkeypatch):
     batch = [Sample("1", "1", {}), Sample("2", "1", {}), Sample("3", "1", {})]
     assert python_reward(reward_file, "skips")(batch) == [None, None, (1.0, 1.0)]
     assert python_reward(reward_file, "per_response_skips")(batch) == [None, None, (1.0, 1.0)]
@@ -217,11 +217,12 @@ def test_none_and_nan_do_not_apply_in_every_form_and_all_none_counts_zero(reward
     results = build_reward(spec).score_batch(batch)  # TRL's nansum over functions, nanmean per function
     assert [total for total, _, _ in results] == [2.0, 0.0, 1.0]
     assert math.isnan(results[1][2]["skips"]) and results[2][2] == {"skips": 1.0, "exact": 0.0}
-    with caplog.at_level(logging.WARNING):  # every function skipped "2": reward 0, said once
+    monkeypatch.setattr(rewards_module, "_warned_unscorable", False)
+    with caplog.at_level(logging.WARNING):  # every function skipped "1" and "2": reward 0, said once
         assert build_reward(RewardSpec(type="python", file=reward_file, function="skips")).score_batch(batch) == [
             (0.0, 0.0), (0.0, 0.0), (1.0, 1.0)]
-    assert "every reward function returned None for 1 responses" in caplog.text or \
-        rewards_module._warned_unscorable  # said once per process: maybe by an earlier test
+        build_reward(RewardSpec(type="python", file=reward_file, function="skips")).score_batch(batch)
+    assert caplog.text.count("every reward function returned None for 2 responses of a batch: each gets reward 0") == 1
 
 
 def test_async_functions_are_awaited_together(reward_file, tmp_path):

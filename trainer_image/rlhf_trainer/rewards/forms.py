@@ -47,7 +47,8 @@ and the sampler scores several groups at once when every function is async
 Simplifications: veRL's batched `compute_score` (lists of each argument) is not recognised,
 only the per-response one. `trainer_state` is built for the call, not TRL's live object:
 changing it changes nothing. TRL's `environments` keyword (its tool environments) is not
-passed.
+passed. What a function logs while `spec.evaluation` sets are scored goes into the next
+step's metrics and is not kept apart as eval metrics.
 """
 
 from __future__ import annotations
