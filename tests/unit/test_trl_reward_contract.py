@@ -239,7 +239,7 @@ def test_async_functions_are_awaited_together(reward_file, tmp_path):
     batch = orch.collect(step=1)
     assert len(batch.rows) == 20 and time.monotonic() - start < 10 * 0.2 / 3
     # one event loop for every call: a client kept between calls stays usable
-    from rlhf_trainer.rewards.forms import reward_loop
+    from rlhf_trainer.rewards.calls import reward_loop
 
     assert reward_loop() is reward_loop()
 

@@ -43,7 +43,7 @@ from .sample import Sample
 
 if TYPE_CHECKING:
     from rlhf_contract.api.models import RewardSpec
-    from rlhf_contract.api.task import RewardFunctionSpec
+    from rlhf_contract.api.reward import RewardFunctionSpec
 
 
 log = logging.getLogger(__name__)

@@ -53,7 +53,6 @@ step's metrics and is not kept apart as eval metrics.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import importlib
 import importlib.util
@@ -62,8 +61,9 @@ import math
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
+from .calls import call, call_each, is_async
 from .custom import RewardError, RewardResult, normalize_result
 from .sample import Sample
 
@@ -193,62 +193,6 @@ def form_of(fn: Callable, where: str, columns: set[str] | None = None, kwargs: S
     return "per_response"
 
 
-_loop: asyncio.AbstractEventLoop | None = None
-_loop_lock = threading.Lock()
-
-
-def reward_loop() -> asyncio.AbstractEventLoop:
-    """The process's event loop for async reward functions (TRL's `async_loop`), running on a
-    daemon thread: one loop for every call, so a client a function keeps between calls works."""
-    global _loop
-    with _loop_lock:
-        if _loop is None:
-            _loop = asyncio.new_event_loop()
-            threading.Thread(target=_loop.run_forever, name="reward-async", daemon=True).start()
-        return _loop
-
-
-def _run(coroutine: Awaitable) -> Any:
-    async def wrap() -> Any:
-        return await coroutine
-    return asyncio.run_coroutine_threadsafe(wrap(), reward_loop()).result()
-
-
-def _fail(where: str, err: BaseException) -> RewardError:
-    return RewardError(f"{where} raised {type(err).__name__}: {err}")
-
-
-def _call(fn: Callable, where: str, *args: Any, **kwargs: Any) -> Any:
-    try:
-        value = fn(*args, **kwargs)
-        if inspect.isawaitable(value):
-            value = _run(value)
-    except (Exception, SystemExit) as err:  # exit() in a scoring thread would hang the rollout loop
-        raise _fail(where, err) from err
-    return value
-
-
-def _call_each(fn: Callable, where: str, calls: list[tuple[tuple, dict[str, Any]]]) -> list[Any]:
-    """`fn(*args, **kwargs)` for each of `calls`; an async function's calls awaited together
-    (asyncio.gather), not one after the other."""
-    if not _is_async(fn):
-        return [_call(fn, where, *args, **kw) for args, kw in calls]
-
-    async def each(args: tuple, kw: dict[str, Any]) -> Any:
-        try:
-            return await fn(*args, **kw)
-        except (Exception, SystemExit) as err:
-            raise _fail(where, err) from err
-
-    async def together() -> list[Any]:
-        return list(await asyncio.gather(*(each(args, kw) for args, kw in calls)))
-    return _run(together())
-
-
-def _is_async(fn: Callable) -> bool:
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
-
-
 def _not_applicable(value: Any) -> bool:
     """None, or NaN: TRL's "does not apply" (it turns None into NaN and sums with nansum)."""
     return value is None or (isinstance(value, float) and math.isnan(value))
@@ -293,7 +237,7 @@ class PythonReward:
     @property
     def concurrent(self) -> bool:
         """An async function: groups may be scored at once (on the shared loop)."""
-        return _is_async(self.fn)
+        return is_async(self.fn)
 
     def begin_step(self, trainer_state: Any) -> None:
         self.trainer_state = trainer_state
@@ -330,7 +274,7 @@ class PythonReward:
         context = {"trainer_state": self.trainer_state, "log_metric": self.log_metric, "log_extra": log_extra}
         if self.form == "trl":
             args = {**trl_arguments(samples), **context, **self.kwargs}
-            values = _call(self.fn, self.where, **{k: v for k, v in args.items() if self.accepts(k)})
+            values = call(self.fn, self.where, **{k: v for k, v in args.items() if self.accepts(k)})
             return trl_results(values, n, self.where)
         if self.form == "verl":
             calls = [((), {k: v for k, v in {"data_source": s.extra_info.get("data_source"), "solution_str": s.response,
@@ -338,7 +282,7 @@ class PythonReward:
                                              **self.kwargs}.items() if self.accepts(k)}) for s in samples]
         else:  # positional: a per-response function may name its three parameters as it likes
             calls = [((s.response, s.answer, s.extra_info), self.kwargs) for s in samples]
-        return [_result(v, self.where) for v in _call_each(self.fn, self.where, calls)]
+        return [_result(v, self.where) for v in call_each(self.fn, self.where, calls)]
 
 
 def trainer_state(*, global_step: int = 0, max_steps: int = 0, epoch: float = 0.0, num_train_epochs: int = 0,
