@@ -1,6 +1,7 @@
 """Datasets and reward functions wired through a real trainer run."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,8 @@ def test_jsonl_data_and_a_user_reward_file(run_trainer, engine, tiny_model_dir, 
         "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
         "    assert data_source == 'digits' and 'level' in extra_info\n"
         "    return {'score': float(solution_str.strip() == ground_truth)}\n")
-    monkeypatch.setenv("PYTHONPATH", str(ROOT / "examples" / "rewards"))  # trl_style: "installed"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(  # trl_style: "installed" (before what was on the path)
+        [str(ROOT / "examples" / "rewards"), *filter(None, [os.environ.get("PYTHONPATH")])]))
     trl_file = str(ROOT / "examples" / "rewards" / "trl_style.py")
     out = tmp_path / "out"
     components = [
@@ -85,7 +87,6 @@ def test_a_trl_reward_reading_trainer_state_and_logging_metrics_learns_the_demo_
     with `log_metric` and a column with `log_extra`, and gets `reward.kwargs`; the demo task is
     learned with it (short: one-token answers, no KL, 60 steps: about 5 minutes on 2 loaded
     cores; accuracy 0.09 over the first 10 steps, 0.29 over the last 10)."""
-    import os
     import subprocess
     import sys
 
