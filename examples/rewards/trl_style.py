@@ -17,3 +17,21 @@ def digits_only(completions, **kwargs):
     """1.0 for an all-digit completion; None (does not apply) for an empty one."""
     texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
     return [float(text.strip().isdigit()) if text.strip() else None for text in texts]
+
+
+def exact_answer_logged(completions, answer, trainer_state, log_metric, log_extra, correct=1.0, **kwargs):
+    """`exact_answer` times `correct` (from `reward.kwargs`), using TRL's context keywords as
+    TRL's GRPOTrainer passes them: the run's progress read from `trainer_state` and logged with
+    `log_metric` (`reward/<name>/progress`, `reward/<name>/global_step` in metrics.jsonl), the
+    batch's accuracy likewise, and the gold answer as a column of the samples table
+    (`log_extra`).
+
+        reward: {type: python, file: examples/rewards/trl_style.py, function: exact_answer_logged,
+                 kwargs: {correct: 2.0}}
+    """
+    rewards = exact_answer(completions, answer)
+    log_metric("global_step", trainer_state.global_step)
+    log_metric("progress", trainer_state.global_step / max(1, trainer_state.max_steps))
+    log_metric("accuracy", sum(rewards) / len(rewards))
+    log_extra("gold", [str(a) for a in answer])
+    return [correct * r for r in rewards]

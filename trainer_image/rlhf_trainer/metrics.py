@@ -3,7 +3,9 @@
 Keys (one JSON object per step, written by rank 0): see `STEP_KEYS` below; the ones a step
 does not produce (`kl` without a reference model, `value_loss` without a critic, `mfu` and
 `peak_gpu_memory_bytes` without a GPU) are null or absent. `reward/<name>_mean` is the mean
-of each reward component (`reward.components`), `eval/<dataset>/<metric>` an evaluation.
+of each reward component (`reward.components`), `reward/<function>/<metric>` what a python
+reward function logged with TRL's `log_metric` (the step's mean; metrics.jsonl and trackers
+only), `eval/<dataset>/<metric>` an evaluation.
 
 Prometheus names follow its conventions: base units (`_seconds`, `_bytes`), counters end in
 `_total` (counts so far: dropped prompts, skipped rows; sums over steps: tokens, examples,
@@ -182,8 +184,11 @@ def exported_names() -> set[str]:
     return set(FAMILIES)
 
 
-_COMPONENT = re.compile(r"^reward/(.+)_mean$")
-_JUDGE = re.compile(r"^reward/(.+)_(" + "|".join(JUDGE_FAMILIES) + r")$")
+_COMPONENT = re.compile(r"^reward/([^/]+)_mean$")
+_JUDGE = re.compile(r"^reward/([^/]+)_(" + "|".join(JUDGE_FAMILIES) + r")$")
+_LOGGED = re.compile(r"^reward/[^/]+/")
+"""`reward/<function>/<metric>`: what a python reward logged (TRL's log_metric): metrics.jsonl
+and the trackers only (a user's names are not a Prometheus family)."""
 _PASS_AT = re.compile(r"^pass@(\d+)$")
 
 
@@ -243,7 +248,7 @@ class MetricsWriter:
         for key, value in row.items():
             where = route(key)
             if where is None:
-                if isinstance(value, (int, float)) and key not in self._unexported | JSONL_ONLY:
+                if isinstance(value, (int, float)) and key not in self._unexported | JSONL_ONLY and not _LOGGED.match(key):
                     self._unexported.add(key)
                     log.warning("metric %r is not declared in rlhf_trainer.metrics.STEP_KEYS: written to "
                                 "metrics.jsonl only, not exported to Prometheus", key)

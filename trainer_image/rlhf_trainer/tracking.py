@@ -5,7 +5,8 @@ Each gets every numeric key of each step's `metrics.jsonl` row, under the same n
 row's step (MLflow's names may not hold `@`: `eval/<set>/pass@k` is `eval/<set>/pass_at_k`
 there); the job's name and resolved spec (`job.json` beside the trainer config) as the
 run's config; and every `tracking.samplesEvery` steps a table of sampled prompts,
-completions and rewards.
+completions and rewards, with a column for each one the reward functions logged (TRL's
+`log_extra`; values that are not plain scalars as text).
 
 A resumed run logs into the same runs: the W&B and MLflow run ids are kept in
 `<output>/tracking.json`. TensorBoard purges the steps after the checkpoint (the re-run
@@ -33,6 +34,15 @@ log = logging.getLogger(__name__)
 
 STATE_FILE = "tracking.json"
 SAMPLE_COLUMNS = ("step", "prompt", "completion", "reward", "score")
+
+
+def columns(rows: list[dict[str, Any]]) -> list[str]:
+    """The samples table's columns: SAMPLE_COLUMNS, then the logged ones in order of appearance."""
+    return list(dict.fromkeys([*SAMPLE_COLUMNS, *(c for r in rows for c in r)]))
+
+
+def _plain(value: Any) -> Any:
+    return value if value is None or isinstance(value, (str, int, float, bool)) else json.dumps(value, default=repr)
 
 
 def numeric(row: dict[str, Any]) -> dict[str, float]:
@@ -69,8 +79,9 @@ class TensorBoardTracker:
         def cell(v: Any) -> str:
             return str(v).replace("|", "\\|").replace("\n", "<br>")
 
-        table = ["| " + " | ".join(SAMPLE_COLUMNS) + " |", "|" + "---|" * len(SAMPLE_COLUMNS)]
-        table += ["| " + " | ".join(cell(r[c]) for c in SAMPLE_COLUMNS) + " |" for r in rows]
+        names = columns(rows)
+        table = ["| " + " | ".join(names) + " |", "|" + "---|" * len(names)]
+        table += ["| " + " | ".join(cell(r.get(c)) for c in names) + " |" for r in rows]
         self.writer.add_text("samples", "\n".join(table), step)
 
     def close(self, success: bool) -> None:
@@ -93,7 +104,8 @@ class WandbTracker:
         self.run.log(values, step=step)
 
     def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
-        table = self.wandb.Table(columns=list(SAMPLE_COLUMNS), data=[[r[c] for c in SAMPLE_COLUMNS] for r in rows])
+        names = columns(rows)
+        table = self.wandb.Table(columns=names, data=[[r.get(c) for c in names] for r in rows])
         self.run.log({"samples": table}, step=step)
 
     def close(self, success: bool) -> None:
@@ -141,7 +153,7 @@ class MlflowTracker:
             self.client.log_batch(self.run_id, metrics=metrics[start:start + 1000])
 
     def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
-        data = {c: [r[c] for r in rows] for c in SAMPLE_COLUMNS}
+        data = {c: [r.get(c) for r in rows] for c in columns(rows)}
         self.client.log_table(self.run_id, data=data, artifact_file=f"samples/step-{step}.json")
 
     def close(self, success: bool) -> None:
@@ -189,7 +201,9 @@ class Trackers:
     def sample_table(self, step: int, rows: list[Any], decode: Any) -> list[dict[str, Any]]:
         """The first `samplesPerTable` of a step's sampled rows (data/sequences.Row), decoded."""
         return [{"step": step, "prompt": decode(r.prompt_ids), "completion": decode(r.response_ids),
-                 "reward": float(r.reward), "score": float(r.score)} for r in rows[:self.spec.samples_per_table]]
+                 "reward": float(r.reward), "score": float(r.score),
+                 **{c: _plain(v) for c, v in (getattr(r, "extra", None) or {}).items() if c not in SAMPLE_COLUMNS}}
+                for r in rows[:self.spec.samples_per_table]]
 
     def _each(self, step: int, call: str, *args: Any) -> None:
         for tracker in list(self.trackers):

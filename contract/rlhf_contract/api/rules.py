@@ -36,6 +36,11 @@ def _SERVED(f: str) -> str:  # noqa: N802 (reads as a CEL macro)
     return f"({f}.type == 'judge' && has({f}.judge) && !has({f}.judge.url))"
 
 
+def _import_path(function: str) -> bool:
+    """reward.function without a file: package.module.function or package.module:function."""
+    return ":" in function or "." in function
+
+
 _MAIN_NAME = "(has(self.reward.name) ? self.reward.name : self.reward.type)"
 
 TP_WITH_CRITIC = Rule(
@@ -86,10 +91,11 @@ RULES: tuple[Rule, ...] = (
         field_path="reward.file",
         # `function` is a CEL reserved word: Kubernetes names the property __function__
         cel="self.reward.type != 'python' || has(self.reward.file) || "
-        "(has(self.reward.__function__) && self.reward.__function__.contains(':'))",
+        "(has(self.reward.__function__) && (self.reward.__function__.contains(':') || "
+        "self.reward.__function__.contains('.')))",
         message="is required when reward.type is python, unless reward.function is an import path "
-        "package.module:function",
-        check=lambda s: s.reward.type != "python" or bool(s.reward.file) or ":" in s.reward.function,
+        "(package.module.function, e.g. trl.rewards.accuracy_reward, or package.module:function)",
+        check=lambda s: s.reward.type != "python" or bool(s.reward.file) or _import_path(s.reward.function),
     ),
     required_for_reward("judge", "judge", "the judge model and its rubric"),
     required_for_reward("model", "model", "the reward model's directory, reward.model.path"),
@@ -119,12 +125,12 @@ RULES: tuple[Rule, ...] = (
     Rule(
         field_path="reward.components",
         cel="!has(self.reward.components) || self.reward.components.all(c, c.type != 'python' || has(c.file) || "
-        "(has(c.__function__) && c.__function__.contains(':')))",
+        "(has(c.__function__) && (c.__function__.contains(':') || c.__function__.contains('.'))))",
         message="each component of type python needs file (the file defining the reward function) or a "
-        "function that is an import path package.module:function",
-        check=lambda s: all(c.type != "python" or bool(c.file) or ":" in c.function for c in s.reward.components),
+        "function that is an import path (package.module.function or package.module:function)",
+        check=lambda s: all(c.type != "python" or bool(c.file) or _import_path(c.function) for c in s.reward.components),
         detail=lambda s: "missing on " + ", ".join(c.name for c in s.reward.components
-                                                  if c.type == "python" and not c.file and ":" not in c.function),
+                                                  if c.type == "python" and not c.file and not _import_path(c.function)),
     ),
     required_for_component("judge", "judge", "the judge model and its rubric"),
     Rule(

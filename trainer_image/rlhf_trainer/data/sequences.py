@@ -28,6 +28,8 @@ class Row:
     rows hold environment tokens with 0."""
     components: dict[str, float] | None = None
     """Each reward function's own reward, by name, when `reward.components` is set."""
+    extra: dict[str, Any] | None = None
+    """What the reward functions logged for this response with TRL's `log_extra`, by column."""
 
     def mask(self) -> list[float]:
         return [float(m) for m in self.loss_mask] if self.loss_mask is not None else [1.0] * len(self.response_ids)

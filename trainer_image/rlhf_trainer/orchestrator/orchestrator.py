@@ -87,6 +87,7 @@ class Orchestrator:
 
     def collect(self, step: int) -> RolloutBatch:
         a = self.config.algorithm
+        self.sampler.reward.begin_step(self.trainer_state(step))
 
         def sample(num_prompts: int, round_: int) -> list[list[Row]]:
             return self.sampler.sample_groups(self.data.next_batch(num_prompts), step=step, round_=round_)
@@ -98,8 +99,22 @@ class Orchestrator:
             self._save_rollouts(step, rows)
         stats = rollout_stats(groups, sampled=sampled, dropped=dropped, dropped_prompts=getattr(self.data, "num_dropped", 0),
                               skipped_rows=getattr(self.data, "num_skipped", 0))
-        stats.reward_counters = self.sampler.reward.drain_counters()  # a judge's parse failures and tokens
+        reward = self.sampler.reward  # a judge's parse failures and tokens, a python function's log_metric
+        stats.reward_counters = {**reward.drain_counters(), **reward.drain_metrics()}
         return RolloutBatch(rows, self.config.sampling.samples_per_prompt, stats)
+
+    def trainer_state(self, step: int) -> Any:
+        """TRL's `trainer_state` for the reward functions of `step` (rewards/forms.py):
+        `global_step` counts the steps already trained, `epoch` the passes over the data so far
+        (0 for a built-in task, which has no end)."""
+        from ..rewards.forms import trainer_state
+
+        s = self.config.schedule
+        rows = getattr(self.data, "num_rows", 0)
+        position = getattr(self.data, "position", 0)
+        return trainer_state(global_step=step - 1, max_steps=s.total_steps, epoch=position / rows if rows else 0.0,
+                             num_train_epochs=math.ceil(s.total_steps * s.prompts_per_step / rows) if rows else 0,
+                             save_steps=s.save_every, train_batch_size=s.prompts_per_step)
 
     def _save_rollouts(self, step: int, rows: list[Row]) -> None:
         folder = self.output_dir / "rollouts"
@@ -111,7 +126,8 @@ class Orchestrator:
                     "prompt": decode(r.prompt_ids), "response": decode(r.response_ids),
                     "prompt_ids": r.prompt_ids, "response_ids": r.response_ids, "loss_mask": r.mask(),
                     "logprobs": r.rollout_logprobs, "reward": r.reward, "score": r.score, "truncated": r.truncated,
-                }) + "\n")
+                    **({"extra": r.extra} if r.extra else {}),
+                }, default=repr) + "\n")
 
     def state_dict(self) -> dict[str, Any]:
         return {"data": self.data.state_dict()}

@@ -17,6 +17,10 @@ from ..data.sequences import Row
 from ..rewards import Sample
 
 
+MAX_CONCURRENT_GROUPS = 32
+"""Groups scored at once when every reward function is async."""
+
+
 class Sampler:
     def __init__(self, config: TrainerConfig, client: Any, reward: Any, tokenizer: Any, env_step: Any = None):
         self.config, self.client, self.reward, self.tokenizer, self.env_step = config, client, reward, tokenizer, env_step
@@ -34,29 +38,39 @@ class Sampler:
                         sampling: dict[str, Any] | None = None) -> tuple[list[list[Any]], list[list[Any]]]:
         """`n` samples of each prompt and their (reward, score) pairs, at the job's sampling
         settings updated by `sampling`. Each prompt's group is scored as soon as it is
-        generated (on one scoring thread, in completion order) while the others are still
-        generating; the same samples and scores as generating everything, then scoring
-        everything."""
+        generated (on one scoring thread, in completion order; on several when every reward
+        function is async, `reward.concurrent`) while the others are still generating; the
+        same samples and scores as generating everything, then scoring everything."""
+        groups, scored, _ = self._generate_scored(prompts, n=n, seed=seed, sampling=sampling)
+        return groups, scored
+
+    def _generate_scored(self, prompts: list[Any], *, n: int, seed: int, sampling: dict[str, Any] | None = None
+                         ) -> tuple[list[list[Any]], list[list[Any]], list[dict[str, list]]]:
+        """`generate_scored`, and each group's `log_extra` columns (column -> one value per sample)."""
         s = self.config.sampling
         settings = {**self.sampling, **(sampling or {})}
 
-        def score(prompt: Any, samples: list[Any]) -> list[Any]:
+        def score(prompt: Any, samples: list[Any]) -> tuple[list[Any], dict[str, list]]:
             shown = prompt.prompt if prompt.prompt is not None else prompt.text
             items = [Sample(self.tokenizer.decode(x.token_ids, skip_special_tokens=True), prompt.answer,
                             prompt.extra_info, shown, list(x.token_ids)) for x in samples]
-            return self.reward.score_batch(items)
+            columns: dict[str, list] = {}
+            return self.reward.score_batch(items, columns), columns
 
-        async def one(i: int, prompt: Any, pool: Any) -> tuple[list[Any], list[Any]]:
+        async def one(i: int, prompt: Any, pool: Any) -> tuple[list[Any], tuple[list[Any], dict[str, list]]]:
             [samples] = await self.client.generate([prompt.token_ids], n=n, max_tokens=s.max_tokens, seed=seed,
                                                    first_index=i, **settings)
             return samples, await asyncio.get_running_loop().run_in_executor(pool, score, prompt, samples)
 
-        async def main() -> list[tuple[list[Any], list[Any]]]:
-            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward") as pool:
+        # async reward functions wait on their own loop (rewards/forms.py): several groups at once
+        workers = min(MAX_CONCURRENT_GROUPS, max(1, len(prompts))) if getattr(self.reward, "concurrent", False) else 1
+
+        async def main() -> list[tuple[list[Any], tuple[list[Any], dict[str, list]]]]:
+            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reward") as pool:
                 return await asyncio.gather(*(one(i, p, pool) for i, p in enumerate(prompts)))
 
         done = self.client.run(main()) if hasattr(self.client, "run") else asyncio.run(main())
-        return [g for g, _ in done], [r for _, r in done]
+        return [g for g, _ in done], [r for _, (r, _) in done], [c for _, (_, c) in done]
 
     def sample_groups(self, prompts: list[Any], *, step: int, round_: int) -> list[list[Row]]:
         s = self.config.sampling
@@ -69,17 +83,18 @@ class Sampler:
                                    sampling=self.sampling, seed=seed)
             return [[Row(t.prompt_ids, t.response_ids, t.logprobs, t.reward, t.score, t.truncated, t.loss_mask)
                      for t in group] for group in trajectories]
-        groups, scored = self.generate_scored(prompts, n=s.samples_per_prompt, seed=seed)
+        groups, scored, columns = self._generate_scored(prompts, n=s.samples_per_prompt, seed=seed)
         results = iter(r for group in scored for r in group)
         buffer = self.config.algorithm.overlong_buffer
         out = []
-        for samples in groups:
+        for samples, logged in zip(groups, columns):
             rows = []
-            for x in samples:
+            for j, x in enumerate(samples):
                 reward, score, *parts = next(results)  # CombinedReward: and each function's reward
                 if buffer:
                     reward += float(overlong_penalty(torch.tensor([len(x.token_ids)]), s.max_tokens, buffer)[0])
                 rows.append(Row(list(x.prompt_token_ids), list(x.token_ids), list(x.logprobs), reward, score,
-                                x.finish_reason == "length", components=parts[0] if parts else None))
+                                x.finish_reason == "length", components=parts[0] if parts else None,
+                                extra={c: v[j] for c, v in logged.items()} or None))
             out.append(rows)
         return out

@@ -1,6 +1,7 @@
 """The preflight's reward checks: each `python` function is imported (from its file, or its
-import path) and its parameters matched to a form (rewards/forms.py), a TRL-style function's
-required keywords against the data's columns; a judge at a URL whose key is not set. Each
+import path; a `trl.rewards.get_*` factory called with reward.kwargs) and its parameters
+matched to a form (rewards/forms.py), a TRL-style function's required keywords against the
+data's columns and reward.kwargs; a judge at a URL whose key is not set. Each
 problem names the field, so a function a user wrote for another framework ends the job with
 exit 2 before any model loads, not with exit 1 from every restarted trainer.
 
@@ -15,7 +16,7 @@ from rlhf_contract.pod import ENV_JUDGE_API_KEY
 from rlhf_contract.trainer_config import TrainerConfig
 
 from ..data.datasets import peek_records
-from ..rewards.forms import RewardConfigError, form_of, load_function
+from ..rewards.forms import RewardConfigError, call_kwargs, form_of, load_function
 
 
 def data_columns(config: TrainerConfig) -> set[str] | None:
@@ -43,10 +44,14 @@ def reward_problems(config: TrainerConfig) -> list[str]:
             if columns is None:
                 columns = data_columns(config) or set()
             try:
-                fn, where = load_function(spec.file, spec.function)
-                form_of(fn, where, columns or None)
+                fn, where = load_function(spec.file, spec.function, spec.kwargs)
+                form_of(fn, where, columns or None, kwargs=list(call_kwargs(spec.file, spec.function, spec.kwargs)))
             except RewardConfigError as err:
-                problems.append(f"{field}.function: {str(err).removeprefix('reward.function: ')}")
+                message = str(err)
+                if message.startswith("reward.kwargs: "):
+                    problems.append(f"{field}.kwargs: {message.removeprefix('reward.kwargs: ')}")
+                else:
+                    problems.append(f"{field}.function: {message.removeprefix('reward.function: ')}")
         judge = spec.judge if spec.type == "judge" else None
         if judge is not None and judge.url and judge.api_key_secret is not None and not os.environ.get(ENV_JUDGE_API_KEY):
             problems.append(f"{field}.judge.apiKeySecret: the judge at {judge.url} needs its key and {ENV_JUDGE_API_KEY} "

@@ -20,14 +20,22 @@ reward, left out of that function's `reward/<name>_mean`). `reward` feeds the ad
 is the main reward + sum of weight x component reward, the score is the main function's,
 and each function's reward is kept by name (`reward/<name>_mean` in the metrics). A function
 may also count events per step (a judge: `judge_answers`, `parse_failures`, `judge_tokens`),
-logged as `reward/<name>_<counter>` (`drain_counters`).
+logged as `reward/<name>_<counter>` (`drain_counters`), and a python function may log its
+own metrics (TRL's `log_metric`, averaged over the step: `reward/<name>/<metric>`,
+`drain_metrics`) and columns of the samples table (TRL's `log_extra`: the `columns` given to
+`score_batch`). `begin_step` hands each function the step's TRL `trainer_state`.
+
+A response every function skipped (None) gets reward 0 and score 0. TRL instead leaves such a
+completion out of its group's baseline and gives it advantage 0; here it counts as 0 in
+the group (a warning says so, once).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 NAN = float("nan")  # not math.nan: this package's submodule `math` takes that name once imported
 
@@ -35,8 +43,10 @@ from .sample import Sample
 
 if TYPE_CHECKING:
     from rlhf_contract.api.models import RewardSpec
-    from rlhf_contract.api.task import RewardFunctionSpec
+    from rlhf_contract.api.reward import RewardFunctionSpec
 
+
+log = logging.getLogger(__name__)
 
 Item = Sample | tuple[str, str, dict]
 """A `Sample`, or its first three fields."""
@@ -56,16 +66,32 @@ def prefix_match(response: str, answer: str) -> float:
 class RewardFunction:
     """Scores a batch: with `batch_fn` in one call (code, math, python, http, judge), else
     item by item with `fn(response, answer, extra_info)`, in a thread pool of `workers` when
-    that is above 1. `counters()` (a judge's) are drained once per step."""
+    that is above 1. `counters()` (a judge's) are drained once per step. A python function
+    (`forms.PythonReward`) also takes the step's trainer state (`begin_step`), logs metrics
+    (`drain_metrics`) and columns, and may be scored on several threads at once (`concurrent`)."""
 
     def __init__(self, fn: Callable[[str, str, dict], Result] | None = None,
                  batch_fn: Callable[[list[Sample]], list[Result | None]] | None = None, workers: int = 1,
-                 counters: Callable[[], dict[str, float]] | None = None):
+                 counters: Callable[[], dict[str, float]] | None = None, python: Any = None):
         self._fn, self._batch_fn, self._workers, self._counters = fn, batch_fn, workers, counters
+        self._python = python
 
-    def score_all(self, items: Sequence[Item]) -> list[Result | None]:
-        """Each item's (reward, score), or None where the function does not apply."""
+    @property
+    def concurrent(self) -> bool:
+        """Whether batches may be scored on several threads at once (an async python function)."""
+        return self._python is not None and self._python.concurrent
+
+    def begin_step(self, trainer_state: Any) -> None:
+        """The step's TRL `trainer_state`, for a python function's calls until the next one."""
+        if self._python is not None:
+            self._python.begin_step(trainer_state)
+
+    def score_all(self, items: Sequence[Item], columns: dict[str, list] | None = None) -> list[Result | None]:
+        """Each item's (reward, score), or None where the function does not apply. A python
+        function's `log_extra` columns land in `columns` (one value per item)."""
         samples = [x if isinstance(x, Sample) else Sample(*x) for x in items]
+        if self._python is not None:
+            return self._python(samples, columns)
         if self._batch_fn is not None:
             return self._batch_fn(samples)
         one = lambda s: self._fn(s.response, s.answer, s.extra_info)  # noqa: E731
@@ -74,13 +100,31 @@ class RewardFunction:
         with ThreadPoolExecutor(self._workers) as pool:
             return list(pool.map(one, samples))
 
-    def score_batch(self, items: Sequence[Item]) -> list[Result]:
+    def score_batch(self, items: Sequence[Item], columns: dict[str, list] | None = None) -> list[Result]:
         """`score_all` with "does not apply" as (0, 0)."""
-        return [r if r is not None else (0.0, 0.0) for r in self.score_all(items)]
+        results = self.score_all(items, columns)
+        _warn_unscorable(sum(r is None for r in results))
+        return [r if r is not None else (0.0, 0.0) for r in results]
 
     def drain_counters(self) -> dict[str, float]:
         """The events counted since the last call (judge: judge_answers, parse_failures, judge_tokens)."""
         return self._counters() if self._counters is not None else {}
+
+    def drain_metrics(self) -> dict[str, float]:
+        """A python function's `log_metric` values since the last call, each averaged, as
+        `<name>/<metric>`."""
+        return self._python.drain_metrics() if self._python is not None else {}
+
+
+_warned_unscorable = False
+
+
+def _warn_unscorable(count: int) -> None:
+    global _warned_unscorable
+    if count and not _warned_unscorable:
+        _warned_unscorable = True
+        log.warning("every reward function returned None for %d responses of a batch: each gets reward 0 (TRL "
+                    "would leave it out of its group's baseline); make one function score every response", count)
 
 
 class CombinedReward:
@@ -90,20 +134,36 @@ class CombinedReward:
     def __init__(self, parts: list[tuple[str, float, RewardFunction]], main: str | None):
         self.parts, self.main = parts, main
 
-    def score_batch(self, items: Sequence[Item]) -> list[tuple[float, float, dict[str, float]]]:
-        results = {name: fn.score_all(items) for name, _, fn in self.parts}
+    @property
+    def concurrent(self) -> bool:
+        return all(fn.concurrent for _, _, fn in self.parts)
+
+    def begin_step(self, trainer_state: Any) -> None:
+        for _, _, fn in self.parts:
+            fn.begin_step(trainer_state)
+
+    def score_batch(self, items: Sequence[Item], columns: dict[str, list] | None = None
+                    ) -> list[tuple[float, float, dict[str, float]]]:
+        results = {name: fn.score_all(items, columns) for name, _, fn in self.parts}
         out = []
+        unscorable = 0
         for i in range(len(items)):
             own = {name: results[name][i] for name, _, _ in self.parts}
+            unscorable += all(r is None for r in own.values())
             total = sum(weight * own[name][0] for name, weight, _ in self.parts if own[name] is not None)
             main = own[self.main] if self.main is not None else None
             out.append((total, main[1] if main is not None else 0.0,
                         {name: r[0] if r is not None else NAN for name, r in own.items()}))
+        _warn_unscorable(unscorable if self.parts else 0)
         return out
 
     def drain_counters(self) -> dict[str, float]:
         """Each function's counters, as `<name>_<counter>`."""
         return {f"{name}_{k}": v for name, _, fn in self.parts for k, v in fn.drain_counters().items()}
+
+    def drain_metrics(self) -> dict[str, float]:
+        """Each python function's logged metrics, as `<name>/<metric>`."""
+        return {k: v for _, _, fn in self.parts for k, v in fn.drain_metrics().items()}
 
 
 def _same(value: float) -> Result:
@@ -151,17 +211,19 @@ def build_reward(spec: "RewardSpec", *, job_name: str | None = None, namespace: 
     where = dict(job_name=job_name, namespace=namespace, sandbox_url=sandbox_url, judge_url=judge_url)
     components = getattr(spec, "components", [])
     if not components and spec.type != "judge":
-        return build_function(spec, **where)
+        return build_function(spec, name=spec.main_name, **where)
     main = None if spec.type == "model" else spec.main_name
-    parts = [(main, 1.0, build_function(spec, **where))] if main is not None else []
-    parts += [(c.name, c.weight, build_function(c, **where)) for c in components]
+    parts = [(main, 1.0, build_function(spec, name=main, **where))] if main is not None else []
+    parts += [(c.name, c.weight, build_function(c, name=c.name, **where)) for c in components]
     return CombinedReward(parts, main)
 
 
-def build_function(spec: "RewardFunctionSpec", *, job_name: str | None = None, namespace: str | None = None,
-                   sandbox_url: str | None = None, judge_url: str | None = None) -> RewardFunction:
-    """One reward function (`reward` or one of its components). `judge_url`: the job's own
-    judge servers, for a judge without `judge.url`."""
+def build_function(spec: "RewardFunctionSpec", *, name: str | None = None, job_name: str | None = None,
+                   namespace: str | None = None, sandbox_url: str | None = None,
+                   judge_url: str | None = None) -> RewardFunction:
+    """One reward function (`reward` or one of its components), `name`d in the metrics it
+    logs (default: its type). `judge_url`: the job's own judge servers, for a judge without
+    `judge.url`."""
     t = spec.type
     if t == "exact_match":
         return RewardFunction(lambda r, a, e: _same(exact_match(r, a)))
@@ -199,7 +261,8 @@ def build_function(spec: "RewardFunctionSpec", *, job_name: str | None = None, n
     if t == "python":
         from .forms import python_reward
 
-        return RewardFunction(batch_fn=python_reward(spec.file, spec.function))
+        return RewardFunction(python=python_reward(spec.file, spec.function, name=name or t,
+                                                   kwargs=spec.kwargs))
     if t == "http":
         from .custom import RemoteReward
 

@@ -14,11 +14,12 @@ answers `{"reward": float, "score": float?}`. Connection errors, timeouts, 429 a
 retried `max_retries` times with exponential backoff (`RemoteReward.retry_policy`); any other
 status, a malformed answer or running out of retries raises `RewardError` naming the URL.
 
+A python function may also return None or NaN for a response: "does not apply" (forms.py).
+
 Simplifications: the user function runs in the trainer process, unsandboxed and trusted
-(it is the user's code, not the model's); an `async def` function gets a fresh event loop per
-call (`asyncio.run`), so it must not rely on state bound to one loop, and it must not be
-called from inside a running event loop (the sampler scores on a worker thread).
-Non-finite rewards are rejected rather than clipped.
+(it is the user's code, not the model's); an `async def` function runs on the process's one
+reward event loop (forms.reward_loop), so it may keep loop-bound state (a client) between
+calls. Infinite rewards are rejected rather than clipped.
 """
 
 from __future__ import annotations
