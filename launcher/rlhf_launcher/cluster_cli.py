@@ -71,6 +71,11 @@ def _prepare(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, 
     sent: list[str] = []
     cwd = Path.cwd()
     if args.working_dir:
+        if not (doc.get("metadata") or {}).get("name"):
+            # its ConfigMaps are named after the job before it exists: the name is made here,
+            # from metadata.generateName, as the API server would make it
+            doc["metadata"] = {**{k: v for k, v in doc["metadata"].items() if k != "generateName"},
+                               "name": job.metadata.name}
         packed = pack(doc, job, Path(args.working_dir), cwd, namespace,
                       Selection(tuple(args.exclude), tuple(args.include_secret)))
         doc, config_maps, sent = packed.doc, packed.config_maps, packed.listing(args.working_dir)
@@ -88,8 +93,8 @@ def _create(kube: Kube, config_maps: list[dict[str, Any]], doc: dict[str, Any]) 
     from rlhf_contract.api.models import API_GROUP, API_VERSION, PLURAL
     from .kubeaccess import TIMEOUT, owner_reference
 
-    ns, name = doc["metadata"]["namespace"], doc["metadata"]["name"]
-    if kube.job(ns, name) is not None:
+    ns, name = doc["metadata"]["namespace"], doc["metadata"].get("name")  # None: the server makes it (generateName)
+    if name and kube.job(ns, name) is not None:
         raise ClusterError(f"rlhfjob {name} already exists in namespace {ns}: delete it first "
                            f"(rlhfctl delete {name} -n {ns}) or change metadata.name")
     made: list[str] = []
@@ -241,13 +246,22 @@ def _print_job(job: dict[str, Any]) -> None:
     console.print(table)
 
 
+COLUMNS = ["NAME", "PHASE", "STEP", "REWARD", "RESTARTS", "AGE"]
+
+
 @_cluster_command
 def _cmd_get(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    if args.name and args.selector:
+        print("error: a job's name and -l/--selector cannot go together (kubectl's rule): drop one of them",
+              file=sys.stderr)
+        return ExitCode.CONFIG_ERROR
     kube = connect(args)
     namespace = None if args.all_namespaces else namespace_of(args)
+    if args.watch:
+        return watch_jobs(kube, namespace if not args.name else namespace_of(args), args)
     if args.name:
         job = kube.job(namespace_of(args), args.name)
         if job is None:
@@ -258,16 +272,17 @@ def _cmd_get(args: argparse.Namespace) -> int:
         else:
             _print_job(job)
         return ExitCode.OK
-    jobs = sorted(kube.jobs(namespace), key=lambda j: (j["metadata"].get("namespace", ""), j["metadata"]["name"]))
+    jobs = sorted(kube.jobs(namespace, args.selector),
+                  key=lambda j: (j["metadata"].get("namespace", ""), j["metadata"]["name"]))
     if args.output_format:
         sys.stdout.write(dump({"apiVersion": "v1", "kind": "List", "items": jobs}, args.output_format))
         return ExitCode.OK
     if not jobs:
-        print(f"no rlhfjobs in {'any namespace' if namespace is None else f'namespace {namespace}'}",
-              file=sys.stderr)
+        where = "any namespace" if namespace is None else f"namespace {namespace}"
+        print(f"no rlhfjobs in {where}" + (f" with labels {args.selector}" if args.selector else ""), file=sys.stderr)
         return ExitCode.OK
     table = Table(box=None, pad_edge=False)
-    for col in (["NAMESPACE"] if namespace is None else []) + ["NAME", "PHASE", "STEP", "REWARD", "RESTARTS", "AGE"]:
+    for col in (["NAMESPACE"] if namespace is None else []) + COLUMNS:
         table.add_column(col, overflow="fold")
     for job in jobs:
         table.add_row(*_job_row(job, namespace is None))
@@ -275,26 +290,94 @@ def _cmd_get(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def watch_line(row: list[str], widths: list[int]) -> str:
+    """One row of `get -w`, in fixed columns (kubectl's: three spaces apart; a longer cell
+    pushes the rest to the right rather than being cut)."""
+    return "   ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+
+
+def watch_jobs(kube: Kube, namespace: str | None, args: argparse.Namespace) -> int:
+    """`get -w`: the table's header, then a row each time a job's row changes (phase, step,
+    reward, restarts; AGE alone does not count) or a job is deleted, as `kubectl get -w`.
+    A named job's watch ends with it (0 Succeeded, 1 Failed or deleted); otherwise until Ctrl-C."""
+    from kubernetes import watch
+    from kubernetes.client.rest import ApiException
+    from rlhf_contract.api.models import API_GROUP, API_VERSION, PLURAL
+
+    if args.name and kube.job(namespace_of(args), args.name) is None:
+        raise ClusterError(f"rlhfjob {args.name} not found in namespace {namespace_of(args)}")
+    header = (["NAMESPACE"] if namespace is None else []) + COLUMNS
+    widths = [max(len(h), 9) for h in header]
+    widths[header.index("NAME")] = 24
+    print(watch_line(header, widths), flush=True)
+    seen: dict[tuple[str, str], list[str]] = {}
+    kwargs: dict[str, Any] = {"label_selector": args.selector or None}
+    if args.name:
+        kwargs["field_selector"] = f"metadata.name={args.name}"
+    if namespace is None:
+        list_fn, list_args = kube.custom.list_cluster_custom_object, (API_GROUP, API_VERSION, PLURAL)
+    else:
+        list_fn, list_args = kube.custom.list_namespaced_custom_object, (API_GROUP, API_VERSION, namespace, PLURAL)
+    version = None
+    try:
+        while True:  # a watch request ends after timeout_seconds: start another from where it was
+            stream = watch.Watch().stream(list_fn, *list_args, resource_version=version, timeout_seconds=60,
+                                          **{k: v for k, v in kwargs.items() if v})
+            try:
+                for event in stream:
+                    job = event["object"]
+                    if event["type"] == "ERROR":
+                        version = None  # 410 Gone: the version is too old; list afresh
+                        break
+                    version = job["metadata"].get("resourceVersion", version)
+                    key = (job["metadata"].get("namespace", ""), job["metadata"]["name"])
+                    row = _job_row(job, namespace is None)
+                    if event["type"] == "DELETED":
+                        row[header.index("PHASE")] = "Deleted"
+                    if seen.get(key, [])[:-1] != row[:-1]:
+                        print(watch_line(row, widths), flush=True)
+                        seen[key] = row
+                    if args.name and event["type"] == "DELETED":
+                        print(f"error: rlhfjob {args.name} was deleted", file=sys.stderr)
+                        return ExitCode.FAILED
+                    phase = (job.get("status") or {}).get("phase")
+                    if args.name and phase in TERMINAL:
+                        return ExitCode.OK if phase == "Succeeded" else ExitCode.FAILED
+            except ApiException as err:
+                if err.status != 410:
+                    raise
+                version = None
+    except KeyboardInterrupt:
+        return ExitCode.INTERRUPTED
+
+
 # ---- delete
 
 @_cluster_command
 def _cmd_delete(args: argparse.Namespace) -> int:
+    """Each name in turn, as `kubectl delete rlhfjob a b c`: a name not found is an error line
+    (none with --ignore-not-found) and the others are still deleted; exit 1 if any failed."""
     from kubernetes.client.rest import ApiException
     from rlhf_contract.api.models import API_GROUP, API_VERSION, PLURAL
     from .kubeaccess import TIMEOUT
 
     kube, namespace = connect(args), namespace_of(args)
-    try:
-        kube.custom.delete_namespaced_custom_object(API_GROUP, API_VERSION, namespace, PLURAL, args.name,
-                                                    propagation_policy="Background", _request_timeout=TIMEOUT)
-    except ApiException as err:
-        if err.status != 404:
-            raise
-        print(f"error: rlhfjob {args.name} not found in namespace {namespace}", file=sys.stderr)
-        return ExitCode.FAILED
-    print(f"rlhfjob/{args.name} deleted in namespace {namespace} (its pods, services and ConfigMaps go with it; "
-          "checkpoints stay on their volume)")
-    return ExitCode.OK
+    code = ExitCode.OK
+    for name in dict.fromkeys(args.names):  # each once, in the order given
+        try:
+            kube.custom.delete_namespaced_custom_object(API_GROUP, API_VERSION, namespace, PLURAL, name,
+                                                        propagation_policy="Background", _request_timeout=TIMEOUT)
+        except ApiException as err:
+            if err.status != 404:
+                print(f"error: rlhfjob {name}: the API server refused: {api_message(err)}", file=sys.stderr)
+                code = ExitCode.FAILED
+            elif not args.ignore_not_found:
+                print(f"error: rlhfjob {name} not found in namespace {namespace}", file=sys.stderr)
+                code = ExitCode.FAILED
+            continue
+        print(f"rlhfjob/{name} deleted in namespace {namespace} (its pods, services and ConfigMaps go with it; "
+              "checkpoints and logs stay on their volume)")
+    return code
 
 
 def _cmd_logs(args: argparse.Namespace) -> int:
@@ -326,20 +409,35 @@ def add_cluster_commands(sub: argparse._SubParsersAction, add_job_args: Callable
     get = sub.add_parser("get", help="the jobs of a namespace (a table), or one job's status and conditions")
     get.add_argument("name", nargs="?", help="a job's name (default: every job)")
     get.add_argument("-A", "--all-namespaces", action="store_true", help="every namespace")
+    get.add_argument("-l", "--selector", metavar="SELECTOR", help="only the jobs whose labels match, as kubectl's "
+                     "(key=value, key!=value, key in (a,b), key; comma-separated)")
+    get.add_argument("-w", "--watch", action="store_true", help="after the table, a row each time a job changes; "
+                     "a named job's watch ends when it does (0 Succeeded, 1 Failed), else at Ctrl-C")
     add_cluster_args(get)
     add_output_arg(get, "the job(s)")
     get.set_defaults(func=_cmd_get)
 
-    logs = sub.add_parser("logs", help="the logs of a job's pods (its newest attempt)")
+    from .logs import ROLES, since_seconds
+
+    logs = sub.add_parser("logs", help="the logs of a job's pods (its newest attempt, or --attempt N)")
     logs.add_argument("name", help="the job's name")
-    logs.add_argument("--role", choices=["trainer", "rollout", "sandbox"], default="trainer",
-                      help="whose logs (default: trainer)")
-    logs.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
+    logs.add_argument("--role", choices=ROLES, default="trainer",
+                      help="whose logs (default: trainer; fetch: the download step of the trainer and rollout pods)")
+    logs.add_argument("--attempt", type=int, metavar="N", help="the pods of restart attempt N (default: the newest); "
+                      "once they are gone, where the trainer's log of that attempt is kept on the job's volume")
+    logs.add_argument("-f", "--follow", action="store_true", help="keep printing new lines, across restarts (a line "
+                      "'--- attempt N: PODS ---' before each newer attempt), until the job ends")
+    logs.add_argument("-p", "--previous", action="store_true",
+                      help="the previous instance of each pod's container (after it restarted in place), as kubectl's")
+    logs.add_argument("--since", type=since_seconds, metavar="DURATION",
+                      help="only lines newer than DURATION (30s, 10m, 2h), as kubectl's")
     logs.add_argument("--tail", type=int, help="only the last N lines of each pod")
     add_cluster_args(logs)
     logs.set_defaults(func=_cluster_command(_cmd_logs))
 
-    delete = sub.add_parser("delete", help="delete a job; its children and working-directory ConfigMaps go with it")
-    delete.add_argument("name", help="the job's name")
+    delete = sub.add_parser("delete", help="delete jobs; their children and working-directory ConfigMaps go with them")
+    delete.add_argument("names", nargs="+", metavar="NAME", help="a job's name (several: each in turn)")
+    delete.add_argument("--ignore-not-found", action="store_true",
+                        help="a job that does not exist is no error (as kubectl's flag)")
     add_cluster_args(delete)
     delete.set_defaults(func=_cmd_delete)

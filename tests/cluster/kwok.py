@@ -96,21 +96,25 @@ spec:
 
 POD_LOG = "pod-log.cri"
 """What every container of a fake node logs (CRI log format, as a kubelet reads it)."""
+PREVIOUS_POD_LOG = "pod-log-previous.cri"
+"""What every container's previous instance logged (`kubectl logs --previous`)."""
 
 
 class FakeNodes:
     """Mixin of `Cluster`: kwok processes, fake nodes, and chaos."""
 
-    def append_pod_log(self, *lines: str) -> None:
-        """Lines every container's log ends with from now on (kwok reads the file on each request)."""
-        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-        with open(self.root / POD_LOG, "a") as fh:
+    def append_pod_log(self, *lines: str, at: datetime | None = None, previous: bool = False) -> None:
+        """Lines every container's log ends with from now on (kwok reads the file on each request),
+        stamped `at` (default now); `previous`: the log of every container's previous instance."""
+        now = (at or datetime.now(timezone.utc)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        with open(self.root / (PREVIOUS_POD_LOG if previous else POD_LOG), "a") as fh:
             fh.writelines(f"{now} stdout F {line}\n" for line in lines)
 
     def _kwok_logs(self) -> str:
         return yaml.safe_dump({"apiVersion": "kwok.x-k8s.io/v1alpha1", "kind": "ClusterLogs",
                                "metadata": {"name": "every-container"},
-                               "spec": {"logs": [{"logsFile": str(self.root / POD_LOG), "follow": True}]}},
+                               "spec": {"logs": [{"logsFile": str(self.root / POD_LOG), "follow": True,
+                                                  "previousLogsFile": str(self.root / PREVIOUS_POD_LOG)}]}},
                               sort_keys=False)
 
     def _kwok_stages(self) -> str:
@@ -137,6 +141,8 @@ class FakeNodes:
         cfg.write_text(self._kwok_stages())  # the same every time (a state directory of an older harness gets the logs)
         if not (self.root / POD_LOG).exists():
             self.append_pod_log("a container of a kwok node started")
+        if not (self.root / PREVIOUS_POD_LOG).exists():
+            self.append_pod_log("the previous instance of a container of a kwok node", previous=True)
         if not (self.pki / "kwok.crt").exists():
             make_cert(self.pki, "kwok", "ca", "/CN=kwok", ["subjectAltName=IP:127.0.0.1", "extendedKeyUsage=serverAuth",
                                                            "keyUsage=critical,digitalSignature,keyEncipherment"])

@@ -10,7 +10,8 @@ except that a worker which found a config error only it could see (e.g. a rollou
 image without weight transfer) or whose weight sync failed leaves its exit code in a marker
 file (exits.py), and the launcher then exits with it (2, or 75 to restart the job with its
 servers; `rlhf_contract.exit_codes`): torchrun itself turns every worker failure into 1. On nodes other than the first it also
-answers Prometheus (`serve_node_endpoint`).
+answers Prometheus (`serve_node_endpoint`). In a pod it keeps a copy of the child's output on
+the job's volume, one file per attempt and pod (podlog.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from rlhf_contract.pod import ENV_METRICS_PORT, ENV_TRAINER_CONFIG
 from rlhf_contract.trainer_config import TrainerConfig
 
 from .exits import ENV_CONFIG_ERROR_FILE, marked_exit_code, write_termination_message
+from .podlog import kept_log, open_kept_log, tee_child
 from .preflight import check
 
 
@@ -90,10 +92,17 @@ def main(argv: list[str] | None = None) -> int:
         env.update(single_process_env())
     else:
         command = [sys.executable, "-m", "torch.distributed.run", *args, "-m", "rlhf_trainer"]
-    child = subprocess.Popen(command, env=env)
+    kept = open_kept_log(kept_log())  # in a pod: the log also on the job's volume (podlog.py)
+    pipe = subprocess.PIPE if kept else None
+    child = subprocess.Popen(command, env={**env, "PYTHONUNBUFFERED": "1"} if kept else env, stdout=pipe, stderr=pipe)
+    copies = tee_child(child, kept) if kept else []
     for sig in (signal.SIGTERM, signal.SIGINT):  # torchrun (or the trainer) passes it on and waits the grace period
         signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
     code = child.wait()
+    for t in copies:
+        t.join()
+    if kept:
+        kept.close()
     if code < 0:  # killed by a signal (torchrun would have said 1): the shell's 128 + signal
         code = 128 - code
     if code != 0:
