@@ -30,6 +30,7 @@ from rlhf_contract.pod import trainer_log_path
 from rlhf_contract.sandbox import LABEL_SANDBOX_OF
 from rlhf_operator.builders.meta import LABEL_JOB, LABEL_ROLE, ROLE_ROLLOUT, ROLE_TRAINER, attempt_of
 from rlhf_operator.builders.storage import FETCH_CONTAINER
+from rlhf_operator.status import TERMINAL
 
 from .kubeaccess import TIMEOUT, ClusterError, Kube, api_message, connect, namespace_of
 
@@ -41,7 +42,6 @@ END_GRACE_S = 5.0
 """Once the job has ended, how long `--follow` lets its streams finish (a kubelet ends them
 when the containers exit; a stream still open then is closed)."""
 ROLES = ["trainer", "rollout", "sandbox", "fetch"]
-TERMINAL = ("Succeeded", "Failed")
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(h|ms|m|s)")
 _UNIT_S = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
 

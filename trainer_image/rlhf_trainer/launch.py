@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -29,7 +28,7 @@ from rlhf_contract.pod import ENV_METRICS_PORT, ENV_TRAINER_CONFIG
 from rlhf_contract.trainer_config import TrainerConfig
 
 from .exits import ENV_CONFIG_ERROR_FILE, marked_exit_code, write_termination_message
-from .podlog import kept_log, open_kept_log, tee_child
+from .podlog import popen_kept
 from .preflight import check
 
 
@@ -92,17 +91,11 @@ def main(argv: list[str] | None = None) -> int:
         env.update(single_process_env())
     else:
         command = [sys.executable, "-m", "torch.distributed.run", *args, "-m", "rlhf_trainer"]
-    kept = open_kept_log(kept_log())  # in a pod: the log also on the job's volume (podlog.py)
-    pipe = subprocess.PIPE if kept else None
-    child = subprocess.Popen(command, env={**env, "PYTHONUNBUFFERED": "1"} if kept else env, stdout=pipe, stderr=pipe)
-    copies = tee_child(child, kept) if kept else []
+    child, finish = popen_kept(command, env)  # in a pod: its log also on the job's volume (podlog.py)
     for sig in (signal.SIGTERM, signal.SIGINT):  # torchrun (or the trainer) passes it on and waits the grace period
         signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
     code = child.wait()
-    for t in copies:
-        t.join()
-    if kept:
-        kept.close()
+    finish()
     if code < 0:  # killed by a signal (torchrun would have said 1): the shell's 128 + signal
         code = 128 - code
     if code != 0:

@@ -11,10 +11,11 @@ the run when the file cannot be written (a warning on stderr, and the pod's log 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Callable
 
 from rlhf_contract.pod import ENV_ATTEMPT, ENV_OUTPUT_DIR, ENV_POD_NAME, trainer_log_path
 
@@ -48,11 +49,23 @@ def open_kept_log(path: Path | None) -> IO[bytes] | None:
         return None
 
 
-def tee_child(child: Any, file: IO[bytes] | None) -> list[threading.Thread]:
-    """Threads copying a child started with stdout/stderr=PIPE to ours and to `file`."""
+def popen_kept(command: list[str], env: dict[str, str]) -> tuple[subprocess.Popen, Callable[[], None]]:
+    """Start the child; in a pod, with its output also copied to the kept log. Returns the
+    child and what to call once it has exited (the last lines copied, the file closed)."""
+    kept = open_kept_log(kept_log(env))
+    if kept is None:
+        return subprocess.Popen(command, env=env), lambda: None
+    child = subprocess.Popen(command, env={**env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
     lock = threading.Lock()
-    threads = [threading.Thread(target=_copy, args=(pipe, dst.buffer, file, lock), daemon=True)
+    threads = [threading.Thread(target=_copy, args=(pipe, dst.buffer, kept, lock), daemon=True)
                for pipe, dst in ((child.stdout, sys.stdout), (child.stderr, sys.stderr))]
     for t in threads:
         t.start()
-    return threads
+
+    def finish() -> None:
+        for t in threads:
+            t.join()
+        kept.close()
+
+    return child, finish
