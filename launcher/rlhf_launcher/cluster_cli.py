@@ -5,7 +5,10 @@
 (workdir.py), refuses what the operator would refuse (its own `PodSettings` check), creates
 the ConfigMaps, then the job, then makes the job their owner (so they go with it). `--wait`
 follows the phase and ends with the run's result: 0 Succeeded, the exit code the failed
-pod's message names (2, 126, 127: permanent), else 1."""
+pod's message names (2, 126, 127: permanent), else 1. A job with `metadata.generateName` and
+no name is named by the API server (by `rlhfctl` with `--working-dir`: its ConfigMaps are
+named after the job before it exists). `delete` takes several names, and
+`--ignore-not-found`, as kubectl's. `get` is get.py, `logs` logs.py."""
 
 from __future__ import annotations
 
