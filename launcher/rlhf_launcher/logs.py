@@ -156,9 +156,9 @@ def _pods(kube: Kube, namespace: str, job: str, role: str) -> list[Any]:
     return [p for p in pods if container_of(p, role) is not None]
 
 
-def kept_log_hint(job: dict[str, Any], wanted: int, pods: list[Any]) -> str:
+def kept_log_hint(job: dict[str, Any], wanted: int | str, pods: list[Any]) -> str:
     """Where attempt `wanted`'s trainer logs are kept on the job's volume, and how to read
-    them from a trainer pod that mounts it now."""
+    them from a trainer pod that mounts it now (`wanted` "<N>": of every attempt)."""
     out = ((job.get("spec") or {}).get("output") or {}).get("dir") or _default_output_dir()
     path = trainer_log_path(out, wanted, "<pod>")
     running = [p.metadata.name for p in pods if p.status.phase == "Running"
@@ -167,7 +167,8 @@ def kept_log_hint(job: dict[str, Any], wanted: int, pods: list[Any]) -> str:
     how = (f"; read them from a running trainer pod: kubectl exec -n {meta['namespace']} {running[0]} -- "
            f"sh -c 'cat {path.replace('<pod>', '*')}'" if running else
            "; read them from any pod that mounts the volume (e.g. kubectl exec into one), or from the volume itself")
-    return f"the trainer pods of attempt {wanted} keep their logs on the job's volume at {path}{how}"
+    whose = "every attempt's trainer pods keep" if wanted == "<N>" else f"the trainer pods of attempt {wanted} keep"
+    return f"{whose} their logs on the job's volume at {path}{how}"
 
 
 def _default_output_dir() -> str:
@@ -201,8 +202,11 @@ def _no_pods(job: dict[str, Any], namespace: str, args: argparse.Namespace, ever
     what = "the fetch step (no trainer or rollout pod with a fetch container)" if args.role == "fetch" \
         else f"{args.role} pods"
     if args.attempt is None or not every:
-        return (f"rlhfjob {args.name} has no {what} in namespace {namespace} now "
-                f"(see its phase: rlhfctl get {args.name} -n {namespace})")
+        message = (f"rlhfjob {args.name} has no {what} in namespace {namespace} now "
+                   f"(see its phase: rlhfctl get {args.name} -n {namespace})")
+        if args.role == "trainer" and (job.get("status") or {}).get("startTime"):  # it ran: its logs are kept
+            message += "; " + kept_log_hint(job, "<N>" if args.attempt is None else args.attempt, every)
+        return message
     present = sorted({attempt(p) for p in every})
     message = (f"rlhfjob {args.name} has no {what} of attempt {args.attempt} now (its pods were deleted when the "
                f"job restarted; pods exist for attempt {', '.join(map(str, present))}: --attempt "

@@ -217,3 +217,20 @@ def test_a_generate_name_job_validates_and_submits_without_a_name(tmp_path: Path
     assert main(["validate", str(tmp_path / "long.yaml")]) == ExitCode.CONFIG_ERROR
     err = capsys.readouterr().err
     assert "metadata.generateName" in err and "at most 35 characters" in err
+
+
+def test_a_job_that_ran_and_has_no_pods_left_says_where_its_trainer_logs_are():
+    from argparse import Namespace
+
+    from rlhf_launcher.logs import _no_pods
+
+    job = {"metadata": {"name": "grpo", "namespace": "team"}, "spec": {"output": {"dir": "/ckpt/"}},
+           "status": {"phase": "Succeeded", "startTime": "2026-11-28T10:00:00Z"}}
+    args = Namespace(name="grpo", role="trainer", attempt=None)
+    message = _no_pods(job, "team", args, [])
+    assert message.startswith("rlhfjob grpo has no trainer pods in namespace team now")
+    assert "every attempt's trainer pods keep their logs on the job's volume at /ckpt/logs/attempt-<N>/<pod>.log" \
+        in message and "read them from any pod that mounts the volume" in message
+    never_ran = {**job, "status": {"phase": "Pending"}}
+    assert "volume" not in _no_pods(never_ran, "team", args, [])
+    assert "volume" not in _no_pods(job, "team", Namespace(name="grpo", role="rollout", attempt=None), [])
