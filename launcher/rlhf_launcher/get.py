@@ -117,7 +117,8 @@ def watch_line(row: list[str], widths: list[int]) -> str:
 
 def watch_jobs(kube: Kube, namespace: str | None, args: argparse.Namespace) -> int:
     """`get -w`: the table's header, then a row each time a job's row changes (phase, step,
-    reward, restarts; AGE alone does not count) or a job is deleted, as `kubectl get -w`.
+    reward, restarts; AGE alone does not count) or a job is deleted, as `kubectl get -w`
+    (with `-o json|yaml`: the changed job, one JSON object or YAML document each).
     A named job's watch ends with it (0 Succeeded, 1 Failed or deleted); otherwise until Ctrl-C."""
     from kubernetes import watch
     from kubernetes.client.rest import ApiException
@@ -128,7 +129,8 @@ def watch_jobs(kube: Kube, namespace: str | None, args: argparse.Namespace) -> i
     header = (["NAMESPACE"] if namespace is None else []) + COLUMNS
     widths = [max(len(h), 9) for h in header]
     widths[header.index("NAME")] = 24
-    print(watch_line(header, widths), flush=True)
+    if not args.output_format:
+        print(watch_line(header, widths), flush=True)
     seen: dict[tuple[str, str], list[str]] = {}
     kwargs: dict[str, Any] = {"label_selector": args.selector or None}
     if args.name:
@@ -153,8 +155,10 @@ def watch_jobs(kube: Kube, namespace: str | None, args: argparse.Namespace) -> i
                     row = _job_row(job, namespace is None)
                     if event["type"] == "DELETED":
                         row[header.index("PHASE")] = "Deleted"
-                    if seen.get(key, [])[:-1] != row[:-1]:
-                        print(watch_line(row, widths), flush=True)
+                    if seen.get(key, [])[:-1] != row[:-1]:  # -o json|yaml: the changed object itself
+                        shown = dump(job, args.output_format) if args.output_format else watch_line(row, widths) + "\n"
+                        sys.stdout.write(("---\n" if args.output_format == "yaml" else "") + shown)
+                        sys.stdout.flush()
                         seen[key] = row
                     if args.name and event["type"] == "DELETED":
                         print(f"error: rlhfjob {args.name} was deleted", file=sys.stderr)

@@ -289,6 +289,7 @@ def test_generate_name_get_selector_and_watch_delete_several(cluster: Cluster, s
     assert code == 2 and "drop one of them" in err
 
     running_pods(cluster, ns, name, 0, count=3)
+    objects = Follower(cluster, "get", "-n", ns, "-l", "team=b", "-w", "-o", "json")  # every change, whole
     watcher = Follower(cluster, "get", name, "-n", ns, "-w")
     try:
         watcher.wait_line(lambda line: line.split() == ["NAME", "PHASE", "STEP", "REWARD", "RESTARTS", "AGE"], 30,
@@ -297,8 +298,13 @@ def test_generate_name_get_selector_and_watch_delete_several(cluster: Cluster, s
         cluster.complete_pod(ns, f"{name}-trainer-master-0")
         watcher.wait_line(lambda line: line.split()[:2] == [name, "Succeeded"], 60, "the row of the ended job")
         assert watcher.proc.wait(timeout=30) == 0
+        objects.wait_line("}", 30, "the job labelled team=b as one JSON object")
+        first = json.loads("\n".join(objects.lines[:objects.lines.index("}") + 1]))
+        assert first["metadata"]["name"] == "other" and first["kind"] == "RLHFJob"
+        assert objects.proc.poll() is None  # no name: until Ctrl-C
     finally:
         watcher.stop()
+        objects.stop()
 
     code, out, err = rlhfctl(cluster, capsys, "delete", name, "missing", "other", "-n", ns)
     assert code == 1 and f"rlhfjob missing not found in namespace {ns}" in err
