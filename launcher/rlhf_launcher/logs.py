@@ -4,9 +4,10 @@ pod's name (`--follow` reads them all at once, one thread each).
 
 - `--attempt N` (default: the newest, `rlhf.dev/attempt` or JobSet's restart-attempt label):
   the pods of that attempt while they exist. A restart deletes them; every trainer pod also
-  keeps its log on the job's volume (`rlhf_contract.pod.trainer_log_path`), which rlhfctl
-  cannot read: it says which file holds it and how to read it (`kubectl exec` into a pod that
-  mounts the volume).
+  keeps its log on the job's volume (`rlhf_contract.pod.trainer_log_path`). rlhfctl cannot
+  mount a volume: it reads those files through a running trainer pod of the job (`kubectl
+  exec`: `ls`, then `cat`, no shell); with none running, or exec refused, it says which file
+  holds the log and how to read it.
 - `--follow` goes on across restarts: when the newest attempt's pods give way to a newer
   attempt's, it prints `--- attempt N: ...` and follows those, until the job ends.
 - `--previous`, `--since`, `--tail` as kubectl's (`--since`/`--tail` apply to the first
@@ -17,6 +18,7 @@ pod's name (`--follow` reads them all at once, one thread each).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 import sys
@@ -159,8 +161,7 @@ def _pods(kube: Kube, namespace: str, job: str, role: str) -> list[Any]:
 def kept_log_hint(job: dict[str, Any], wanted: int | str, pods: list[Any]) -> str:
     """Where attempt `wanted`'s trainer logs are kept on the job's volume, and how to read
     them from a trainer pod that mounts it now (`wanted` "<N>": of every attempt)."""
-    out = ((job.get("spec") or {}).get("output") or {}).get("dir") or _default_output_dir()
-    path = trainer_log_path(out, wanted, "<pod>")
+    path = trainer_log_path(_output_dir(job), wanted, "<pod>")
     running = [p.metadata.name for p in pods if p.status.phase == "Running"
                and (p.metadata.labels or {}).get(LABEL_ROLE) == ROLE_TRAINER]
     meta = job["metadata"]
@@ -169,6 +170,75 @@ def kept_log_hint(job: dict[str, Any], wanted: int | str, pods: list[Any]) -> st
            "; read them from any pod that mounts the volume (e.g. kubectl exec into one), or from the volume itself")
     whose = "every attempt's trainer pods keep" if wanted == "<N>" else f"the trainer pods of attempt {wanted} keep"
     return f"{whose} their logs on the job's volume at {path}{how}"
+
+
+def _exec(kube: Kube, namespace: str, pod: Any, command: list[str]) -> tuple[int, str, str]:
+    """Run `command` in the pod's first container (`kubectl exec`): exit code, stdout, stderr."""
+    from kubernetes.stream import stream
+    from kubernetes.stream.ws_client import ERROR_CHANNEL
+
+    ws = stream(kube.core.connect_get_namespaced_pod_exec, pod.metadata.name, namespace,
+                container=pod.spec.containers[0].name, command=command, stdin=False, stdout=True, stderr=True,
+                tty=False, _preload_content=False, _request_timeout=TIMEOUT)
+    out, err = [], []
+    while ws.is_open():
+        ws.update(timeout=TIMEOUT[1])
+        out.append(ws.read_stdout())
+        err.append(ws.read_stderr())
+    out.append(ws.read_stdout())
+    err.append(ws.read_stderr())
+    code, message = exit_status(ws.read_channel(ERROR_CHANNEL))
+    return code, "".join(out), "".join(err) + message
+
+
+def exit_status(raw: str) -> tuple[int, str]:
+    """The command's exit code and the kubelet's message from exec's status channel (a
+    metav1.Status: Success, or Failure with an ExitCode cause; a kubelet that gives no cause: 1)."""
+    status = json.loads(raw) if raw else {}
+    if status.get("status") == "Success":
+        return 0, ""
+    causes = (status.get("details") or {}).get("causes") or []
+    code = next((c.get("message") for c in causes if c.get("reason") == "ExitCode"), None)
+    return (int(code) if code and code.isdigit() else 1), status.get("message", "")
+
+
+def read_kept(kube: Kube, job: dict[str, Any], args: argparse.Namespace, every: list[Any]) -> int:
+    """An earlier attempt's trainer logs, read from the job's volume through a running trainer
+    pod of the job (`ls`, then `cat` of each pod's file: no shell); where they are, and why they
+    could not be read, when that fails."""
+    from kubernetes.client.rest import ApiException
+
+    namespace = job["metadata"]["namespace"]
+    folder = trainer_log_path(_output_dir(job), args.attempt, "x").rsplit("/", 1)[0]
+    running = [p for p in every if p.status.phase == "Running"]
+    if not running:
+        raise ClusterError(_no_pods(job, namespace, args, every))
+    reader = running[0]
+    try:
+        code, listing, err = _exec(kube, namespace, reader, ["ls", "-1", folder])
+        files = sorted(f for f in listing.split() if f.endswith(".log"))
+        if code != 0 or not files:
+            raise ClusterError(f"{_no_pods(job, namespace, args, every)} (none found there through pod "
+                               f"{reader.metadata.name}: {err.strip() or f'{folder} holds no .log file'})")
+        for name in files:
+            code, text, err = _exec(kube, namespace, reader, ["cat", f"{folder}/{name}"])
+            if code != 0:
+                raise ClusterError(f"cannot read {folder}/{name} from pod {reader.metadata.name}: {err.strip()}")
+            lines = text.splitlines()
+            lines = lines[max(len(lines) - args.tail, 0):] if args.tail is not None else lines
+            prefix = f"[{name.removesuffix('.log')}] " if len(files) > 1 else ""
+            sys.stdout.write("".join(f"{prefix}{line}\n" for line in lines))
+    except ClusterError:
+        raise
+    except Exception as err:  # exec refused (RBAC, no such pod) or its websocket failed: say where they are
+        why = api_message(err) if isinstance(err, ApiException) else f"{type(err).__name__}: {err}"
+        raise ClusterError(f"{_no_pods(job, namespace, args, every)} (reading them through pod "
+                           f"{reader.metadata.name} failed: {why})") from None
+    return ExitCode.OK
+
+
+def _output_dir(job: dict[str, Any]) -> str:
+    return ((job.get("spec") or {}).get("output") or {}).get("dir") or _default_output_dir()
 
 
 def _default_output_dir() -> str:
@@ -184,6 +254,8 @@ def cmd_logs(args: argparse.Namespace) -> int:
         raise ClusterError(f"rlhfjob {args.name} not found in namespace {namespace}")
     every = _pods(kube, namespace, args.name, args.role)
     pods = of_attempt(every, args.attempt)
+    if not pods and args.attempt is not None and args.role == "trainer" and not args.follow:
+        return read_kept(kube, job, args, every)  # the pods are gone, their logs kept on the volume
     if not pods:
         raise ClusterError(_no_pods(job, namespace, args, every))
     if not args.follow:

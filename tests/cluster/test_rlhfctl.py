@@ -23,10 +23,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from rlhf_contract.pod import trainer_log_path
 from rlhf_launcher.cli import main
 from rlhf_launcher.workdir import MIB, WORKDIR_MOUNT, WORKDIR_VOLUME
 
 from .harness import Cluster, wait_for
+from .kwok import EXEC_POD
 from .test_chart_install import sa_kubeconfig
 from .test_operator import create, job_doc, operator_in_namespace, running_pods, wait_job
 
@@ -227,6 +229,7 @@ def test_logs_of_each_attempt_follow_across_a_restart_previous_and_since(cluster
         assert f"rlhfjob {name} has no trainer pods of attempt 0 now" in err and "--attempt 1" in err
         assert "on the job's volume at /output/logs/attempt-0/<pod>.log" in err
         assert f"kubectl exec -n {ns} {name}-trainer-master-0 -- sh -c 'cat /output/logs/attempt-0/*.log'" in err
+        assert f"none found there through pod {name}-trainer-master-0" in err  # kwok runs no exec in this pod
         code, out, _ = rlhfctl(cluster, capsys, "logs", name, "-n", ns, "--attempt", "1", "--tail", "1")
         assert code == 0 and out.splitlines() == [later]
 
@@ -311,3 +314,32 @@ def test_generate_name_get_selector_and_watch_delete_several(cluster: Cluster, s
     assert [line.split()[0] for line in out.splitlines()] == [f"rlhfjob/{name}", "rlhfjob/other"]
     code, out, err = rlhfctl(cluster, capsys, "delete", "missing", "-n", ns, "--ignore-not-found")
     assert (code, out, err) == (0, "", "")
+
+
+def test_an_earlier_attempts_trainer_log_is_read_from_the_volume_through_a_running_pod(cluster: Cluster, setup,
+                                                                                       tmp_path, capsys):
+    """Attempt 0's pods are gone; what its trainer pod kept on the volume
+    (`<output.dir>/logs/attempt-0/<pod>.log`, rlhf_trainer.podlog) is read through attempt 1's
+    running trainer pod by `kubectl exec` (`ls`, `cat`). kwok runs that exec on this host for
+    a pod named EXEC_POD, so the job's output dir is a host directory here."""
+    ns, name, out = setup["ns"], EXEC_POD.removesuffix("-trainer-master-0"), tmp_path / "out"
+    doc = job_doc(name, output={"dir": str(out)})
+    doc["spec"]["pod"]["volumeMounts"].append({"name": "work", "mountPath": str(out), "subPath": "out"})
+    create(cluster, ns, doc)
+    running_pods(cluster, ns, name, 0, count=3)
+    kept = Path(trainer_log_path(str(out), 0, EXEC_POD))
+    kept.parent.mkdir(parents=True)
+    kept.write_text("step 1 reward 0.1\nstep 2 reward 0.2\nTraceback: CUDA out of memory\n")
+    cluster.fail_pod(ns, EXEC_POD, exit_code=137, reason="OOMKilled")
+    wait_job(cluster, ns, name, "Running", 1, log=setup["log"])
+    running_pods(cluster, ns, name, 1, count=3)
+
+    code, text, err = rlhfctl(cluster, capsys, "logs", name, "-n", ns, "--attempt", "0")
+    assert code == 0, err
+    assert text == kept.read_text()
+    code, text, _ = rlhfctl(cluster, capsys, "logs", name, "-n", ns, "--attempt", "0", "--tail", "1")
+    assert code == 0 and text == "Traceback: CUDA out of memory\n"
+    code, text, err = rlhfctl(cluster, capsys, "logs", name, "-n", ns, "--attempt", "5")
+    assert code == 1 and not text and f"on the job's volume at {out}/logs/attempt-5/<pod>.log" in err
+    assert f"none found there through pod {EXEC_POD}" in err
+    cluster.kubectl("delete", "rlhfjob", name, "-n", ns, "--wait=false")

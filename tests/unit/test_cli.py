@@ -234,3 +234,13 @@ def test_a_job_that_ran_and_has_no_pods_left_says_where_its_trainer_logs_are():
     never_ran = {**job, "status": {"phase": "Pending"}}
     assert "volume" not in _no_pods(never_ran, "team", args, [])
     assert "volume" not in _no_pods(job, "team", Namespace(name="grpo", role="rollout", attempt=None), [])
+
+
+def test_the_exit_code_of_an_exec_comes_from_its_status_channel():
+    from rlhf_launcher.logs import exit_status
+
+    assert exit_status('{"metadata":{},"status":"Success"}') == (0, "")
+    failed = ('{"metadata":{},"status":"Failure","message":"command terminated with non-zero exit code",'
+              '"reason":"NonZeroExitCode","details":{"causes":[{"reason":"ExitCode","message":"2"}]}}')
+    assert exit_status(failed) == (2, "command terminated with non-zero exit code")
+    assert exit_status('{"status":"Failure","message":"no exec found"}') == (1, "no exec found")  # no cause given
