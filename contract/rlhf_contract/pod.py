@@ -48,6 +48,21 @@ first interface, and on RDMA nodes with secondary networks the two may pick inte
 that cannot reach each other, so ncclCommInitRank hangs until the sync's deadline. A
 `spec.pod.env` entry of that name replaces it (e.g. `net1` for a Multus network)."""
 
+ENV_ATTEMPT = "RLHF_ATTEMPT"
+"""A trainer pod's restart attempt (the builders set it from the pod's attempt label by the
+downward API). With it and ENV_POD_NAME, the pod's entry program (rlhf_trainer.launch) keeps a
+copy of what the trainer prints at `trainer_log_path`, so the log of an attempt outlives its
+pods; unset (local mode, which keeps `logs/trainer.log` itself), no copy is made."""
+ENV_POD_NAME = "RLHF_POD_NAME"
+"""The trainer pod's own name (downward API `metadata.name`)."""
+
+
+def trainer_log_path(output_dir: str, attempt: int | str, pod: str) -> str:
+    """Where a trainer pod of attempt `attempt` keeps its log on the job's volume (what
+    `rlhfctl logs --attempt N` points to once the pods are gone)."""
+    return f"{output_dir.rstrip('/')}/logs/attempt-{attempt}/{pod}.log"
+
+
 JOB_FILE = "job.json"
 """Beside the trainer config: `run_config(job)` (what the trackers log as the run's config)."""
 

@@ -5,7 +5,10 @@
 (workdir.py), refuses what the operator would refuse (its own `PodSettings` check), creates
 the ConfigMaps, then the job, then makes the job their owner (so they go with it). `--wait`
 follows the phase and ends with the run's result: 0 Succeeded, the exit code the failed
-pod's message names (2, 126, 127: permanent), else 1."""
+pod's message names (2, 126, 127: permanent), else 1. A job with `metadata.generateName` and
+no name is named by the API server (by `rlhfctl` with `--working-dir`: its ConfigMaps are
+named after the job before it exists). `delete` takes several names, and
+`--ignore-not-found`, as kubectl's. `get` is get.py, `logs` logs.py."""
 
 from __future__ import annotations
 
@@ -23,9 +26,8 @@ from rlhf_contract.exit_codes import ExitCode
 from .kubeaccess import (
     DEFAULT_NAMESPACE, ClusterError, Kube, add_cluster_args, api_message, connect, context_namespace, namespace_of,
 )
-from .output import add_output_arg, dump, dump_objects
+from .output import add_output_arg, dump_objects
 
-TERMINAL = ("Succeeded", "Failed")
 _EXIT_IN_MESSAGE = re.compile(r"exited with code (\d+)")
 
 
@@ -71,6 +73,11 @@ def _prepare(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, 
     sent: list[str] = []
     cwd = Path.cwd()
     if args.working_dir:
+        if not (doc.get("metadata") or {}).get("name"):
+            # its ConfigMaps are named after the job before it exists: the name is made here,
+            # from metadata.generateName, as the API server would make it
+            doc["metadata"] = {**{k: v for k, v in doc["metadata"].items() if k != "generateName"},
+                               "name": job.metadata.name}
         packed = pack(doc, job, Path(args.working_dir), cwd, namespace,
                       Selection(tuple(args.exclude), tuple(args.include_secret)))
         doc, config_maps, sent = packed.doc, packed.config_maps, packed.listing(args.working_dir)
@@ -88,8 +95,8 @@ def _create(kube: Kube, config_maps: list[dict[str, Any]], doc: dict[str, Any]) 
     from rlhf_contract.api.models import API_GROUP, API_VERSION, PLURAL
     from .kubeaccess import TIMEOUT, owner_reference
 
-    ns, name = doc["metadata"]["namespace"], doc["metadata"]["name"]
-    if kube.job(ns, name) is not None:
+    ns, name = doc["metadata"]["namespace"], doc["metadata"].get("name")  # None: the server makes it (generateName)
+    if name and kube.job(ns, name) is not None:
         raise ClusterError(f"rlhfjob {name} already exists in namespace {ns}: delete it first "
                            f"(rlhfctl delete {name} -n {ns}) or change metadata.name")
     made: list[str] = []
@@ -188,113 +195,41 @@ def _submit(args: argparse.Namespace, config_maps: list[dict[str, Any]], doc: di
     return wait_until_done(kube, ns, name) if args.wait else ExitCode.OK
 
 
-# ---- get
+# ---- get (get.py)
 
-def _age(timestamp: str | None) -> str:
-    from datetime import datetime, timezone
-
-    if not timestamp:
-        return ""
-    seconds = int((datetime.now(timezone.utc) - datetime.fromisoformat(timestamp.replace("Z", "+00:00")))
-                  .total_seconds())
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds // size}{unit}"
-    return f"{max(seconds, 0)}s"
-
-
-def _job_row(job: dict[str, Any], with_namespace: bool) -> list[str]:
-    status = job.get("status") or {}
-    progress = status.get("progress") or {}
-    reward = progress.get("rewardMean")
-    row = [job["metadata"]["name"], status.get("phase", ""),
-           f"{progress.get('step', 0)}/{progress.get('totalSteps', 0)}" if progress.get("totalSteps") else "",
-           f"{reward:.3f}" if isinstance(reward, (int, float)) else "", str(status.get("restarts", 0)),
-           _age(job["metadata"].get("creationTimestamp"))]
-    return ([job["metadata"].get("namespace", "")] if with_namespace else []) + row
-
-
-def _print_job(job: dict[str, Any]) -> None:
-    """One job's status, conditions and last reported metrics (status.progress)."""
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(width=max(Console().width, 120))
-    status = job.get("status") or {}
-    meta = job["metadata"]
-    console.print(f"[bold]{meta['name']}[/bold] in {meta.get('namespace')}: {status.get('phase', 'Pending')}, "
-                  f"{status.get('restarts', 0)} restart(s), age {_age(meta.get('creationTimestamp'))}")
-    if status.get("message"):
-        console.print(f"message: {status['message']}", markup=False)
-    for key in ("startTime", "completionTime"):
-        if status.get(key):
-            console.print(f"{key}: {status[key]}")
-    progress = status.get("progress") or {}
-    if progress:
-        console.print("progress: " + ", ".join(f"{k} {v}" for k, v in progress.items()), markup=False)
-    table = Table(title="conditions")
-    for col in ("type", "status", "reason", "since", "message"):
-        table.add_column(col, overflow="fold")
-    for c in status.get("conditions", []):
-        table.add_row(c.get("type", ""), c.get("status", ""), c.get("reason", ""),
-                      _age(c.get("lastTransitionTime")), c.get("message", ""))
-    console.print(table)
-
-
-@_cluster_command
 def _cmd_get(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
+    from .get import cmd_get
 
-    kube = connect(args)
-    namespace = None if args.all_namespaces else namespace_of(args)
-    if args.name:
-        job = kube.job(namespace_of(args), args.name)
-        if job is None:
-            print(f"error: rlhfjob {args.name} not found in namespace {namespace_of(args)}", file=sys.stderr)
-            return ExitCode.FAILED
-        if args.output_format:
-            sys.stdout.write(dump(job, args.output_format))
-        else:
-            _print_job(job)
-        return ExitCode.OK
-    jobs = sorted(kube.jobs(namespace), key=lambda j: (j["metadata"].get("namespace", ""), j["metadata"]["name"]))
-    if args.output_format:
-        sys.stdout.write(dump({"apiVersion": "v1", "kind": "List", "items": jobs}, args.output_format))
-        return ExitCode.OK
-    if not jobs:
-        print(f"no rlhfjobs in {'any namespace' if namespace is None else f'namespace {namespace}'}",
-              file=sys.stderr)
-        return ExitCode.OK
-    table = Table(box=None, pad_edge=False)
-    for col in (["NAMESPACE"] if namespace is None else []) + ["NAME", "PHASE", "STEP", "REWARD", "RESTARTS", "AGE"]:
-        table.add_column(col, overflow="fold")
-    for job in jobs:
-        table.add_row(*_job_row(job, namespace is None))
-    Console(width=max(Console().width, 100)).print(table)
-    return ExitCode.OK
+    return cmd_get(args)
 
 
 # ---- delete
 
 @_cluster_command
 def _cmd_delete(args: argparse.Namespace) -> int:
+    """Each name in turn, as `kubectl delete rlhfjob a b c`: a name not found is an error line
+    (none with --ignore-not-found) and the others are still deleted; exit 1 if any failed."""
     from kubernetes.client.rest import ApiException
     from rlhf_contract.api.models import API_GROUP, API_VERSION, PLURAL
     from .kubeaccess import TIMEOUT
 
     kube, namespace = connect(args), namespace_of(args)
-    try:
-        kube.custom.delete_namespaced_custom_object(API_GROUP, API_VERSION, namespace, PLURAL, args.name,
-                                                    propagation_policy="Background", _request_timeout=TIMEOUT)
-    except ApiException as err:
-        if err.status != 404:
-            raise
-        print(f"error: rlhfjob {args.name} not found in namespace {namespace}", file=sys.stderr)
-        return ExitCode.FAILED
-    print(f"rlhfjob/{args.name} deleted in namespace {namespace} (its pods, services and ConfigMaps go with it; "
-          "checkpoints stay on their volume)")
-    return ExitCode.OK
+    code = ExitCode.OK
+    for name in dict.fromkeys(args.names):  # each once, in the order given
+        try:
+            kube.custom.delete_namespaced_custom_object(API_GROUP, API_VERSION, namespace, PLURAL, name,
+                                                        propagation_policy="Background", _request_timeout=TIMEOUT)
+        except ApiException as err:
+            if err.status != 404:
+                print(f"error: rlhfjob {name}: the API server refused: {api_message(err)}", file=sys.stderr)
+                code = ExitCode.FAILED
+            elif not args.ignore_not_found:
+                print(f"error: rlhfjob {name} not found in namespace {namespace}", file=sys.stderr)
+                code = ExitCode.FAILED
+            continue
+        print(f"rlhfjob/{name} deleted in namespace {namespace} (its pods, services and ConfigMaps go with it; "
+              "checkpoints and logs stay on their volume)")
+    return code
 
 
 def _cmd_logs(args: argparse.Namespace) -> int:
@@ -326,20 +261,35 @@ def add_cluster_commands(sub: argparse._SubParsersAction, add_job_args: Callable
     get = sub.add_parser("get", help="the jobs of a namespace (a table), or one job's status and conditions")
     get.add_argument("name", nargs="?", help="a job's name (default: every job)")
     get.add_argument("-A", "--all-namespaces", action="store_true", help="every namespace")
+    get.add_argument("-l", "--selector", metavar="SELECTOR", help="only the jobs whose labels match, as kubectl's "
+                     "(key=value, key!=value, key in (a,b), key; comma-separated)")
+    get.add_argument("-w", "--watch", action="store_true", help="after the table, a row each time a job changes; "
+                     "a named job's watch ends when it does (0 Succeeded, 1 Failed), else at Ctrl-C")
     add_cluster_args(get)
     add_output_arg(get, "the job(s)")
-    get.set_defaults(func=_cmd_get)
+    get.set_defaults(func=_cluster_command(_cmd_get))
 
-    logs = sub.add_parser("logs", help="the logs of a job's pods (its newest attempt)")
+    from .logs import ROLES, since_seconds
+
+    logs = sub.add_parser("logs", help="the logs of a job's pods (its newest attempt, or --attempt N)")
     logs.add_argument("name", help="the job's name")
-    logs.add_argument("--role", choices=["trainer", "rollout", "sandbox"], default="trainer",
-                      help="whose logs (default: trainer)")
-    logs.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
+    logs.add_argument("--role", choices=ROLES, default="trainer",
+                      help="whose logs (default: trainer; fetch: the download step of the trainer and rollout pods)")
+    logs.add_argument("--attempt", type=int, metavar="N", help="the pods of restart attempt N (default: the newest); "
+                      "once they are gone, where the trainer's log of that attempt is kept on the job's volume")
+    logs.add_argument("-f", "--follow", action="store_true", help="keep printing new lines, across restarts (a line "
+                      "'--- attempt N: PODS ---' before each newer attempt), until the job ends")
+    logs.add_argument("-p", "--previous", action="store_true",
+                      help="the previous instance of each pod's container (after it restarted in place), as kubectl's")
+    logs.add_argument("--since", type=since_seconds, metavar="DURATION",
+                      help="only lines newer than DURATION (30s, 10m, 2h), as kubectl's")
     logs.add_argument("--tail", type=int, help="only the last N lines of each pod")
     add_cluster_args(logs)
     logs.set_defaults(func=_cluster_command(_cmd_logs))
 
-    delete = sub.add_parser("delete", help="delete a job; its children and working-directory ConfigMaps go with it")
-    delete.add_argument("name", help="the job's name")
+    delete = sub.add_parser("delete", help="delete jobs; their children and working-directory ConfigMaps go with them")
+    delete.add_argument("names", nargs="+", metavar="NAME", help="a job's name (several: each in turn)")
+    delete.add_argument("--ignore-not-found", action="store_true",
+                        help="a job that does not exist is no error (as kubectl's flag)")
     add_cluster_args(delete)
     delete.set_defaults(func=_cmd_delete)

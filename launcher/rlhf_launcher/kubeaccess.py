@@ -67,14 +67,17 @@ class Kube:
 
         return client.AppsV1Api(self.api)
 
-    def jobs(self, namespace: str | None) -> list[dict[str, Any]]:
+    def jobs(self, namespace: str | None, selector: str | None = None) -> list[dict[str, Any]]:
+        """The jobs of a namespace (None: of every one), those whose labels match `selector` if given."""
         from rlhf_contract.api.models import API_GROUP, API_VERSION, PLURAL
 
+        more = {"label_selector": selector} if selector else {}
         if namespace is None:
-            out = self.custom.list_cluster_custom_object(API_GROUP, API_VERSION, PLURAL, _request_timeout=TIMEOUT)
+            out = self.custom.list_cluster_custom_object(API_GROUP, API_VERSION, PLURAL, _request_timeout=TIMEOUT,
+                                                         **more)
         else:
             out = self.custom.list_namespaced_custom_object(API_GROUP, API_VERSION, namespace, PLURAL,
-                                                            _request_timeout=TIMEOUT)
+                                                            _request_timeout=TIMEOUT, **more)
         return out["items"]
 
     def job(self, namespace: str, name: str) -> dict[str, Any] | None:

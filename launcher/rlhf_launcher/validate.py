@@ -68,7 +68,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return ExitCode.CONFIG_ERROR
     if not args.output_format:
-        print(f"{source}: valid RLHFJob {job.metadata.name!r}")
+        prefix = (job.metadata.model_extra or {}).get("generateName")
+        named = f"{job.metadata.name!r}" if not prefix else f"(generateName {prefix!r}: the server names it, e.g. " \
+            f"{job.metadata.name!r})"
+        print(f"{source}: valid RLHFJob {named}")
     return ExitCode.OK
 
 

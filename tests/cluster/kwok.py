@@ -6,7 +6,9 @@ process per group ("fake" is started with the cluster). It renews each node's Le
 lifecycle controller keeps the nodes Ready for as long as the cluster runs; without it
 every node went NotReady 40 s after it started. kwok also serves the kubelet's log endpoint:
 every container's log is the file `pod-log.cri` in the state directory (a kwok ClusterLogs
-rule; `append_pod_log` writes to it), so `kubectl logs` works, `--follow` included. Killing a
+rule; `append_pod_log` writes to it; `pod-log-previous.cri` the previous instance's), so
+`kubectl logs` works, `--follow`, `--previous` and `--since` included; `kubectl exec` into a
+pod named `EXEC_POD` runs the command here, in the state directory. Killing a
 group's kwok process
 (`lose_nodes`) is a lost node: no more Lease renewals, no pod status updates, and pods
 deleted there stay Terminating, as on a real cluster whose kubelet is gone.
@@ -96,21 +98,34 @@ spec:
 
 POD_LOG = "pod-log.cri"
 """What every container of a fake node logs (CRI log format, as a kubelet reads it)."""
+PREVIOUS_POD_LOG = "pod-log-previous.cri"
+"""What every container's previous instance logged (`kubectl logs --previous`)."""
+EXEC_POD = "kept-trainer-master-0"
+"""The one pod name (in any namespace) whose `kubectl exec` kwok runs, as a local command in
+the state directory on this host (a kwok ClusterExec): a job named `kept` reads files there."""
 
 
 class FakeNodes:
     """Mixin of `Cluster`: kwok processes, fake nodes, and chaos."""
 
-    def append_pod_log(self, *lines: str) -> None:
-        """Lines every container's log ends with from now on (kwok reads the file on each request)."""
-        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-        with open(self.root / POD_LOG, "a") as fh:
+    def append_pod_log(self, *lines: str, at: datetime | None = None, previous: bool = False) -> None:
+        """Lines every container's log ends with from now on (kwok reads the file on each request),
+        stamped `at` (default now); `previous`: the log of every container's previous instance."""
+        now = (at or datetime.now(timezone.utc)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        with open(self.root / (PREVIOUS_POD_LOG if previous else POD_LOG), "a") as fh:
             fh.writelines(f"{now} stdout F {line}\n" for line in lines)
+
+    def _kwok_exec(self) -> str:
+        return yaml.safe_dump({"apiVersion": "kwok.x-k8s.io/v1alpha1", "kind": "ClusterExec",
+                               "metadata": {"name": "kept-trainer"},
+                               "spec": {"selector": {"matchNames": [EXEC_POD]},
+                                        "execs": [{"local": {"workDir": str(self.root)}}]}}, sort_keys=False)
 
     def _kwok_logs(self) -> str:
         return yaml.safe_dump({"apiVersion": "kwok.x-k8s.io/v1alpha1", "kind": "ClusterLogs",
                                "metadata": {"name": "every-container"},
-                               "spec": {"logs": [{"logsFile": str(self.root / POD_LOG), "follow": True}]}},
+                               "spec": {"logs": [{"logsFile": str(self.root / POD_LOG), "follow": True,
+                                                  "previousLogsFile": str(self.root / PREVIOUS_POD_LOG)}]}},
                               sort_keys=False)
 
     def _kwok_stages(self) -> str:
@@ -125,6 +140,7 @@ class FakeNodes:
             docs.append(yaml.safe_dump(stage, sort_keys=False))
         docs.append(COMPLETE_STAGE)
         docs.append(self._kwok_logs())
+        docs.append(self._kwok_exec())
         return "\n---\n".join(d.strip("\n").removeprefix("---\n") for d in docs) + "\n"
 
     def start_kwok(self, group: str = DEFAULT_GROUP, timeout: float = 60) -> str:
@@ -137,6 +153,8 @@ class FakeNodes:
         cfg.write_text(self._kwok_stages())  # the same every time (a state directory of an older harness gets the logs)
         if not (self.root / POD_LOG).exists():
             self.append_pod_log("a container of a kwok node started")
+        if not (self.root / PREVIOUS_POD_LOG).exists():
+            self.append_pod_log("the previous instance of a container of a kwok node", previous=True)
         if not (self.pki / "kwok.crt").exists():
             make_cert(self.pki, "kwok", "ca", "/CN=kwok", ["subjectAltName=IP:127.0.0.1", "extendedKeyUsage=serverAuth",
                                                            "keyUsage=critical,digitalSignature,keyEncipherment"])

@@ -11,22 +11,26 @@ writes."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
 import time
 import uuid
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
 import yaml
 
+from rlhf_contract.pod import trainer_log_path
 from rlhf_launcher.cli import main
 from rlhf_launcher.workdir import MIB, WORKDIR_MOUNT, WORKDIR_VOLUME
 
 from .harness import Cluster, wait_for
+from .kwok import EXEC_POD
 from .test_chart_install import sa_kubeconfig
-from .test_operator import job_doc, operator_in_namespace, running_pods, wait_job
+from .test_operator import create, job_doc, operator_in_namespace, running_pods, wait_job
 
 pytestmark = pytest.mark.cluster
 
@@ -168,3 +172,174 @@ def test_a_refused_job_leaves_no_config_maps(cluster: Cluster, setup, tmp_path, 
     err = capsys.readouterr().err
     assert code == 1 and "forbidden" in err and "rlhfjobs" in err
     assert not cluster.get("configmaps", namespace=ns, selector=f"rlhf.dev/workdir-of={name}")["items"]
+
+
+class Follower:
+    """`rlhfctl ARGS` in its own process (Ctrl-C cannot be sent to a call in this one), its
+    stdout lines collected as they come."""
+
+    def __init__(self, cluster: Cluster, *argv: str):
+        self.proc = subprocess.Popen([sys.executable, "-m", "rlhf_launcher.cli", *argv], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, env=cluster.env)
+        self.lines: list[str] = []
+        self.errors: list[str] = []
+        for pipe, into in ((self.proc.stdout, self.lines), (self.proc.stderr, self.errors)):
+            threading.Thread(target=lambda src, dst: dst.extend(line.rstrip("\n") for line in src), args=(pipe, into),
+                             daemon=True).start()
+
+    def wait_line(self, wanted, timeout: float, what: str, after: int = 0) -> int:
+        """The index of the first line from `after` on that `wanted` (a string or a predicate) matches."""
+        match = wanted if callable(wanted) else (lambda line: line == wanted)
+        try:
+            return wait_for(lambda: next(([i] for i, line in enumerate(self.lines[after:], after) if match(line)),
+                                         None), timeout, what)[0]  # [0] is truthy: wait_for polls until truthy
+        except TimeoutError as err:
+            raise TimeoutError(f"{err}; stdout {self.lines[-10:]}, stderr {self.errors[-10:]}") from None
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def test_logs_of_each_attempt_follow_across_a_restart_previous_and_since(cluster: Cluster, setup, capsys):
+    """A restart deletes attempt 0's pods: `-f` prints a separator and goes on with attempt 1's
+    pods, and ends with the job; `--attempt 0` then says where attempt 0's trainer log is kept
+    on the volume and how to read it; `--previous` and `--since` reach the kubelet (kwok
+    serves a previous-instance file and filters by each line's time)."""
+    ns, name = setup["ns"], "attempts"
+    create(cluster, ns, job_doc(name))
+    wait_job(cluster, ns, name, "Running", 0, log=setup["log"])
+    running_pods(cluster, ns, name, 0, count=3)
+    first = f"attempt 0 says {uuid.uuid4().hex}"
+    cluster.append_pod_log(first)
+    follower = Follower(cluster, "logs", name, "-n", ns, "-f", "--tail", "1")
+    try:
+        follower.wait_line(first, 60, "attempt 0's last line")
+        cluster.fail_pod(ns, f"{name}-trainer-master-0", exit_code=137, reason="OOMKilled")
+        wait_job(cluster, ns, name, "Running", 1, log=setup["log"])
+        running_pods(cluster, ns, name, 1, count=3)
+        at = follower.wait_line(f"--- attempt 1: {name}-trainer-master-0 ---", 60, "the separator of attempt 1")
+        later = f"attempt 1 says {uuid.uuid4().hex}"
+        cluster.append_pod_log(later)
+        follower.wait_line(later, 30, "attempt 1's new line", after=at)
+        assert follower.proc.poll() is None  # still following
+
+        code, out, err = rlhfctl(cluster, capsys, "logs", name, "-n", ns, "--attempt", "0")
+        assert code == 1 and not out
+        assert f"rlhfjob {name} has no trainer pods of attempt 0 now" in err and "--attempt 1" in err
+        assert "on the job's volume at /output/logs/attempt-0/<pod>.log" in err
+        assert f"kubectl exec -n {ns} {name}-trainer-master-0 -- sh -c 'cat /output/logs/attempt-0/*.log'" in err
+        assert f"none found there through pod {name}-trainer-master-0" in err  # kwok runs no exec in this pod
+        code, out, _ = rlhfctl(cluster, capsys, "logs", name, "-n", ns, "--attempt", "1", "--tail", "1")
+        assert code == 0 and out.splitlines() == [later]
+
+        previous = f"the instance before {uuid.uuid4().hex}"
+        cluster.append_pod_log(previous, previous=True)
+        code, out, _ = rlhfctl(cluster, capsys, "logs", name, "-n", ns, "-p", "--tail", "1")
+        assert code == 0 and out.splitlines() == [previous]
+
+        old = f"two hours ago {uuid.uuid4().hex}"
+        cluster.append_pod_log(old, at=datetime.now(timezone.utc) - timedelta(hours=2))
+        code, out, _ = rlhfctl(cluster, capsys, "logs", name, "-n", ns, "--since", "1h")
+        assert code == 0 and later in out.splitlines() and old not in out
+        code, out, _ = rlhfctl(cluster, capsys, "logs", name, "-n", ns, "--since", "2h30m")
+        assert code == 0 and out.splitlines()[-1] == old
+
+        cluster.complete_pod(ns, f"{name}-trainer-master-0")  # the job ends: so does the follow
+        wait_job(cluster, ns, name, "Succeeded", log=setup["log"])
+        assert follower.proc.wait(timeout=30) == 0, follower.proc.stderr.read()
+    finally:
+        follower.stop()
+    cluster.kubectl("delete", "rlhfjob", name, "-n", ns, "--wait=false")
+
+
+def test_logs_of_the_fetch_step(cluster: Cluster, setup, capsys):
+    """`--role fetch`: the `fetch` init container of the trainer and rollout pods of a job
+    whose model is on the Hub; a job without sources has none to show."""
+    ns, name = setup["ns"], "fetched"
+    create(cluster, ns, job_doc(name, model={"path": "hf://org/tiny"}))
+    running_pods(cluster, ns, name, 0, count=3)
+    line = f"downloaded hf://org/tiny {uuid.uuid4().hex}"
+    cluster.append_pod_log(line)
+    code, out, err = rlhfctl(cluster, capsys, "logs", name, "-n", ns, "--role", "fetch", "--tail", "1")
+    assert code == 0, err
+    assert out.splitlines() == [f"[{name}-{pod}] {line}" for pod in ("rollout-0", "rollout-1", "trainer-master-0")]
+    cluster.kubectl("delete", "rlhfjob", name, "-n", ns, "--wait=false")
+
+
+def test_generate_name_get_selector_and_watch_delete_several(cluster: Cluster, setup, tmp_path, capsys):
+    """`metadata.generateName`: the server names the job and submit prints it; `get -l` picks
+    by label; `get -w NAME` prints a row per change and ends with the job; `delete a b c`
+    deletes each, says which were not found, and `--ignore-not-found` is quiet about them."""
+    ns = setup["ns"]
+    doc = job_doc("unused")
+    doc["metadata"] = {"generateName": "gen-", "labels": {"team": "a"}}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(doc))
+    code, out, err = rlhfctl(cluster, capsys, "submit", str(tmp_path / "job.yaml"), "-n", ns)
+    assert code == 0, err
+    created = re.fullmatch(rf"rlhfjob/(gen-[bcdfghjklmnpqrstvwxz2456789]{{5}}) created in namespace {ns}\n", out)
+    assert created, out
+    name = created.group(1)
+    other = job_doc("other")
+    other["metadata"]["labels"] = {"team": "b"}
+    create(cluster, ns, other)
+
+    code, out, _ = rlhfctl(cluster, capsys, "get", "-n", ns, "-l", "team=a")
+    assert code == 0 and [line.split()[0] for line in out.splitlines()[1:]] == [name]
+    code, out, _ = rlhfctl(cluster, capsys, "get", "-n", ns, "-l", "team in (a,b)", "-o", "json")
+    assert sorted(j["metadata"]["name"] for j in json.loads(out)["items"]) == sorted([name, "other"])
+    code, _, err = rlhfctl(cluster, capsys, "get", name, "-n", ns, "-l", "team=a")
+    assert code == 2 and "drop one of them" in err
+
+    running_pods(cluster, ns, name, 0, count=3)
+    objects = Follower(cluster, "get", "-n", ns, "-l", "team=b", "-w", "-o", "json")  # every change, whole
+    watcher = Follower(cluster, "get", name, "-n", ns, "-w")
+    try:
+        watcher.wait_line(lambda line: line.split() == ["NAME", "PHASE", "STEP", "REWARD", "RESTARTS", "AGE"], 30,
+                          "the header")
+        watcher.wait_line(lambda line: line.split()[:2] == [name, "Running"], 30, "the row of the running job")
+        cluster.complete_pod(ns, f"{name}-trainer-master-0")
+        watcher.wait_line(lambda line: line.split()[:2] == [name, "Succeeded"], 60, "the row of the ended job")
+        assert watcher.proc.wait(timeout=30) == 0
+        objects.wait_line("}", 30, "the job labelled team=b as one JSON object")
+        first = json.loads("\n".join(objects.lines[:objects.lines.index("}") + 1]))
+        assert first["metadata"]["name"] == "other" and first["kind"] == "RLHFJob"
+        assert objects.proc.poll() is None  # no name: until Ctrl-C
+    finally:
+        watcher.stop()
+        objects.stop()
+
+    code, out, err = rlhfctl(cluster, capsys, "delete", name, "missing", "other", "-n", ns)
+    assert code == 1 and f"rlhfjob missing not found in namespace {ns}" in err
+    assert [line.split()[0] for line in out.splitlines()] == [f"rlhfjob/{name}", "rlhfjob/other"]
+    code, out, err = rlhfctl(cluster, capsys, "delete", "missing", "-n", ns, "--ignore-not-found")
+    assert (code, out, err) == (0, "", "")
+
+
+def test_an_earlier_attempts_trainer_log_is_read_from_the_volume_through_a_running_pod(cluster: Cluster, setup,
+                                                                                       tmp_path, capsys):
+    """Attempt 0's pods are gone; what its trainer pod kept on the volume
+    (`<output.dir>/logs/attempt-0/<pod>.log`, rlhf_trainer.podlog) is read through attempt 1's
+    running trainer pod by `kubectl exec` (`ls`, `cat`). kwok runs that exec on this host for
+    a pod named EXEC_POD, so the job's output dir is a host directory here."""
+    ns, name, out = setup["ns"], EXEC_POD.removesuffix("-trainer-master-0"), tmp_path / "out"
+    doc = job_doc(name, output={"dir": str(out)})
+    doc["spec"]["pod"]["volumeMounts"].append({"name": "work", "mountPath": str(out), "subPath": "out"})
+    create(cluster, ns, doc)
+    running_pods(cluster, ns, name, 0, count=3)
+    kept = Path(trainer_log_path(str(out), 0, EXEC_POD))
+    kept.parent.mkdir(parents=True)
+    kept.write_text("step 1 reward 0.1\nstep 2 reward 0.2\nTraceback: CUDA out of memory\n")
+    cluster.fail_pod(ns, EXEC_POD, exit_code=137, reason="OOMKilled")
+    wait_job(cluster, ns, name, "Running", 1, log=setup["log"])
+    running_pods(cluster, ns, name, 1, count=3)
+
+    code, text, err = rlhfctl(cluster, capsys, "logs", name, "-n", ns, "--attempt", "0")
+    assert code == 0, err
+    assert text == kept.read_text()
+    code, text, _ = rlhfctl(cluster, capsys, "logs", name, "-n", ns, "--attempt", "0", "--tail", "1")
+    assert code == 0 and text == "Traceback: CUDA out of memory\n"
+    code, text, err = rlhfctl(cluster, capsys, "logs", name, "-n", ns, "--attempt", "5")
+    assert code == 1 and not text and f"on the job's volume at {out}/logs/attempt-5/<pod>.log" in err
+    assert f"none found there through pod {EXEC_POD}" in err
+    cluster.kubectl("delete", "rlhfjob", name, "-n", ns, "--wait=false")

@@ -183,7 +183,7 @@ def test_rollout_statefulset_uses_the_contract_gpus_probes_and_restricted_securi
     proc = contract.rollout_process(job, model_path="/models/qwen", host="0.0.0.0", port=contract.ROLLOUT_PORT)
     assert c["command"] == proc.command
     assert c["command"][:3] == ["vllm", "serve", "/models/qwen"] and "--tensor-parallel-size" in c["command"]
-    env = {e["name"]: e["value"] for e in c["env"]}
+    env = {e["name"]: e.get("value") for e in c["env"]}
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and "RLHF_TRAINER_CONFIG" not in env  # all on the command line
     assert c["resources"]["limits"] == {"nvidia.com/gpu": "2"} == c["resources"]["requests"]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -220,13 +220,18 @@ def test_trainer_pytorchjob_uses_the_contract_and_the_training_operator_conventi
         assert c["command"] == proc.command
         assert "--nnodes=2" in c["command"] and "--nproc-per-node=8" in c["command"]
         assert not any(a.startswith("--master-addr") for a in c["command"])  # PET_* from the training-operator
-        env = {e["name"]: e["value"] for e in c["env"]}
+        env = {e["name"]: e.get("value") for e in c["env"]}
         assert {k: env[k] for k in proc.env} == proc.env
         assert env["RLHF_ROLLOUT_ENDPOINTS"] == ",".join(endpoints) and env["RLHF_RESUME"] == "1"
         assert c["resources"]["limits"] == {"nvidia.com/gpu": "8"}
         assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"pytorchjob-port": 29500, "weight-sync": 29600,
                                                                       "metrics": 9400}
         assert env["RLHF_METRICS_PORT"] == "9400"  # rank 0 serves Prometheus there
+        # where the pod keeps its log on the volume (rlhf_trainer.podlog): its name and attempt
+        assert {e["name"]: e.get("valueFrom") for e in c["env"] if e["name"] in ("RLHF_POD_NAME", "RLHF_ATTEMPT")} == {
+            "RLHF_POD_NAME": {"fieldRef": {"fieldPath": "metadata.name"}},
+            "RLHF_ATTEMPT": {"fieldRef": {"fieldPath": "metadata.labels['rlhf.dev/attempt']"}}}
+        assert role["template"]["metadata"]["labels"]["rlhf.dev/attempt"] == "0"
         assert pod["serviceAccountName"] == "demo-trainer"
         assert_restricted(pod)
 
@@ -301,7 +306,7 @@ def test_the_cluster_example_builds_with_its_pod_block():
     assert pod["containers"][0]["resources"] == {"requests": {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": "2"},
                                                  "limits": {"memory": "64Gi", "nvidia.com/gpu": "2"}}
     ptj = children[("PyTorchJob", "qwen-math-grpo-trainer")]
-    env = {e["name"]: e["value"] for e in ptj["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in ptj["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
            ["containers"][0]["env"]}
     assert env["RLHF_OUTPUT_DIR"] == "/work/runs/qwen-math-grpo"
     roundtrip(sts, "V1StatefulSet")

@@ -92,7 +92,7 @@ class TestVolumes:
         for pod in trainers:
             assert {"name": "output", "persistentVolumeClaim": {"claimName": "runs"}} in pod["volumes"]
             assert {"name": "output", "mountPath": "/ckpt"} in pod["containers"][0]["volumeMounts"]
-            env = {e["name"]: e["value"] for e in pod["containers"][0]["env"]}
+            env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
             assert env["RLHF_OUTPUT_DIR"] == "/ckpt"
         assert all(v["name"] != "output" for v in rollout["volumes"])
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -54,6 +55,10 @@ def no_cluster(tmp_path: Path) -> list[str]:
     (["get", "x", "{kube}"], ExitCode.FAILED),
     (["logs", "x", "{kube}"], ExitCode.FAILED),
     (["delete", "x", "{kube}"], ExitCode.FAILED),
+    (["delete", "x", "y", "--ignore-not-found", "{kube}"], ExitCode.FAILED),
+    (["get", "-w", "{kube}"], ExitCode.FAILED),
+    (["get", "x", "-l", "team=a", "{kube}"], ExitCode.CONFIG_ERROR),  # a name and a selector: kubectl's rule
+    (["logs", "x", "-f", "--attempt", "1", "--since", "10m", "-p", "{kube}"], ExitCode.FAILED),
     (["plot", "{missing}"], ExitCode.CONFIG_ERROR),
     (["validate", str(CLUSTER_EXAMPLE)], ExitCode.OK),
     (["render", str(CLUSTER_EXAMPLE)], ExitCode.OK),
@@ -70,7 +75,8 @@ def test_exit_codes(argv, code, bad_job, no_cluster, tmp_path, capsys):
         assert err and not out
 
 
-@pytest.mark.parametrize("argv", [["validate"], ["get", "--nope"], ["logs", "x", "--role", "critic"], ["frobnicate"]])
+@pytest.mark.parametrize("argv", [["validate"], ["get", "--nope"], ["logs", "x", "--role", "critic"], ["frobnicate"],
+                                  ["logs", "x", "--since", "10"], ["logs", "x", "--since", "1d"], ["delete"]])
 def test_usage_errors_are_two(argv, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(argv)
@@ -146,7 +152,7 @@ def _complete(line: str) -> list[str]:
 
 def test_bash_completion():
     assert _complete("rlhfctl su") == ["submit"]
-    assert _complete("rlhfctl logs myjob --role ") == ["rollout", "sandbox", "trainer"]
+    assert _complete("rlhfctl logs myjob --role ") == ["fetch", "rollout", "sandbox", "trainer"]
     assert "--working-dir" in _complete("rlhfctl submit job.yaml --")
 
 
@@ -167,3 +173,74 @@ def test_env_reports_versions_and_an_unreachable_cluster(no_cluster, capsys):
     assert report["vllm_pin"] == VLLM_VERSION and report["python"].startswith(f"CPython {sys.version.split()[0]}")
     assert report["cuda"]["available"] is False and report["cuda"]["built_with"]  # this machine: no GPU
     assert "127.0.0.1" in report["cluster"]["error"]
+
+
+@pytest.mark.parametrize("text, seconds", [("30s", 30), ("10m", 600), ("1h30m", 5400), ("1.5h", 5400), ("500ms", 1),
+                                           ("2m0.5s", 121)])
+def test_since_reads_kubectls_durations(text, seconds):
+    from rlhf_launcher.logs import since_seconds
+
+    assert since_seconds(text) == seconds  # whole seconds, at least 1 (the API's sinceSeconds)
+
+
+def test_watch_rows_keep_their_columns():
+    from rlhf_launcher.get import watch_line
+
+    widths = [24, 9, 9]
+    assert watch_line(["NAME", "PHASE", "STEP"], widths) == "NAME" + " " * 23 + "PHASE" + " " * 7 + "STEP"
+    assert watch_line(["grpo-x7k2p", "Running", "3/10"], widths).index("Running") == 27
+    long = "n" * 30  # pushes the rest right, never cut
+    assert watch_line([long, "Failed", ""], widths) == f"{long}   Failed"
+
+
+def test_a_generate_name_job_validates_and_submits_without_a_name(tmp_path: Path, capsys):
+    """`metadata.generateName` and no name: valid (under a name made as the API server makes
+    one); `submit --dry-run` leaves the name to the server; a prefix too long for the job's
+    name limit is refused naming the field."""
+    doc = yaml.safe_load(CLUSTER_EXAMPLE.read_text())
+    doc["metadata"] = {"generateName": "grpo-"}
+    (tmp_path / "gen.yaml").write_text(yaml.safe_dump(doc))
+    assert main(["validate", str(tmp_path / "gen.yaml")]) == ExitCode.OK
+    assert "generateName 'grpo-': the server names it" in capsys.readouterr().out
+    assert main(["submit", str(tmp_path / "gen.yaml"), "--dry-run", "-o", "json"]) == ExitCode.OK
+    (sent,) = json.loads(capsys.readouterr().out)["items"]
+    assert sent["metadata"] == {"generateName": "grpo-", "namespace": "default"}
+    assert main(["submit", str(tmp_path / "gen.yaml"), "--dry-run", "--working-dir", str(tmp_path), "-o", "json"]) == 0
+    made = json.loads(capsys.readouterr().out)["items"]
+    job = made[-1]  # its ConfigMaps are named after it before it exists: the name is made here
+    assert "generateName" not in job["metadata"] and re.fullmatch(r"grpo-[bcdfghjklmnpqrstvwxz2456789]{5}",
+                                                                    job["metadata"]["name"])
+    assert made[0]["metadata"]["name"] == f"{job['metadata']['name']}-workdir"
+
+    doc["metadata"] = {"generateName": "g" * 36}
+    (tmp_path / "long.yaml").write_text(yaml.safe_dump(doc))
+    assert main(["validate", str(tmp_path / "long.yaml")]) == ExitCode.CONFIG_ERROR
+    err = capsys.readouterr().err
+    assert "metadata.generateName" in err and "at most 35 characters" in err
+
+
+def test_a_job_that_ran_and_has_no_pods_left_says_where_its_trainer_logs_are():
+    from argparse import Namespace
+
+    from rlhf_launcher.logs import _no_pods
+
+    job = {"metadata": {"name": "grpo", "namespace": "team"}, "spec": {"output": {"dir": "/ckpt/"}},
+           "status": {"phase": "Succeeded", "startTime": "2026-11-28T10:00:00Z"}}
+    args = Namespace(name="grpo", role="trainer", attempt=None)
+    message = _no_pods(job, "team", args, [])
+    assert message.startswith("rlhfjob grpo has no trainer pods in namespace team now")
+    assert "every attempt's trainer pods keep their logs on the job's volume at /ckpt/logs/attempt-<N>/<pod>.log" \
+        in message and "read them from any pod that mounts the volume" in message
+    never_ran = {**job, "status": {"phase": "Pending"}}
+    assert "volume" not in _no_pods(never_ran, "team", args, [])
+    assert "volume" not in _no_pods(job, "team", Namespace(name="grpo", role="rollout", attempt=None), [])
+
+
+def test_the_exit_code_of_an_exec_comes_from_its_status_channel():
+    from rlhf_launcher.logs import exit_status
+
+    assert exit_status('{"metadata":{},"status":"Success"}') == (0, "")
+    failed = ('{"metadata":{},"status":"Failure","message":"command terminated with non-zero exit code",'
+              '"reason":"NonZeroExitCode","details":{"causes":[{"reason":"ExitCode","message":"2"}]}}')
+    assert exit_status(failed) == (2, "command terminated with non-zero exit code")
+    assert exit_status('{"status":"Failure","message":"no exec found"}') == (1, "no exec found")  # no cause given

@@ -79,6 +79,10 @@ def test_one_jobset_holds_trainer_and_servers_with_the_budget_and_the_queue_labe
     assert js["spec"]["successPolicy"] == {"operator": "All", "targetReplicatedJobs": ["trainer"]}
     gpus = rjobs["trainer"]["template"]["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert gpus["nvidia.com/gpu"] == "4"
+    # the trainer keeps its log under JobSet's attempt (its pods carry no rlhf.dev/attempt)
+    env = rjobs["trainer"]["template"]["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "RLHF_ATTEMPT", "valueFrom": {"fieldRef": {
+        "fieldPath": "metadata.labels['jobset.sigs.k8s.io/restart-attempt']"}}} in env
 
 
 def test_offline_method_gets_only_the_trainer_job():

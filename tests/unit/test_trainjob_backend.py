@@ -84,7 +84,13 @@ def test_the_pod_trainer_v2_makes_is_the_pytorchjob_backends_trainer_pod():
     assert not {e["name"] for e in tj["spec"]["trainer"]["env"]} & set(TORCH_ENV)  # Trainer's webhook refuses them
     made = effective_pod(build_runtime("any:1"), tj)
     ptj = children_of({**data, "spec": {**data["spec"], "backend": "PyTorchJob"}})[("PyTorchJob", "demo-trainer")]
-    want = ptj["spec"]["pytorchReplicaSpecs"]["Master"]["template"]
+    want = copy.deepcopy(ptj["spec"]["pytorchReplicaSpecs"]["Master"]["template"])
+    # one difference: the attempt a trainer keeps its log under is a value (each attempt is a new
+    # TrainJob, whose pods get our labels only after they start), not the pod's label
+    attempt = {"name": "RLHF_ATTEMPT", "value": "0"}
+    assert attempt in tj["spec"]["trainer"]["env"]
+    want["spec"]["containers"][0]["env"] = [attempt if e["name"] == "RLHF_ATTEMPT" else e
+                                            for e in want["spec"]["containers"][0]["env"]]
     assert _sorted(made["spec"]) == _sorted(want["spec"])
     # v2.0.0 gives the pods no per-job labels: the runtime's role label, the job's go on the JobSet
     assert made["metadata"]["labels"]["rlhf.dev/role"] == "trainer"

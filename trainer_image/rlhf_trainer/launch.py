@@ -10,7 +10,8 @@ except that a worker which found a config error only it could see (e.g. a rollou
 image without weight transfer) or whose weight sync failed leaves its exit code in a marker
 file (exits.py), and the launcher then exits with it (2, or 75 to restart the job with its
 servers; `rlhf_contract.exit_codes`): torchrun itself turns every worker failure into 1. On nodes other than the first it also
-answers Prometheus (`serve_node_endpoint`).
+answers Prometheus (`serve_node_endpoint`). In a pod it keeps a copy of the child's output on
+the job's volume, one file per attempt and pod (podlog.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -28,6 +28,7 @@ from rlhf_contract.pod import ENV_METRICS_PORT, ENV_TRAINER_CONFIG
 from rlhf_contract.trainer_config import TrainerConfig
 
 from .exits import ENV_CONFIG_ERROR_FILE, marked_exit_code, write_termination_message
+from .podlog import popen_kept
 from .preflight import check
 
 
@@ -90,10 +91,11 @@ def main(argv: list[str] | None = None) -> int:
         env.update(single_process_env())
     else:
         command = [sys.executable, "-m", "torch.distributed.run", *args, "-m", "rlhf_trainer"]
-    child = subprocess.Popen(command, env=env)
+    child, finish = popen_kept(command, env)  # in a pod: its log also on the job's volume (podlog.py)
     for sig in (signal.SIGTERM, signal.SIGINT):  # torchrun (or the trainer) passes it on and waits the grace period
         signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
     code = child.wait()
+    finish()
     if code < 0:  # killed by a signal (torchrun would have said 1): the shell's 128 + signal
         code = 128 - code
     if code != 0:

@@ -5,6 +5,7 @@ field path (`spec.rollout.replicas: ...`)."""
 from __future__ import annotations
 
 import difflib
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic.alias_generators import to_camel
 
 from .job_yaml import MAX_JOB_BYTES, YamlRefused, parse_job_yaml, too_large
-from .models import Method, RLHFJob
+from .models import MAX_NAME_LENGTH, Method, RLHFJob
 from .rules import RL_ONLY_FIELDS, RuleViolations
 
 
@@ -124,11 +125,40 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+NAME_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"
+"""The characters of the suffix the API server appends to `metadata.generateName`
+(k8s.io/apimachinery/pkg/util/rand: no vowels, no 0, 1, 3)."""
+NAME_SUFFIX_LENGTH = 5
+
+
+def generated_name(prefix: str) -> str:
+    """A name as the API server makes one from `metadata.generateName`."""
+    import secrets
+
+    return prefix + "".join(secrets.choice(NAME_ALPHABET) for _ in range(NAME_SUFFIX_LENGTH))
+
+
+def _named(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """The document as validated: a job with `metadata.generateName` and no name gets a name
+    made from it (the API server's alphabet), since the job's children are named after it; the
+    caller's document keeps no name (`rlhfctl submit` lets the server choose)."""
+    meta = data.get("metadata")
+    if not isinstance(meta, dict) or meta.get("name") is not None or meta.get("generateName") is None:
+        return data
+    prefix, longest = meta["generateName"], MAX_NAME_LENGTH - NAME_SUFFIX_LENGTH
+    if not isinstance(prefix, str) or not re.fullmatch(r"[a-z][-a-z0-9]*", prefix) or len(prefix) > longest:
+        raise JobError([Problem("metadata.generateName", f"{prefix!r} must be lowercase letters, digits and '-', "
+                                f"start with a letter and be at most {longest} characters (the server adds "
+                                f"{NAME_SUFFIX_LENGTH}; a job's name is at most {MAX_NAME_LENGTH})")], source)
+    return {**data, "metadata": {**meta, "name": generated_name(prefix)}}
+
+
 def validate_job(data: Any, overrides: list[str] = (), source: str = "") -> RLHFJob:
-    """Validate a parsed job document; raise `JobError` listing every problem."""
+    """Validate a parsed job document; raise `JobError` listing every problem. A document
+    with `metadata.generateName` and no name is validated under a name made from it."""
     if not isinstance(data, dict):
         raise JobError([Problem("", "the job file must hold one YAML mapping (an RLHFJob)")], source)
-    data = apply_overrides(data, list(overrides))
+    data = _named(apply_overrides(data, list(overrides)), source)
     spec = data.get("spec")
     if isinstance(spec, dict) and spec.get("method") not in (Method.RL, Method.DISTILL, None):
         given = [f for f in RL_ONLY_FIELDS if spec.get(f) is not None]

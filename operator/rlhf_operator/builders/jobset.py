@@ -36,8 +36,8 @@ from rlhf_contract.api.models import RLHFJob
 from rlhf_contract.exit_codes import PERMANENT, ExitCode
 
 from .meta import (
-    COMPLETION_INDEX_LABEL, LABEL_ATTEMPT, RJOB_ROLLOUT, RJOB_TRAINER, ROLE_ROLLOUT, ROLE_TRAINER, job_labels, jobset_name,
-    metadata, namespace_of, pod_labels, trainer_name,
+    COMPLETION_INDEX_LABEL, JOBSET_RESTART_LABEL, LABEL_ATTEMPT, RJOB_ROLLOUT, RJOB_TRAINER, ROLE_ROLLOUT, ROLE_TRAINER,
+    job_labels, jobset_name, metadata, namespace_of, pod_labels, trainer_name,
 )
 from .pods import PodSettings, pod_spec, template_metadata
 from .storage import with_storage
@@ -95,7 +95,8 @@ def build_jobset(job: RLHFJob, settings: PodSettings) -> dict[str, Any]:
         {"name": "PET_MASTER_PORT", "value": str(contract.TRAINER_MASTER_PORT)},
     ]
     trainer = trainer_container(job, settings, rollout_endpoints=rollout_endpoints(job),
-                                weight_sync_addr=weight_sync_addr(job), name="trainer", extra_env=node_env)
+                                weight_sync_addr=weight_sync_addr(job), name="trainer", extra_env=node_env,
+                                attempt_label=JOBSET_RESTART_LABEL)
     trainer_template = {
         "metadata": template_metadata(_pod_labels(job, ROLE_TRAINER), settings.role(ROLE_TRAINER)),
         "spec": with_storage(job, settings, pod_spec(job, settings, [trainer], role=ROLE_TRAINER, restart_policy="Never",

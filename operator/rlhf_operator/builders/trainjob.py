@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from rlhf_contract import pod as contract
 from rlhf_contract.api.models import RLHFJob
 
 from .meta import (
@@ -187,8 +188,12 @@ def build_trainjob(job: RLHFJob, attempt: int, settings: PodSettings) -> dict[st
                                                                      fixed["containers"][0]["volumeMounts"])}]
     t = job.spec.trainer
     trainer: dict[str, Any] = {field: copy.deepcopy(container[key]) for key, field in _TRAINER_CONTAINER.items()}
+    # each attempt is a new TrainJob, whose pods get our labels only after they start: the
+    # attempt the trainer keeps its log under (podlog.py) is given as a value
+    attempt_env = {"name": contract.ENV_ATTEMPT, "value": str(attempt)}
     trainer.update(numNodes=t.num_nodes, numProcPerNode=t.nproc_per_node,
-                   env=[e for e in container["env"] if e["name"] not in TORCH_ENV])
+                   env=[attempt_env if e["name"] == contract.ENV_ATTEMPT else e
+                        for e in container["env"] if e["name"] not in TORCH_ENV])
     labels = {**job_labels(job), LABEL_ATTEMPT: str(attempt)}
     return {
         "apiVersion": TRAINER_API_VERSION,

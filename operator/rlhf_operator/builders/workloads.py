@@ -147,9 +147,17 @@ def build_rollout_statefulset(job: RLHFJob, attempt: int, settings: PodSettings)
     }
 
 
+def _log_env(attempt_label: str) -> list[dict[str, Any]]:
+    """The pod's name and attempt, by the downward API: where the trainer keeps its log."""
+    return [{"name": contract.ENV_POD_NAME, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": contract.ENV_ATTEMPT, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{attempt_label}']"}}}]
+
+
 def trainer_container(job: RLHFJob, settings: PodSettings, *, rollout_endpoints: list[str], weight_sync_addr: str,
-                      name: str = "pytorch", extra_env: list[dict[str, Any]] = ()) -> dict[str, Any]:
-    """The trainer node's container (both backends)."""
+                      name: str = "pytorch", extra_env: list[dict[str, Any]] = (),
+                      attempt_label: str = LABEL_ATTEMPT) -> dict[str, Any]:
+    """The trainer node's container (every backend; `attempt_label`: the pod label that holds
+    its attempt, read into RLHF_ATTEMPT so that the pod keeps its log under that attempt)."""
     t = job.spec.trainer
     if job.spec.rollout.placement == "colocated" and not job.spec.offline:
         proc = contract.colocated_trainer_process(
@@ -165,7 +173,8 @@ def trainer_container(job: RLHFJob, settings: PodSettings, *, rollout_endpoints:
         "name": name,
         "image": trainer_image(job),
         "command": proc.command,
-        "env": (env_list({**proc.env, **nccl_network_env(job)}) + list(extra_env) + tracking_env(job)
+        "env": (env_list({**proc.env, **nccl_network_env(job)}) + list(extra_env) + _log_env(attempt_label)
+                + tracking_env(job)
                 + secret_env(job)[0] + judge_env(job) + list(job.spec.pod.env)),
         "ports": [
             {"name": "pytorchjob-port", "containerPort": contract.TRAINER_MASTER_PORT, "protocol": "TCP"},
