@@ -167,7 +167,7 @@ def test_the_accelerator_resource_cannot_be_set_by_hand():
 @pytest.mark.parametrize("labels, backend, expected", [
     ({}, None, "PyTorchJob"),
     ({"kueue.x-k8s.io/queue-name": "team"}, None, "JobSet"),  # Kueue admits a JobSet whole
-    ({"kueue.x-k8s.io/queue-name": "team"}, "PyTorchJob", "PyTorchJob"),  # said explicitly: kept
+    ({"kueue.x-k8s.io/queue-name": "team"}, "TrainJob", "TrainJob"),  # said explicitly: kept
 ])
 def test_the_default_backend_follows_the_kueue_queue_label(labels, backend, expected):
     data = job_data(trainer_pod={}, rollout_pod={})
@@ -175,7 +175,26 @@ def test_the_default_backend_follows_the_kueue_queue_label(labels, backend, expe
     if backend:
         data["spec"]["backend"] = backend
     data["metadata"]["labels"] = labels
+    if expected == "TrainJob":
+        data["spec"]["pod"]["volumeMounts"] = data["spec"]["pod"]["volumeMounts"][:1]  # one mount per volume
+        data["spec"]["pod"].pop("priorityClassName", None)  # no TrainJob field carries it
     job = validate_job(data)
     assert job.spec.backend == expected
     kinds = {c["kind"] for c in build_children(job, 0)}
     assert ("JobSet" in kinds) == (expected == "JobSet") and ("PyTorchJob" in kinds) == (expected == "PyTorchJob")
+
+
+@pytest.mark.parametrize("queue", ["team", ""])
+def test_a_queue_label_on_a_backend_kueue_cannot_admit_whole_is_refused(queue):
+    """Kueue admits a JobSet or a TrainJob whole; a PyTorchJob job under a queue would be
+    half admitted (its rollout StatefulSet a workload of its own): refused naming the fix."""
+    data = job_data(trainer_pod={}, rollout_pod={})
+    data["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": queue}
+    job = validate_job(data)
+    assert job.spec.backend == "PyTorchJob"
+    if not queue:  # an empty label is no queue (Kueue's reading too)
+        assert build_children(job, 0)
+        return
+    with pytest.raises(PodSettingsError, match=r"spec\.backend: must be JobSet or TrainJob .*drop the label "
+                       r"\(got PyTorchJob with queue 'team'\)"):
+        build_children(job, 0)

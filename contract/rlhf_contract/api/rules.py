@@ -319,6 +319,31 @@ def immutable_cel(field: str) -> str:
             f"(!has(self.{field}) || self.{field} == oldSelf.{field})")
 
 
+KUEUE_WHOLE_BACKENDS: tuple[str, ...] = ("JobSet", "TrainJob")
+"""The backends Kueue admits as one workload (its JobSet and TrainJob integrations); its
+PyTorchJob integration is deprecated, off by default, and leaves the rollout StatefulSet a
+workload of its own."""
+
+QUEUE_LABEL_BACKEND = Rule(
+    field_path="backend",
+    cel=("object.metadata.?labels[?'kueue.x-k8s.io/queue-name'].orValue('') == '' || "
+         "!has(object.spec.backend) || object.spec.backend in ['" + "', '".join(KUEUE_WHOLE_BACKENDS) + "']"),
+    message="must be JobSet or TrainJob (or unset: JobSet) on a job with the label kueue.x-k8s.io/queue-name: "
+    "Kueue cannot admit a PyTorchJob job whole; use spec.backend JobSet or TrainJob, or drop the label",
+    check=lambda job: (not (job.metadata.labels or {}).get("kueue.x-k8s.io/queue-name")
+                       or job.spec.backend in KUEUE_WHOLE_BACKENDS),
+    detail=lambda job: f"got {job.spec.backend} with queue {job.metadata.labels['kueue.x-k8s.io/queue-name']!r}",
+)
+"""The one rule over the whole job (its labels): a CRD's CEL sees no `metadata.labels`, so
+its CEL is over `object` and the chart's ValidatingAdmissionPolicy `<release>-jobs` carries
+it (charts/rlhf-operator/templates/admission-policy.yaml; a unit test holds them equal);
+`PodSettings.from_job` checks it in Python (the operator fails such a job, InvalidSpec;
+`rlhfctl render` and `submit` exit 2)."""
+
+JOB_RULES: tuple[Rule, ...] = (QUEUE_LABEL_BACKEND,)
+"""Rules over the whole RLHFJob (check and detail take the job, CEL is over `object`)."""
+
+
 class RuleViolations(ValueError):
     """One or more rules failed; `violations` holds (field path under spec, message)."""
 
