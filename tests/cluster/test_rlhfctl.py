@@ -168,3 +168,40 @@ def test_a_refused_job_leaves_no_config_maps(cluster: Cluster, setup, tmp_path, 
     err = capsys.readouterr().err
     assert code == 1 and "forbidden" in err and "rlhfjobs" in err
     assert not cluster.get("configmaps", namespace=ns, selector=f"rlhf.dev/workdir-of={name}")["items"]
+
+
+def served_backends(cluster: Cluster) -> dict[str, bool]:
+    """What the cluster has, read from its CRDs (kubectl), for the tests below to compare."""
+    crds = {c["metadata"]["name"] for c in cluster.get("crd")["items"]}
+    return {"PyTorchJob": "pytorchjobs.kubeflow.org" in crds, "JobSet": "jobsets.jobset.x-k8s.io" in crds,
+            "TrainJob": "trainjobs.trainer.kubeflow.org" in crds,
+            "Kueue": any(c.endswith(".kueue.x-k8s.io") for c in crds)}
+
+
+def test_env_lists_the_backends_the_cluster_has(cluster: Cluster, capsys):
+    code, out, _ = rlhfctl(cluster, capsys, "env", "-o", "json")
+    assert code == 0
+    have = served_backends(cluster)
+    assert have["PyTorchJob"] and have["JobSet"]  # the test cluster runs both controllers
+    assert json.loads(out)["cluster"]["backends"] == {k: "installed" if v else "not installed" for k, v in have.items()}
+
+
+def test_submit_refuses_a_job_whose_backend_the_cluster_lacks(cluster: Cluster, setup, tmp_path, capsys):
+    if served_backends(cluster)["TrainJob"]:
+        pytest.skip("Kubeflow Trainer's CRDs are installed on this cluster (an earlier test)")
+    ns = setup["ns"]
+    doc = job_doc("nobackend", backend="TrainJob")
+    doc["spec"]["pod"]["volumeMounts"] = [{"name": "work", "mountPath": "/work"}]
+    doc["spec"].update(model={"path": "/work/models/tiny"}, data={"path": "/work/data/train.jsonl"},
+                       output={"dir": "/work/output"})
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(doc))
+    code, _, err = rlhfctl(cluster, capsys, "submit", str(tmp_path / "job.yaml"), "-n", ns)
+    assert code == 2
+    assert "spec.backend TrainJob: the cluster has no trainjobs.trainer.kubeflow.org CRD; install Kubeflow Trainer" in err
+    assert cluster.kubectl("get", "rlhfjob", "nobackend", "-n", ns, check=False).returncode != 0
+    # the same job as a JobSet (the cluster has it) goes through
+    doc["spec"]["backend"] = "JobSet"
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(doc))
+    code, out, err = rlhfctl(cluster, capsys, "submit", str(tmp_path / "job.yaml"), "-n", ns)
+    assert code == 0, err
+    cluster.kubectl("delete", "rlhfjob", "nobackend", "-n", ns, "--wait=false")

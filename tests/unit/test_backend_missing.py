@@ -87,3 +87,16 @@ def test_the_report_sets_the_condition_and_the_message_once():
     assert events == [("Warning", "BackendMissing", missing_message("TrainJob"))]
     r._report(body, patched[-1], {MISSING: missing_message("TrainJob")})
     assert len(events) == 1
+
+
+def test_which_backends_a_cluster_has_is_read_from_api_discovery():
+    from rlhf_contract.backends import installed
+
+    served = {("kubeflow.org", "v1"): {"pytorchjobs", "pytorchjobs/status", "tfjobs"},
+              ("jobset.x-k8s.io", "v1alpha2"): {"jobsets"}}
+    groups = {"apps", "kubeflow.org", "jobset.x-k8s.io", "kueue.x-k8s.io"}
+    assert installed(groups, lambda g, v: served.get((g, v))) == {
+        "PyTorchJob": True, "JobSet": True, "TrainJob": False, "Kueue": True}
+    # a group served without our version or resource (Kubeflow's other operators) is not the backend
+    assert not installed({"kubeflow.org"}, lambda g, v: {"tfjobs"})["PyTorchJob"]
+    assert not installed({"trainer.kubeflow.org"}, lambda g, v: None)["TrainJob"]
