@@ -102,8 +102,10 @@ def test_the_pod_trainer_v2_makes_is_the_pytorchjob_backends_trainer_pod():
     assert made["metadata"]["labels"]["rlhf.dev/job-uid"] == data["metadata"]["uid"]
     js_labels = tj["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["metadata"]["labels"]
     assert js_labels["rlhf.dev/job"] == "demo" and js_labels["rlhf.dev/attempt"] == "0"
-    queued = job_data()
-    queued["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] = "gpu-queue"  # Kueue admits a TrainJob whole
+    queued = job_data(method="sft")  # the TrainJob alone: Kueue admits it whole
+    for key in ("rollout", "schedule"):
+        queued["spec"].pop(key)
+    queued["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] = "gpu-queue"
     tj = trainjob_of(queued)
     assert tj["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-queue"  # what Kueue reads
 

@@ -319,20 +319,26 @@ def immutable_cel(field: str) -> str:
             f"(!has(self.{field}) || self.{field} == oldSelf.{field})")
 
 
-KUEUE_WHOLE_BACKENDS: tuple[str, ...] = ("JobSet", "TrainJob")
-"""The backends Kueue admits as one workload (its JobSet and TrainJob integrations); its
-PyTorchJob integration is deprecated, off by default, and leaves the rollout StatefulSet a
-workload of its own."""
+_OFFLINE_CEL = "(has(object.spec.method) && object.spec.method in [" + ", ".join(
+    f"'{m}'" for m in Method if m.offline) + "])"
+_COLOCATED_CEL = ("(has(object.spec.rollout) && has(object.spec.rollout.placement) && "
+                  "object.spec.rollout.placement == 'colocated')")
 
 QUEUE_LABEL_BACKEND = Rule(
     field_path="backend",
     cel=("object.metadata.?labels[?'kueue.x-k8s.io/queue-name'].orValue('') == '' || "
-         "!has(object.spec.backend) || object.spec.backend in ['" + "', '".join(KUEUE_WHOLE_BACKENDS) + "']"),
-    message="must be JobSet or TrainJob (or unset: JobSet) on a job with the label kueue.x-k8s.io/queue-name: "
-    "Kueue cannot admit a PyTorchJob job whole; use spec.backend JobSet or TrainJob, or drop the label",
+         "!has(object.spec.backend) || object.spec.backend == 'JobSet' || "
+         f"(object.spec.backend == 'TrainJob' && ({_OFFLINE_CEL} || {_COLOCATED_CEL}))"),
+    message="on a job with the label kueue.x-k8s.io/queue-name must be JobSet (or unset: JobSet), or TrainJob "
+    "when the trainer's pods are the job's only pods (method sft, rm or dpo, or rollout.placement colocated): "
+    "Kueue admits a JobSet or a TrainJob whole, not a PyTorchJob, nor the rollout StatefulSet beside a "
+    "TrainJob; use spec.backend JobSet or TrainJob, or drop the label",
     check=lambda job: (not (job.metadata.labels or {}).get("kueue.x-k8s.io/queue-name")
-                       or job.spec.backend in KUEUE_WHOLE_BACKENDS),
-    detail=lambda job: f"got {job.spec.backend} with queue {job.metadata.labels['kueue.x-k8s.io/queue-name']!r}",
+                       or job.spec.backend == "JobSet"
+                       or (job.spec.backend == "TrainJob" and job.spec.trainer_pods_only)),
+    detail=lambda job: (f"got {job.spec.backend}" + ("" if job.spec.backend != "TrainJob" else
+                                                     f" with method {job.spec.method} and rollout servers beside it")
+                        + f", queue {job.metadata.labels['kueue.x-k8s.io/queue-name']!r}"),
 )
 """The one rule over the whole job (its labels): a CRD's CEL sees no `metadata.labels`, so
 its CEL is over `object` and the chart's ValidatingAdmissionPolicy `<release>-jobs` carries

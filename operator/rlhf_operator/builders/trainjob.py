@@ -136,7 +136,7 @@ def build_runtime(image: str, name: str = RUNTIME_NAME) -> dict[str, Any]:
         "kind": "ClusterTrainingRuntime",
         "metadata": {"name": name, "labels": {LABEL_MANAGED_BY: MANAGER}},
         "spec": {
-            "mlPolicy": {"numNodes": 1, "torch": {"numProcPerNode": "auto"}},
+            "mlPolicy": {"numNodes": 1, "torch": {}},  # v2.3: processes per node on the TrainJob only
             # no failurePolicy: the first failed Job fails the JobSet (JobSet never restarts it; the
             # whole job, rollout servers too, restarts as one unit). An explicit maxRestarts 0
             # would make the runtime un-updatable: Trainer's client drops the zero, and JobSet's
