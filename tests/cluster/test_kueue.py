@@ -186,13 +186,22 @@ def queued_trainjob(name: str, nodes: int) -> dict:
     from .test_trainjob import trainjob_doc
 
     doc = trainjob_doc(name, nodes=nodes, method="sft")
-    for key in ("rollout", "schedule"):
+    for key in ("rollout", "schedule", "algorithm"):  # what an sft job has not
         doc["spec"].pop(key)
     doc["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "team"}
     return doc
 
 
-def test_kueue_admits_a_trainjob_whole_through_its_runtime_patch_or_holds_it(cluster: Cluster, setup, trainer):
+def _trainjob_story(cluster: Cluster, ns: str, name: str, kueue_log: Path, trainer_log: Path) -> str:
+    """What Kueue and Trainer made of a TrainJob, for a failure's message."""
+    tj = cluster.kubectl("get", "trainjob", f"{name}-trainer", "-n", ns, "-o", "yaml", check=False).stdout
+    wls = cluster.kubectl("get", "workloads", "-n", ns, "-o", "yaml", check=False).stdout
+    tail = lambda path: "\n".join(l for l in path.read_text(errors="replace").splitlines()
+                                   if name in l and "Reconciler error" not in l)[-4000:]
+    return f"TrainJob:\n{tj}\nworkloads:\n{wls[-4000:]}\nkueue:\n{tail(kueue_log)}\ntrainer:\n{tail(trainer_log)}"
+
+
+def test_kueue_admits_a_trainjob_whole_through_its_runtime_patch_or_holds_it(cluster: Cluster, setup, kueue, trainer):
     ns, log = setup["ns"], setup["log"]
     create(cluster, ns, queued_trainjob("tjbig", nodes=3))  # 6 GPUs: more than the queue's 4
     wait_for(lambda: cluster.get("workloads", namespace=ns)["items"], 60, "Kueue's workload of the TrainJob")
@@ -204,7 +213,10 @@ def test_kueue_admits_a_trainjob_whole_through_its_runtime_patch_or_holds_it(clu
     cluster.kubectl("delete", "rlhfjob", "tjbig", "-n", ns)
 
     create(cluster, ns, queued_trainjob("tjfits", nodes=2))  # 4 GPUs
-    wait_job(cluster, ns, "tjfits", "Running", 0, log=log, timeout=120)
+    try:
+        wait_job(cluster, ns, "tjfits", "Running", 0, log=log, timeout=120)
+    except TimeoutError as err:
+        raise AssertionError(f"{err}\n{_trainjob_story(cluster, ns, 'tjfits', kueue['log'], trainer)}") from None
     tj = cluster.get("trainjob", "tjfits-trainer", namespace=ns)
     assert tj["spec"].get("suspend") is False
     assert {p["manager"] for p in tj["spec"]["runtimePatches"]} == {"rlhf.dev/operator", "kueue.x-k8s.io/manager"}

@@ -180,6 +180,13 @@ def _not_in(items: list[dict[str, Any]], shared: list[dict[str, Any]]) -> list[d
     return [copy.deepcopy(i) for i in items if i["name"] not in names]
 
 
+def _go_form(env: dict[str, Any]) -> dict[str, Any]:
+    """An env entry as Go's corev1.EnvVar writes it (an empty value omitted: the same empty
+    variable). `spec.trainer` is immutable, and Kueue unsuspends a TrainJob with an update
+    of the whole object through Go types: a `value: ""` it would drop fails that update."""
+    return {"name": env["name"]} if env.get("value") == "" and "valueFrom" not in env else env
+
+
 def runtime_patch(pod: dict[str, Any], labels: dict[str, str]) -> dict[str, Any]:
     """Our `runtimePatches` entry: what of the trainer pod `pod` the runtime does not fix, and
     `labels` on the JobSet and its `node` Job."""
@@ -203,7 +210,7 @@ def build_trainjob(job: RLHFJob, attempt: int, settings: PodSettings) -> dict[st
     t = job.spec.trainer
     trainer: dict[str, Any] = {field: copy.deepcopy(container[key]) for key, field in _TRAINER_CONTAINER.items()}
     trainer.update(numNodes=t.num_nodes, numProcPerNode=t.nproc_per_node,
-                   env=[e for e in container["env"] if e["name"] not in TORCH_ENV])
+                   env=[_go_form(e) for e in container["env"] if e["name"] not in TORCH_ENV])
     labels = {**job_labels(job), LABEL_ATTEMPT: str(attempt)}
     return {
         "apiVersion": TRAINER_API_VERSION,
