@@ -70,7 +70,8 @@ _BLAME = {  # a pod key the TrainJob cannot set -> the spec field that put it th
     "topologySpreadConstraints": "pod.topologySpreadConstraints",
     "schedulerName": "pod.schedulerName", "priorityClassName": "pod.priorityClassName",
     "runtimeClassName": "pod.runtimeClassName", "resourceClaims": "pod.resourceClaims",
-    "imagePullSecrets": "pod.imagePullSecrets", "initContainers": "model.path / data.path / output.uri (hf:// and s3:// need the download step)",
+    "imagePullSecrets": "pod.imagePullSecrets",
+    "initContainers": "model.path / data.path / output.uri (hf:// and s3:// need the download step)",
     "envFrom": "storageSecret / pod.envFrom",
     "volumeMounts": "pod.volumeMounts (one volume mounted twice: a TrainJob lists mounts by volume name)",
 }
@@ -238,8 +239,9 @@ def adoption_labels(trainjob: dict[str, Any] | None, jobset: dict[str, Any] | No
                     pod: dict[str, Any]) -> dict[str, str] | None:
     """The labels a pod of our TrainJob needs to be seen as the job's (`rlhf.dev/job`,
     `job-uid`, `attempt`): a v2.3 TrainJob's pods carry them from the runtime patch; a pod
-    made by an older Trainer (v2.0 could not label pods) gets them patched on; or None when the pod is not provably of this TrainJob's JobSet: it must carry the
-    JobSet's uid, the JobSet must be owned by the TrainJob, and the TrainJob by a job."""
+    made by an older Trainer (v2.0 could not label pods) gets them patched on; or None when
+    the pod is not provably of this TrainJob's JobSet: it must carry the JobSet's uid, the
+    JobSet must be owned by the TrainJob, and the TrainJob by a job."""
     if trainjob is None or jobset is None:
         return None
     labels = pod["metadata"].get("labels") or {}
