@@ -20,7 +20,7 @@ Each job: 2 rollout servers x 1 GPU + 1 trainer pod x 2 GPUs. `--backend JobSet`
 same jobs as JobSets (the JobSet controller restarts them: the latency then also holds the
 Job controller failing the Job and the JobSet controller recreating its Jobs). `--backend
 TrainJob` runs the trainers as Kubeflow Trainer v2 TrainJobs (its controller started here,
-tests/cluster/trainer_v2.py; `make trainer-bin` first); the operator labels their pods.
+tests/cluster/trainer_v2.py; `make trainer-bin` first); their pods carry the job's labels from the runtime patch (Trainer v2.3).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 (kubeaccess.py), as `kubectl` would do it but knowing the job.
 
 `submit` validates the job as `validate` does, carries `--working-dir` in ConfigMaps
-(workdir.py), refuses what the operator would refuse (its own `PodSettings` check), creates
+(workdir.py), refuses what the operator would refuse (its own `PodSettings` check) and a job
+whose backend the cluster lacks (exit 2, naming the CRD and what installs it), creates
 the ConfigMaps, then the job, then makes the job their owner (so they go with it). `--wait`
 follows the phase and ends with the run's result: 0 Succeeded, the exit code the failed
 pod's message names (2, 126, 127: permanent), else 1. A job with `metadata.generateName` and
@@ -170,12 +171,32 @@ def _cmd_submit(args: argparse.Namespace) -> int:
     return _submit(args, config_maps, doc)
 
 
+def _backend_missing(kube: Kube, doc: dict[str, Any]) -> str | None:
+    """Why the job cannot run here (its resolved backend's CRD is not served: what to
+    install), or None; a cluster whose API groups cannot be read is let through (the
+    operator's BackendMissing condition says it then)."""
+    from kubernetes.client.rest import ApiException
+    from rlhf_contract.api.models import resolve_backend
+    from rlhf_contract.backends import missing_message
+
+    backend = resolve_backend((doc.get("spec") or {}).get("backend"), doc["metadata"].get("labels") or {})
+    try:
+        have = kube.backends()
+    except ApiException as err:
+        print(f"warning: cannot tell which backends the cluster has: {api_message(err)}", file=sys.stderr)
+        return None
+    return None if have.get(backend, True) else missing_message(backend)
+
+
 @_cluster_command
 def _submit(args: argparse.Namespace, config_maps: list[dict[str, Any]], doc: dict[str, Any]) -> int:
     from kubernetes.client.rest import ApiException
     from .workdir import human
 
     kube = connect(args)
+    if (missing := _backend_missing(kube, doc)) is not None:
+        print(f"error: {missing}", file=sys.stderr)
+        return ExitCode.CONFIG_ERROR
     try:
         created = _create(kube, config_maps, doc)
     except ApiException as err:

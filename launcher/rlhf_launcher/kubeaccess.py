@@ -93,6 +93,27 @@ class Kube:
             raise
 
 
+    def backends(self, timeout: Any = TIMEOUT) -> dict[str, bool]:
+        """Which backends (`spec.backend`) the cluster serves, and Kueue, by API discovery
+        (rlhf_contract.backends.installed)."""
+        from kubernetes import client
+        from kubernetes.client.rest import ApiException
+        from rlhf_contract.backends import installed
+
+        groups = {g.name for g in client.ApisApi(self.api).get_api_versions(_request_timeout=timeout).groups}
+
+        def resources(group: str, version: str) -> set[str] | None:
+            try:
+                found = self.custom.get_api_resources(group, version, _request_timeout=timeout)
+            except ApiException as err:
+                if err.status == 404:  # the group is served, not this version
+                    return None
+                raise
+            return {r.name for r in found.resources}
+
+        return installed(groups, resources)
+
+
 def connect(args: argparse.Namespace) -> Kube:
     from kubernetes import config
 

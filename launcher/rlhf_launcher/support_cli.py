@@ -42,8 +42,9 @@ def _cuda() -> dict[str, Any]:
 
 
 def cluster_report(args: argparse.Namespace) -> dict[str, Any]:
-    """The API server, its Kubernetes version and the operator Deployments (image, version
-    label); `error` says why not when the cluster cannot be asked."""
+    """The API server, its Kubernetes version, the backends it has (`spec.backend`'s CRDs
+    served, and Kueue) and the operator Deployments (image, version label); `error` says
+    why not when the cluster cannot be asked."""
     try:
         from kubernetes import client
 
@@ -52,6 +53,11 @@ def cluster_report(args: argparse.Namespace) -> dict[str, Any]:
         kube = connect(args)
         out: dict[str, Any] = {"server": kube.api.configuration.host}
         out["kubernetes"] = client.VersionApi(kube.api).get_code(_request_timeout=QUICK).git_version
+        try:
+            out["backends"] = {name: "installed" if have else "not installed"
+                               for name, have in kube.backends(QUICK).items()}
+        except client.ApiException as err:
+            out["backends"] = f"cannot read the API groups: {api_message(err)}"
         try:
             found = kube.apps.list_deployment_for_all_namespaces(label_selector=OPERATOR_SELECTOR,
                                                                   _request_timeout=QUICK).items

@@ -4,7 +4,9 @@ decided: Suspended, Running, Restarting, Succeeded, Failed; and two set after an
 child of the job (a 422: e.g. an invalid `spec.pod.volumes` entry), False once it accepts
 them; `ChildConflict` (`conflict_condition`): True, naming the objects, while objects with
 the names of the job's children exist that the job does not control (ownership.py), False
-once they are gone. A condition's transition time moves only when its status does."""
+once they are gone; `BackendMissing` (`missing_condition`): True, naming the CRD and what
+installs it, while the cluster has no CRD of the job's backend (its workload's create is a
+404), False once it has. A condition's transition time moves only when its status does."""
 
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ from .failures import ts
 
 CHILD_REFUSED = "ChildRefused"
 CHILD_CONFLICT = "ChildConflict"
-CONDITION_TYPES = ("Suspended", "Running", "Restarting", "Succeeded", "Failed", CHILD_REFUSED, CHILD_CONFLICT)
+BACKEND_MISSING = "BackendMissing"
+CONDITION_TYPES = ("Suspended", "Running", "Restarting", "Succeeded", "Failed", CHILD_REFUSED, CHILD_CONFLICT,
+                   BACKEND_MISSING)
 
 
 def conditions_by_type(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -105,3 +109,11 @@ def conflict_condition(conds: dict[str, dict[str, Any]], conflict: str | None, n
     None when every child is the job's or absent); True when the condition changed."""
     return _outcome_condition(conds, CHILD_CONFLICT, conflict, "NotOwned",
                               ("Resolved", "every child of the job is the job's own"), now, generation)
+
+
+def missing_condition(conds: dict[str, dict[str, Any]], missing: str | None, now: datetime,
+                      generation: int | None = None) -> bool:
+    """Set `BackendMissing` from an apply's outcome (`missing`: which CRD and what to install,
+    or None once the workload was written); True when the condition changed."""
+    return _outcome_condition(conds, BACKEND_MISSING, missing, "CRDNotFound",
+                              ("Installed", "the cluster has the backend's CRD"), now, generation)

@@ -210,8 +210,9 @@ class Kube:
         return dataclasses.replace(observed, pods=observed.pods + adopted) if adopted else observed
 
     def adopt_trainjob_pods(self, namespace: str, name: str, trainjob: dict[str, Any]) -> list[dict[str, Any]]:
-        """Backend TrainJob: label the TrainJob's new pods as the job's (Trainer v2.0.0 cannot),
-        so that the pod watch, the NetworkPolicy and `rlhfctl logs` find them; the pods patched."""
+        """Backend TrainJob: label the TrainJob's pods that lack the job's labels (v2.3 puts them on
+        through the runtime patch; an older Trainer's pods need this), so that the pod watch, the
+        NetworkPolicy and `rlhfctl logs` find them; the pods patched."""
         found = self.request("GET", api_path("v1", "Pod", namespace),
                              query=[("labelSelector", unadopted_selector(name))])[0].get("items", [])
         if not found:

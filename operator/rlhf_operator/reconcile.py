@@ -40,12 +40,14 @@ from pydantic import ValidationError
 
 from rlhf_contract.api import problems
 from rlhf_contract.api.models import RLHFJob, resolve_backend
+from rlhf_contract.backends import BACKENDS, missing_message
 from rlhf_contract.redact import redact_text
 
 from kubernetes.client.rest import ApiException
 
 from . import metrics, status
-from .conditions import (CHILD_CONFLICT, CHILD_REFUSED, CONDITION_TYPES, conditions_by_type, conflict_condition,
+from .conditions import (BACKEND_MISSING, CHILD_CONFLICT, CHILD_REFUSED, CONDITION_TYPES, conditions_by_type,
+                         conflict_condition, missing_condition,
                          refused_condition)
 from .builders import LABEL_JOB_UID, PodSettings, PodSettingsError, build_support, build_workloads, job_settings
 from .builders.meta import attempt_of
@@ -57,7 +59,7 @@ log = logging.getLogger("rlhf_operator")
 APPLY_CACHE_SECONDS = 60.0  # children are re-applied at least this often (repairs manual edits)
 AUDIT_SECONDS = 300.0  # a job's children are read from the API server, not the indexes, this often
 JobKey = tuple[str, str]  # (namespace, name)
-REFUSED, CONFLICT, EARLIER = "refused", "conflict", "earlier"  # why a child was not written
+REFUSED, CONFLICT, EARLIER, MISSING = "refused", "conflict", "earlier", "missing"  # why a child was not written
 WORKLOAD_NAMES = {ck.kind: ck.name for ck in CHILD_KINDS if ck.name is not None}  # kind -> name(job)
 
 
@@ -212,8 +214,9 @@ class Reconciler:
         key, name = (obj["kind"], obj["metadata"]["name"]), obj["metadata"]["name"]
         digest, now = _digest(obj), time.monotonic()
         old = cache.applied.get(key)
-        if not force and old and old.digest == digest and now - old.when < APPLY_CACHE_SECONDS:
-            return old
+        missing = old is not None and old.problem is not None and old.problem[0] == MISSING
+        if (not force or missing) and old and old.digest == digest and now - old.when < APPLY_CACHE_SECONDS:
+            return old  # a missing CRD too: asked again once a minute, not on every reconcile
         uid = old.uid if old and not force else None
         if uid is None and (existing := seen or self.kube.get(obj)) is not None:
             if not controlled_by(existing, cache.uid):
@@ -229,6 +232,10 @@ class Reconciler:
             if uid and again and (err.status == 409 or (err.status == 422 and "metadata.uid" in (err.body or ""))):
                 cache.applied.pop(key, None)  # deleted or replaced since: whose is the name now?
                 return self._apply(cache, obj, force=True, again=False)
+            if err.status == 404 and obj["kind"] in BACKENDS:  # no such resource: the backend's CRD is missing
+                out = Written(digest, now, problem=(MISSING, missing_message(obj["kind"])))
+                cache.applied[key] = out
+                return out
             if err.status != 422:
                 raise
             out = Written(digest, now, problem=(REFUSED, redact_text(
@@ -274,11 +281,12 @@ class Reconciler:
         conds, now, generation = conditions_by_type(plan_status), datetime.now(timezone.utc), body["metadata"].get("generation")
         changed = [type_ for type_, problem, set_condition in (
             (CHILD_REFUSED, outcome.get(REFUSED), refused_condition),
-            (CHILD_CONFLICT, outcome.get(CONFLICT), conflict_condition)) if set_condition(conds, problem, now, generation)]
+            (CHILD_CONFLICT, outcome.get(CONFLICT), conflict_condition),
+            (BACKEND_MISSING, outcome.get(MISSING), missing_condition)) if set_condition(conds, problem, now, generation)]
         if not changed:
             return
         plan_status["conditions"] = [conds[t] for t in CONDITION_TYPES if t in conds]
-        if problem := outcome.get(CONFLICT) or outcome.get(REFUSED):
+        if problem := outcome.get(CONFLICT) or outcome.get(REFUSED) or outcome.get(MISSING):
             plan_status["message"] = problem
         meta = body["metadata"]
         self.kube.patch_status(meta["namespace"], meta["name"], status_view(plan_status))
@@ -322,7 +330,7 @@ class Reconciler:
                            node_lost_after=self.node_lost_after)
         old = body.get("status") or {}
         conds = conditions_by_type(plan.status)
-        blocked = next((c for t in (CHILD_CONFLICT, CHILD_REFUSED) if (c := conds.get(t, {})).get("status") == "True"), None)
+        blocked = next((c for t in (CHILD_CONFLICT, CHILD_REFUSED, BACKEND_MISSING) if (c := conds.get(t, {})).get("status") == "True"), None)
         if blocked and plan.status["phase"] not in status.TERMINAL:  # still why nothing runs, until the children are written
             plan.status["message"] = blocked["message"]
         # 1. The decision first: a restart or a terminal phase is durable before anything is deleted.

@@ -39,11 +39,11 @@ def test_defaults_render_the_operator_and_nothing_of_monitoring(render):
     kinds = sorted(d["kind"] for d in docs)
     # the operator's two ClusterRoles, and two aggregated into view / edit / admin for people
     # and `helm test`'s Pod with its own ServiceAccount, Role and RoleBinding; the admission
-    # policies that hold the operator to its own children and to adoption on pods
+    # policies that hold the operator to its own children and to adoption on pods, and jobs to the queue-label rule
     assert kinds == ["ClusterRole"] * 4 + ["ClusterRoleBinding", "ClusterRoleBinding", "CustomResourceDefinition",
                                            "Deployment", "Pod", "Role", "Role", "RoleBinding", "RoleBinding",
                                            "Service", "ServiceAccount", "ServiceAccount"] + [
-        "ValidatingAdmissionPolicy"] * 2 + ["ValidatingAdmissionPolicyBinding"] * 2
+        "ValidatingAdmissionPolicy"] * 3 + ["ValidatingAdmissionPolicyBinding"] * 3
     (crd,) = [d for d in docs if d["kind"] == "CustomResourceDefinition"]
     assert crd["spec"] == yaml.safe_load(crd_yaml())["spec"]  # the generated CRD, numbers intact
     assert crd["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}  # uninstall keeps every job
@@ -263,3 +263,17 @@ def test_allow_host_path_sets_the_operators_environment(render):
         return dep["spec"]["template"]["spec"]["containers"][0]["env"]
     assert {"name": "RLHF_ALLOW_HOST_PATH", "value": "1"} in env("security.allowHostPath=true")
     assert "RLHF_ALLOW_HOST_PATH" not in {e["name"] for e in env()}
+
+
+def test_the_jobs_admission_policy_is_the_contracts_queue_label_rule(render):
+    """A CRD's CEL cannot read labels: the chart's policy carries QUEUE_LABEL_BACKEND as is."""
+    from rlhf_contract.api.rules import QUEUE_LABEL_BACKEND
+
+    docs = by_kind(render())
+    policy = docs[("ValidatingAdmissionPolicy", "rel-rlhf-operator-jobs")]["spec"]
+    assert policy["matchConstraints"]["resourceRules"][0]["resources"] == ["rlhfjobs"]
+    (rule,) = policy["validations"]
+    assert rule["expression"] == QUEUE_LABEL_BACKEND.cel
+    assert rule["message"] == f"spec.{QUEUE_LABEL_BACKEND.field_path}: {QUEUE_LABEL_BACKEND.message}"
+    binding = docs[("ValidatingAdmissionPolicyBinding", "rel-rlhf-operator-jobs")]["spec"]
+    assert binding == {"policyName": "rel-rlhf-operator-jobs", "validationActions": ["Deny"]}

@@ -1,6 +1,6 @@
 """The chart's ClusterTrainingRuntime `rlhf-torch` is the one the operator's TrainJobs are
 built against (rlhf_operator.builders.trainjob.build_runtime), and it passes Kubeflow
-Trainer v2.0.0's own CRD schema."""
+Trainer v2.3's own CRD schema."""
 
 from __future__ import annotations
 

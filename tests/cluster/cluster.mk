@@ -29,7 +29,7 @@ kueue-bin:
 	bash tests/cluster/kueue/build.sh
 test: kueue-bin
 
-# Kubeflow Trainer v2.0.0 (spec.backend TrainJob), in a cache of its own (about 70 s, once).
+# Kubeflow Trainer v2.3.0 (spec.backend TrainJob), in a cache of its own (a few minutes, once).
 .PHONY: trainer-bin
 trainer-bin:
 	bash tests/cluster/trainer/build.sh

@@ -16,7 +16,7 @@ import yaml
 from rlhf_contract.api import JobError, validate_job
 from rlhf_contract.api.common import INT_MAX
 
-from .harness import Cluster
+from .harness import Cluster, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -322,3 +322,42 @@ def test_spec_is_immutable_but_suspend_and_run_policy(cluster: Cluster, ns: str)
         assert got["model"]["path"] == VALID["spec"]["model"]["path"]
     finally:
         cluster.kubectl("delete", "rlj", name, "-n", ns, "--wait=false", check=False)
+
+
+def test_a_queue_label_on_a_job_kueue_cannot_admit_whole_is_refused_by_the_charts_policy(cluster: Cluster, ns: str):
+    """A CRD's CEL cannot read labels: the chart's ValidatingAdmissionPolicy `<release>-jobs`
+    (QUEUE_LABEL_BACKEND's CEL) refuses a queued PyTorchJob job, and a queued TrainJob job with
+    rollout servers beside it, at `kubectl apply`; JobSet, unset, sft on TrainJob, no label pass."""
+    from rlhf_contract.api.rules import QUEUE_LABEL_BACKEND
+
+    chart = REPO / "charts" / "rlhf-operator"
+    out = cluster.helm("template", "adm", str(chart), "--kube-version", "1.34.0", "--show-only",
+                       "templates/admission-policy.yaml").stdout
+    docs = [d for d in yaml.safe_load_all(out) if d and d["metadata"]["name"].endswith("-jobs")]
+    assert [d["kind"] for d in docs] == ["ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
+    try:
+        cluster.apply(*docs)
+
+        def queued(name: str, **spec) -> dict:
+            doc = with_("metadata", {"name": name, "labels": {"kueue.x-k8s.io/queue-name": "team"}})
+            doc["spec"].update(spec)
+            return doc
+
+        refused = [queued("q-ptj", backend="PyTorchJob"), queued("q-tj-rl", backend="TrainJob")]
+        passed = [queued("q-js", backend="JobSet"), queued("q-unset"),
+                  queued("q-tj-sft", backend="TrainJob", method="sft"),
+                  with_("spec.backend", "PyTorchJob", with_("metadata", {"name": "no-queue"}))]
+
+        def outcome(doc):  # the policy's first evaluation waits for its type check: a few seconds
+            out = dry_run(cluster, ns, doc)
+            return out if out.returncode != 0 or doc not in refused else None
+
+        for doc in refused:
+            out = wait_for(lambda: outcome(doc), 30, f"{doc['metadata']['name']} refused by the policy")
+            assert QUEUE_LABEL_BACKEND.message in out.stderr, out.stderr
+        for doc in passed:
+            out = dry_run(cluster, ns, doc)
+            assert out.returncode == 0, (doc["metadata"]["name"], out.stderr)
+    finally:
+        for d in docs:
+            cluster.kubectl("delete", d["kind"].lower(), d["metadata"]["name"], "--ignore-not-found", check=False)

@@ -1,9 +1,11 @@
-"""Kueue v0.17.0 (the real controller and its JobSet webhooks, built by
+"""Kueue v0.17.0 (the real controller and its JobSet and TrainJob webhooks, built by
 tests/cluster/kueue/build.sh, skipped until then) in front of the operator's JobSet backend:
 a ClusterQueue with a GPU quota admits a job whole (trainer and rollout servers together) or
 not at all; the priority-class label reaches the JobSet, and a higher-priority job preempts a
 running one, which Kueue suspends (pods gone, restart budget and checkpoints kept) and admits
-again once the quota is free."""
+again once the quota is free. And in front of the TrainJob backend on Kubeflow Trainer v2.3
+(tests/cluster/trainer/build.sh): Kueue admits a TrainJob whole through its runtime patch
+(Kueue's own `runtimePatches` entry beside the operator's) or holds it suspended."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from . import pki
+from . import pki, trainer_v2
 from .harness import Cluster, free_port, wait_for
 from .procs import http_ok, terminate
 from .test_jobset import attempt_pods, jobset_doc
@@ -27,7 +29,7 @@ BUILD = Path(__file__).parent / "kueue" / "build.sh"
 KUEUE = "kueue.x-k8s.io/v1beta2"
 PRIORITY = "kueue.x-k8s.io/priority-class"
 METRICS_CERTS = Path("/etc/kueue/metrics/certs")
-WEBHOOK_PATHS = ("jobset", "kueue-x-k8s-io")  # JobSets and Kueue's own objects; no pod, Job or other webhook
+WEBHOOK_PATHS = ("jobset", "trainjob", "kueue-x-k8s-io")  # JobSets, TrainJobs, Kueue's own; no pod, Job or other
 
 
 def _webhooks(manifests: Path, port: int, certs: Path) -> list[dict]:
@@ -62,6 +64,13 @@ def kueue(cluster: Cluster, tmp_path_factory):
         pytest.skip(f"Kueue needs its metrics certificate in {METRICS_CERTS}: {err}")
     cluster.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "kueue-system"}})  # its own
     cluster.kubectl("apply", "--server-side", "-f", str(bin_dir / "crd"))
+    trainer = trainer_v2.built()
+    frameworks = ["jobset.x-k8s.io/jobset"]
+    if trainer is not None:  # Trainer's CRDs before Kueue starts: its TrainJob integration sets up at once
+        for crd in sorted((trainer / "crds").glob("trainer.kubeflow.org_*.yaml")):
+            cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd))
+        cluster.wait_established("trainjobs.trainer.kubeflow.org")
+        frameworks.append("trainer.kubeflow.org/trainjob")
     for crd in ("clusterqueues", "localqueues", "workloads", "resourceflavors", "workloadpriorityclasses"):
         cluster.wait_established(f"{crd}.kueue.x-k8s.io")
     hooks = _webhooks(bin_dir / "webhook" / "manifests.yaml", port, certs)
@@ -72,7 +81,7 @@ def kueue(cluster: Cluster, tmp_path_factory):
         "leaderElection": {"leaderElect": False}, "internalCertManagement": {"enable": False},
         "webhook": {"port": port, "host": "127.0.0.1", "certDir": str(certs)},
         "metrics": {"bindAddress": "0"}, "health": {"healthProbeBindAddress": f"127.0.0.1:{health}"},
-        "integrations": {"frameworks": ["jobset.x-k8s.io/jobset"]},
+        "integrations": {"frameworks": frameworks},
     }))
     log = open(root / "kueue.log", "ab")
     proc = subprocess.Popen([str(bin_dir / "kueue"), f"--config={config}", "--feature-gates=VisibilityOnDemand=false",
@@ -160,3 +169,63 @@ def test_a_higher_priority_job_preempts_a_running_one_which_resumes_later(cluste
     wait_job(cluster, ns, "low", "Running", 0, log=log, timeout=120)
     attempt_pods(cluster, ns, "low", 0, count=3)
     cluster.kubectl("delete", "rlhfjob", "low", "-n", ns)
+
+
+@pytest.fixture(scope="module")
+def trainer(cluster: Cluster, kueue, tmp_path_factory):
+    bin_dir = trainer_v2.built()
+    if bin_dir is None:
+        pytest.skip("Kubeflow Trainer v2.3 is not built: `make trainer-bin`")
+    with trainer_v2.trainer_controller(cluster, bin_dir, tmp_path_factory.mktemp("trainer")) as log:
+        yield log
+
+
+def queued_trainjob(name: str, nodes: int) -> dict:
+    """An sft job as a TrainJob on the queue `team` (the trainer's pods are all it has: Kueue
+    admits it whole): `nodes` pods of 2 GPUs."""
+    from .test_trainjob import trainjob_doc
+
+    doc = trainjob_doc(name, nodes=nodes, method="sft")
+    for key in ("rollout", "schedule", "algorithm"):  # what an sft job has not
+        doc["spec"].pop(key)
+    doc["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "team"}
+    return doc
+
+
+def _trainjob_story(cluster: Cluster, ns: str, name: str, kueue_log: Path, trainer_log: Path) -> str:
+    """What Kueue and Trainer made of a TrainJob, for a failure's message."""
+    tj = cluster.kubectl("get", "trainjob", f"{name}-trainer", "-n", ns, "-o", "yaml", check=False).stdout
+    wls = cluster.kubectl("get", "workloads", "-n", ns, "-o", "yaml", check=False).stdout
+    tail = lambda path: "\n".join(l for l in path.read_text(errors="replace").splitlines()
+                                   if name in l and "Reconciler error" not in l)[-4000:]
+    return f"TrainJob:\n{tj}\nworkloads:\n{wls[-4000:]}\nkueue:\n{tail(kueue_log)}\ntrainer:\n{tail(trainer_log)}"
+
+
+def test_kueue_admits_a_trainjob_whole_through_its_runtime_patch_or_holds_it(cluster: Cluster, setup, kueue, trainer):
+    ns, log = setup["ns"], setup["log"]
+    create(cluster, ns, queued_trainjob("tjbig", nodes=3))  # 6 GPUs: more than the queue's 4
+    wait_for(lambda: cluster.get("workloads", namespace=ns)["items"], 60, "Kueue's workload of the TrainJob")
+    (wl,) = cluster.get("workloads", namespace=ns)["items"]
+    assert wl["metadata"]["ownerReferences"][0]["kind"] == "TrainJob"
+    assert [(ps["name"], ps["count"]) for ps in wl["spec"]["podSets"]] == [("node", 3)]
+    assert cluster.get("trainjob", "tjbig-trainer", namespace=ns)["spec"]["suspend"] is True  # Kueue's webhook
+    assert live_pods(cluster, ns, "tjbig") == [] and job(cluster, ns, "tjbig")["status"]["phase"] != "Running"
+    cluster.kubectl("delete", "rlhfjob", "tjbig", "-n", ns)
+
+    create(cluster, ns, queued_trainjob("tjfits", nodes=2))  # 4 GPUs
+    try:
+        wait_job(cluster, ns, "tjfits", "Running", 0, log=log, timeout=120)
+    except TimeoutError as err:
+        raise AssertionError(f"{err}\n{_trainjob_story(cluster, ns, 'tjfits', kueue['log'], trainer)}") from None
+    tj = cluster.get("trainjob", "tjfits-trainer", namespace=ns)
+    assert tj["spec"].get("suspend") is False
+    assert {p["manager"] for p in tj["spec"]["runtimePatches"]} == {"rlhf.dev/operator", "kueue.x-k8s.io/manager"}
+    wl = next(w for w in cluster.get("workloads", namespace=ns)["items"]
+              if w["metadata"]["ownerReferences"][0]["name"] == "tjfits-trainer")
+    assert any(c["type"] == "Admitted" and c["status"] == "True" for c in wl["status"]["conditions"])
+    ps = wait_for(lambda: (lambda got: got if len(got) == 2 and all(
+        p["status"].get("phase") == "Running" for p in got) else None)(live_pods(cluster, ns, "tjfits")),
+        90, "both trainer pods Running")
+    assert {p["metadata"]["labels"]["rlhf.dev/role"] for p in ps} == {"trainer"}
+    cluster.kubectl("delete", "rlhfjob", "tjfits", "-n", ns)
+    wait_for(lambda: not live_pods(cluster, ns, "tjfits"), 60, "pods of tjfits gone")

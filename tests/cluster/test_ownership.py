@@ -160,7 +160,7 @@ def test_the_charts_admission_policies_hold_the_operators_service_account_to_ado
     out = cluster.helm("template", release, str(CHART), "--namespace", "rlhf-system",
                        "--show-only", "templates/admission-policy.yaml", "--kube-version", "1.34.0")
     docs = [d for d in yaml.safe_load_all(out.stdout) if d]
-    assert sorted(d["kind"] for d in docs) == ["ValidatingAdmissionPolicy"] * 2 + ["ValidatingAdmissionPolicyBinding"] * 2
+    assert sorted(d["kind"] for d in docs) == ["ValidatingAdmissionPolicy"] * 3 + ["ValidatingAdmissionPolicyBinding"] * 3
     ns = new_namespace(cluster, "vap", level="baseline")
     sa = f"system:serviceaccount:rlhf-system:{release}-rlhf-operator"
     try:

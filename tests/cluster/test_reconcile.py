@@ -104,3 +104,63 @@ def test_the_helm_test_command_passes_with_an_operator_and_says_what_is_missing_
         assert gone.returncode != 0 or "deletionTimestamp" in gone.stdout
     finally:
         cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def test_a_backend_whose_crd_the_cluster_lacks_is_a_condition_naming_it(cluster: Cluster, monkeypatch):
+    """Backend TrainJob on a cluster without Kubeflow Trainer's CRDs: the create is a 404; the
+    job shows `BackendMissing` naming the CRD and what installs it (message and one Warning
+    event), reconciles do not ask again within a minute, and once the CRD is installed the
+    TrainJob is created and the condition turns False."""
+    from rlhf_operator import reconcile
+    from rlhf_operator.kube import Kube
+    from rlhf_operator.reconcile import Reconciler
+
+    from . import trainer_v2
+
+    crd = "trainjobs.trainer.kubeflow.org"
+    if cluster.kubectl("get", "crd", crd, check=False).returncode == 0:
+        pytest.skip(f"{crd} is installed on this cluster already (an earlier test)")
+    install_crd(cluster)
+    ns = new_namespace(cluster, "nocrd")
+    doc = job_doc("tj", backend="TrainJob")
+    doc["spec"]["pod"]["volumeMounts"] = [{"name": "work", "mountPath": "/work"}]
+    doc["spec"].update(model={"path": "/work/models/tiny"}, data={"path": "/work/data/train.jsonl"},
+                       output={"dir": "/work/output"})
+    installed = None
+    try:
+        with cluster.api_client() as api:
+            kube = Kube(api)
+            calls = []
+            apply = kube.apply
+            monkeypatch.setattr(kube, "apply", lambda obj, uid=None: (calls.append(obj["kind"]), apply(obj, uid))[1])
+            r = Reconciler(kube)
+            cluster.kubectl("create", "-n", ns, "-f", "-", input=yaml.safe_dump(doc))
+            for _ in range(3):
+                assert r.reconcile(ns, "tj") == "Pending"
+            assert calls.count("TrainJob") == 1  # asked once, not on every reconcile
+            st = cluster.get("rlhfjob", "tj", namespace=ns)["status"]
+            cond = next(c for c in st["conditions"] if c["type"] == "BackendMissing")
+            assert cond["status"] == "True" and cond["reason"] == "CRDNotFound"
+            assert f"no {crd} CRD; install Kubeflow Trainer v2.3" in cond["message"]
+            assert st["message"] == cond["message"]
+            events = [e for e in cluster.get("events", namespace=ns)["items"]
+                      if e["involvedObject"]["name"] == "tj" and e["reason"] == "BackendMissing"]
+            assert len(events) == 1 and events[0]["type"] == "Warning"
+
+            bin_dir = trainer_v2.built()
+            if bin_dir is None:
+                return  # the second half needs Trainer's CRD (`make trainer-bin`)
+            installed = bin_dir / "crds" / "trainer.kubeflow.org_trainjobs.yaml"
+            cluster.kubectl("apply", "--server-side", "-f", str(installed))
+            cluster.wait_established(crd)
+            monkeypatch.setattr(reconcile, "APPLY_CACHE_SECONDS", 0.0)  # the minute has passed
+            wait_for(lambda: r.reconcile(ns, "tj") and cluster.kubectl(
+                "get", "trainjob", "tj-trainer", "-n", ns, check=False).returncode == 0, 60, "the TrainJob created")
+            r.reconcile(ns, "tj")
+            cond = next(c for c in cluster.get("rlhfjob", "tj", namespace=ns)["status"]["conditions"]
+                        if c["type"] == "BackendMissing")
+            assert (cond["status"], cond["reason"]) == ("False", "Installed")
+    finally:
+        cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+        if installed is not None:  # as it was: later tests install Trainer with its controller and webhooks
+            cluster.kubectl("delete", "crd", crd, "--wait=false", check=False)

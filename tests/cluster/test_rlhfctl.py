@@ -343,3 +343,40 @@ def test_an_earlier_attempts_trainer_log_is_read_from_the_volume_through_a_runni
     assert code == 1 and not text and f"on the job's volume at {out}/logs/attempt-5/<pod>.log" in err
     assert f"none found there through pod {EXEC_POD}" in err
     cluster.kubectl("delete", "rlhfjob", name, "-n", ns, "--wait=false")
+
+
+def served_backends(cluster: Cluster) -> dict[str, bool]:
+    """What the cluster has, read from its CRDs (kubectl), for the tests below to compare."""
+    crds = {c["metadata"]["name"] for c in cluster.get("crd")["items"]}
+    return {"PyTorchJob": "pytorchjobs.kubeflow.org" in crds, "JobSet": "jobsets.jobset.x-k8s.io" in crds,
+            "TrainJob": "trainjobs.trainer.kubeflow.org" in crds,
+            "Kueue": any(c.endswith(".kueue.x-k8s.io") for c in crds)}
+
+
+def test_env_lists_the_backends_the_cluster_has(cluster: Cluster, capsys):
+    code, out, _ = rlhfctl(cluster, capsys, "env", "-o", "json")
+    assert code == 0
+    have = served_backends(cluster)
+    assert have["PyTorchJob"] and have["JobSet"]  # the test cluster runs both controllers
+    assert json.loads(out)["cluster"]["backends"] == {k: "installed" if v else "not installed" for k, v in have.items()}
+
+
+def test_submit_refuses_a_job_whose_backend_the_cluster_lacks(cluster: Cluster, setup, tmp_path, capsys):
+    if served_backends(cluster)["TrainJob"]:
+        pytest.skip("Kubeflow Trainer's CRDs are installed on this cluster (an earlier test)")
+    ns = setup["ns"]
+    doc = job_doc("nobackend", backend="TrainJob")
+    doc["spec"]["pod"]["volumeMounts"] = [{"name": "work", "mountPath": "/work"}]
+    doc["spec"].update(model={"path": "/work/models/tiny"}, data={"path": "/work/data/train.jsonl"},
+                       output={"dir": "/work/output"})
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(doc))
+    code, _, err = rlhfctl(cluster, capsys, "submit", str(tmp_path / "job.yaml"), "-n", ns)
+    assert code == 2
+    assert "spec.backend TrainJob: the cluster has no trainjobs.trainer.kubeflow.org CRD; install Kubeflow Trainer" in err
+    assert cluster.kubectl("get", "rlhfjob", "nobackend", "-n", ns, check=False).returncode != 0
+    # the same job as a JobSet (the cluster has it) goes through
+    doc["spec"]["backend"] = "JobSet"
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(doc))
+    code, out, err = rlhfctl(cluster, capsys, "submit", str(tmp_path / "job.yaml"), "-n", ns)
+    assert code == 0, err
+    cluster.kubectl("delete", "rlhfjob", "nobackend", "-n", ns, "--wait=false")

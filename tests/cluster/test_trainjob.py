@@ -1,10 +1,10 @@
-"""`spec.backend: TrainJob` against the real Kubeflow Trainer v2.0.0 controller (built by
+"""`spec.backend: TrainJob` against the real Kubeflow Trainer v2.3 controller (built by
 tests/cluster/trainer/build.sh, skipped until then) with its CRDs and admission webhooks,
 the chart's ClusterTrainingRuntime `rlhf-torch`, the JobSet controller it builds on, and
 kwok pods in a `restricted` namespace.
 
-Checked: the TrainJob is admitted by Trainer's webhook and becomes a JobSet whose pods carry
-the job's labels once the operator adopts them; torchrun's PET_* variables are Trainer's and
+Checked: the TrainJob is admitted by Trainer's webhooks and becomes a JobSet whose pods carry
+the job's labels, the user's labels and annotations from birth (the runtime patch); torchrun's PET_* variables are Trainer's and
 name the pods' real DNS names; the weight-sync Service selects rank 0; any failed pod
 restarts the whole job (a new TrainJob, new pods, attempt + 1); a permanent exit code fails
 at once; suspend deletes every pod and resume brings the job back; the trainer finishing is
@@ -165,7 +165,29 @@ def test_trainjob_lost_node_restarts_the_job_once_without_spending_a_restart(clu
         cluster.kubectl("delete", "node", lossy, "--wait=false", check=False)
 
 
-def test_what_a_v2_0_trainjob_cannot_carry_fails_the_job_at_once(cluster: Cluster, setup):
+def test_what_v2_0_could_not_carry_reaches_the_pods_through_the_runtime_patch(cluster: Cluster, setup):
+    ns, log = setup["ns"], setup["log"]
+    doc = trainjob_doc("tjp", nodes=1)
+    doc["spec"]["trainer"]["pod"] = {"labels": {"team": "rl"}, "annotations": {"example.com/note": "v2.3"},
+                                     "affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+                                         {"weight": 1, "preference": {"matchExpressions": [
+                                             {"key": "kubernetes.io/os", "operator": "In", "values": ["linux"]}]}}]}}}
+    create(cluster, ns, doc)
+    wait_job(cluster, ns, "tjp", "Running", 0, log=log, timeout=120)
+    tj = cluster.get("trainjob", "tjp-trainer", namespace=ns)
+    (patch,) = tj["spec"]["runtimePatches"]
+    assert patch["manager"] == "rlhf.dev/operator" and patch.get("time")  # Trainer's defaulting webhook ran
+    trainer = next(p for p in attempt_pods(cluster, ns, "tjp", 0, count=3)
+                   if p["metadata"]["labels"]["rlhf.dev/role"] == "trainer")
+    labels = trainer["metadata"]["labels"]
+    assert labels["team"] == "rl" and labels["rlhf.dev/job-uid"] == job(cluster, ns, "tjp")["metadata"]["uid"]
+    assert trainer["metadata"]["annotations"]["example.com/note"] == "v2.3"
+    assert trainer["spec"]["affinity"] == doc["spec"]["trainer"]["pod"]["affinity"]
+    assert trainer["spec"]["serviceAccountName"] == "tjp-trainer"
+    cluster.kubectl("delete", "rlhfjob", "tjp", "-n", ns, "--wait=false")
+
+
+def test_what_a_v2_3_trainjob_cannot_carry_fails_the_job_at_once(cluster: Cluster, setup):
     ns, log = setup["ns"], setup["log"]
     doc = trainjob_doc("tjx", nodes=1)
     doc["spec"]["pod"]["priorityClassName"] = "high"

@@ -1,12 +1,13 @@
-"""Kubeflow Trainer v2.0.0's controller (tests/cluster/trainer/build.sh) on the test control
-plane, as a local process: its CRDs, its validating webhooks pointed at 127.0.0.1, and the
-chart's ClusterTrainingRuntime `rlhf-torch`. Used by test_trainjob.py and
-bench/operator_scale.py --backend TrainJob.
+"""Kubeflow Trainer v2.3's controller (tests/cluster/trainer/build.sh) on the test control
+plane, as a local process: its CRDs, its defaulting (mutating) and validating webhooks
+pointed at 127.0.0.1, and the chart's ClusterTrainingRuntime `rlhf-torch`. Used by
+test_trainjob.py, test_kueue.py and bench/operator_scale.py --backend TrainJob.
 
-Its cert rotator reads no flag for its namespace (kubeflow-system) and keeps a Secret only
-when it is valid for its own CA name and Service DNS name, so it gets a PKI of its own; its
-webhook server reads the serving certificate under $TMPDIR (the training-operator's is in
-/tmp)."""
+v2.3 reads its settings from a Configuration file (`--config`; the v2.0 flags are gone):
+the webhook and health ports, no metrics, no leader election, and no certificate management
+(`certManagement.enable: false`): its webhook server reads the serving certificate of a PKI
+of our own under $TMPDIR (the training-operator's is in /tmp), and the webhook
+configurations get its CA here."""
 
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ from .procs import http_ok, terminate
 
 BUILD = Path(__file__).parent / "trainer" / "build.sh"
 NAMESPACE = "kubeflow-system"
-SERVICE, SECRET, CA = "kubeflow-trainer-controller-manager", "kubeflow-trainer-webhook-cert", "kubeflow-trainer-ca"
-WEBHOOK = "validator.trainer.kubeflow.org"
+SERVICE, CA = "kubeflow-trainer-controller-manager", "kubeflow-trainer-ca"
+WEBHOOKS = {"MutatingWebhookConfiguration": "defaulter.trainer.kubeflow.org",
+            "ValidatingWebhookConfiguration": "validator.trainer.kubeflow.org"}  # as v2.3's kustomize patches name them
 
 
 def built() -> Path | None:
@@ -46,14 +48,25 @@ def _pki(root: Path) -> None:
         (served / name).write_bytes((root / name).read_bytes())
 
 
-def _webhooks(manifests: Path, port: int, ca: Path) -> dict:
-    (doc,) = [d for d in yaml.safe_load_all(manifests.read_text()) if d]
-    doc["metadata"] = {"name": WEBHOOK}
-    for hook in doc["webhooks"]:
-        path = hook["clientConfig"]["service"]["path"]
-        hook["clientConfig"] = {"url": f"https://127.0.0.1:{port}{path}", "caBundle": pki.b64(ca)}
-        hook["timeoutSeconds"] = 10
-    return doc
+def _webhooks(manifests: Path, port: int, ca: Path) -> list[dict]:
+    docs = [d for d in yaml.safe_load_all(manifests.read_text()) if d]
+    for doc in docs:
+        doc["metadata"] = {"name": WEBHOOKS[doc["kind"]]}
+        for hook in doc["webhooks"]:
+            path = hook["clientConfig"]["service"]["path"]
+            hook["clientConfig"] = {"url": f"https://127.0.0.1:{port}{path}", "caBundle": pki.b64(ca)}
+            hook["timeoutSeconds"] = 10
+    return docs
+
+
+def _config(root: Path, port: int, health: int) -> Path:
+    path = root / "trainer-config.yaml"
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "config.trainer.kubeflow.org/v1alpha1", "kind": "Configuration",
+        "health": {"healthProbeBindAddress": f"127.0.0.1:{health}"}, "metrics": {"bindAddress": "0"},
+        "webhook": {"port": port, "host": "127.0.0.1"}, "leaderElection": {"leaderElect": False},
+        "certManagement": {"enable": False}}))
+    return path
 
 
 @contextmanager
@@ -65,16 +78,13 @@ def trainer_controller(cluster: Cluster, bin_dir: Path, root: Path):
     for plural in ("trainjobs", "clustertrainingruntimes", "trainingruntimes"):
         cluster.wait_established(f"{plural}.trainer.kubeflow.org")
     cluster.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
-    cluster.apply({"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-                   "metadata": {"name": SECRET, "namespace": NAMESPACE},
-                   "data": {n: pki.b64(root / n) for n in ("ca.crt", "ca.key", "tls.crt", "tls.key")}})
     port, health = free_port(), free_port()
-    cluster.apply(_webhooks(bin_dir / "webhook" / "manifests.yaml", port, root / "ca.crt"))  # its CA injected here
+    for doc in _webhooks(bin_dir / "webhook" / "manifests.yaml", port, root / "ca.crt"):  # its CA injected here
+        cluster.apply(doc)
     log_path = root / "trainer.log"
     log = open(log_path, "ab")
     proc = subprocess.Popen(
-        [str(bin_dir / "trainer-controller-manager"), f"--webhook-server-port={port}", "--leader-elect=false",
-         f"--health-probe-bind-address=127.0.0.1:{health}", "--metrics-bind-address=0"],
+        [str(bin_dir / "trainer-controller-manager"), f"--config={_config(root, port, health)}"],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "TMPDIR": str(root / "tmp")})
     try:
@@ -83,6 +93,7 @@ def trainer_controller(cluster: Cluster, bin_dir: Path, root: Path):
         cluster.apply(build_runtime("example.invalid/trainer:1"))  # the chart's (tests/chart checks they match)
         yield log_path
     finally:  # the webhooks fail closed: gone before the controller is
-        cluster.kubectl("delete", "validatingwebhookconfiguration", WEBHOOK, "--ignore-not-found", check=False)
+        for kind, name in WEBHOOKS.items():
+            cluster.kubectl("delete", kind.lower(), name, "--ignore-not-found", check=False)
         terminate([proc.pid])
         log.close()

@@ -33,8 +33,8 @@ def make_job(**spec_overrides):
     data = {
         "apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob",
         "metadata": {"name": "demo", "namespace": "team-a", "uid": UID,
-                     "labels": {"kueue.x-k8s.io/queue-name": "gpu-queue"}},
-        "spec": {"backend": "PyTorchJob",  # said explicitly: with the queue label the default is JobSet
+                     "labels": {"kueue.x-k8s.io/priority-class": "gpu-high"}},
+        "spec": {"backend": "PyTorchJob",
                  "model": {"path": "/models/qwen"}, "data": {"path": "/data/train.jsonl"},
                  "rollout": {"replicas": 3, "tensorParallelSize": 2},
                  "trainer": {"numNodes": 2, "nprocPerNode": 8}, "schedule": {"promptsPerStep": 32},
@@ -150,7 +150,7 @@ def test_names_labels_and_owner_references():
     for t in templates:
         assert t["metadata"]["labels"]["rlhf.dev/attempt"] == "4"
         assert t["metadata"]["labels"]["rlhf.dev/job-uid"] == UID
-        assert t["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-queue"
+        assert t["metadata"]["labels"]["kueue.x-k8s.io/priority-class"] == "gpu-high"
     # The selector must not contain the attempt (immutable; the StatefulSet is replaced on restart).
     assert sts["spec"]["selector"]["matchLabels"] == {"rlhf.dev/job": "demo", "rlhf.dev/role": "rollout"}
 

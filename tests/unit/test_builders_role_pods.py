@@ -167,7 +167,7 @@ def test_the_accelerator_resource_cannot_be_set_by_hand():
 @pytest.mark.parametrize("labels, backend, expected", [
     ({}, None, "PyTorchJob"),
     ({"kueue.x-k8s.io/queue-name": "team"}, None, "JobSet"),  # Kueue admits a JobSet whole
-    ({"kueue.x-k8s.io/queue-name": "team"}, "PyTorchJob", "PyTorchJob"),  # said explicitly: kept
+    ({"kueue.x-k8s.io/queue-name": "team"}, "JobSet", "JobSet"),  # said explicitly: kept
 ])
 def test_the_default_backend_follows_the_kueue_queue_label(labels, backend, expected):
     data = job_data(trainer_pod={}, rollout_pod={})
@@ -179,3 +179,40 @@ def test_the_default_backend_follows_the_kueue_queue_label(labels, backend, expe
     assert job.spec.backend == expected
     kinds = {c["kind"] for c in build_children(job, 0)}
     assert ("JobSet" in kinds) == (expected == "JobSet") and ("PyTorchJob" in kinds) == (expected == "PyTorchJob")
+
+
+@pytest.mark.parametrize("backend, method, placement, refused", [
+    ("PyTorchJob", "rl", "separate", True),
+    ("PyTorchJob", "sft", "separate", True),  # Kueue's PyTorchJob integration: off by default, deprecated
+    ("TrainJob", "rl", "separate", True),  # the rollout StatefulSet beside the TrainJob: not admitted with it
+    ("TrainJob", "sft", "separate", False),  # the TrainJob is the job's only workload
+    ("TrainJob", "rl", "colocated", False),
+    ("JobSet", "rl", "separate", False),
+])
+def test_a_queue_label_on_a_job_kueue_cannot_admit_whole_is_refused(backend, method, placement, refused):
+    """Kueue admits one workload whole: a JobSet (trainer and servers), or a TrainJob when the
+    trainer's pods are all the job has; anything else under a queue is refused naming the fix."""
+    from rlhf_contract.api.rules import QUEUE_LABEL_BACKEND
+
+    data = job_data(trainer_pod={}, rollout_pod={})
+    data["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "team"}
+    data["spec"].update(backend=backend, method=method)
+    data["spec"]["pod"]["volumeMounts"] = data["spec"]["pod"]["volumeMounts"][:1]  # a TrainJob: one mount per volume
+    data["spec"]["pod"].pop("priorityClassName", None)  # no TrainJob field carries it
+    if method == "sft":
+        data["spec"].pop("rollout")
+        data["spec"].pop("schedule", None)
+    if placement == "colocated":
+        data["spec"]["rollout"].update(placement="colocated", replicas=1, tensorParallelSize=1,
+                                       vllm={"kvCacheMemoryBytes": 2 ** 30})
+        data["spec"]["trainer"].update(numNodes=1, nprocPerNode=1)
+    job = validate_job(data)
+    assert QUEUE_LABEL_BACKEND.check(job) is not refused
+    if not refused:
+        assert build_children(job, 0)
+        return
+    with pytest.raises(PodSettingsError, match=r"spec\.backend: on a job with the label kueue\.x-k8s\.io/queue-name "
+                       r"must be JobSet .*or drop the label \(got " + backend):
+        build_children(job, 0)
+    data["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": ""}  # an empty label is no queue (Kueue's reading too)
+    assert QUEUE_LABEL_BACKEND.check(validate_job(data))

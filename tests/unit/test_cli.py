@@ -130,7 +130,7 @@ def test_render_the_cluster_example_as_a_trainjob_of_the_charts_runtime(capsys):
     assert tj["spec"]["runtimeRef"] == {"name": "rlhf-torch", "apiGroup": "trainer.kubeflow.org",
                                         "kind": "ClusterTrainingRuntime"}
     assert tj["spec"]["trainer"]["numNodes"] == 2 and tj["spec"]["trainer"]["numProcPerNode"] == 8
-    # what a v2.0.0 TrainJob cannot carry: exit 2 naming the field, as the operator refuses it
+    # what a v2.3 TrainJob cannot carry: exit 2 naming the field, as the operator refuses it
     assert main(["render", str(CLUSTER_EXAMPLE), "--backend", "TrainJob", "--set", "pod.priorityClassName=high"]) == 2
     assert "spec.pod.priorityClassName" in capsys.readouterr().err
 

@@ -1,6 +1,7 @@
-"""`spec.backend: TrainJob`: the TrainJob manifest (Kubeflow Trainer v2.0.0) and the runtime
-it references. The pod Trainer v2 makes from runtime + TrainJob must be the trainer pod the
-other backends build (same contract), and what v2.0.0 cannot carry is refused by field."""
+"""`spec.backend: TrainJob`: the TrainJob manifest (Kubeflow Trainer v2.3, `runtimePatches`)
+and the runtime it references. The pod Trainer v2 makes from runtime + TrainJob must be the
+trainer pod the other backends build (same contract, labels included), and what v2.3 cannot
+carry is refused by field."""
 
 from __future__ import annotations
 
@@ -42,19 +43,28 @@ def _by_name(items: list[dict]) -> dict[str, dict]:
 
 
 def effective_pod(runtime: dict, tj: dict) -> dict:
-    """The trainer pod spec Trainer v2.0.0 builds: the runtime's `node` pod, the
-    podSpecOverrides merged by name (strategic merge: volumes, containers' volumeMounts),
-    then the torch plugin's and the JobSet builder's `trainer` fields on container `node`."""
+    """The trainer pod Trainer v2.3 builds: the runtime's `node` pod with each runtime patch's
+    `node` pod template merged in (a strategic merge patch over JobSetSpec, as
+    TrainingRuntime.mergeRuntimePatches: maps merged, volumes and containers by name, mounts
+    by mountPath, tolerations replaced), then the torch plugin's and the JobSet builder's
+    `trainer` fields on container `node`."""
     pod = copy.deepcopy(runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"])
     spec = pod["spec"]
-    for override in tj["spec"]["podSpecOverrides"]:
-        assert [t["name"] for t in override["targetJobs"]] == [NODE]
-        for key in ("serviceAccountName", "nodeSelector", "tolerations"):
-            if key in override:
-                spec[key] = override[key]
-        spec["volumes"] = list({**_by_name(spec["volumes"]), **_by_name(override.get("volumes", []))}.values())
+    for patch in tj["spec"]["runtimePatches"]:
+        assert patch["manager"] == "rlhf.dev/operator"
+        (rjob,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+        assert rjob["name"] == NODE
+        template = rjob["template"]["spec"]["template"]
+        for key, value in template["metadata"].items():
+            pod["metadata"][key] = {**pod["metadata"].get(key, {}), **value}
+        over = template["spec"]
+        for key in ("serviceAccountName", "nodeSelector", "tolerations", "affinity", "securityContext",
+                    "terminationGracePeriodSeconds"):
+            if key in over:
+                spec[key] = over[key]
+        spec["volumes"] = list({**_by_name(spec["volumes"]), **_by_name(over.get("volumes", []))}.values())
         containers = _by_name(spec["containers"])
-        for c in override.get("containers", []):
+        for c in over.get("containers", []):
             mounts = {m["mountPath"]: m for m in [*containers[c["name"]]["volumeMounts"], *c.get("volumeMounts", [])]}
             containers[c["name"]]["volumeMounts"] = list(mounts.values())  # corev1's merge key: mountPath
     node = _by_name(spec["containers"])[NODE]
@@ -65,7 +75,10 @@ def effective_pod(runtime: dict, tj: dict) -> dict:
 
 
 def _sorted(spec: dict) -> dict:
+    """`spec` in one order, env entries with an empty value as Go writes them (the same variable)."""
     spec = copy.deepcopy(spec)
+    for c in spec["containers"]:
+        c["env"] = [{"name": e["name"]} if e.get("value") == "" else e for e in c["env"]]
     spec["volumes"] = sorted(spec["volumes"], key=lambda v: v["name"])
     for c in spec["containers"]:
         c["name"] = NODE
@@ -82,6 +95,8 @@ def test_the_pod_trainer_v2_makes_is_the_pytorchjob_backends_trainer_pod():
                                         "kind": "ClusterTrainingRuntime"}
     assert tj["spec"]["trainer"]["numNodes"] == 2 and tj["spec"]["trainer"]["numProcPerNode"] == 8
     assert not {e["name"] for e in tj["spec"]["trainer"]["env"]} & set(TORCH_ENV)  # Trainer's webhook refuses them
+    # as Go's EnvVar writes it: Kueue's whole-object update must not change the immutable spec.trainer
+    assert not [e for e in tj["spec"]["trainer"]["env"] if e.get("value") == ""]
     made = effective_pod(build_runtime("any:1"), tj)
     ptj = children_of({**data, "spec": {**data["spec"], "backend": "PyTorchJob"}})[("PyTorchJob", "demo-trainer")]
     want = copy.deepcopy(ptj["spec"]["pytorchReplicaSpecs"]["Master"]["template"])
@@ -92,9 +107,17 @@ def test_the_pod_trainer_v2_makes_is_the_pytorchjob_backends_trainer_pod():
     want["spec"]["containers"][0]["env"] = [attempt if e["name"] == "RLHF_ATTEMPT" else e
                                             for e in want["spec"]["containers"][0]["env"]]
     assert _sorted(made["spec"]) == _sorted(want["spec"])
-    # v2.0.0 gives the pods no per-job labels: the runtime's role label, the job's go on the JobSet
-    assert made["metadata"]["labels"]["rlhf.dev/role"] == "trainer"
-    assert tj["spec"]["labels"]["rlhf.dev/job"] == "demo" and tj["spec"]["labels"]["rlhf.dev/attempt"] == "0"
+    # v2.3's runtime patch labels the pods as the job's from birth (no adoption), as PyTorchJob's
+    assert made["metadata"] == {**want["metadata"], "labels": {**want["metadata"]["labels"],
+                                                               "app.kubernetes.io/managed-by": "rlhf-operator"}}
+    assert made["metadata"]["labels"]["rlhf.dev/job-uid"] == data["metadata"]["uid"]
+    js_labels = tj["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["metadata"]["labels"]
+    assert js_labels["rlhf.dev/job"] == "demo" and js_labels["rlhf.dev/attempt"] == "0"
+    queued = job_data(method="sft")  # the TrainJob alone: Kueue admits it whole
+    for key in ("rollout", "schedule"):
+        queued["spec"].pop(key)
+    queued["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] = "gpu-queue"
+    tj = trainjob_of(queued)
     assert tj["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-queue"  # what Kueue reads
 
 
@@ -119,17 +142,41 @@ def test_pull_secrets_move_to_the_trainers_service_account_and_suspend_is_the_tr
     assert "imagePullSecrets" not in children_of(make_job())[("ServiceAccount", "demo-trainer")]
 
 
+@pytest.mark.parametrize("where, value", [
+    ("pod", {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h100"]}]}]}}}}),
+    ("trainer.pod", {"labels": {"team": "a"}}),
+    ("pod", {"annotations": {"k8s.v1.cni.cncf.io/networks": "rdma"}}),
+    ("runPolicy", {"terminationGracePeriodSeconds": 300}),
+])
+def test_what_v2_0_could_not_carry_a_v2_3_runtime_patch_does(where, value):
+    """Affinity, the user's pod labels and annotations, another grace period: Trainer v2.0
+    refused them, v2.3's runtime patch carries them, and the pod is still PyTorchJob's."""
+    data = job_data()
+    if where == "pod":
+        data["spec"]["pod"].update(value)
+    elif where == "trainer.pod":
+        data["spec"]["trainer"]["pod"] = value
+    else:
+        data["spec"][where] = value
+    tj = trainjob_of(data)
+    made = effective_pod(build_runtime("any:1"), tj)
+    ptj = children_of({**data, "spec": {**data["spec"], "backend": "PyTorchJob"}})[("PyTorchJob", "demo-trainer")]
+    want = ptj["spec"]["pytorchReplicaSpecs"]["Master"]["template"]
+    assert _sorted(made["spec"]) == _sorted(want["spec"])
+    assert {**want["metadata"]["labels"], **made["metadata"]["labels"]} == made["metadata"]["labels"]
+    assert made["metadata"].get("annotations") == want["metadata"].get("annotations")
+
+
 @pytest.mark.parametrize("where, value, blamed", [
-    ("pod", {"affinity": {"nodeAffinity": {}}}, "spec.pod.affinity"),
     ("pod", {"priorityClassName": "high"}, "spec.pod.priorityClassName"),
-    ("trainer.pod", {"labels": {"team": "a"}}, "spec.pod.labels"),
-    ("pod", {"annotations": {"k8s.v1.cni.cncf.io/networks": "rdma"}}, "spec.pod.annotations"),
+    ("pod", {"topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "zone", "whenUnsatisfiable": "DoNotSchedule"}]},
+     "spec.pod.topologySpreadConstraints"),
     ("storageSecret", "creds", "spec.storageSecret"),
     ("model", {"path": "hf://Qwen/Qwen2.5-0.5B"}, "spec.model.path"),
-    ("runPolicy", {"terminationGracePeriodSeconds": 300}, "spec.runPolicy.terminationGracePeriodSeconds"),
     ("twice", None, "spec.pod.volumeMounts"),
 ])
-def test_what_a_v2_0_trainjob_cannot_carry_is_refused_naming_the_field(where, value, blamed):
+def test_what_a_v2_3_trainjob_cannot_carry_is_refused_naming_the_field(where, value, blamed):
     data = job_data()
     if where == "pod":
         data["spec"]["pod"].update(value)
@@ -164,6 +211,13 @@ def test_trainjob_and_runtime_match_trainer_v2_crd_schemas():
     bad = copy.deepcopy(tj)
     bad["spec"]["trainer"]["numProcsPerNode"] = 8
     assert len(check_schema({k: v for k, v in bad.items() if k != "metadata"}, schema)) == 1
+    old = copy.deepcopy(tj)  # Trainer v2.0's field: gone from v2.3's schema
+    old["spec"]["podSpecOverrides"] = [{"targetJobs": [{"name": NODE}]}]
+    assert len(check_schema({k: v for k, v in old.items() if k != "metadata"}, schema)) == 1
+    full = trainjob_of(job_data(pod={"affinity": {"nodeAffinity": {}}, "annotations": {"a.io/b": "c"},
+                                     "volumes": [{"name": "models", "emptyDir": {}}],
+                                     "volumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": True}]}))
+    assert check_schema({k: v for k, v in full.items() if k != "metadata"}, schema) == []
     runtime = build_runtime("ghcr.io/rlhf-operator/trainer:0.1.0")
     assert check_schema({k: v for k, v in runtime.items() if k != "metadata"},
                         _trainer_crd("clustertrainingruntimes")) == []

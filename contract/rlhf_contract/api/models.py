@@ -119,11 +119,13 @@ class RLHFJobSpec(SpecModel):
     it as one workload. Unset: `JobSet` for a job with the label `kueue.x-k8s.io/queue-name`
     (Kueue admits it whole; its PyTorchJob integration is deprecated, off by default, and would
     leave the rollout StatefulSet a workload of its own), `PyTorchJob` otherwise. `TrainJob`:
-    the trainer as a Kubeflow Trainer v2 TrainJob referencing the chart's
+    the trainer as a Kubeflow Trainer v2.3 TrainJob referencing the chart's
     ClusterTrainingRuntime `rlhf-torch`, the rollout servers as with `PyTorchJob`, restarted
-    together by the operator (Trainer v2.0.0 cannot set the trainer pods' labels,
-    annotations, affinity, priority class, init containers or envFrom: such a job is
-    refused). Ignored in local mode."""
+    together by the operator (a TrainJob cannot set the trainer pods' priority class,
+    topology spread, scheduler, init containers or envFrom: such a job is refused). With a
+    queue label only `JobSet`, or `TrainJob` when the trainer's pods are all the job has
+    (sft, rm, dpo, or colocated rollout), are admitted whole by Kueue: others are refused.
+    The cluster must have the backend's CRD (`rlhfctl env` lists them). Ignored in local mode."""
     pod: PodTemplateSpec = Field(default_factory=PodTemplateSpec)
     """Scheduling and volumes of every pod of the job (ignored in local mode)."""
     suspend: bool = False

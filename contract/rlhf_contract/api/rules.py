@@ -325,6 +325,37 @@ def immutable_cel(field: str) -> str:
             f"(!has(self.{field}) || self.{field} == oldSelf.{field})")
 
 
+_OFFLINE_CEL = "(has(object.spec.method) && object.spec.method in [" + ", ".join(
+    f"'{m}'" for m in Method if m.offline) + "])"
+_COLOCATED_CEL = ("(has(object.spec.rollout) && has(object.spec.rollout.placement) && "
+                  "object.spec.rollout.placement == 'colocated')")
+
+QUEUE_LABEL_BACKEND = Rule(
+    field_path="backend",
+    cel=("object.metadata.?labels[?'kueue.x-k8s.io/queue-name'].orValue('') == '' || "
+         "!has(object.spec.backend) || object.spec.backend == 'JobSet' || "
+         f"(object.spec.backend == 'TrainJob' && ({_OFFLINE_CEL} || {_COLOCATED_CEL}))"),
+    message="on a job with the label kueue.x-k8s.io/queue-name must be JobSet (or unset: JobSet), or TrainJob "
+    "when the trainer's pods are the job's only pods (method sft, rm or dpo, or rollout.placement colocated): "
+    "Kueue admits a JobSet or a TrainJob whole, not a PyTorchJob, nor the rollout StatefulSet beside a "
+    "TrainJob; use spec.backend JobSet or TrainJob, or drop the label",
+    check=lambda job: (not (job.metadata.labels or {}).get("kueue.x-k8s.io/queue-name")
+                       or job.spec.backend == "JobSet"
+                       or (job.spec.backend == "TrainJob" and job.spec.trainer_pods_only)),
+    detail=lambda job: (f"got {job.spec.backend}" + ("" if job.spec.backend != "TrainJob" else
+                                                     f" with method {job.spec.method} and rollout servers beside it")
+                        + f", queue {job.metadata.labels['kueue.x-k8s.io/queue-name']!r}"),
+)
+"""The one rule over the whole job (its labels): a CRD's CEL sees no `metadata.labels`, so
+its CEL is over `object` and the chart's ValidatingAdmissionPolicy `<release>-jobs` carries
+it (charts/rlhf-operator/templates/admission-policy.yaml; a unit test holds them equal);
+`PodSettings.from_job` checks it in Python (the operator fails such a job, InvalidSpec;
+`rlhfctl render` and `submit` exit 2)."""
+
+JOB_RULES: tuple[Rule, ...] = (QUEUE_LABEL_BACKEND,)
+"""Rules over the whole RLHFJob (check and detail take the job, CEL is over `object`)."""
+
+
 class RuleViolations(ValueError):
     """One or more rules failed; `violations` holds (field path under spec, message)."""
 

@@ -32,7 +32,7 @@ def build_support(job: RLHFJob, settings: PodSettings | None = None) -> list[dic
     judge servers, which mount the volumes of `settings`)."""
     s = job.spec
     trainer_sa = s.trainer.pod.over(s.pod).service_account_annotations
-    # Trainer v2.0.0's TrainJob cannot list a pod's pull secrets: its ServiceAccount does
+    # pull secrets on the trainer's ServiceAccount (a TrainJob's pods take them from it)
     pulls = s.pod.image_pull_secrets if s.backend == "TrainJob" else ()
     common = [build_config_map(job), build_service_account(job, annotations=trainer_sa, pull_secrets=pulls),
               build_role(job),
@@ -68,7 +68,7 @@ def build_workloads(job: RLHFJob, attempt: int, settings: PodSettings) -> list[d
 
 
 def job_settings(job: RLHFJob, *, allow_host_path: bool = False) -> PodSettings:
-    """`PodSettings.from_job`, and for backend TrainJob what Trainer v2.0.0 cannot carry
+    """`PodSettings.from_job`, and for backend TrainJob what a Trainer v2.3 TrainJob cannot carry
     (TrainJobError, a PodSettingsError: the job is refused before any child is built).
     `allow_host_path`: the operator is installed with `security.allowHostPath`; otherwise a
     `hostPath` volume in `spec.pod` is a PodSettingsError naming it."""

@@ -77,11 +77,14 @@ class PodSettings:
                 f"metadata.annotations[{POD_SETTINGS_ANNOTATION}] is no longer read: move its keys to spec.pod "
                 "(nodeSelector, tolerations, affinity, priorityClassName, imagePullSecrets, volumes, volumeMounts) "
                 "and delete the annotation")
-        from rlhf_contract.api.rules import CLUSTER_RULES
+        from rlhf_contract.api.rules import CLUSTER_RULES, JOB_RULES
 
         for rule in CLUSTER_RULES:
             if not rule.check(job.spec):
                 raise PodSettingsError(rule.problem(rule.detail(job.spec)))
+        for rule in JOB_RULES:
+            if not rule.check(job):
+                raise PodSettingsError(rule.problem(rule.detail(job)))
         p = job.spec.pod
         if not allow_host_path:
             check_no_host_path(p.volumes)

@@ -1,15 +1,19 @@
 """`spec.backend: TrainJob`: the trainer as a Kubeflow Trainer v2 TrainJob
-(trainer.kubeflow.org/v1alpha1, kubeflow/trainer v2.0.0) that references the
+(trainer.kubeflow.org/v1alpha1, kubeflow/trainer v2.3) that references the
 ClusterTrainingRuntime `rlhf-torch` the chart ships (`build_runtime`); the rollout servers
 stay our StatefulSet and headless Service, as with the PyTorchJob backend.
 
 The runtime holds what is the same for every job (the trainer pod's security contexts,
 `/dev/shm` and the scratch volume, ports, `restartPolicy: Never`, `backoffLimit: 0`, a
-JobSet failure policy of 0 restarts); the TrainJob holds the job's own settings in the
-fields v2.0.0 has: `trainer.{image, command, env, numNodes, numProcPerNode,
-resourcesPerNode}` and one `podSpecOverrides` entry for the `node` job (ServiceAccount,
-nodeSelector, tolerations, volumes, the `node` container's volume mounts). Trainer v2's torch
-plugin sets PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK and PET_MASTER_ADDR/PORT
+JobSet failure policy of 0 restarts); the TrainJob holds the job's own settings:
+`trainer.{image, command, env, numNodes, numProcPerNode, resourcesPerNode}` and one
+`runtimePatches` entry (manager `rlhf.dev/operator`; Kueue writes its own entry beside it)
+for the `node` job: the JobSet's, Job's and pods' labels (the job's, so the pods are the
+job's from birth), the pods' annotations, ServiceAccount, nodeSelector, tolerations,
+affinity, a pod securityContext or grace period other than the runtime's, volumes and the
+`node` container's volume mounts. Trainer merges the patch into the runtime's JobSet
+template (a strategic merge patch: lists by name, maps merged). Trainer v2's torch plugin
+sets PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK and PET_MASTER_ADDR/PORT
 (`<trainjob>-node-0-0.<trainjob>:29500`), which `rlhf_trainer.launch` reads as it does
 under the training-operator.
 
@@ -19,9 +23,12 @@ PyTorchJob backend (TrainJob and StatefulSet deleted, every pod gone, attempt + 
 from the newest checkpoint), reading exit codes from the pods. The TrainJob never restarts
 anything itself, so `runPolicy.maxRestarts` is the only budget.
 
-What v2.0.0's TrainJob cannot say is refused by `trainjob_problems` with the field to change
-(no pod labels, annotations, affinity, priority class, init containers (the `hf://` / `s3://`
-download step), envFrom (`storageSecret`), ...): such a job needs backend JobSet or PyTorchJob.
+What a v2.3 TrainJob cannot say is refused by `trainjob_problems` with the field to change
+(priority class, topology spread, scheduler, runtime class, resource claims, init containers
+(the `hf://` / `s3://` download step: a patch may only change a container the runtime has),
+envFrom (`storageSecret`), one volume mounted twice): such a job needs backend JobSet or
+PyTorchJob. Trainer v2.0's `podSpecOverrides` and v2.1's renamed field are not written:
+the test cluster and the chart's runtime target v2.3.
 """
 
 from __future__ import annotations
@@ -53,34 +60,37 @@ TORCH_ENV = ("PET_NNODES", "PET_NPROC_PER_NODE", "PET_NODE_RANK", "PET_MASTER_AD
 # TrainJob carries the rest.
 _RUNTIME_POD = ("restartPolicy", "securityContext", "enableServiceLinks", "terminationGracePeriodSeconds",
                 "automountServiceAccountToken")
-_OVERRIDE_POD = ("serviceAccountName", "nodeSelector", "tolerations")
+_PATCH_POD = ("serviceAccountName", "nodeSelector", "tolerations", "affinity")
+_PATCH_IF_CHANGED = ("securityContext", "terminationGracePeriodSeconds")
+"""Runtime keys a runtime patch may change (PodSpecPatch); the others must equal the runtime's."""
+PATCH_MANAGER = "rlhf.dev/operator"
+"""Our `runtimePatches` entry's manager (a domain-prefixed path, as Trainer's webhook requires)."""
 _RUNTIME_CONTAINER = ("name", "ports", "securityContext", "terminationMessagePolicy")
 _TRAINER_CONTAINER = {"image": "image", "command": "command", "resources": "resourcesPerNode"}
 _BLAME = {  # a pod key the TrainJob cannot set -> the spec field that put it there
-    "affinity": "pod.affinity", "topologySpreadConstraints": "pod.topologySpreadConstraints",
+    "topologySpreadConstraints": "pod.topologySpreadConstraints",
     "schedulerName": "pod.schedulerName", "priorityClassName": "pod.priorityClassName",
     "runtimeClassName": "pod.runtimeClassName", "resourceClaims": "pod.resourceClaims",
-    "imagePullSecrets": "pod.imagePullSecrets", "securityContext": "pod.securityContext",
-    "terminationGracePeriodSeconds": "runPolicy.terminationGracePeriodSeconds",
+    "imagePullSecrets": "pod.imagePullSecrets",
     "initContainers": "model.path / data.path / output.uri (hf:// and s3:// need the download step)",
-    "envFrom": "storageSecret / pod.envFrom", "labels": "pod.labels", "annotations": "pod.annotations",
+    "envFrom": "storageSecret / pod.envFrom",
     "volumeMounts": "pod.volumeMounts (one volume mounted twice: a TrainJob lists mounts by volume name)",
 }
 
 
 class TrainJobError(PodSettingsError):
-    """The job asks for something Trainer v2.0.0's TrainJob cannot express; names the field
+    """The job asks for something a Trainer v2.3 TrainJob cannot express; names the field
     (a PodSettingsError: the operator fails the job at once, InvalidSpec)."""
 
 
-def _pod(job: RLHFJob, settings: PodSettings) -> dict[str, Any]:
+def _pod(job: RLHFJob, settings: PodSettings, attempt: int = 0) -> dict[str, Any]:
     """The trainer pod template exactly as the other backends build it, container `node`."""
     container = trainer_container(job, settings, rollout_endpoints=rollout_endpoints(job),
                                   weight_sync_addr=weight_sync_addr(job), name=NODE)
     spec = with_storage(job, settings, pod_spec(job, settings, [container], role=ROLE_TRAINER, restart_policy="Never",
                                                 service_account=trainer_name(job.metadata.name)), trainer=True)
     spec.pop("imagePullSecrets", None)  # on the trainer's ServiceAccount instead (builders.build_support)
-    return {"metadata": template_metadata(pod_labels(job, ROLE_TRAINER, 0), settings.role(ROLE_TRAINER)),
+    return {"metadata": template_metadata(pod_labels(job, ROLE_TRAINER, attempt), settings.role(ROLE_TRAINER)),
             "spec": spec}
 
 
@@ -128,7 +138,7 @@ def build_runtime(image: str, name: str = RUNTIME_NAME) -> dict[str, Any]:
         "kind": "ClusterTrainingRuntime",
         "metadata": {"name": name, "labels": {LABEL_MANAGED_BY: MANAGER}},
         "spec": {
-            "mlPolicy": {"numNodes": 1, "torch": {"numProcPerNode": "auto"}},
+            "mlPolicy": {"numNodes": 1, "torch": {}},  # v2.3: processes per node on the TrainJob only
             # no failurePolicy: the first failed Job fails the JobSet (JobSet never restarts it; the
             # whole job, rollout servers too, restarts as one unit). An explicit maxRestarts 0
             # would make the runtime un-updatable: Trainer's client drops the zero, and JobSet's
@@ -141,31 +151,27 @@ def build_runtime(image: str, name: str = RUNTIME_NAME) -> dict[str, Any]:
     }
 
 
-def trainjob_problems(pod: dict[str, Any], runtime: dict[str, Any], user_labels: dict[str, str]) -> list[str]:
+def trainjob_problems(pod: dict[str, Any], runtime: dict[str, Any]) -> list[str]:
     """What in the trainer pod neither the runtime's pod template nor a TrainJob field can carry."""
     spec, fixed = pod["spec"], runtime["spec"]
     container, fixed_c = spec["containers"][0], fixed["containers"][0]
-    keys = [k for k in spec if k not in (*_RUNTIME_POD, *_OVERRIDE_POD, "volumes", "containers") or
-            (k in _RUNTIME_POD and spec[k] != fixed[k])]
+    keys = [k for k in spec if k not in (*_RUNTIME_POD, *_PATCH_POD, "volumes", "containers") or
+            (k in _RUNTIME_POD and k not in _PATCH_IF_CHANGED and spec[k] != fixed[k])]
     keys += [k for k in container if k not in (*_RUNTIME_CONTAINER, *_TRAINER_CONTAINER, "env", "volumeMounts")
              or (k in _RUNTIME_CONTAINER and container[k] != fixed_c[k])]
     names = [m["name"] for m in container["volumeMounts"]]
     if len(names) != len(set(names)):
         keys.append("volumeMounts")
-    if user_labels:
-        keys.append("labels")
-    if pod["metadata"].get("annotations"):
-        keys.append("annotations")
-    return [f"spec.{_BLAME.get(k, k)}: a TrainJob (Kubeflow Trainer v2.0.0) cannot set the trainer pods' {k} "
-            f"(the runtime {RUNTIME_NAME} fixes it or no TrainJob field carries it); unset it, or use "
+    return [f"spec.{_BLAME.get(k, k)}: a TrainJob (Kubeflow Trainer v2.3) cannot set the trainer pods' {k} "
+            f"(the runtime {RUNTIME_NAME} fixes it and no runtime patch carries it); unset it, or use "
             "spec.backend JobSet" for k in dict.fromkeys(keys)]
 
 
-def check_trainjob(job: RLHFJob, settings: PodSettings) -> dict[str, Any]:
-    """The trainer pod, or TrainJobError naming every field a v2.0.0 TrainJob cannot carry
+def check_trainjob(job: RLHFJob, settings: PodSettings, attempt: int = 0) -> dict[str, Any]:
+    """The trainer pod, or TrainJobError naming every field a v2.3 TrainJob cannot carry
     (builders.job_settings calls this for backend TrainJob, so the operator fails the job at once)."""
-    pod = _pod(job, settings)
-    problems = trainjob_problems(pod, _runtime_pod(), settings.role(ROLE_TRAINER).labels)
+    pod = _pod(job, settings, attempt)
+    problems = trainjob_problems(pod, _runtime_pod())
     if problems:
         raise TrainJobError("; ".join(problems))
     return pod
@@ -176,23 +182,39 @@ def _not_in(items: list[dict[str, Any]], shared: list[dict[str, Any]]) -> list[d
     return [copy.deepcopy(i) for i in items if i["name"] not in names]
 
 
+def _go_form(env: dict[str, Any]) -> dict[str, Any]:
+    """An env entry as Go's corev1.EnvVar writes it (an empty value omitted: the same empty
+    variable). `spec.trainer` is immutable, and Kueue unsuspends a TrainJob with an update
+    of the whole object through Go types: a `value: ""` it would drop fails that update."""
+    return {"name": env["name"]} if env.get("value") == "" and "valueFrom" not in env else env
+
+
+def runtime_patch(pod: dict[str, Any], labels: dict[str, str]) -> dict[str, Any]:
+    """Our `runtimePatches` entry: what of the trainer pod `pod` the runtime does not fix, and
+    `labels` on the JobSet and its `node` Job."""
+    spec, container = pod["spec"], pod["spec"]["containers"][0]
+    fixed = _runtime_pod()["spec"]
+    pod_spec_patch: dict[str, Any] = {k: copy.deepcopy(spec[k]) for k in _PATCH_POD if spec.get(k)}
+    pod_spec_patch.update({k: copy.deepcopy(spec[k]) for k in _PATCH_IF_CHANGED if k in spec and spec[k] != fixed[k]})
+    pod_spec_patch["volumes"] = _not_in(spec["volumes"], fixed["volumes"])
+    pod_spec_patch["containers"] = [{"name": NODE, "volumeMounts": _not_in(
+        container["volumeMounts"], fixed["containers"][0]["volumeMounts"])}]
+    node = {"name": NODE, "template": {"metadata": {"labels": dict(labels)}, "spec": {"template": {
+        "metadata": copy.deepcopy(pod["metadata"]), "spec": pod_spec_patch}}}}
+    return {"manager": PATCH_MANAGER, "trainingRuntimeSpec": {"template": {
+        "metadata": {"labels": dict(labels)}, "spec": {"replicatedJobs": [node]}}}}
+
+
 def build_trainjob(job: RLHFJob, attempt: int, settings: PodSettings) -> dict[str, Any]:
     """The TrainJob of attempt `attempt`; raises TrainJobError naming what it cannot carry."""
-    pod, runtime = check_trainjob(job, settings), _runtime_pod()
-    spec, container = pod["spec"], pod["spec"]["containers"][0]
-    fixed = runtime["spec"]
-    override: dict[str, Any] = {"targetJobs": [{"name": NODE}]}
-    override.update({k: copy.deepcopy(spec[k]) for k in _OVERRIDE_POD if spec.get(k)})
-    override["volumes"] = _not_in(spec["volumes"], fixed["volumes"])
-    override["containers"] = [{"name": NODE, "volumeMounts": _not_in(container["volumeMounts"],
-                                                                     fixed["containers"][0]["volumeMounts"])}]
+    pod = check_trainjob(job, settings, attempt)
+    container = pod["spec"]["containers"][0]
     t = job.spec.trainer
     trainer: dict[str, Any] = {field: copy.deepcopy(container[key]) for key, field in _TRAINER_CONTAINER.items()}
-    # each attempt is a new TrainJob, whose pods get our labels only after they start: the
-    # attempt the trainer keeps its log under (podlog.py) is given as a value
+    # the attempt the trainer keeps its log under (podlog.py), as a value: each attempt is a new TrainJob
     attempt_env = {"name": contract.ENV_ATTEMPT, "value": str(attempt)}
     trainer.update(numNodes=t.num_nodes, numProcPerNode=t.nproc_per_node,
-                   env=[attempt_env if e["name"] == contract.ENV_ATTEMPT else e
+                   env=[_go_form(attempt_env if e["name"] == contract.ENV_ATTEMPT else e)
                         for e in container["env"] if e["name"] not in TORCH_ENV])
     labels = {**job_labels(job), LABEL_ATTEMPT: str(attempt)}
     return {
@@ -202,8 +224,7 @@ def build_trainjob(job: RLHFJob, attempt: int, settings: PodSettings) -> dict[st
         "spec": {
             "runtimeRef": {"name": RUNTIME_NAME, "apiGroup": "trainer.kubeflow.org", "kind": "ClusterTrainingRuntime"},
             "trainer": trainer,
-            "labels": dict(labels),  # onto the JobSet and its Jobs (v2.0.0 has no pod labels)
-            "podSpecOverrides": [override],
+            "runtimePatches": [runtime_patch(pod, labels)],
             # only when suspended: otherwise Kueue (admission) owns the field
             **({"suspend": True} if job.spec.suspend else {}),
         },
@@ -221,9 +242,10 @@ def unadopted_selector(job_name: str) -> str:
 def adoption_labels(trainjob: dict[str, Any] | None, jobset: dict[str, Any] | None,
                     pod: dict[str, Any]) -> dict[str, str] | None:
     """The labels a pod of our TrainJob needs to be seen as the job's (`rlhf.dev/job`,
-    `job-uid`, `attempt`: v2.0.0 cannot put them on its pods, so the operator patches them
-    on), or None when the pod is not provably of this TrainJob's JobSet: it must carry the
-    JobSet's uid, the JobSet must be owned by the TrainJob, and the TrainJob by a job."""
+    `job-uid`, `attempt`): a v2.3 TrainJob's pods carry them from the runtime patch; a pod
+    made by an older Trainer (v2.0 could not label pods) gets them patched on; or None when
+    the pod is not provably of this TrainJob's JobSet: it must carry the JobSet's uid, the
+    JobSet must be owned by the TrainJob, and the TrainJob by a job."""
     if trainjob is None or jobset is None:
         return None
     labels = pod["metadata"].get("labels") or {}

@@ -7,12 +7,12 @@
 #
 # Its own cache, apart from the control plane's (tests/cluster/build.sh) and Kueue's:
 #   ${RLHF_TRAINER_BIN_CACHE:-~/.cache/rlhf-operator/trainer-bin}/<hash of this script>/
-# `go install github.com/kubeflow/trainer/v2/cmd/trainer-controller-manager@v2.0.0` builds it
+# `go install github.com/kubeflow/trainer/v2/cmd/trainer-controller-manager@v2.3.0` builds it
 # from the Go module proxy (about 70 s on 2 idle cores); the module carries
 # manifests/base/{crds,rbac,webhook,runtimes}.
 set -euo pipefail
 
-TRAINER_VERSION=v2.0.0
+TRAINER_VERSION=v2.3.0
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 CACHE_ROOT="${RLHF_TRAINER_BIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/rlhf-operator/trainer-bin}"
 DIR="$CACHE_ROOT/$(sha256sum "$HERE/build.sh" | cut -c1-16)"
