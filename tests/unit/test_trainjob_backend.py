@@ -100,12 +100,11 @@ def test_the_pod_trainer_v2_makes_is_the_pytorchjob_backends_trainer_pod():
     made = effective_pod(build_runtime("any:1"), tj)
     ptj = children_of({**data, "spec": {**data["spec"], "backend": "PyTorchJob"}})[("PyTorchJob", "demo-trainer")]
     want = copy.deepcopy(ptj["spec"]["pytorchReplicaSpecs"]["Master"]["template"])
-    # one difference: the attempt a trainer keeps its log under is a value (each attempt is a new
-    # TrainJob, whose pods get our labels only after they start), not the pod's label
-    attempt = {"name": "RLHF_ATTEMPT", "value": "0"}
-    assert attempt in tj["spec"]["trainer"]["env"]
-    want["spec"]["containers"][0]["env"] = [attempt if e["name"] == "RLHF_ATTEMPT" else e
-                                            for e in want["spec"]["containers"][0]["env"]]
+    # the attempt a trainer keeps its log under is the pod's label, as under PyTorchJob: v2.3's
+    # runtime patch labels the pods from birth
+    assert made["metadata"]["labels"]["rlhf.dev/attempt"] == "0"
+    assert {"name": "RLHF_ATTEMPT", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['rlhf.dev/attempt']"}}} \
+        in tj["spec"]["trainer"]["env"]
     assert _sorted(made["spec"]) == _sorted(want["spec"])
     # v2.3's runtime patch labels the pods as the job's from birth (no adoption), as PyTorchJob's
     assert made["metadata"] == {**want["metadata"], "labels": {**want["metadata"]["labels"],

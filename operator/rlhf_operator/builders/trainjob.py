@@ -36,7 +36,6 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from rlhf_contract import pod as contract
 from rlhf_contract.api.models import RLHFJob
 
 from .meta import (
@@ -211,11 +210,8 @@ def build_trainjob(job: RLHFJob, attempt: int, settings: PodSettings) -> dict[st
     container = pod["spec"]["containers"][0]
     t = job.spec.trainer
     trainer: dict[str, Any] = {field: copy.deepcopy(container[key]) for key, field in _TRAINER_CONTAINER.items()}
-    # the attempt the trainer keeps its log under (podlog.py), as a value: each attempt is a new TrainJob
-    attempt_env = {"name": contract.ENV_ATTEMPT, "value": str(attempt)}
     trainer.update(numNodes=t.num_nodes, numProcPerNode=t.nproc_per_node,
-                   env=[_go_form(attempt_env if e["name"] == contract.ENV_ATTEMPT else e)
-                        for e in container["env"] if e["name"] not in TORCH_ENV])
+                   env=[_go_form(e) for e in container["env"] if e["name"] not in TORCH_ENV])
     labels = {**job_labels(job), LABEL_ATTEMPT: str(attempt)}
     return {
         "apiVersion": TRAINER_API_VERSION,
