@@ -117,6 +117,9 @@ def count_tokens_here(path: str, text: str) -> int | None:
 def model_config_here(path: str) -> dict:
     """The config.json of `model.path` (a built-in model's own config, built without its
     weights or model code), or a ValueError."""
+    from .installed import quiet_transformers_without_torch
+
+    quiet_transformers_without_torch()  # before transformers is imported
     from rlhf_trainer.preflight.memory_plan import read_model_config
     from rlhf_trainer.models.builtin import BUILTIN_MODELS, BUILTIN_PREFIX, tiny_qwen2_config
 
