@@ -286,7 +286,7 @@ def test_a_cpu_job_runs_in_real_pods_restarts_whole_and_learns(cluster: Cluster,
         logs = rlhfctl(cluster, "logs", JOB, "-n", ns)
         assert logs.returncode == 0, logs.stderr
         resumed = re.search(r"resumed from (\S+) \(step (\d+)\)", logs.stdout)  # the second attempt's trainer
-        assert resumed, logs.stdout[-3000:]
+        assert resumed, (logs.stdout[:3000], logs.stderr[-2000:])
         assert saved_step <= int(resumed.group(2)) < STEPS  # from the checkpoint on the volume, not from scratch
 
         assert list(pv_dir.glob("**/hf/models/real/tiny/**/config.json")), "the Hub model is not on the volume"

@@ -180,3 +180,41 @@ def test_deepspeed_files_are_read_back_as_data_and_a_planted_one_never_runs(tmp_
         get_fp32_state_dict_from_zero_checkpoint(str(tmp_path), tag="policy")
     assert not sentinel.exists()
     assert torch.load is not None and torch.load.__name__ == "load"  # restored after each use
+
+
+class _EnumsByGetattr(pickle.Pickler):
+    """Pickles Enum members as Python 3.11.2 does (`getattr(cls, name)`), and lets a test plant
+    a getattr of something else."""
+
+    def reducer_override(self, obj):
+        import enum
+
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj.name)
+        if isinstance(obj, Planted):
+            return getattr, (torch.Size, "__init__")
+        return NotImplemented
+
+
+def test_dcp_metadata_with_enums_pickled_by_getattr_reads_and_other_getattrs_do_not(tmp_path):
+    """The trainer image's Python (Debian's 3.11.2) pickles DCP's Enum members through
+    `getattr`: such metadata reads; a getattr of anything but an Enum member is refused."""
+    import io
+
+    from rlhf_trainer.checkpoint import SafeReader
+
+    planted = save(tmp_path, 2, 2.0)
+    metadata = SafeReader(planted).read_metadata()
+    buf = io.BytesIO()
+    _EnumsByGetattr(buf).dump(metadata)
+    assert b"getattr" in buf.getvalue()  # the form the image's Python writes
+    (planted / ".metadata").write_bytes(buf.getvalue())
+    again = SafeReader(planted).read_metadata()
+    assert again.state_dict_metadata.keys() == metadata.state_dict_metadata.keys()
+    assert load_checkpoint(planted, {"policy": Part(0.0)})["data_position"] == 20
+
+    buf = io.BytesIO()
+    _EnumsByGetattr(buf).dump({"x": Planted(tmp_path / "never")})
+    (planted / ".metadata").write_bytes(buf.getvalue())
+    with pytest.raises(CheckpointError, match=r"getattr\(Size, '__init__'\) is not allowed"):
+        load_checkpoint(planted, {"policy": Part(0.0)})

@@ -24,6 +24,7 @@ directory and renamed, so `final/` is never half-written).
 from __future__ import annotations
 
 import copy
+import enum
 import errno
 import io
 import json
@@ -209,11 +210,24 @@ _SAFE_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("co
                  ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("builtins", "set"), ("builtins", "frozenset")}
 
 
+def _enum_member(cls: Any, name: str) -> Any:
+    """`getattr` as an Enum member is pickled by some Pythons (3.11.2's `Enum.__reduce_ex__`
+    gives `getattr(cls, name)`): only a member of one of DCP's own Enums, nothing else."""
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and cls.__module__.startswith(_DCP_MODULE) \
+            and isinstance(name, str) and name in cls.__members__:
+        return cls[name]
+    raise pickle.UnpicklingError(f"getattr({getattr(cls, '__name__', type(cls).__name__)}, {name!r}) is not allowed "
+                                 "in a checkpoint's metadata")
+
+
 class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's `.metadata` pickle with nothing but its own classes: DCP's metadata classes,
-    torch dtypes and sizes (a planted `__reduce__` names anything else and is refused)."""
+    """DCP's `.metadata` pickle with nothing but its own classes: DCP's metadata classes and
+    the members of its Enums, torch dtypes and sizes (a planted `__reduce__` names anything
+    else and is refused)."""
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         if (module, name) in _SAFE_GLOBALS:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
