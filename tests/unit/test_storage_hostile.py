@@ -10,13 +10,11 @@ not followed) and the trainer reports the pins."""
 
 from __future__ import annotations
 
-import http.client
 import json
 import socket
 import subprocess
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 from xml.sax.saxutils import escape
@@ -27,56 +25,31 @@ from rlhf_contract.sources import Fetch
 from rlhf_trainer.storage import StorageError, fetch as fetch_module, s3
 from rlhf_trainer.storage.fetch import fetch_all
 from rlhf_trainer.storage.publish import restore_checkpoint
+from storage_servers import Served, forward
 from test_storage_servers import files_of, run_step
 
 
-class HostileS3:
+class HostileS3(Served):
     """A pass-through proxy to `server` whose ListObjectsV2 answers also list `planted`
     keys (bucket -> names), as AWS S3 would for a bucket writer who put them there."""
 
     def __init__(self, server, planted: dict[str, list[str]]):
-        upstream = server.port
+        def answer(handler, body):
+            status, headers, data = forward(server.port, handler, body)
+            url = urlsplit(handler.path)
+            query = parse_qs(url.query)
+            bucket = url.path.strip("/").split("/")[0]
+            if handler.command == "GET" and "list-type" in query and "/" not in url.path.strip("/"):
+                prefix = query.get("prefix", [""])[0]
+                extra = "".join(f"<Contents><Key>{escape(k)}</Key><LastModified>2026-11-28T00:00:00.000Z"
+                                f"</LastModified><ETag>&quot;0f0f&quot;</ETag><Size>6</Size><StorageClass>"
+                                f"STANDARD</StorageClass></Contents>"
+                                for k in planted.get(bucket, []) if k.startswith(prefix))
+                data = data.replace(b"</ListBucketResult>", extra.encode() + b"</ListBucketResult>")
+            return status, headers, data
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def _forward(self):
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                conn = http.client.HTTPConnection("127.0.0.1", upstream, timeout=60)
-                conn.request(self.command, self.path, body=body or None, headers=dict(self.headers))
-                resp = conn.getresponse()
-                data = resp.read()
-                url = urlsplit(self.path)
-                query = parse_qs(url.query)
-                bucket = url.path.strip("/").split("/")[0]
-                if self.command == "GET" and "list-type" in query and "/" not in url.path.strip("/"):
-                    prefix = query.get("prefix", [""])[0]
-                    extra = "".join(f"<Contents><Key>{escape(k)}</Key><LastModified>2026-11-28T00:00:00.000Z"
-                                    f"</LastModified><ETag>&quot;0f0f&quot;</ETag><Size>6</Size><StorageClass>"
-                                    f"STANDARD</StorageClass></Contents>"
-                                    for k in planted.get(bucket, []) if k.startswith(prefix))
-                    data = data.replace(b"</ListBucketResult>", extra.encode() + b"</ListBucketResult>")
-                self.send_response(resp.status)
-                for name, value in resp.getheaders():
-                    if name.lower() not in ("content-length", "transfer-encoding", "connection"):
-                        self.send_header(name, value)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
-                conn.close()
-
-            do_GET = do_PUT = do_HEAD = do_DELETE = do_POST = _forward
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.endpoint = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
+        super().__init__(answer)
+        self.endpoint = self.url
 
 
 @pytest.fixture(scope="module")

@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import http.client
 import json
 import os
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
@@ -30,61 +28,11 @@ import pytest
 
 from rlhf_contract.sources import Fetch
 from rlhf_trainer.storage import s3
-from storage_servers import S3_ACCESS_KEY, S3_SECRET_KEY, S3Server
+from storage_servers import S3_ACCESS_KEY, S3_SECRET_KEY, S3Server, Served, forward
 from test_storage_hostile import HostileS3
 from test_storage_servers import files_of, run_step
 
 REGION = "eu-west-3"
-
-
-class Served:
-    """A tiny HTTP server on 127.0.0.1: `answer(handler, body) -> (status, headers, bytes)`,
-    every request kept in `requests` as (method, path, headers, body)."""
-
-    def __init__(self, answer):
-        self.requests: list[tuple[str, str, dict, bytes]] = []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def _any(self):
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                outer.requests.append((self.command, self.path, dict(self.headers), body))
-                status, headers, data = answer(self, body)
-                self.send_response(status)
-                for name, value in headers.items():
-                    self.send_header(name, value)
-                if "Content-Length" not in headers:  # a HEAD passed on keeps the upstream's
-                    self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
-
-            do_GET = do_PUT = do_HEAD = do_DELETE = do_POST = _any
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
-
-
-def forward(port: int, handler, body: bytes) -> tuple[int, dict, bytes]:
-    """`handler`'s request passed on to 127.0.0.1:`port`; its answer."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    conn.request(handler.command, handler.path, body=body or None, headers=dict(handler.headers))
-    resp = conn.getresponse()
-    data = resp.read()
-    dropped = ("transfer-encoding", "connection") + (() if handler.command == "HEAD" else ("content-length",))
-    headers = {("Content-Length" if k.lower() == "content-length" else k): v for k, v in resp.getheaders()
-               if k.lower() not in dropped}
-    conn.close()
-    return resp.status, headers, data
 
 
 @pytest.fixture(scope="module")
