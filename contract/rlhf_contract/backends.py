@@ -26,6 +26,11 @@ class BackendNeeds:
     """What to install, as a user reads it."""
 
     @property
+    def api_version(self) -> str:
+        """`<group>/<version>`: the workload's apiVersion."""
+        return f"{self.group}/{self.version}"
+
+    @property
     def crd(self) -> str:
         """`<plural>.<group>`: the name of the workload's CustomResourceDefinition."""
         return f"{self.plural}.{self.group}"

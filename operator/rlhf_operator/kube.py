@@ -25,6 +25,7 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
 from rlhf_contract.api.models import API_GROUP, API_VERSION, PLURAL
+from rlhf_contract.backends import BACKENDS
 from rlhf_contract.redact import redact_text
 from .builders.jobset import JOBSET_API_VERSION
 from .builders.trainjob import TRAINER_API_VERSION, adoption_labels, unadopted_selector
@@ -44,7 +45,7 @@ _PLURALS = {
     "TrainJob": "trainjobs",
     "Lease": "leases", "Node": "nodes",
 }
-_API_VERSIONS = {"StatefulSet": "apps/v1", "PyTorchJob": "kubeflow.org/v1", "JobSet": JOBSET_API_VERSION,
+_API_VERSIONS = {"StatefulSet": "apps/v1", "PyTorchJob": BACKENDS["PyTorchJob"].api_version, "JobSet": JOBSET_API_VERSION,
                  "TrainJob": TRAINER_API_VERSION,
                  "RLHFJob": f"{API_GROUP}/{API_VERSION}", "Lease": "coordination.k8s.io/v1"}
 
@@ -72,7 +73,8 @@ class ChildKind:
 CHILD_KINDS = (
     ChildKind("Pod", "", "v1", "pods", "pods"),
     ChildKind("StatefulSet", "apps", "v1", "statefulsets", "statefulset", ("PyTorchJob", "TrainJob"), rollout_name),
-    ChildKind("PyTorchJob", "kubeflow.org", "v1", "pytorchjobs", "pytorchjob", ("PyTorchJob",), trainer_name),
+    ChildKind("PyTorchJob", BACKENDS["PyTorchJob"].group, BACKENDS["PyTorchJob"].version, BACKENDS["PyTorchJob"].plural,
+              "pytorchjob", ("PyTorchJob",), trainer_name),
     ChildKind("JobSet", *JOBSET_API_VERSION.split("/"), "jobsets", "jobset", ("JobSet",), jobset_name),
     ChildKind("TrainJob", *TRAINER_API_VERSION.split("/"), "trainjobs", "trainjob", ("TrainJob",), trainer_name),
 )

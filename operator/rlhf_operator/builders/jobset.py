@@ -33,6 +33,7 @@ from typing import Any
 
 from rlhf_contract import pod as contract
 from rlhf_contract.api.models import RLHFJob
+from rlhf_contract.backends import BACKENDS
 from rlhf_contract.exit_codes import PERMANENT, ExitCode
 
 from .meta import (
@@ -43,7 +44,7 @@ from .pods import PodSettings, pod_spec, template_metadata
 from .storage import with_storage
 from .workloads import rollout_container, rollout_endpoints, rollout_service_account, trainer_container, weight_sync_addr
 
-JOBSET_API_VERSION = "jobset.x-k8s.io/v1alpha2"
+JOBSET_API_VERSION = BACKENDS["JobSet"].api_version
 PERMANENT_RULE = "permanentExitCode"
 DISRUPTION_RULE = "disruption"
 

@@ -37,6 +37,7 @@ import copy
 from typing import Any
 
 from rlhf_contract.api.models import RLHFJob
+from rlhf_contract.backends import BACKENDS
 
 from .meta import (
     JOBSET_NAME_LABEL, LABEL_ATTEMPT, LABEL_JOB, LABEL_JOB_UID, LABEL_MANAGED_BY, LABEL_ROLE, MANAGER, ROLE_TRAINER,
@@ -46,7 +47,7 @@ from .pods import PodSettings, PodSettingsError, pod_spec, template_metadata
 from .storage import with_storage
 from .workloads import rollout_endpoints, trainer_container, weight_sync_addr
 
-TRAINER_API_VERSION = "trainer.kubeflow.org/v1alpha1"
+TRAINER_API_VERSION = BACKENDS["TrainJob"].api_version
 RUNTIME_NAME = "rlhf-torch"
 """The ClusterTrainingRuntime of the chart (charts/rlhf-operator/templates/trainingruntime.yaml)."""
 NODE = "node"

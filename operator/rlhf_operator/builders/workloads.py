@@ -18,6 +18,7 @@ from typing import Any
 
 from rlhf_contract import images, pod as contract
 from rlhf_contract.api.models import RLHFJob
+from rlhf_contract.backends import BACKENDS
 from rlhf_contract.sources import localize
 from .meta import (
     LABEL_ATTEMPT, LABEL_JOB, LABEL_ROLE, RJOB_ROLLOUT, ROLE_ROLLOUT, ROLE_TRAINER, job_labels, jobset_name, metadata,
@@ -208,7 +209,7 @@ def build_trainer_pytorchjob(job: RLHFJob, attempt: int, settings: PodSettings) 
     if t.num_nodes > 1:
         replicas["Worker"] = {"replicas": t.num_nodes - 1, "restartPolicy": "Never", "template": template}
     return {
-        "apiVersion": "kubeflow.org/v1",
+        "apiVersion": BACKENDS["PyTorchJob"].api_version,
         "kind": "PyTorchJob",
         "metadata": metadata(job, trainer_name(job.metadata.name),
                              {**job_labels(job), LABEL_ATTEMPT: str(attempt)}),
