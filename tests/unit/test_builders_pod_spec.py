@@ -115,6 +115,36 @@ class TestVolumes:
             PodSettings.from_job(validate_job(job_data(**change)))
         assert field in str(err.value)
 
+    def test_an_s3_output_needs_no_volume_the_trainer_gets_an_empty_dir(self):
+        """`output.uri` without a claim: the trainer pods write into an emptyDir at the output
+        directory (the download step restores the bucket's newest checkpoint into it first);
+        the rollout pods do not get it."""
+        job = job_data(pod={}, model="hf://org/tiny", data="hf://org/prompts",
+                       output={"uri": "s3://team-runs/demo"}, trainer={"numNodes": 1, "nprocPerNode": 4})
+        settings = PodSettings.from_job(validate_job(job))
+        assert settings.output_scratch and settings.output_claim is None
+        rollout, trainers, _ = pods_of(job)
+        for pod in trainers:
+            assert {"name": "output", "emptyDir": {}} in pod["volumes"]
+            for container in [*pod["containers"], *pod["initContainers"]]:  # the download step writes there too
+                assert {"name": "output", "mountPath": "/output"} in container["volumeMounts"]
+            fetch = pod["initContainers"][0]["command"]
+            assert "--restore" in fetch and fetch[fetch.index("--restore") + 1] == "s3://team-runs/demo"
+        assert all(v["name"] != "output" for v in rollout["volumes"])
+        # a claim, or a mount of the user's, is still used when given (no emptyDir over it)
+        with_claim = PodSettings.from_job(validate_job({**job, "spec": {**job["spec"], "output": {
+            "uri": "s3://team-runs/demo", "claimName": "runs"}}}))
+        assert with_claim.output_claim == "runs" and not with_claim.output_scratch
+        on_mount = PodSettings.from_job(validate_job(job_data(output={"dir": "/work/o", "uri": "s3://team-runs/p"},
+                                                              trainer={"numNodes": 1})))
+        assert not on_mount.output_scratch
+
+    def test_an_s3_output_on_several_nodes_needs_a_shared_volume(self):
+        with pytest.raises(PodSettingsError) as err:
+            PodSettings.from_job(validate_job(job_data(pod={}, model="hf://org/tiny", data="hf://org/prompts",
+                                                       output={"uri": "s3://team-runs/demo"})))
+        assert "spec.output.claimName" in str(err.value) and "trainer.numNodes (2) > 1" in str(err.value)
+
     def test_builtin_paths_need_no_volume(self):
         job = validate_job(job_data(pod={}, model="builtin://tiny-qwen2", data="builtin://last-digit",
                                     output={"claimName": "runs"}))

@@ -7,7 +7,11 @@ pods (the contract's `PodScheduling.over`: labels, annotations, nodeSelector, to
 affinity, topologySpreadConstraints, schedulerName, priorityClassName, runtimeClassName,
 securityContext, ServiceAccount annotations, resourceClaims, the accelerator resource);
 volumes, mounts and pull secrets are the same for every pod. `spec.output.claimName` mounts a
-PersistentVolumeClaim at the output directory of the trainer pods. `PodSettings.from_job`
+PersistentVolumeClaim at the output directory of the trainer pods; a job with `output.uri`
+(`s3://`) and neither a claim nor a mount there gets an emptyDir at the output directory
+instead (`output_scratch`: the bucket keeps the checkpoints, the download step restores the
+newest into a new pod's emptyDir; one trainer node only, since each pod's emptyDir would
+hold only its own ranks' shards). `PodSettings.from_job`
 also refuses a job whose model, data or output directory is on no mounted volume (the
 pods could not read or keep them), naming the field; `builtin://`, `hf://` and `s3://` paths need none
 (storage.py downloads the latter). The
@@ -67,6 +71,8 @@ class PodSettings:
     output_claim: str | None = None
     """PVC mounted at the output directory of the trainer pods."""
     output_dir: str = DEFAULT_OUTPUT_DIR
+    output_scratch: bool = False
+    """An emptyDir at the output directory of the trainer pods (`output.uri` without a volume)."""
 
     @classmethod
     def from_job(cls, job: RLHFJob, *, allow_host_path: bool = False) -> "PodSettings":
@@ -93,9 +99,19 @@ class PodSettings:
         if taken:
             raise PodSettingsError(f"spec.pod.volumes: the name(s) {', '.join(taken)} are the operator's own "
                                    f"({', '.join(RESERVED_VOLUMES)}); rename the volume")
-        if job.spec.output.claim_name and OUTPUT_VOLUME in names:
-            raise PodSettingsError(f"spec.pod.volumes: the name {OUTPUT_VOLUME!r} is taken by spec.output.claimName; "
+        out = output_dir(job)
+        scratch = bool(job.spec.output.uri) and not job.spec.output.claim_name and mount_of(
+            out, [m.model_dump(by_alias=True) for m in p.volume_mounts]) is None
+        if (job.spec.output.claim_name or scratch) and OUTPUT_VOLUME in names:
+            taken_by = "spec.output.claimName" if job.spec.output.claim_name else "the output emptyDir of spec.output.uri"
+            raise PodSettingsError(f"spec.pod.volumes: the name {OUTPUT_VOLUME!r} is taken by {taken_by}; "
                                    "rename the volume")
+        if scratch and job.spec.trainer.num_nodes > 1:
+            raise PodSettingsError(
+                f"spec.output.claimName: a job with spec.output.uri and trainer.numNodes "
+                f"({job.spec.trainer.num_nodes}) > 1 needs a ReadWriteMany claim (or a spec.pod.volumeMounts entry "
+                f"containing {out!r}): each node writes its own checkpoint shards, which one pod's emptyDir "
+                "cannot gather; set output.claimName, or train on one node")
         roles = {ROLE_TRAINER: job.spec.trainer.pod.over(p), ROLE_ROLLOUT: job.spec.rollout.pod.over(p)}
         for role, resources in ((ROLE_TRAINER, job.spec.trainer.resources), (ROLE_ROLLOUT, job.spec.rollout.resources)):
             gpu = roles[role].accelerator_resource
@@ -109,7 +125,8 @@ class PodSettings:
             volumes=copy.deepcopy(p.volumes),
             volume_mounts=[m.model_dump(by_alias=True, exclude_defaults=True) for m in p.volume_mounts],
             output_claim=job.spec.output.claim_name,
-            output_dir=output_dir(job),
+            output_dir=out,
+            output_scratch=scratch,
         )
         settings.check_paths(job)
         return settings
@@ -122,13 +139,14 @@ class PodSettings:
             if not path.startswith(BUILTIN_PREFIX) and not is_remote(path) and mount_of(path, self.volume_mounts) is None:
                 problems.append(f"{where}: {path!r} is on no mounted volume; add a spec.pod.volumes entry (e.g. a "
                                 "persistentVolumeClaim) and a spec.pod.volumeMounts entry whose mountPath contains it")
-        if not self.output_claim:
+        if not self.output_claim and not self.output_scratch:
             mount = mount_of(self.output_dir, self.volume_mounts)
             if mount is None:
                 problems.append(
                     f"spec.output.dir: {self.output_dir!r} is on no mounted volume, so checkpoints would be lost "
-                    "(and uid 1000 cannot create it); set spec.output.claimName to a PersistentVolumeClaim, or "
-                    "mount a volume containing it with spec.pod.volumeMounts")
+                    "(and uid 1000 cannot create it); set spec.output.claimName to a PersistentVolumeClaim, "
+                    "mount a volume containing it with spec.pod.volumeMounts, or set spec.output.uri to an s3:// "
+                    "bucket (then a scratch directory suffices)")
             elif mount.get("readOnly"):
                 problems.append(f"spec.output.dir: {self.output_dir!r} is on the read-only mount "
                                 f"{mount['mountPath']!r}; set readOnly: false or choose another directory")
@@ -140,7 +158,7 @@ class PodSettings:
 
     def trainer_volume_mounts(self) -> list[dict[str, Any]]:
         mounts = copy.deepcopy(self.volume_mounts)
-        if self.output_claim:
+        if self.output_claim or self.output_scratch:
             mounts.append({"name": OUTPUT_VOLUME, "mountPath": self.output_dir})
         return mounts
 
@@ -148,6 +166,8 @@ class PodSettings:
         vols = copy.deepcopy(self.volumes)
         if self.output_claim:
             vols.append({"name": OUTPUT_VOLUME, "persistentVolumeClaim": {"claimName": self.output_claim}})
+        elif self.output_scratch:  # the bucket keeps what matters; a new pod restores from it
+            vols.append({"name": OUTPUT_VOLUME, "emptyDir": {}})
         return vols
 
 
