@@ -7,6 +7,8 @@ the operator's users (which read it):
                            with its size, so a shard damaged later is found: `damage`)
   checkpoints/damaged-step-N/  a complete checkpoint found damaged at resume, set aside
   final/                   the Hugging Face model, renamed into place when complete
+  hub/step-N/              with `output.hub.every`: the model of step N on its way to the
+                           Hub (rank 0 deletes it once pushed)
   rollouts/step-N.jsonl    samples, with `output.saveRollouts`
 """
 
@@ -19,6 +21,7 @@ CHECKPOINTS = "checkpoints"
 MARKER = "COMPLETE"
 METRICS_FILE = "metrics.jsonl"
 FINAL = "final"
+HUB_MODELS = "hub"
 
 
 def checkpoint_step(path: Path) -> int:

@@ -274,7 +274,7 @@ MAX_SHARD_BYTES = 5 * 1024**3
 
 def save_final(output_dir: str | Path, model: torch.nn.Module, tokenizer: Any,
                max_shard_bytes: int = MAX_SHARD_BYTES, *, lora: tuple[Any, str] | None = None,
-               tensors: tuple[list, Any] | None = None, gather: Any = None) -> Path | None:
+               tensors: tuple[list, Any] | None = None, gather: Any = None, name: str = "final") -> Path | None:
     """Collective: write the model as a Hugging Face directory, in the dtype its source
     checkpoint declared (`model._rlhf_export_dtype`, set when it was loaded; else fp32).
 
@@ -287,14 +287,15 @@ def save_final(output_dir: str | Path, model: torch.nn.Module, tokenizer: Any,
     given `lora` = (the `model.lora` spec, the base model's path), its adapters in peft's
     format under `final/adapter/`. `tensors`: (specs, whole tensors) as a training engine
     gathers them (engine/base.py `full_tensors`), with its `gather` for the adapters; by
-    default the model's state dict, merged."""
+    default the model's state dict, merged. `name`: the directory under `output_dir`
+    (`final`; `hub/step-N` for an `output.hub.every` push)."""
     from safetensors.torch import save_file
 
     from .models.lora import merged_tensors, save_adapter
 
     rank0 = dist.get_rank() == 0 if dist.is_initialized() else True
-    final = Path(output_dir) / "final"
-    tmp = Path(output_dir) / "final.tmp"
+    final = Path(output_dir) / name
+    tmp = Path(output_dir) / f"{name}.tmp"
     if rank0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from rlhf_contract.outputs import FINAL
+from rlhf_contract.outputs import FINAL, HUB_MODELS
 from rlhf_contract.trainer_config import TrainerConfig
 
 from .checkpoint import Parts, latest_checkpoint, load_checkpoint, resume_checkpoint, save_checkpoint
@@ -108,27 +108,53 @@ class LoopBase(ABC):
         log.info("resumed from %s (step %d)", path, self.step)
 
     def save(self, extra_state: dict[str, Any] | None = None) -> None:
-        """Collective: a checkpoint of this step (with `extra_state`, else `extra_state()`; then,
-        on rank 0, to `output.uri` / `output.hub`)."""
+        """Collective: a checkpoint of this step (with `extra_state`, else `extra_state()`),
+        with `output.hub.every` a loadable model of it too; then, on rank 0, their upload to
+        `output.uri` / `output.hub` starts in the background (storage/publish.py) once the
+        previous one is over."""
         start = time.monotonic()
+        if self.publisher is not None:
+            self.publisher.wait()  # at most one upload in flight, and none of a checkpoint pruned below
         state = broadcast_object(self.extra_state() if extra_state is None else extra_state)
         path = save_checkpoint(self.output_dir, self.step, self.parts(), state, keep=self.config.output.keep_checkpoints)
+        model = self.export_for_hub()
         if self.publisher is not None and path != self.published:
-            self.publisher.checkpoint(path)
+            self.publisher.checkpoint(path, model)
             self.published = path
         elif self.publisher is not None:  # the last step's, saved again after its row: the rows it missed
             self.publisher.metrics()
         self.save_seconds = time.monotonic() - start
 
-    def publish_final(self) -> None:
-        """Rank 0: `final/README.md` (the model card), then `final/` to `output.uri` / `output.hub`."""
+    def export_for_hub(self) -> Path | None:
+        """Collective: with `output.hub.every` due at this step (not the last: `final/` goes
+        then), the policy as a Hugging Face model in `hub/step-N/` with its card (rank 0's
+        path; deleted once pushed)."""
+        hub, total = self.config.output.hub, self.config.schedule.total_steps
+        if hub is None or not hub.every or self.step % hub.every or self.step >= total:
+            return None
+        name = f"{HUB_MODELS}/step-{self.step}"
+        self.parts()["policy"].export(self.output_dir, self.tokenizer, name=name)
+        if not self.info.is_main:
+            return None
+        self.write_card(self.output_dir / name)
+        return self.output_dir / name
+
+    def write_card(self, model_dir: Path) -> None:
+        """Rank 0: the model card of `model_dir` (storage/model_card.py)."""
         from .storage.model_card import write_card
         from .tracking import run_config
 
+        write_card(model_dir, run_config(self.config.job_name), self.output_dir, base_dir=Path(self.config.model_path),
+                   links=self.trackers.links() if self.trackers is not None else None)
+
+    def publish_final(self) -> None:
+        """Rank 0: `final/README.md` (the model card), then, after the last checkpoint's
+        upload, `final/` to `output.uri` / `output.hub`."""
         final_dir = self.output_dir / FINAL
         if final_dir.is_dir():
-            write_card(final_dir, run_config(self.config.job_name), self.output_dir)
+            self.write_card(final_dir)
             self.publisher.final(final_dir)
+        self.publisher.wait()
 
     def state_before_step(self) -> dict[str, Any] | None:
         """What an abandoned step's checkpoint holds besides the models (rank 0's)."""
@@ -205,6 +231,8 @@ class LoopBase(ABC):
             self.finish()
             finished = True
         finally:
+            if self.publisher is not None:
+                self.publisher.close()  # an upload in flight ends (a failed run's newest checkpoint still goes up)
             if self.trackers is not None:
                 self.trackers.close(success=finished)
             self.close()

@@ -17,6 +17,7 @@ from rlhf_contract.trainer_config import TrainerConfig
 
 from .data.datasets import DataError
 from .rewards.forms import RewardConfigError
+from .storage import StorageError
 from .distributed import collective_timeout_s, init_distributed
 from .exits import mark_config_error, mark_exit_code, write_termination_message
 from .preemption import STOP, Preempted
@@ -53,7 +54,8 @@ def main() -> None:
         logging.getLogger("rlhf_trainer").warning("%s", stopped)
         sys.exit(ExitCode.TERMINATED)
     except BaseException as err:
-        if isinstance(err, (DataError, RewardConfigError)) or (isinstance(err, SystemExit) and err.code == ExitCode.CONFIG_ERROR):
+        if isinstance(err, (DataError, RewardConfigError)) or (isinstance(err, SystemExit) and err.code == ExitCode.CONFIG_ERROR) \
+                or (isinstance(err, StorageError) and err.permanent):  # an upload refused: only the spec can fix it
             mark_config_error()  # the launcher exits 2: fail the job at once, no restart
         if not isinstance(err, KeyboardInterrupt):
             write_termination_message(f"rank {info.rank}: {type(err).__name__}: {err}".splitlines()[0])

@@ -99,7 +99,7 @@ class WandbTracker:
                               mode=spec.mode, dir=str(output_dir), id=state["wandb_run_id"], resume="allow",
                               config=config, settings=wandb.Settings(console="off", quiet=True))
         self.wandb = wandb
-
+        self.url = getattr(self.run, "url", None)  # None offline
     def log(self, step: int, values: dict[str, float]) -> None:
         self.run.log(values, step=step)
 
@@ -124,9 +124,11 @@ class MlflowTracker:
         from mlflow import MlflowClient
 
         self.client = MlflowClient(tracking_uri=spec.tracking_uri)
+        remote = spec.tracking_uri.startswith(("http://", "https://"))
         if state.get("mlflow_run_id"):
             self.run_id = state["mlflow_run_id"]
             self.client.update_run(self.run_id, status="RUNNING")
+            self.url = self._url(spec.tracking_uri, self.client.get_run(self.run_id).info.experiment_id, remote)
             return
         name = spec.experiment or job_name
         experiment = self.client.get_experiment_by_name(name)
@@ -136,6 +138,7 @@ class MlflowTracker:
             name, artifact_location=(output_dir / "mlflow-artifacts").resolve().as_uri() if local else None)
         self.run_id = self.client.create_run(experiment_id, run_name=spec.run_name or job_name).info.run_id
         state["mlflow_run_id"] = self.run_id
+        self.url = self._url(spec.tracking_uri, experiment_id, remote)
         from mlflow.entities import Param
 
         params = [Param(k[:250], json.dumps(v)[:6000] if not isinstance(v, str) else v[:6000])
@@ -143,6 +146,10 @@ class MlflowTracker:
         for start in range(0, len(params), 100):  # the store's batch limit
             self.client.log_batch(self.run_id, params=params[start:start + 100])
         self.client.log_dict(self.run_id, config, JOB_FILE)
+
+    def _url(self, tracking_uri: str, experiment_id: str, remote: bool) -> str | None:
+        """The run's page on an MLflow server (None for a local store)."""
+        return f"{tracking_uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{self.run_id}" if remote else None
 
     def log(self, step: int, values: dict[str, float]) -> None:
         from mlflow.entities import Metric
@@ -225,6 +232,10 @@ class Trackers:
 
     def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         self._each(step, "log_samples", rows)
+
+    def links(self) -> dict[str, str]:
+        """{tracker: run URL} of the trackers that have a page (W&B online, an MLflow server)."""
+        return {t.name: t.url for t in self.trackers if getattr(t, "url", None)}
 
     def close(self, success: bool) -> None:
         for tracker in self.trackers:

@@ -180,8 +180,10 @@ class HubOutputSpec(SpecModel):
     repo: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
     """Model repository `<org>/<name>`, created when missing."""
     every: int = Field(default=0, ge=0)
-    """Also push every this-many steps' checkpoint, as a Hugging Face model in the folder
-    `checkpoint-<N>/` of the repository (0: `final/` only)."""
+    """Also push the model every this-many steps: consolidated safetensors, config, tokenizer
+    and model card (LoRA: merged, the adapters in `adapter/`) as a commit of the repository
+    tagged `step-<N>`, loadable with `from_pretrained(repo, revision="step-<N>")` (0: `final/`
+    only, at the end)."""
     private: bool = True
     """Create the repository private."""
 
@@ -195,7 +197,8 @@ class OutputSpec(SpecModel):
     entry that contains it."""
     claim_name: str | None = None
     """A PersistentVolumeClaim mounted at `dir` in the trainer pods, so checkpoints survive
-    restarts (ReadWriteMany when `trainer.numNodes` > 1)."""
+    restarts (ReadWriteMany when `trainer.numNodes` > 1). Not needed with `uri` on one node:
+    the trainer pods then write into an emptyDir and the bucket keeps the checkpoints."""
     keep_checkpoints: int = Field(default=3, ge=1)
     """How many complete checkpoints to keep."""
     save_rollouts: bool = False
@@ -203,9 +206,14 @@ class OutputSpec(SpecModel):
     `rollouts/step-N.jsonl` for inspection."""
     uri: str | None = Field(default=None, pattern=r"^s3://")
     """`s3://<bucket>/<prefix>`: each complete checkpoint and `final/` are uploaded there
-    after they are written locally (`<prefix>/checkpoints/step-N/`, `COMPLETE` last;
-    `<prefix>/final/`), and a job whose output directory holds no complete checkpoint
-    resumes from the newest one there. Credentials: `storageSecret`."""
+    after they are written locally, in the background while training goes on
+    (`<prefix>/checkpoints/step-N/`, `COMPLETE` last; `<prefix>/final/`), and a job whose
+    output directory holds no complete checkpoint resumes from the newest one there. On a
+    cluster no volume is needed then (an emptyDir holds the output directory). Credentials:
+    `storageSecret`."""
+    license: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}$")
+    """The trained model's license for its model card (e.g. `apache-2.0`); null: the base
+    model's card's license, when its copy has a card that names one."""
     hub: HubOutputSpec | None = None
     """Push `final/` (with its model card) to a Hub model repository at the end."""
 

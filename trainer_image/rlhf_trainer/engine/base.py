@@ -126,11 +126,12 @@ class Engine(ABC):
     def total_parameters(self) -> int:
         return sum(self.numel(p) for p in self.model.parameters())
 
-    def export(self, output_dir: str | Path, tokenizer: Any) -> Path | None:
-        """Collective: the final model as a Hugging Face directory (`<output>/final/`), with
-        the adapters in peft's format under `final/adapter/` when the model has them."""
+    def export(self, output_dir: str | Path, tokenizer: Any, name: str = "final") -> Path | None:
+        """Collective: the model as a Hugging Face directory (`<output>/<name>/`, `final`
+        by default), with the adapters in peft's format under `<name>/adapter/` when the
+        model has them."""
         return save_final(output_dir, self.model, tokenizer, tensors=self.full_tensors(self.export_items()),
-                          lora=self.adapter, gather=self.gather)
+                          lora=self.adapter, gather=self.gather, name=name)
 
     # ---- colocation ---------------------------------------------------------------------
 

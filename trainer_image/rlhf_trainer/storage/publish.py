@@ -10,10 +10,12 @@ checkpoint in the bucket counts only once whole, as on the volume), `metrics.jso
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import re
 import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -76,49 +78,111 @@ def restore_checkpoint(uri: str, output_dir: str) -> str:
 
 
 class Publisher:
-    """Rank 0's uploads after each checkpoint and after the final export."""
+    """Rank 0's uploads, off the training's critical path: each complete checkpoint (and,
+    with `output.hub.every`, a loadable model of that step) goes up on one worker thread
+    while the next steps train. At most one upload is in flight: a new one (and the next
+    save, `wait`) first waits for the previous, so the disk and memory they hold stay
+    bounded; an upload that failed raises its StorageError at that wait (the job fails
+    naming it, nothing is lost silently); `final` waits for the last one before the job
+    can report success."""
 
     def __init__(self, uri: str | None, hub: Any | None, output_dir: Path):
         self.uri, self.hub, self.output_dir = uri, hub, output_dir
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="rlhf-upload")
+        self._pending: Future | None = None
 
-    def checkpoint(self, path: Path) -> None:
-        step = checkpoint_step(path)
-        if self.uri:
-            bucket, prefix = _split(self.uri)
-            client = s3.client(bucket)
-            sent = s3.upload_dir(client, path, bucket, _key(prefix, CHECKPOINTS, path.name), last=MARKER)
-            self.metrics(client)
-            log.info("uploaded %s to %s (%d bytes)", path.name, self.uri, sent)
-        if self.hub is not None and self.hub.every and step % self.hub.every == 0:
-            self._push(path, f"{CHECKPOINTS}/{path.name}", f"checkpoint {path.name}")
+    @property
+    def busy(self) -> bool:
+        """An upload is in flight."""
+        return self._pending is not None and not self._pending.done()
 
-    def metrics(self, client: Any = None) -> None:
+    def checkpoint(self, path: Path, model: Path | None = None) -> None:
+        """Start uploading the complete checkpoint `path` to `output.uri` (its COMPLETE last),
+        with metrics.jsonl as it is now, and push `model` (a Hugging Face directory of this
+        step, `output.hub.every`) to the Hub; returns once it is under way."""
+        self.wait()
+        metrics = self._metrics_now()
+        self._pending = self._worker.submit(self._upload_checkpoint, path, metrics, model)
+
+    def metrics(self) -> None:
         """metrics.jsonl as it is now, to `output.uri` (a resume from the bucket keeps its rows)."""
-        if self.uri and (self.output_dir / METRICS_FILE).exists():
-            bucket, prefix = _split(self.uri)
-            client = client or s3.client(bucket)
-            local = str(self.output_dir / METRICS_FILE)
-            s3.retried(lambda: client.fput_object(bucket, _key(prefix, METRICS_FILE), local))
+        self.wait()
+        if self.uri and (metrics := self._metrics_now()) is not None:
+            self._pending = self._worker.submit(self._guarded, "metrics.jsonl", self._put_metrics, metrics)
+
+    def wait(self) -> None:
+        """Until the upload in flight is over; raises its failure (a StorageError naming it)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
 
     def final(self, final_dir: Path) -> None:
+        """`final/` to `output.uri` and the Hub, after the last checkpoint's upload (in this thread)."""
+        self.wait()
         if self.uri:
-            bucket, prefix = _split(self.uri)
-            sent = s3.upload_dir(s3.client(bucket), final_dir, bucket, _key(prefix, FINAL))
-            log.info("uploaded %s to %s (%d bytes)", final_dir, self.uri, sent)
+            self._guarded("final/", lambda: self._put_dir(final_dir, FINAL))
         if self.hub is not None:
-            self._push(final_dir, None, "final model")
+            self._push(final_dir, "final model")
 
-    def _push(self, folder: Path, path_in_repo: str | None, what: str) -> None:
+    def close(self) -> None:
+        """Let an upload in flight finish (a run that failed still leaves its newest checkpoint
+        in the bucket), logging rather than raising its failure."""
+        try:
+            self.wait()
+        except Exception as err:
+            log.error("%s", err)
+        self._worker.shutdown(wait=True)
+
+    # ---- on the worker ------------------------------------------------------------------
+
+    def _metrics_now(self) -> bytes | None:
+        path = self.output_dir / METRICS_FILE
+        return path.read_bytes() if path.exists() else None  # a copy: the loop appends while it goes up
+
+    def _upload_checkpoint(self, path: Path, metrics: bytes | None, model: Path | None) -> None:
+        if self.uri:
+            self._guarded(f"checkpoint {path.name}", lambda: self._put_dir(path, f"{CHECKPOINTS}/{path.name}",
+                                                                           last=MARKER))
+            if metrics is not None:
+                self._guarded("metrics.jsonl", self._put_metrics, metrics)
+        if model is not None and self.hub is not None:
+            step = checkpoint_step(path)
+            self._push(model, f"step {step}", tag=f"step-{step}")
+            shutil.rmtree(model, ignore_errors=True)
+
+    def _guarded(self, what: str, fn: Any, *args: Any) -> None:
+        bucket, _ = _split(self.uri)
+        try:
+            fn(*args)
+        except s3.errors() as err:
+            raise s3.error(err, f"spec.output.uri: uploading {what} to {self.uri}", bucket) from None
+
+    def _put_dir(self, directory: Path, name: str, last: str | None = None) -> None:
+        bucket, prefix = _split(self.uri)
+        sent = s3.upload_dir(s3.client(bucket), directory, bucket, _key(prefix, name), last=last)
+        log.info("uploaded %s to %s (%d bytes)", directory, self.uri, sent)
+
+    def _put_metrics(self, data: bytes) -> None:
+        bucket, prefix = _split(self.uri)
+        client = s3.client(bucket)
+        s3.retried(lambda: client.put_object(bucket, _key(prefix, METRICS_FILE), io.BytesIO(data), len(data)))
+
+    def _push(self, folder: Path, what: str, *, tag: str | None = None) -> None:
+        """`folder` as a commit of the repository's root (a model `from_pretrained` loads at
+        that revision), tagged `tag` when given."""
         from huggingface_hub import HfApi
         from huggingface_hub.errors import HfHubHTTPError
 
         api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)
         try:
             api.create_repo(self.hub.repo, private=self.hub.private, exist_ok=True)
-            api.upload_folder(repo_id=self.hub.repo, folder_path=folder, path_in_repo=path_in_repo,
-                              commit_message=f"rlhf-operator: {what}")
+            commit = api.upload_folder(repo_id=self.hub.repo, folder_path=folder,
+                                       commit_message=f"rlhf-operator: {what}")
+            if tag is not None:
+                api.create_tag(self.hub.repo, tag=tag, revision=commit.oid, exist_ok=True)
         except HfHubHTTPError as err:
             status = err.response.status_code if err.response is not None else None
             raise StorageError(f"spec.output.hub.repo: pushing {what} to {self.hub.repo!r} failed ({status}) with "
                                f"{credentials_source('HF_TOKEN')}", permanent=status in (401, 403)) from None
-        log.info("pushed %s to the Hub repository %s", what, self.hub.repo)
+        log.info("pushed %s to the Hub repository %s (revision %s%s)", what, self.hub.repo, commit.oid,
+                 f", tag {tag}" if tag else "")
