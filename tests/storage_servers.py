@@ -185,3 +185,74 @@ def forward(port: int, handler, body: bytes) -> tuple[int, dict, bytes]:
                if k.lower() not in dropped}
     conn.close()
     return resp.status, headers, data
+
+
+class HubUploads:
+    """The Hub's write routes in front of olah (which has none): `create_repo`, `preupload`
+    (every file `regular`: sent inline in the commit), `commit` (the NDJSON body's files
+    committed to the repository's git tree in olah's mirrors) and `tag`; every other request
+    goes to olah, so what was pushed is downloaded through the Hub's own read protocol.
+    `validate-yaml` (asked before a README.md is committed) accepts a card whose front matter
+    is a YAML mapping, as the Hub's check starts."""
+
+    def __init__(self, hub: HubServer):
+        self.hub, self.commits = hub, []
+        self.served = Served(self._answer)
+        self.endpoint = self.served.url
+
+    def _git(self, target: Path, *args: str) -> str:
+        git = ["git", "-c", "user.name=hub", "-c", "user.email=hub@example.com", "-c", "init.defaultBranch=main"]
+        return subprocess.run([*git, *args], cwd=target, check=True, capture_output=True, text=True).stdout.strip()
+
+    def _answer(self, handler, body: bytes) -> tuple[int, dict, bytes]:
+        import base64
+        import json
+        import re
+
+        def reply(data, status=200):
+            return status, {"Content-Type": "application/json"}, json.dumps(data).encode()
+
+        path = handler.path.split("?")[0]
+        if handler.command == "POST" and path == "/api/repos/create":
+            repo = "/".join(p for p in (json.loads(body).get("organization"), json.loads(body)["name"]) if p)
+            target = self.hub.mirrors / "models" / repo
+            if not target.exists():
+                target.mkdir(parents=True)
+                for args in (["init", "-q"], ["commit", "-q", "--allow-empty", "-m", "create"]):
+                    self._git(target, *args)
+            return reply({"url": f"{self.endpoint}/{repo}"})
+        if handler.command == "POST" and path == "/api/validate-yaml":
+            import yaml
+
+            text = json.loads(body)["content"]
+            front = yaml.safe_load(text.split("---")[1]) if text.startswith("---") else None
+            ok = isinstance(front, dict)
+            return reply({"errors": [] if ok else [{"message": "no YAML metadata mapping"}], "warnings": []},
+                         200 if ok else 400)
+        found = re.fullmatch(r"/api/models/([^/]+/[^/]+)/(preupload|commit|tag)/(.+)", path)
+        if handler.command != "POST" or not found:
+            return forward(self.hub.port, handler, body)
+        repo, route, revision = found.groups()
+        target = self.hub.mirrors / "models" / repo
+        if route == "preupload":
+            files = json.loads(body)["files"]
+            return reply({"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]})
+        if route == "tag":
+            self._git(target, "tag", "-f", json.loads(body)["tag"], revision)
+            return reply({})
+        for line in body.splitlines():
+            item = json.loads(line)
+            if item["key"] == "file":
+                dest = target / item["value"]["path"]
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                dest.write_bytes(base64.b64decode(item["value"]["content"]))
+            elif item["key"] == "header":
+                message = item["value"]["summary"]
+        self._git(target, "add", "-A")
+        self._git(target, "commit", "-q", "--allow-empty", "-m", message)
+        oid = self._git(target, "rev-parse", "HEAD")
+        self.commits.append((repo, message, oid))
+        return reply({"commitUrl": f"{self.endpoint}/{repo}/commit/{oid}", "commitOid": oid, "success": True})
+
+    def close(self) -> None:
+        self.served.close()

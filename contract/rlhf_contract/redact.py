@@ -28,7 +28,8 @@ _URL = re.compile(r"\b([a-zA-Z][a-zA-Z0-9+.-]*://[^\s'\"<>]*[^\s'\"<>:,.;)])")  
 
 
 def redact_url(url: str) -> str:
-    """`scheme://user:pass@host/p?token=x#f` -> `scheme://<redacted>@host/p?<redacted>`."""
+    """`scheme://user:pass@host/p?token=x#f` -> `scheme://<redacted>@host/p?<redacted>#f` (a
+    query inside the fragment, `#/route?token=x`, is cut too)."""
     try:
         parts = urlsplit(url)
     except ValueError:
@@ -37,7 +38,10 @@ def redact_url(url: str) -> str:
     if "@" in netloc:
         netloc = f"{REDACTED}@{netloc.rsplit('@', 1)[1]}"
     query = REDACTED if parts.query else ""
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    fragment = parts.fragment  # a single-page app's route keeps its own query there (MLflow's `#/...?x=`)
+    if "?" in fragment:
+        fragment = f"{fragment.split('?', 1)[0]}?{REDACTED}"
+    return urlunsplit((parts.scheme, netloc, parts.path, query, fragment))
 
 
 def redact_text(text: str) -> str:

@@ -176,6 +176,47 @@ def test_model_card_records_base_model_reward_scores_and_spec(tmp_path):
     assert spec == job.to_config()["spec"]
 
 
+def test_model_card_metadata_parses_back_with_huggingface_hub(tmp_path):
+    """The card's YAML as huggingface_hub reads it: base model, datasets, license (the base
+    model's card's, else `output.license` over it), the method and preset as tags; the text
+    holds the reward by step and the tracker runs, and no secret (a token in a link's query
+    or user info, an env value)."""
+    from huggingface_hub import ModelCard
+
+    from rlhf_contract.pod import run_config
+    from rlhf_trainer.storage.model_card import write_card
+
+    token = "hf_n0tInTheCard"
+    job = validate_job(job_data(data={"path": "hf://org/prompts@v2"}, algorithm={"preset": "grpo"},
+                                evaluation={"datasets": [{"name": "held", "path": "hf://org/evalset"}]},
+                                pod={"env": [{"name": "HF_TOKEN", "value": token}]}))
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "README.md").write_text("---\nlicense: mit\nlibrary_name: transformers\n---\n# base\n")
+    (tmp_path / "final").mkdir()
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward_mean": s / 40}) + "\n"
+                                                    for s in range(1, 41)))
+    links = {"wandb": "https://wandb.ai/team/proj/runs/abc123",
+             "mlflow": f"https://user:{token}@mlflow.example/#/experiments/1/runs/r1?token={token}"}
+    path = write_card(tmp_path / "final", run_config(job), tmp_path, base_dir=base, links=links)
+    card = ModelCard.load(path)
+    assert card.data.base_model == "Qwen/Qwen2.5-0.5B"
+    assert card.data.datasets == ["org/prompts", "org/evalset"]
+    assert card.data.license == "mit" and card.data.library_name == "transformers"
+    assert {"rlhf-operator", "rl", "grpo"} <= set(card.data.tags)
+    table = [line for line in card.text.splitlines() if line.startswith("| ") and line.count("|") == 3]
+    steps = [int(line.split("|")[1]) for line in table if line.split("|")[1].strip().isdigit()]
+    assert steps[0] == 1 and steps[-1] == 40 and len(steps) == 10  # evenly spaced, the last step in
+    assert "| 40 | 1 |" in card.text and "| 1 | 0.025 |" in card.text
+    assert "- wandb: https://wandb.ai/team/proj/runs/abc123" in card.text and "mlflow.example" in card.text
+    assert token not in path.read_text()
+
+    own = validate_job(job_data(output={"claimName": "runs", "license": "apache-2.0"}))
+    assert ModelCard.load(write_card(tmp_path / "final", run_config(own), tmp_path, base_dir=base)).data.license \
+        == "apache-2.0"
+    assert ModelCard.load(write_card(tmp_path / "final", run_config(own), tmp_path)).data.datasets is None
+
+
 def test_a_hub_push_without_a_token_is_refused_before_training(monkeypatch):
     from rlhf_contract.trainer_config import TrainerConfig
     from rlhf_trainer.preflight.checks import output_problems

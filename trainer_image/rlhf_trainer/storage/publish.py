@@ -170,19 +170,24 @@ class Publisher:
     def _push(self, folder: Path, what: str, *, tag: str | None = None) -> None:
         """`folder` as a commit of the repository's root (a model `from_pretrained` loads at
         that revision), tagged `tag` when given."""
-        from huggingface_hub import HfApi
+        from huggingface_hub import CommitOperationAdd, HfApi
         from huggingface_hub.errors import HfHubHTTPError
 
         api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)
+        files = sorted(f for f in folder.rglob("*") if f.is_file())
         try:
             api.create_repo(self.hub.repo, private=self.hub.private, exist_ok=True)
-            commit = api.upload_folder(repo_id=self.hub.repo, folder_path=folder,
-                                       commit_message=f"rlhf-operator: {what}")
+            # one commit: a revision is a whole model (upload_folder may split a large folder into several)
+            commit = api.create_commit(self.hub.repo, commit_message=f"rlhf-operator: {what}", operations=[
+                CommitOperationAdd(path_in_repo=f.relative_to(folder).as_posix(), path_or_fileobj=str(f)) for f in files])
             if tag is not None:
                 api.create_tag(self.hub.repo, tag=tag, revision=commit.oid, exist_ok=True)
         except HfHubHTTPError as err:
             status = err.response.status_code if err.response is not None else None
             raise StorageError(f"spec.output.hub.repo: pushing {what} to {self.hub.repo!r} failed ({status}) with "
                                f"{credentials_source('HF_TOKEN')}", permanent=status in (401, 403)) from None
+        except ValueError as err:  # the Hub refused the model card's metadata
+            raise StorageError(f"spec.output.hub.repo: pushing {what} to {self.hub.repo!r}: {err}",
+                               permanent=True) from None
         log.info("pushed %s to the Hub repository %s (revision %s%s)", what, self.hub.repo, commit.oid,
                  f", tag {tag}" if tag else "")
