@@ -113,8 +113,9 @@ class LoopBase(ABC):
         `output.uri` / `output.hub` starts in the background (storage/publish.py) once the
         previous one is over."""
         start = time.monotonic()
-        if self.publisher is not None:
-            self.publisher.wait()  # at most one upload in flight, and none of a checkpoint pruned below
+        # at most one upload in flight, and none of a checkpoint pruned below
+        if self.publisher is not None and (waited := self.publisher.wait()) > 0.01:
+            log.info("step %d: waited %.2f s for the previous checkpoint's upload", self.step, waited)
         state = broadcast_object(self.extra_state() if extra_state is None else extra_state)
         path = save_checkpoint(self.output_dir, self.step, self.parts(), state, keep=self.config.output.keep_checkpoints)
         model = self.export_for_hub()

@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -110,11 +111,14 @@ class Publisher:
         if self.uri and (metrics := self._metrics_now()) is not None:
             self._pending = self._worker.submit(self._guarded, "metrics.jsonl", self._put_metrics, metrics)
 
-    def wait(self) -> None:
-        """Until the upload in flight is over; raises its failure (a StorageError naming it)."""
+    def wait(self) -> float:
+        """Until the upload in flight is over; raises its failure (a StorageError naming it).
+        Returns the seconds waited."""
         pending, self._pending = self._pending, None
+        start = time.monotonic()
         if pending is not None:
             pending.result()
+        return time.monotonic() - start
 
     def final(self, final_dir: Path) -> None:
         """`final/` to `output.uri` and the Hub, after the last checkpoint's upload (in this thread)."""
