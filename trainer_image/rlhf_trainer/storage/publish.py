@@ -1,12 +1,15 @@
 """Outputs where teams keep them: `output.uri` (S3) receives each complete checkpoint and
-`final/` once written locally, `output.hub` receives `final/` (and with `every`, the
-checkpoints); a job whose output directory holds no complete checkpoint resumes from the
-bucket's newest (`restore_checkpoint`, run by the download step before the trainer starts).
+`final/` once written locally, `output.hub` receives `final/` (and with `every`, a loadable
+model of every N-th step: `hub/step-N/`, one commit tagged `step-N`); a job whose output
+directory holds no complete checkpoint resumes from the bucket's newest
+(`restore_checkpoint`, run by the download step before the trainer starts).
 
 Layout under `output.uri`: `checkpoints/step-N/...` (its `COMPLETE` uploaded last, so a
 checkpoint in the bucket counts only once whole, as on the volume), `metrics.jsonl`,
-`final/...`. Simplification: the bucket keeps every checkpoint uploaded
-(`output.keepCheckpoints` prunes the volume only)."""
+`final/...`. Uploads run on one worker thread (`Publisher`). Simplifications: the bucket
+keeps every checkpoint uploaded (`output.keepCheckpoints` prunes the local copies only);
+the files of one checkpoint go up one at a time (minio's multipart for a large one); a Hub
+tag that exists (a step trained again after a restart) is left where it was."""
 
 from __future__ import annotations
 
