@@ -161,3 +161,19 @@ def test_wandb_online_without_a_key_is_a_config_error_naming_the_field(tmp_path,
     doc["spec"]["tracking"] = {"wandb": {"project": "rl", "mode": "offline"}}
     monkeypatch.delenv("WANDB_API_KEY")
     assert tracking_problems(TrainerConfig.from_job(RLHFJob.model_validate(doc))) == []
+
+
+def test_tracker_links_for_the_model_card():
+    """The run pages the model card links: W&B's run URL (None offline), an MLflow server's run
+    page (none for a local store), only the trackers that have one."""
+    from types import SimpleNamespace
+
+    from rlhf_trainer.tracking import MlflowTracker, Trackers
+
+    run = SimpleNamespace(run_id="r1")
+    assert MlflowTracker._url(run, "https://mlflow.example/", "3", True) == "https://mlflow.example/#/experiments/3/runs/r1"
+    assert MlflowTracker._url(run, "sqlite:///m.db", "3", False) is None
+    trackers = Trackers.__new__(Trackers)
+    trackers.trackers = [SimpleNamespace(name="tensorboard"), SimpleNamespace(name="wandb", url="https://wandb.ai/t/p/runs/x"),
+                         SimpleNamespace(name="mlflow", url=None)]
+    assert trackers.links() == {"wandb": "https://wandb.ai/t/p/runs/x"}

@@ -107,24 +107,24 @@ class LoopBase(ABC):
             self.metrics.truncate_after(self.step)
         log.info("resumed from %s (step %d)", path, self.step)
 
-    def save(self, extra_state: dict[str, Any] | None = None) -> None:
+    def save(self, extra_state: dict[str, Any] | None = None, *, hub: bool = True) -> None:
         """Collective: a checkpoint of this step (with `extra_state`, else `extra_state()`),
         with `output.hub.every` a loadable model of it too; then, on rank 0, their upload to
         `output.uri` / `output.hub` starts in the background (storage/publish.py) once the
-        previous one is over."""
-        start = time.monotonic()
+        previous one is over. `hub=False` (SIGTERM's save): no model export in the grace period."""
         # at most one upload in flight, and none of a checkpoint pruned below
         if self.publisher is not None and (waited := self.publisher.wait()) > 0.01:
             log.info("step %d: waited %.2f s for the previous checkpoint's upload", self.step, waited)
+        start = time.monotonic()
         state = broadcast_object(self.extra_state() if extra_state is None else extra_state)
         path = save_checkpoint(self.output_dir, self.step, self.parts(), state, keep=self.config.output.keep_checkpoints)
-        model = self.export_for_hub()
+        self.save_seconds = time.monotonic() - start  # the write alone (the uploads are off this path)
+        model = self.export_for_hub() if hub else None
         if self.publisher is not None and path != self.published:
             self.publisher.checkpoint(path, model)
             self.published = path
         elif self.publisher is not None:  # the last step's, saved again after its row: the rows it missed
             self.publisher.metrics()
-        self.save_seconds = time.monotonic() - start
 
     def export_for_hub(self) -> Path | None:
         """Collective: with `output.hub.every` due at this step (not the last: `final/` goes
@@ -164,7 +164,7 @@ class LoopBase(ABC):
     def preempt(self, extra_state: dict[str, Any] | None = None) -> Preempted:
         """Collective, after SIGTERM: the checkpoint of the step reached (none before the first)."""
         if self.step > 0:
-            self.save(extra_state)
+            self.save(extra_state, hub=False)
             if self.progress is not None:
                 self.report(self.last_row)
         log.warning("stopped by SIGTERM at step %d (%.1f s of the grace period left)", self.step, STOP.remaining_s())
