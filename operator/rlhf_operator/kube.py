@@ -273,8 +273,7 @@ class Kube:
                body: dict[str, Any] | None = None) -> bool:
         """Delete the object of that uid (background propagation: the garbage collector
         removes its pods); False when it is gone, or the name now holds another object (409).
-        Every delete of the operator names the uid; None (whatever holds the name) is for
-        `rlhfctl smoke-test`'s own job."""
+        Every delete names the uid where it is known (None: whatever holds the name)."""
         api_version = _API_VERSIONS.get(kind, "v1")
         options = {"propagationPolicy": "Background", **(body or {}), **({"preconditions": {"uid": uid}} if uid else {})}
         try:
