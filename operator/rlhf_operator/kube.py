@@ -43,7 +43,7 @@ _PLURALS = {
     "Event": "events", "StatefulSet": "statefulsets", "NetworkPolicy": "networkpolicies", "Role": "roles",
     "RoleBinding": "rolebindings", "PyTorchJob": "pytorchjobs", "JobSet": "jobsets", "RLHFJob": PLURAL,
     "TrainJob": "trainjobs",
-    "Lease": "leases", "Node": "nodes",
+    "Lease": "leases", "Node": "nodes", "PersistentVolumeClaim": "persistentvolumeclaims",
 }
 _API_VERSIONS = {"StatefulSet": "apps/v1", "PyTorchJob": BACKENDS["PyTorchJob"].api_version, "JobSet": JOBSET_API_VERSION,
                  "TrainJob": TRAINER_API_VERSION,
@@ -227,6 +227,11 @@ class Kube:
                                             body={"metadata": {"uid": pod["metadata"]["uid"], "labels": labels}},
                                             content_type="application/merge-patch+json")[0])
         return adopted
+
+    def claim_access_modes(self, namespace: str, name: str) -> list[str] | None:
+        """A PersistentVolumeClaim's `spec.accessModes` (fixed at its creation); None: no such claim."""
+        claim = self.read(api_path("v1", "PersistentVolumeClaim", namespace, name))
+        return None if claim is None else list((claim.get("spec") or {}).get("accessModes") or [])
 
     def node(self, name: str) -> dict[str, Any] | None:
         """A node, read at most every NODE_CACHE_SECONDS (the jobs on it share the read)."""
