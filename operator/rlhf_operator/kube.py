@@ -43,7 +43,7 @@ _PLURALS = {
     "Event": "events", "StatefulSet": "statefulsets", "NetworkPolicy": "networkpolicies", "Role": "roles",
     "RoleBinding": "rolebindings", "PyTorchJob": "pytorchjobs", "JobSet": "jobsets", "RLHFJob": PLURAL,
     "TrainJob": "trainjobs",
-    "Lease": "leases", "Node": "nodes", "PersistentVolumeClaim": "persistentvolumeclaims",
+    "Lease": "leases", "Node": "nodes",
 }
 _API_VERSIONS = {"StatefulSet": "apps/v1", "PyTorchJob": BACKENDS["PyTorchJob"].api_version, "JobSet": JOBSET_API_VERSION,
                  "TrainJob": TRAINER_API_VERSION,
@@ -230,7 +230,7 @@ class Kube:
 
     def claim_access_modes(self, namespace: str, name: str) -> list[str] | None:
         """A PersistentVolumeClaim's `spec.accessModes` (fixed at its creation); None: no such claim."""
-        claim = self.read(api_path("v1", "PersistentVolumeClaim", namespace, name))
+        claim = self.read(f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/{name}")  # read, never written
         return None if claim is None else list((claim.get("spec") or {}).get("accessModes") or [])
 
     def node(self, name: str) -> dict[str, Any] | None:

@@ -223,8 +223,8 @@ class OutputSpec(SpecModel):
         return check_no_parent(value)
 
 
-_CLAIM_NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
-"""A Kubernetes object name (DNS subdomain), as a PersistentVolumeClaim's."""
+_CLAIM_NAME = r"^[a-z0-9]$|^[a-z0-9][-.a-z0-9]*[a-z0-9]$"
+"""A PersistentVolumeClaim's name (a DNS subdomain: lowercase letters, digits, '-' and '.')."""
 
 
 class SourceCacheSpec(SpecModel):
