@@ -196,7 +196,8 @@ class OutputSpec(SpecModel):
     entry that contains it."""
     claim_name: str | None = None
     """A PersistentVolumeClaim mounted at `dir` in the trainer pods, so checkpoints survive
-    restarts (ReadWriteMany when `trainer.numNodes` > 1)."""
+    restarts (ReadWriteMany when `trainer.numNodes` > 1). When it is ReadWriteMany the
+    rollout pods mount it too (read-only) and read the trainer's `hf://` / `s3://` copies."""
     keep_checkpoints: int = Field(default=3, ge=1)
     """How many complete checkpoints to keep."""
     save_rollouts: bool = False
