@@ -228,6 +228,11 @@ class Kube:
                                             content_type="application/merge-patch+json")[0])
         return adopted
 
+    def claim_access_modes(self, namespace: str, name: str) -> list[str] | None:
+        """A PersistentVolumeClaim's `spec.accessModes` (fixed at its creation); None: no such claim."""
+        claim = self.read(f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/{name}")  # read, never written
+        return None if claim is None else list((claim.get("spec") or {}).get("accessModes") or [])
+
     def node(self, name: str) -> dict[str, Any] | None:
         """A node, read at most every NODE_CACHE_SECONDS (the jobs on it share the read)."""
         now = time.monotonic()

@@ -7,7 +7,8 @@ pods (the contract's `PodScheduling.over`: labels, annotations, nodeSelector, to
 affinity, topologySpreadConstraints, schedulerName, priorityClassName, runtimeClassName,
 securityContext, ServiceAccount annotations, resourceClaims, the accelerator resource);
 volumes, mounts and pull secrets are the same for every pod. `spec.output.claimName` mounts a
-PersistentVolumeClaim at the output directory of the trainer pods. `PodSettings.from_job`
+PersistentVolumeClaim at the output directory of the trainer pods (and, when it is
+ReadWriteMany, of the rollout pods that download: storage.py, as `spec.sourceCache` is). `PodSettings.from_job`
 also refuses a job whose model, data or output directory is on no mounted volume (the
 pods could not read or keep them), naming the field; `builtin://`, `hf://` and `s3://` paths need none
 (storage.py downloads the latter). The
@@ -42,6 +43,7 @@ CONFIG_FILE = "trainer.json"
 CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_FILE}"
 DEFAULT_OUTPUT_DIR = "/output"
 OUTPUT_VOLUME = "output"
+SOURCE_CACHE_VOLUME = "source-cache"
 SCRATCH_DIR = "/tmp"
 BUILTIN_PREFIX = "builtin://"
 RESERVED_VOLUMES = ("config", "dshm", "scratch")
@@ -66,6 +68,11 @@ class PodSettings:
     """Mounts of `volumes` into every container."""
     output_claim: str | None = None
     """PVC mounted at the output directory of the trainer pods."""
+    output_shared: bool = False
+    """`output_claim` is ReadWriteMany (the operator reads the claim's accessModes): the
+    rollout pods mount it too and read the trainer's downloads (storage.py)."""
+    source_cache_claim: str | None = None
+    """`spec.sourceCache.claimName`: the download cache shared by jobs (storage.py)."""
     output_dir: str = DEFAULT_OUTPUT_DIR
 
     @classmethod
@@ -96,6 +103,13 @@ class PodSettings:
         if job.spec.output.claim_name and OUTPUT_VOLUME in names:
             raise PodSettingsError(f"spec.pod.volumes: the name {OUTPUT_VOLUME!r} is taken by spec.output.claimName; "
                                    "rename the volume")
+        cache = job.spec.source_cache.claim_name if job.spec.source_cache is not None else None
+        if cache and SOURCE_CACHE_VOLUME in names:
+            raise PodSettingsError(f"spec.pod.volumes: the name {SOURCE_CACHE_VOLUME!r} is taken by "
+                                   "spec.sourceCache.claimName; rename the volume")
+        if cache and cache == job.spec.output.claim_name:
+            raise PodSettingsError(f"spec.sourceCache.claimName: {cache!r} is also spec.output.claimName; a cache "
+                                   "shared by jobs must not be one job's output volume: give each its own claim")
         roles = {ROLE_TRAINER: job.spec.trainer.pod.over(p), ROLE_ROLLOUT: job.spec.rollout.pod.over(p)}
         for role, resources in ((ROLE_TRAINER, job.spec.trainer.resources), (ROLE_ROLLOUT, job.spec.rollout.resources)):
             gpu = roles[role].accelerator_resource
@@ -109,6 +123,7 @@ class PodSettings:
             volumes=copy.deepcopy(p.volumes),
             volume_mounts=[m.model_dump(by_alias=True, exclude_defaults=True) for m in p.volume_mounts],
             output_claim=job.spec.output.claim_name,
+            source_cache_claim=cache,
             output_dir=output_dir(job),
         )
         settings.check_paths(job)
