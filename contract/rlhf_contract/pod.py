@@ -237,15 +237,19 @@ def trainer_process(
 
 
 def fetch_process(fetches: list[Fetch], *, restore_uri: str | None = None, output_dir: str | None = None,
-                  python: str = "python") -> Process | None:
+                  cache_dir: str | None = None, python: str = "python") -> Process | None:
     """The download step (`python -m rlhf_trainer.storage`, the trainer image): the job's
     `hf://` / `s3://` models and data into its sources directory (rlhf_contract.sources),
     and with `restore_uri` (`output.uri`) the bucket's newest checkpoint into an output
-    directory that holds none. Exit 2 names the field and the Secret; None: nothing to do.
+    directory that holds none. With `cache_dir` (`spec.sourceCache`, mounted there) each
+    copy is kept once in that cache, by content, and the sources directory links to it.
+    Exit 2 names the field and the Secret; None: nothing to do.
     An init container on a cluster; in local mode it runs before anything else starts."""
     if not fetches and not restore_uri:
         return None
     command = [python, "-m", "rlhf_trainer.storage", "--plan", plan_json(fetches)]
+    if cache_dir and fetches:
+        command += ["--cache", cache_dir]
     if restore_uri:
         command += ["--restore", restore_uri, "--output", output_dir]
     return Process(command, {})

@@ -16,6 +16,11 @@ so a restart or a second pod with the volume downloads nothing again, every down
 the job reads the same revision, and a copy without its marker, or whose files differ from
 it, is never used (rlhf_trainer.storage downloads it afresh).
 
+With `spec.sourceCache` a claim shared by jobs is mounted at SOURCE_CACHE_DIR in every pod
+that downloads; each copy is kept there once, by content (the Hub commit, the S3 objects'
+ETags: rlhf_trainer.storage.cache), and the path above is a symbolic link to it (the
+trainer and rollout containers mount the cache read-only).
+
 Credentials come from the environment by these names (`spec.storageSecret` on a cluster)."""
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from .api.uris import parse_remote
 
 SOURCES_DIR = "sources"
 """Under the output directory."""
+SOURCE_CACHE_DIR = "/var/cache/rlhf-sources"
+"""Where `spec.sourceCache` is mounted, the same path in every pod (the links point there)."""
 COMPLETE_DIR = ".complete"
 PINS_DIR = ".pins"
 PARTIAL_DIR = ".partial"

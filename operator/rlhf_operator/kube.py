@@ -228,6 +228,11 @@ class Kube:
                                             content_type="application/merge-patch+json")[0])
         return adopted
 
+    def claim_access_modes(self, namespace: str, name: str) -> list[str] | None:
+        """A PersistentVolumeClaim's `spec.accessModes` (fixed at its creation); None: no such claim."""
+        claim = self.read(f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/{name}")  # read, never written
+        return None if claim is None else list((claim.get("spec") or {}).get("accessModes") or [])
+
     def node(self, name: str) -> dict[str, Any] | None:
         """A node, read at most every NODE_CACHE_SECONDS (the jobs on it share the read)."""
         now = time.monotonic()
@@ -273,8 +278,7 @@ class Kube:
                body: dict[str, Any] | None = None) -> bool:
         """Delete the object of that uid (background propagation: the garbage collector
         removes its pods); False when it is gone, or the name now holds another object (409).
-        Every delete of the operator names the uid; None (whatever holds the name) is for
-        `rlhfctl smoke-test`'s own job."""
+        Every delete names the uid where it is known (None: whatever holds the name)."""
         api_version = _API_VERSIONS.get(kind, "v1")
         options = {"propagationPolicy": "Background", **(body or {}), **({"preconditions": {"uid": uid}} if uid else {})}
         try:

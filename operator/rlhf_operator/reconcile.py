@@ -32,7 +32,7 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from typing import Any, Callable
 
@@ -42,6 +42,7 @@ from rlhf_contract.api import problems
 from rlhf_contract.api.models import RLHFJob, resolve_backend
 from rlhf_contract.backends import BACKENDS, missing_message
 from rlhf_contract.redact import redact_text
+from rlhf_contract.sources import plan as sources_plan
 
 from kubernetes.client.rest import ApiException
 
@@ -90,6 +91,8 @@ class JobCache:
     controller delete failed pods within milliseconds, so a LIST may no longer show them."""
     audited: float = field(default_factory=time.monotonic)
     """When the job's children were last read from the API server (a new job's index is exact)."""
+    output_claim: tuple[str, bool] | None = None
+    """(output.claimName, whether it is ReadWriteMany), read once: a claim's accessModes never change."""
 
 
 class JobCaches:
@@ -296,6 +299,28 @@ class Reconciler:
                 self.kube.event(body, "Warning", type_, conds[type_]["message"])
                 log.warning("%s/%s: %s", meta["namespace"], meta["name"], conds[type_]["message"])
 
+    def _output_access(self, cache: JobCache, job: RLHFJob, settings: PodSettings, namespace: str) -> PodSettings:
+        """`settings` with `output_shared` when the job's rollout pods download its model and its
+        output claim is ReadWriteMany (builders/storage.py: they then mount the claim and read
+        the trainer's copy). A claim not there yet is asked again next time; one the operator
+        may not read (a chart without the rule) counts as not shared: the emptyDir fallback."""
+        claim = settings.output_claim
+        if not claim or job.spec.trainer_pods_only or not sources_plan(job, settings.output_dir, model_only=True):
+            return settings
+        if cache.output_claim is None or cache.output_claim[0] != claim:
+            try:
+                modes = self.kube.claim_access_modes(namespace, claim)
+            except ApiException as err:
+                if err.status != 403:
+                    raise
+                log.warning("%s: cannot read the PersistentVolumeClaim %s (%s): its rollout pods download into an "
+                            "emptyDir", job.metadata.name, claim, err.reason)
+                modes = []
+            if modes is None:
+                return settings
+            cache.output_claim = (claim, "ReadWriteMany" in modes)
+        return replace(settings, output_shared=cache.output_claim[1])
+
     def reconcile(self, namespace: str, name: str) -> str | None:
         """Bring one job's children and status in line with its spec; returns the phase."""
         kube, key = self.kube, (namespace, name)
@@ -325,6 +350,8 @@ class Reconciler:
             job, invalid = None, "; ".join(str(p) for p in problems(err))
         except PodSettingsError as err:
             job, invalid = None, str(err)
+        if job is not None:
+            settings = self._output_access(cache, job, settings, namespace)
 
         plan = status.plan(body, job, observed, datetime.now(timezone.utc), invalid=invalid,
                            node_lost_after=self.node_lost_after)

@@ -35,7 +35,13 @@ def run_smoke_test(kube: Kube, namespace: str, name: str, timeout_s: float = 120
                    say: Callable[[str], None] = print) -> int:
     doc = smoke_job(name)
     path = api_path(doc["apiVersion"], KIND, namespace)
-    kube.delete("RLHFJob", namespace, name)  # a previous run's, if any
+    old = kube.get_job(namespace, name)
+    if old is not None:  # a previous run's is replaced; a job of anyone else's is never touched
+        if (old["metadata"].get("labels") or {}).get("app.kubernetes.io/component") != "helm-test":
+            say(f"RLHFJob {namespace}/{name} exists and is not a smoke test's (no label "
+                "app.kubernetes.io/component=helm-test): not deleting it; give the smoke test another name")
+            return 1
+        kube.delete("RLHFJob", namespace, name, old["metadata"]["uid"])
     deadline = time.monotonic() + timeout_s
     while kube.get_job(namespace, name) is not None and time.monotonic() < deadline:
         time.sleep(1)
@@ -56,4 +62,4 @@ def run_smoke_test(kube: Kube, namespace: str, name: str, timeout_s: float = 120
             "(is the operator running and watching this namespace? `kubectl logs` of its Deployment)")
         return 1
     finally:
-        kube.delete("RLHFJob", namespace, name)
+        kube.delete("RLHFJob", namespace, name, created["metadata"]["uid"])  # this run's job, by uid

@@ -72,6 +72,7 @@ def stack(cluster: Cluster, tmp_path_factory):
                    if registry.digest(*e["image"].split("/", 1)[1].rsplit(":", 1)) != e["digest"]]
         assert not missing, f"images of {LOCK} not in the registry: {missing}; run `make test-images`"
         node = RealNode(cluster, tools, registry.host, lock["pause"]).start()
+        node.keep_only_images({e["digest"] for e in lock["images"].values()} | {lock["pause"].rsplit("@", 1)[1]})
         cluster.kubectl("create", "namespace", ns)
         yield {"lock": lock, "registry": registry, "node": node, "ns": ns, "work": work,
                "ref": {n: e["ref"] for n, e in lock["images"].items()}}
@@ -113,8 +114,8 @@ def test_vllm_cli_runs_in_the_rollout_image(cluster: Cluster, stack):
     on a GPU-less machine stops there ("Failed to infer device type"): with a GPU the same
     command prints the help; here that exact refusal is what is expected."""
     pod = pod_on_node(cluster, stack["ns"], "vllm-cli", stack["ref"]["inference"], ["python", "-c", VLLM_PROBE])
-    logs = cluster.kubectl("logs", "vllm-cli", "-n", stack["ns"]).stdout
-    assert pod["status"]["phase"] == "Succeeded", logs[-3000:]
+    logs = cluster.kubectl("logs", "vllm-cli", "-n", stack["ns"], check=False).stdout
+    assert pod["status"]["phase"] == "Succeeded", logs[-3000:] + "\n" + stack["node"].report([stack["ns"]])
     assert pod["spec"]["nodeName"] == NODE_NAME
     assert f"VLLM_VERSION {images.VLLM_VERSION}" in logs
     helped = "SERVE_HELP_RC 0" in logs and "--tensor-parallel-size" in logs
@@ -142,9 +143,9 @@ def test_helm_install_from_the_registry_and_the_operator_pod_leads(cluster: Clus
     (stack["work"] / "values.yaml").write_text(yaml.safe_dump(values))
     out = cluster.helm("install", "rlhf", f"oci://{reg.host}/rlhf-operator/charts/rlhf-operator",
                        "--version", images.VERSION, "--plain-http", "--namespace", release_ns, "--create-namespace",
-                       "-f", str(stack["work"] / "values.yaml"), "--take-ownership", "--wait", "--timeout", "5m")
-    assert out.returncode == 0, out.stdout + out.stderr + cluster.kubectl(
-        "get", "pods,events", "-n", release_ns, "-o", "wide", check=False).stdout
+                       "-f", str(stack["work"] / "values.yaml"), "--take-ownership", "--wait", "--timeout", "5m",
+                       check=False, timeout=420)
+    assert out.returncode == 0, out.stdout + out.stderr + stack["node"].report([release_ns])
     stack["release_ns"] = release_ns
     pods = cluster.get("pods", namespace=release_ns)["items"]
     assert len(pods) == 1 and pods[0]["spec"]["nodeName"] == NODE_NAME
@@ -250,7 +251,8 @@ def test_a_cpu_job_runs_in_real_pods_restarts_whole_and_learns(cluster: Cluster,
             first = wait_for(lambda: progressed(1), 600, "the job's first step in `kubectl get rlj`", interval=2)
         except TimeoutError:
             raise AssertionError(cluster.kubectl("get", "rlj,pods,events", "-n", ns, "-o", "wide").stdout
-                                 + rlhfctl(cluster, "logs", JOB, "-n", ns, "--tail", "60").stdout)
+                                 + rlhfctl(cluster, "logs", JOB, "-n", ns, "--tail", "60").stdout
+                                 + stack["node"].report([ns]))
         assert int(first["STEP"]) >= 1
         wait_for(lambda: get_rlj(cluster, ns)["PHASE"] == "Running", 120, "PHASE Running", interval=2)
         pods = cluster.get("pods", namespace=ns, selector=f"rlhf.dev/job={JOB}")["items"]
@@ -279,7 +281,7 @@ def test_a_cpu_job_runs_in_real_pods_restarts_whole_and_learns(cluster: Cluster,
                  300, "the job to count the restart", interval=2)
         done = wait_for(lambda: (s := cluster.get("rlj", JOB, namespace=ns)["status"]).get("phase") in ("Succeeded", "Failed")
                         and s, 1500, "the job to finish", interval=5)
-        assert done["phase"] == "Succeeded", done
+        assert done["phase"] == "Succeeded", (done, stack["node"].report([ns]))
         new_pods = cluster.get("pods", namespace=ns, selector=f"rlhf.dev/job={JOB}")["items"]
         assert not old_uids & {p["metadata"]["uid"] for p in new_pods}  # every pod replaced, rollout servers too
 

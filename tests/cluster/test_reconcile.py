@@ -102,6 +102,18 @@ def test_the_helm_test_command_passes_with_an_operator_and_says_what_is_missing_
         assert "reports the job Suspended" in out.stdout
         gone = cluster.kubectl("get", "rlhfjob", "rlhf-smoke-test", "-n", ns, check=False)
         assert gone.returncode != 0 or "deletionTimestamp" in gone.stdout
+        # A team's own job under that name (no helm-test label) is never deleted by the smoke test.
+        wait_for(lambda: cluster.kubectl("get", "rlhfjob", "rlhf-smoke-test", "-n", ns, check=False).returncode != 0,
+                 60, "the smoke test's job gone")
+        from rlhf_operator.smoke import smoke_job
+        theirs = smoke_job("rlhf-smoke-test")
+        del theirs["metadata"]["labels"]
+        theirs["metadata"]["namespace"] = ns
+        cluster.apply(theirs)
+        uid = cluster.get("rlhfjob", "rlhf-smoke-test", namespace=ns)["metadata"]["uid"]
+        refused = smoke(3)
+        assert refused.returncode == 1 and "not deleting it" in refused.stdout, refused.stdout + refused.stderr
+        assert cluster.get("rlhfjob", "rlhf-smoke-test", namespace=ns)["metadata"]["uid"] == uid
     finally:
         cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
 

@@ -89,6 +89,10 @@ rules:
     # delete: force-delete the pods of a lost node (grace 0); patch: label a TrainJob's pods as the job's
     verbs: [get, list, watch, patch, delete]
   - apiGroups: [""]
+    resources: [persistentvolumeclaims]
+    # read a job's output.claimName's accessModes: ReadWriteMany lets its rollout pods share the trainer's downloads
+    verbs: [get]
+  - apiGroups: [""]
     resources: [configmaps, services, serviceaccounts]
     verbs: [get, create, patch, delete]
   - apiGroups: [""]

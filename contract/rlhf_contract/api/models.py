@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .common import MAX_NAME_LENGTH, Method, SpecModel, PodScheduling, PodSecurity, PodTemplateSpec, RolePodSpec
 from .task import ModelSpec, DataSpec, SandboxServiceSpec, RewardSpec, EnvironmentSpec, AlgorithmSpec, DistillationSpec
-from .training import RolloutSpec, TrainerSpec, ScheduleSpec, OutputSpec, RunPolicy, EvaluationSpec, PreferenceSpec, TrackingSpec
+from .training import RolloutSpec, TrainerSpec, ScheduleSpec, OutputSpec, RunPolicy, EvaluationSpec, PreferenceSpec, TrackingSpec, SourceCacheSpec
 from .common import API_GROUP, API_VERSION, KIND, PLURAL, SHORT_NAME, KubeObject, GPU_RESOURCE, Quantity, Resources, VolumeMount  # noqa: F401  (re-exported)
 from .task import TeacherSpec, CodeSandboxSpec, LoraSpec, RewardModelSpec, RewardComponentSpec, Estimator, ESTIMATORS, LossAgg  # noqa: F401  (re-exported)
 from .training import ColocatedSpec, DeepSpeedSpec, HubOutputSpec, ParallelismSpec, EvalDatasetSpec, WandbSpec, MlflowSpec, SecretKeyRef  # noqa: F401  (re-exported)
@@ -70,6 +70,7 @@ __all__ = [
     "SHORT_NAME",
     "SandboxServiceSpec",
     "ScheduleSpec",
+    "SourceCacheSpec",
     "SpecModel",
     "TeacherSpec",
     "TrackingSpec",
@@ -145,6 +146,10 @@ class RLHFJobSpec(SpecModel):
     Without keys, S3 uses the pods' cloud identity (IRSA, EKS Pod Identity, the instance
     profile: spec.pod.serviceAccountAnnotations). Given to the download step and the trainer
     only (never to rollout servers or the code sandbox). Locally: this environment's."""
+
+    source_cache: SourceCacheSpec | None = None
+    """A cache of the `hf://` / `s3://` downloads shared by jobs (a PersistentVolumeClaim);
+    none: each job keeps its copies in its own output directory."""
 
     @property
     def offline(self) -> bool:

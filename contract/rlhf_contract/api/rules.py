@@ -311,7 +311,7 @@ everything to zero; runPolicy's budget, deadline and TTL are read on every recon
 IMMUTABLE_FIELDS: tuple[str, ...] = ("method", "model", "data", "reward", "environment", "algorithm", "distillation",
                                      "rollout",
                                      "trainer", "schedule", "output", "pod", "sandboxService", "preference",
-                                     "evaluation", "backend", "tracking", "storageSecret")
+                                     "evaluation", "backend", "tracking", "storageSecret", "sourceCache")
 """Spec fields (YAML names under spec) that an update may not change. Each is read once,
 when the pods start (the config file, the trainer's world and endpoints, the servers'
 command line), so a change on a running job would be half-applied. The CRD carries one

@@ -3,6 +3,7 @@ outputs, the restart policy, evaluation and the preference loss."""
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -197,8 +198,10 @@ class OutputSpec(SpecModel):
     entry that contains it."""
     claim_name: str | None = None
     """A PersistentVolumeClaim mounted at `dir` in the trainer pods, so checkpoints survive
-    restarts (ReadWriteMany when `trainer.numNodes` > 1). Not needed with `uri` on one node:
-    the trainer pods then write into an emptyDir and the bucket keeps the checkpoints."""
+    restarts (ReadWriteMany when `trainer.numNodes` > 1). When it is ReadWriteMany the
+    rollout pods mount it too (read-only) and read the trainer's `hf://` / `s3://` copies.
+    Not needed with `uri` on one node: the trainer pods then write into an emptyDir and
+    the bucket keeps the checkpoints."""
     keep_checkpoints: int = Field(default=3, ge=1)
     """How many complete checkpoints to keep."""
     save_rollouts: bool = False
@@ -228,6 +231,31 @@ class OutputSpec(SpecModel):
     @classmethod
     def _stays_on_its_volume(cls, value: str) -> str:
         return check_no_parent(value)
+
+
+_CLAIM_NAME = r"^[a-z0-9]$|^[a-z0-9][-.a-z0-9]*[a-z0-9]$"
+"""A PersistentVolumeClaim's name (a DNS subdomain: lowercase letters, digits, '-' and '.')."""
+
+
+class SourceCacheSpec(SpecModel):
+    """A download cache shared by jobs: a PersistentVolumeClaim (ReadWriteMany when the
+    jobs' pods run on several nodes) that keeps each `hf://` / `s3://` copy once, by what
+    identifies its content (the Hub commit, the S3 objects' ETags)."""
+
+    claim_name: str = Field(min_length=1, max_length=253, json_schema_extra={"pattern": _CLAIM_NAME})
+    """The PersistentVolumeClaim (in the job's namespace; a DNS subdomain name such as
+    `model-cache`), mounted on every pod that downloads: writable by the download step only,
+    read-only in the trainer and rollout containers. A second job (or attempt) with the same
+    commit or ETags downloads nothing. Not `output.claimName` (a cache is not one job's).
+    Ignored in local mode."""
+
+    @field_validator("claim_name")
+    @classmethod
+    def _claim_name(cls, value: str) -> str:
+        if not re.fullmatch(_CLAIM_NAME, value):
+            raise ValueError(f"{value!r} is not a PersistentVolumeClaim name: use lowercase letters, digits, '-' "
+                             "and '.', starting and ending with a letter or digit (e.g. model-cache)")
+        return value
 
 
 class WandbSpec(SpecModel):

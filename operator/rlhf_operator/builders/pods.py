@@ -7,11 +7,12 @@ pods (the contract's `PodScheduling.over`: labels, annotations, nodeSelector, to
 affinity, topologySpreadConstraints, schedulerName, priorityClassName, runtimeClassName,
 securityContext, ServiceAccount annotations, resourceClaims, the accelerator resource);
 volumes, mounts and pull secrets are the same for every pod. `spec.output.claimName` mounts a
-PersistentVolumeClaim at the output directory of the trainer pods; a job with `output.uri`
-(`s3://`) and neither a claim nor a mount there gets an emptyDir at the output directory
-instead (`output_scratch`: the bucket keeps the checkpoints, the download step restores the
-newest into a new pod's emptyDir; one trainer node only, since each pod's emptyDir would
-hold only its own ranks' shards). `PodSettings.from_job`
+PersistentVolumeClaim at the output directory of the trainer pods (and, when it is
+ReadWriteMany, of the rollout pods that download: storage.py, as `spec.sourceCache` is); a
+job with `output.uri` (`s3://`) and neither a claim nor a mount there gets an emptyDir at the
+output directory instead (`output_scratch`: the bucket keeps the checkpoints, the download
+step restores the newest into a new pod's emptyDir; one trainer node only, since each pod's
+emptyDir would hold only its own ranks' shards). `PodSettings.from_job`
 also refuses a job whose model, data or output directory is on no mounted volume (the
 pods could not read or keep them), naming the field; `builtin://`, `hf://` and `s3://` paths need none
 (storage.py downloads the latter). The
@@ -46,6 +47,7 @@ CONFIG_FILE = "trainer.json"
 CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_FILE}"
 DEFAULT_OUTPUT_DIR = "/output"
 OUTPUT_VOLUME = "output"
+SOURCE_CACHE_VOLUME = "source-cache"
 SCRATCH_DIR = "/tmp"
 BUILTIN_PREFIX = "builtin://"
 RESERVED_VOLUMES = ("config", "dshm", "scratch")
@@ -70,6 +72,11 @@ class PodSettings:
     """Mounts of `volumes` into every container."""
     output_claim: str | None = None
     """PVC mounted at the output directory of the trainer pods."""
+    output_shared: bool = False
+    """`output_claim` is ReadWriteMany (the operator reads the claim's accessModes): the
+    rollout pods mount it too and read the trainer's downloads (storage.py)."""
+    source_cache_claim: str | None = None
+    """`spec.sourceCache.claimName`: the download cache shared by jobs (storage.py)."""
     output_dir: str = DEFAULT_OUTPUT_DIR
     output_scratch: bool = False
     """An emptyDir at the output directory of the trainer pods (`output.uri` without a volume)."""
@@ -112,6 +119,13 @@ class PodSettings:
                 f"({job.spec.trainer.num_nodes}) > 1 needs a ReadWriteMany claim (or a spec.pod.volumeMounts entry "
                 f"containing {out!r}): each node writes its own checkpoint shards, which one pod's emptyDir "
                 "cannot gather; set output.claimName, or train on one node")
+        cache = job.spec.source_cache.claim_name if job.spec.source_cache is not None else None
+        if cache and SOURCE_CACHE_VOLUME in names:
+            raise PodSettingsError(f"spec.pod.volumes: the name {SOURCE_CACHE_VOLUME!r} is taken by "
+                                   "spec.sourceCache.claimName; rename the volume")
+        if cache and cache == job.spec.output.claim_name:
+            raise PodSettingsError(f"spec.sourceCache.claimName: {cache!r} is also spec.output.claimName; a cache "
+                                   "shared by jobs must not be one job's output volume: give each its own claim")
         roles = {ROLE_TRAINER: job.spec.trainer.pod.over(p), ROLE_ROLLOUT: job.spec.rollout.pod.over(p)}
         for role, resources in ((ROLE_TRAINER, job.spec.trainer.resources), (ROLE_ROLLOUT, job.spec.rollout.resources)):
             gpu = roles[role].accelerator_resource
@@ -125,6 +139,7 @@ class PodSettings:
             volumes=copy.deepcopy(p.volumes),
             volume_mounts=[m.model_dump(by_alias=True, exclude_defaults=True) for m in p.volume_mounts],
             output_claim=job.spec.output.claim_name,
+            source_cache_claim=cache,
             output_dir=out,
             output_scratch=scratch,
         )

@@ -3,7 +3,8 @@ S3-compatible object storage (`s3://`).
 
 `fetch.py`: the download step (`python -m rlhf_trainer.storage`: the init container of each
 pod that needs it, and local mode before anything starts). `pins.py`: the revision each
-source is pinned to for the job. `files.py`: names kept inside their directory, markers
+source is pinned to for the job. `cache.py`: the download cache shared by jobs
+(`spec.sourceCache`). `files.py`: names kept inside their directory, markers
 written atomically and what they list. `s3.py`: the S3 client, prefix downloads and
 uploads. `publish.py`: `output.uri` uploads, resume from the bucket, and `output.hub`
 pushes. `model_card.py`: `final/README.md`.

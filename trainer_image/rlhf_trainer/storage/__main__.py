@@ -1,4 +1,4 @@
-"""`python -m rlhf_trainer.storage --plan JSON [--restore S3_URI --output DIR]`: the download
+"""`python -m rlhf_trainer.storage --plan JSON [--cache DIR] [--restore S3_URI --output DIR]`: the download
 step (rlhf_contract.pod.fetch_process). Exit 0 when every copy is complete, 2 (naming the
 field and the Secret) when only a change to the spec or the Secret can help, 1 when the
 next attempt may succeed."""
@@ -21,6 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--restore", help="spec.output.uri: copy its newest complete checkpoint into --output "
                                           "when that holds none")
     parser.add_argument("--output", help="the output directory")
+    parser.add_argument("--cache", help="spec.sourceCache's mount: keep each copy there once, by content, and "
+                                        "link the job's sources to it")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     for noisy in ("httpx", "httpx2", "huggingface_hub"):  # one line per request
@@ -30,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     from .publish import restore_checkpoint
 
     try:
-        for line in fetch_all(plan_from_json(args.plan)):
+        for line in fetch_all(plan_from_json(args.plan), args.cache):
             print(line, flush=True)
         if args.restore:
             print(restore_checkpoint(args.restore, args.output), flush=True)

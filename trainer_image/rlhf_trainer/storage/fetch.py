@@ -31,7 +31,7 @@ from rlhf_contract.api.uris import DEFAULT_REVISION, parse_remote
 from rlhf_contract.sources import PARTIAL_DIR, Fetch
 
 from ..retry import Retry, TryAgain, retry_after
-from . import StorageError, credentials_source, pins, s3
+from . import StorageError, cache, credentials_source, pins, s3
 from .files import listing, listing_matches, remove_abandoned, unique_name, write_atomic
 
 log = logging.getLogger(__name__)
@@ -67,9 +67,12 @@ def _hub_retried(fn):
         raise last.err from None
 
 
-def fetch_all(fetches: list[Fetch]) -> list[str]:
-    """Download what is not there yet; returns one line per fetch (what was done)."""
-    return [_fetch_one(f) for f in fetches]
+def fetch_all(fetches: list[Fetch], cache_dir: str | Path | None = None) -> list[str]:
+    """Download what is not there yet; returns one line per fetch (what was done). With
+    `cache_dir` (`spec.sourceCache`) each copy is kept once there, by content (cache.py), and
+    the job's path is a link to it."""
+    root = Path(cache_dir) if cache_dir else None
+    return [_fetch_one(f, root) for f in fetches]
 
 
 def copy_problem(fetch: Fetch, pin: dict | None) -> str | None:
@@ -88,7 +91,7 @@ def copy_problem(fetch: Fetch, pin: dict | None) -> str | None:
     return listing_matches(Path(fetch.local), record.get("files"))
 
 
-def _fetch_one(fetch: Fetch) -> str:
+def _fetch_one(fetch: Fetch, cache_root: Path | None) -> str:
     if copy_problem(fetch, pins.read(fetch)) is None:
         return f"{fetch.field}: {fetch.uri} already at {fetch.local}"
     marker = Path(fetch.marker())
@@ -103,12 +106,67 @@ def _fetch_one(fetch: Fetch) -> str:
             return f"{fetch.field}: {fetch.uri} already at {fetch.local} (downloaded by another pod)"
         if Path(fetch.local).exists() or marker.exists():
             log.warning("%s: the copy at %s is not used (%s): downloading it again", fetch.field, fetch.local, problem)
+        if cache_root is not None:
+            return _through_cache(fetch, marker, cache_root)
         return _download(fetch, marker)
 
 
-def _download(fetch: Fetch, marker: Path) -> str:
-    start = time.monotonic()
+def _through_cache(fetch: Fetch, marker: Path, root: Path) -> str:
+    """The copy from the cache (downloaded into it first when it has none whole), linked at
+    `fetch.local`; without a pin that names content, downloaded as without a cache."""
+    pin = pins.read(fetch) or _resolve(fetch)
+    found = cache.entry(root, fetch, pin) if pin is not None else None
+    if found is None:
+        return _download(fetch, marker)
+    found.marker.parent.mkdir(parents=True, exist_ok=True)
+    with open(found.marker.with_suffix(".lock"), "w") as lock:  # as _fetch_one's lock, per entry
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        record = cache.complete(found, pin)
+        done = "found in the cache"
+        if record is None:
+            start = time.monotonic()
+            _download(fetch, found.marker, found.path, root / PARTIAL_DIR, sealed=True)
+            done = f"downloaded into the cache in {time.monotonic() - start:.1f} s"
+            record = json.loads(found.marker.read_text())
     staging = Path(fetch.sources_dir()) / PARTIAL_DIR / unique_name(marker.stem)
+    staging.mkdir(parents=True)
+    try:
+        (staging / "content").symlink_to(found.path)
+        _install(Path(fetch.local), staging)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # a link (or the job's old copy) replaced: never the entry
+    kept = {k: record[k] for k in ("revision", "objects", "files") if k in record}
+    write_atomic(marker, json.dumps({"uri": fetch.uri, "local": fetch.local, "cache": str(found.path), **kept},
+                                    indent=1))
+    return f"{fetch.field}: {fetch.uri} {done}: {fetch.local} -> {found.path}"
+
+
+def _resolve(fetch: Fetch) -> dict | None:
+    """Pin `fetch` before its place in the cache is chosen (the Hub commit its revision names,
+    the S3 objects' ETags); None when the server does not say now: the download that follows
+    then reports why (exit 2 or 1) as without a cache."""
+    remote = parse_remote(fetch.uri)
+    try:
+        if remote.scheme == "hf":
+            from huggingface_hub import HfApi
+
+            api = HfApi(endpoint=os.environ.get("HF_ENDPOINT") or None)
+            info = _hub_retried(lambda: api.repo_info(remote.name, repo_type=fetch.kind, revision=remote.ref))
+            return pins.record(fetch, {"revision": info.sha}) if info.sha else None
+        objects = s3.list_objects(s3.client(remote.name), remote.name, remote.ref)
+        return pins.record(fetch, {"objects": objects}) if objects else None
+    except (StorageError, ValueError, *s3.errors()) as err:
+        log.info("%s: %s not resolved before the download (%s)", fetch.field, fetch.uri, type(err).__name__)
+        return None
+
+
+def _download(fetch: Fetch, marker: Path, target: Path | None = None, partial: Path | None = None, *,
+              sealed: bool = False) -> str:
+    """Download `fetch` into `target` (the job's copy, or a cache entry: `partial` its staging
+    directory, `sealed` its files made read-only), then write `marker`."""
+    start = time.monotonic()
+    target = target or Path(fetch.local)
+    staging = (partial or Path(fetch.sources_dir()) / PARTIAL_DIR) / unique_name(marker.stem)
     staging.mkdir(parents=True)
     remove_abandoned(staging.parent, marker.stem)
     remote = parse_remote(fetch.uri)
@@ -119,17 +177,19 @@ def _download(fetch: Fetch, marker: Path) -> str:
         else:
             record = _s3(fetch, remote.name, remote.ref, staging, pin)
         record["files"] = listing(staging / "content")
-        _install(fetch, staging)
+        if sealed:
+            cache.seal(staging / "content")
+        _install(target, staging)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    write_atomic(marker, json.dumps({"uri": fetch.uri, "local": fetch.local, **record}, indent=1))  # last
-    return f"{fetch.field}: {fetch.uri} downloaded to {fetch.local} in {time.monotonic() - start:.1f} s"
+    write_atomic(marker, json.dumps({"uri": fetch.uri, "local": str(target), **record}, indent=1))  # last
+    return f"{fetch.field}: {fetch.uri} downloaded to {target} in {time.monotonic() - start:.1f} s"
 
 
-def _install(fetch: Fetch, staging: Path) -> None:
-    """Rename the staged copy into place; one already there (partial, or another process's
-    complete one) is first renamed aside into this staging directory, then deleted."""
-    target = Path(fetch.local)
+def _install(target: Path, staging: Path) -> None:
+    """Rename the staged copy (or link) into place at `target`; one already there (partial, or
+    another process's complete one, or a link) is first renamed aside into this staging
+    directory, then deleted with it (a link is removed, not followed)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     if target.exists() or target.is_symlink():
         os.replace(target, staging / "replaced")
