@@ -77,8 +77,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return ExitCode.CONFIG_ERROR
     try:
         model = (json.loads(Path(args.model_config).read_text()) if args.model_config
-                 else model_config_here(config.model_path))
-        rm = model_config_here(config.reward.model.path) if config.reward.model is not None else None
+                 else model_config_here(job.spec.model.path, hub=True))
+        rm = model_config_here(job.spec.reward.model.path, hub=True) if job.spec.reward.model is not None else None
         result = plan(config, model, world, gpu, reward_model_config=rm)
     except (OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)

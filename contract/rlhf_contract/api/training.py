@@ -10,7 +10,7 @@ from pydantic import Field, field_validator, model_validator
 from ..images import INFERENCE_IMAGE, TRAINER_IMAGE
 from .common import INT32_MAX, MAX_SECONDS, SEED_MAX, SecretKeyRef, SpecModel, Resources, RolePodSpec
 from .serving import ColocatedSpec, VllmSpec  # noqa: F401  (re-exported)
-from .uris import ENV_SECRET, EndpointUrl, check_no_parent, check_path, parse_remote
+from .uris import CONFIG_NAME, ENV_SECRET, EndpointUrl, check_no_parent, check_path, config_problem, parse_remote
 
 
 class RolloutSpec(SpecModel):
@@ -298,6 +298,8 @@ class EvalDatasetSpec(SpecModel):
     """Name in the metrics (`eval/<name>/...`, Prometheus label `dataset`)."""
     path: str = Field(min_length=1)
     """A file or directory, `hf://` or `s3://` address, as `data.path` (or a built-in task: 64 prompts unseen in training)."""
+    config: str | None = Field(default=None, min_length=1, max_length=128, pattern=CONFIG_NAME)
+    """The config of a Hub dataset repository, as `data.config` (not inherited from it)."""
     split: str = "train"
     """Split of a dataset with several."""
     max_prompts: int | None = Field(default=None, ge=1)
@@ -306,7 +308,14 @@ class EvalDatasetSpec(SpecModel):
     @field_validator("path")
     @classmethod
     def _remote(cls, value: str) -> str:
-        return check_path(value)
+        return check_path(value, "dataset")
+
+    @model_validator(mode="after")
+    def _config_applies(self) -> "EvalDatasetSpec":
+        problem = config_problem(self.path, self.config)
+        if problem:
+            raise ValueError(problem)
+        return self
 
 
 class EvaluationSpec(SpecModel):
