@@ -153,10 +153,12 @@ def _config_files(p: Path, configs, config: str | None, split: str, path: str) -
     if split not in patterns:
         raise _split_error(f"{path} (config {name!r})", split, patterns)
     try:
-        files = DataFilesList.from_patterns(patterns[split], base_path=str(base))
+        files = list(DataFilesList.from_patterns(patterns[split], base_path=str(base)))
     except FileNotFoundError:
-        raise _load_error(path, f"no files of split {split!r} of config {name!r} ({', '.join(patterns[split])})") from None
-    return name, list(files)
+        files = []
+    if not files:
+        raise _load_error(path, f"no files of split {split!r} of config {name!r} ({', '.join(patterns[split])})")
+    return name, files
 
 
 def _no_configs(path: str, config: str | None) -> None:
