@@ -280,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "trainer.gpuMemoryGiB, else this machine's GPU)")
     plan_cmd.add_argument("--gpus", type=int, help="trainer GPUs (default: trainer.numNodes x trainer.nprocPerNode)")
     plan_cmd.add_argument("--model-config", metavar="FILE",
-                          help="the model's config.json, when model.path is not on this machine")
+                          help="the model's config.json, when model.path is neither on this machine nor an hf:// model "
+                               "(read from the Hub: HF_ENDPOINT, HF_TOKEN)")
     add_output_arg(plan_cmd, "the plan (bytes)")
     plan_cmd.set_defaults(func=_cmd_plan)
 

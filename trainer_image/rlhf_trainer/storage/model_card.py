@@ -10,6 +10,7 @@ from typing import Any
 
 import yaml
 
+from rlhf_contract.api.uris import parse_remote
 from rlhf_contract.outputs import METRICS_FILE
 
 CARD = "README.md"
@@ -37,8 +38,9 @@ def render(run_config: dict[str, Any], output_dir: Path) -> str:
     reward = spec.get("reward", {})
     last, evals = _last_rows(output_dir)
     front = {"library_name": "transformers", "tags": ["rlhf-operator", str(spec.get("method", "rl"))]}
-    if str(base).startswith("hf://"):
-        front["base_model"] = base.removeprefix("hf://").split("@")[0]
+    remote = parse_remote(base) if str(base).startswith("hf://") else None
+    if remote is not None:  # the repository's id, without type prefix, revision or folder
+        front["base_model"] = remote.name
     lines = ["---", yaml.safe_dump(front, sort_keys=False).rstrip(), "---", "",
              f"# {run_config.get('name', 'model')}", "",
              f"Trained with rlhf-operator (`method: {spec.get('method', 'rl')}`) from `{base}`.", "",
