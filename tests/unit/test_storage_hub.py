@@ -192,9 +192,14 @@ def test_a_bare_hub_id_is_answered_with_the_hf_address(tmp_path, capsys, monkeyp
     (tmp_path / "Qwen" / "Qwen3-0.6B").mkdir(parents=True)  # a local directory of that name is a path
     main(["validate", str(path)])
     assert "spec.model.path" not in capsys.readouterr().err
-    cluster = job({"path": "/data/x.jsonl"}, model="Qwen/Qwen3-0.6B")
+    (tmp_path / "Qwen" / "Qwen3-0.6B").rmdir()
+    bare = job({"path": "/data/x.jsonl"}, model="Qwen/Qwen3-0.6B")
     with pytest.raises(PodSettingsError, match="spec.model.path: .* write hf://Qwen/Qwen3-0.6B"):
-        build_children(cluster, 1)
+        build_children(bare, 1)  # the operator: a relative path is on no volume
+    from rlhf_launcher.local import LocalRunError, run_local
+
+    with pytest.raises(LocalRunError, match="spec.model.path: .* write hf://Qwen/Qwen3-0.6B"):
+        run_local(job({"path": "builtin://last-digit"}, model="Qwen/Qwen3-0.6B"), output=str(tmp_path / "out"))
 
 
 def test_plan_reads_an_hf_model_config_from_the_hub(llama_like, tmp_path, capsys, monkeypatch):

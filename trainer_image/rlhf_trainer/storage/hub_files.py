@@ -79,6 +79,17 @@ def _field(fetch: Fetch, name: str) -> str:
 def dataset_files(fetch: Fetch, repo: str, revision: str, listing: list[str], cache: Path) -> list[str]:
     """The files (repository paths) `datasets` reads for the config and split of `fetch`
     (a whole dataset repository), and README.md."""
+    from datasets.exceptions import DatasetsError
+
+    try:
+        return _dataset_files(fetch, repo, revision, listing, cache)
+    except (DatasetsError, ValueError) as err:  # the repository as `datasets` reads it (its card, its files)
+        raise StorageError(f"{fetch.field}: {fetch.uri}: `datasets` cannot read the repository at {revision} "
+                           f"({type(err).__name__}: {err}); fix its README's configs, or name a file or folder "
+                           "inside it (hf://datasets/<org>/<name>/<path>)", permanent=True) from None
+
+
+def _dataset_files(fetch: Fetch, repo: str, revision: str, listing: list[str], cache: Path) -> list[str]:
     import datasets
 
     where = f"{fetch.field}: {fetch.uri}"
