@@ -19,9 +19,9 @@ Layout under the sources directory (`<output dir>/sources`, on the job's volume)
                                                   job's first download and never changed
   .partial/<marker stem>.<host>.<pid>.<random>/   one download in progress (per process)
 (a revision with '/' is written with '--'; a selection of other characters than letters,
-digits and `_.=-` by a hash), so a restart or a second pod with the volume downloads nothing again, every download of
-the job reads the same revision, and a copy without its marker, or whose files differ from
-it, is never used (rlhf_trainer.storage downloads it afresh).
+digits and `_.=-` by a hash), so a restart or a second pod with the volume downloads nothing
+again, every download of the job reads the same revision, and a copy without its marker, or
+whose files differ from it, is never used (rlhf_trainer.storage downloads it afresh).
 
 Credentials come from the environment by these names (`spec.storageSecret` on a cluster)."""
 
@@ -98,7 +98,7 @@ def _selection(remote: Remote, config: str | None, split: str | None) -> str:
     if remote.path:
         label = remote.path.replace("/", "--")
     elif config is not None or split is not None:
-        label = f"{config or 'default'}.{split or 'all'}"
+        label = f"{config or 'default'}.{split}"
     else:
         return ""
     ok = _SAFE_LABEL.match(label) and not label.startswith(".")
@@ -129,22 +129,21 @@ def _fetch(field: str, uri: str, kind: str, sources: str, config: str | None = N
     return Fetch(field, uri, kind, local_path(uri, kind, sources, config, split), config, split)
 
 
-def _fetches(job: RLHFJob, sources: str) -> list[tuple[Fetch | None, object, str]]:
-    """(download or None, the spec part, the name of its path attribute) of every path of the job."""
+def _fetches(job: RLHFJob, sources: str) -> list[tuple[Fetch | None, object]]:
+    """(download or None, the spec part whose `path` it is) of every path of the job."""
     s = job.spec
-    out = [(_fetch("spec.model.path", s.model.path, "model", sources), s.model, "path"),
-           (_fetch("spec.data.path", s.data.path, "dataset", sources, s.data.config, s.data.split), s.data, "path")]
+    out = [(_fetch("spec.model.path", s.model.path, "model", sources), s.model),
+           (_fetch("spec.data.path", s.data.path, "dataset", sources, s.data.config, s.data.split), s.data)]
     if s.reward.model is not None:
-        out.append((_fetch("spec.reward.model.path", s.reward.model.path, "model", sources), s.reward.model, "path"))
+        out.append((_fetch("spec.reward.model.path", s.reward.model.path, "model", sources), s.reward.model))
     for i, d in enumerate(s.evaluation.datasets if s.evaluation is not None else []):
-        out.append((_fetch(f"spec.evaluation.datasets[{i}].path", d.path, "dataset", sources, d.config, d.split),
-                    d, "path"))
+        out.append((_fetch(f"spec.evaluation.datasets[{i}].path", d.path, "dataset", sources, d.config, d.split), d))
     return out
 
 
 def remote_fields(job: RLHFJob) -> list[tuple[str, str, str]]:
     """(field path, address, kind) of every `hf://` / `s3://` path of the job."""
-    return [(f.field, f.uri, f.kind) for f, _, _ in _fetches(job, SOURCES_DIR) if f is not None]
+    return [(f.field, f.uri, f.kind) for f, _ in _fetches(job, SOURCES_DIR) if f is not None]
 
 
 def plan(job: RLHFJob, output_dir: str, *, model_only: bool = False) -> list[Fetch]:
@@ -153,7 +152,7 @@ def plan(job: RLHFJob, output_dir: str, *, model_only: bool = False) -> list[Fet
     a dataset repository, the same config and split) shares it."""
     sources = str(PurePosixPath(output_dir, SOURCES_DIR))
     fetches, seen = [], set()
-    for fetch, _, _ in _fetches(job, sources):
+    for fetch, _ in _fetches(job, sources):
         if fetch is None or (model_only and fetch.field != "spec.model.path") or fetch.local in seen:
             continue
         seen.add(fetch.local)
@@ -164,9 +163,9 @@ def plan(job: RLHFJob, output_dir: str, *, model_only: bool = False) -> list[Fet
 def localize(job: RLHFJob, output_dir: str) -> RLHFJob:
     """`job` with every remote path replaced by the path its local copy gives (what the processes read)."""
     out = job.model_copy(deep=True)
-    for fetch, part, attr in _fetches(out, str(PurePosixPath(output_dir, SOURCES_DIR))):
+    for fetch, part in _fetches(out, str(PurePosixPath(output_dir, SOURCES_DIR))):
         if fetch is not None:
-            setattr(part, attr, fetch.reads())
+            part.path = fetch.reads()
     return out
 
 

@@ -63,8 +63,14 @@ def gsm(hub_server, tmp_path_factory):
     return hub_server
 
 
-def test_a_dataset_repository_is_read_for_its_config_and_split_only(gsm, tmp_path):
-    fetch, = plan(job({"path": "hf://org/gsm", "config": "main", "promptKey": "question"}), str(tmp_path))
+def test_a_dataset_repository_is_read_for_its_config_and_split_only(gsm, tmp_path, tiny_model_dir):
+    from rlhf_contract.sources import localize
+    from rlhf_contract.trainer_config import TrainerConfig
+    from rlhf_trainer.data.prompts import PromptSource
+    from transformers import AutoTokenizer
+
+    spec = job({"path": "hf://org/gsm", "config": "main", "promptKey": "question"})
+    fetch, = plan(spec, str(tmp_path))
     assert (fetch.config, fetch.split) == ("main", "train") and fetch.local.endswith("hf/datasets/org/gsm/main+main.train")
     proc = run_step([fetch], {"HF_ENDPOINT": gsm.endpoint})
     assert proc.returncode == 0, proc.stderr
@@ -73,6 +79,9 @@ def test_a_dataset_repository_is_read_for_its_config_and_split_only(gsm, tmp_pat
     assert [r["question"] for r in rows] == [f"main-train-{i}" for i in range(6)]  # not socratic's, not test's
     sample = peek_records(fetch.reads(), split="train", config="main", limit=2)
     assert sample.num_rows == 6 and sample.columns == ["question", "answer"]
+    data = TrainerConfig.from_job(localize(spec, str(tmp_path))).data  # what the trainer reads, as it reads it
+    source = PromptSource(data, AutoTokenizer.from_pretrained(tiny_model_dir), seed=0)
+    assert (data.path, data.config, source.num_rows) == (fetch.reads(), "main", 6)
 
 
 @pytest.mark.parametrize("data,says", [
