@@ -86,8 +86,6 @@ def check_hub_ids(job, source: str) -> None:
     paths = [("spec.model.path", s.model.path), ("spec.data.path", s.data.path)]
     if s.reward.model is not None:
         paths.append(("spec.reward.model.path", s.reward.model.path))
-    if s.distillation is not None:
-        paths.append(("spec.distillation.teacher.path", s.distillation.teacher.path))
     paths += [(f"spec.evaluation.datasets[{i}].path", d.path)
               for i, d in enumerate(s.evaluation.datasets if s.evaluation is not None else [])]
     problems = [Problem(field, hint) for field, path in paths

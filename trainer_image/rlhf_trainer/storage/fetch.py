@@ -10,8 +10,9 @@ gone mid-file) is never read as a model. Every name a server gives is kept insid
 directory (files.confined): a key with `..` fails the step naming it.
 
 Hub repositories: huggingface_hub's `snapshot_download` at the pinned commit (HF_ENDPOINT,
-HF_TOKEN) of only the files the job's loader reads (hub_files.py: a model's from_pretrained
-files, a dataset's config and split, the file or folder an address names). S3: MinIO's client (s3.py), each object at its pinned ETag. A missing
+HF_TOKEN), of the files the job's loader reads only (hub_files.py: a model's from_pretrained
+files, a dataset's config and split, the file or folder an address names). S3: MinIO's
+client (s3.py), each object at its pinned ETag. A missing
 repository, revision, bucket or object, a refused credential, a hostile object name or a
 pinned object that changed is permanent (exit 2, naming the field and the Secret); a
 Hub 429 or 5xx, an S3 SlowDown or 5xx, is retried inside the step (HUB_RETRY, s3.RETRY; the
