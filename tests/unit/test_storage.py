@@ -37,9 +37,9 @@ def job_data(**spec):
     ("data", {"path": "hf://dataset/org/x"}, "spec.data.path"),  # the type prefix is plural
     ("data", {"path": "hf://models/org/x"}, "spec.data.path"),
     ("data", {"path": "hf://org/x/data/*.jsonl"}, "spec.data.path"),
-    ("data", {"path": "hf://datasets/org/x/train.jsonl", "config": "main"}, "spec.data"),  # a config of files
-    ("data", {"path": "builtin://last-digit", "config": "main"}, "spec.data"),
-    ("evaluation", {"datasets": [{"name": "e", "path": "s3://bucket/x", "config": "main"}]}, "spec.evaluation.datasets[0]"),
+    ("data", {"path": "hf://datasets/org/x/train.jsonl", "config": "main"}, "spec.data.config"),  # a config of files
+    ("data", {"path": "builtin://last-digit", "config": "main"}, "spec.data.config"),
+    ("evaluation", {"datasets": [{"name": "e", "path": "s3://bucket/x", "config": "main"}]}, "spec.evaluation.datasets[0].config"),
     ("data", {"path": "s3://Bad_Bucket/x"}, "spec.data.path"),
     ("data", {"path": "s3://bucket/../etc"}, "spec.data.path"),
     ("evaluation", {"datasets": [{"name": "e", "path": "hf://org/x@"}]}, "spec.evaluation.datasets[0].path"),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from .common import INT32_MAX, SpecModel
 from .reward import (MAX_REWARD_WEIGHT, CodeSandboxSpec, JudgeSpec, RewardComponentSpec,  # noqa: F401  (re-exported)
@@ -98,12 +98,13 @@ class DataSpec(SpecModel):
     def _remote(cls, value: str) -> str:
         return check_path(value, "dataset")
 
-    @model_validator(mode="after")
-    def _config_applies(self) -> "DataSpec":
-        problem = config_problem(self.path, self.config)
+    @field_validator("config")
+    @classmethod
+    def _config_applies(cls, value: str | None, info: ValidationInfo) -> str | None:
+        problem = config_problem(info.data.get("path", ""), value)  # `path` is validated first (declared first)
         if problem:
             raise ValueError(problem)
-        return self
+        return value
 
 
 class TeacherSpec(SpecModel):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from ..images import INFERENCE_IMAGE, TRAINER_IMAGE
 from .common import INT32_MAX, MAX_SECONDS, SEED_MAX, SecretKeyRef, SpecModel, Resources, RolePodSpec
@@ -310,12 +310,13 @@ class EvalDatasetSpec(SpecModel):
     def _remote(cls, value: str) -> str:
         return check_path(value, "dataset")
 
-    @model_validator(mode="after")
-    def _config_applies(self) -> "EvalDatasetSpec":
-        problem = config_problem(self.path, self.config)
+    @field_validator("config")
+    @classmethod
+    def _config_applies(cls, value: str | None, info: ValidationInfo) -> str | None:
+        problem = config_problem(info.data.get("path", ""), value)  # `path` is validated first (declared first)
         if problem:
             raise ValueError(problem)
-        return self
+        return value
 
 
 class EvaluationSpec(SpecModel):

@@ -164,7 +164,7 @@ def config_problem(path: str, config: str | None) -> str | None:
     remote = parse_remote(path) if path.startswith(HF_SCHEME) else None
     if path.startswith("builtin://") or (remote is not None and remote.path) or path.startswith(S3_SCHEME):
         return (f"config {config!r} names a config of a Hub dataset repository (its README's `configs:`), and "
-                f"{path!r} is none: remove config, or give the repository as hf://datasets/<org>/<name>")
+                f"{path!r} is none: remove it, or give the repository as hf://datasets/<org>/<name>")
     return None
 
 
