@@ -14,17 +14,20 @@ them into prompts).
   JSON that `datasets` cannot read as a whole (a line that is not JSON, a column whose type
   changes between rows, an empty file) is read again line by line: each line that is not a
   JSON object stays in its place as an `UnreadableRow`, which the row code skips as malformed.
-`peek_records(path, split=..., config=..., limit=...)` opens the same layouts, resolves the same config and split,
-and reads only the columns, the first `limit` rows and the row count where the format gives
-it cheaply (Parquet metadata, Arrow record batches, `save_to_disk`; for JSON and CSV only
-when the sample reached the end): what the preflight's data checks read.
+`peek_records(path, split=..., config=..., limit=...)` opens the same layouts, resolves the
+same config and split, and reads only the columns, the first `limit` rows and the row count
+where the format gives it cheaply (Parquet metadata, Arrow record batches, `save_to_disk`;
+for JSON and CSV only when the sample reached the end): what the preflight's data checks read.
 
 A malformed row is skipped and counted (`MalformedRows`) by the code that turns rows into
 prompts or examples; more than MAX_MALFORMED_FRACTION of a dataset's rows malformed is an
 error naming the first one.
 
 Simplifications: rows are read into memory (fine up to ~1e6 prompts); a JSON array file
-(not JSON Lines) is peeked by reading it whole.
+(not JSON Lines) is peeked by reading it whole. A Hub-repository directory is given to
+`load_dataset` with its split's files resolved (`data_files`): `datasets` alone would infer
+the file format from every split of the first config, which a copy of one split lacks; its
+standalone `.huggingface.yaml` is not read, nor is the line-by-line JSON fallback applied.
 """
 
 from __future__ import annotations
