@@ -1,7 +1,8 @@
 """Real storage servers for the tests of `hf://` and `s3://` (defined once; fixtures in
 conftest.py): versitygw (an S3-compatible gateway, posix backend over a directory, built by
 tests/s3server/build.sh) and olah (a Hub mirror that serves local git repositories fully
-offline, in its own venv: make olah). Each on a free port, started and stopped by the test."""
+offline, in its own venv: make olah). Each on a free port, started and stopped by the test.
+Also the download step as the pods run it (`run_step`), and a directory's files (`files_of`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -22,6 +24,21 @@ from rlhf_launcher.local import free_port
 REPO = Path(__file__).resolve().parents[1]
 OLAH_PYTHON = Path(os.environ.get("RLHF_OLAH_PYTHON", Path.home() / ".cache/rlhf-operator/olah-0.5.4/bin/python"))
 S3_ACCESS_KEY, S3_SECRET_KEY = "rlhf-test-access", "rlhf-test-secret-key"
+STEP_SECRET = "team-storage"
+"""The storageSecret's name the download step is told (its errors name it)."""
+
+
+def run_step(fetches, env: dict[str, str], *extra: str) -> subprocess.CompletedProcess:
+    """The download step as the init container runs it (`fetches`: rlhf_contract.sources.Fetch)."""
+    from rlhf_contract.sources import plan_json
+
+    return subprocess.run([sys.executable, "-m", "rlhf_trainer.storage", "--plan", plan_json(fetches), *extra],
+                          env={**os.environ, "RLHF_STORAGE_SECRET": STEP_SECRET, "RLHF_TERMINATION_LOG": "/dev/null",
+                               **env}, capture_output=True, text=True, timeout=120)
+
+
+def files_of(directory: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(directory)): f.read_bytes() for f in sorted(directory.rglob("*")) if f.is_file()}
 
 
 def _wait(url: str, proc: subprocess.Popen, log: Path, ok=lambda r: True, timeout: float = 60,

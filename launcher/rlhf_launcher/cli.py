@@ -77,8 +77,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return ExitCode.CONFIG_ERROR
     try:
         model = (json.loads(Path(args.model_config).read_text()) if args.model_config
-                 else model_config_here(config.model_path))
-        rm = model_config_here(config.reward.model.path) if config.reward.model is not None else None
+                 else model_config_here(job.spec.model.path, hub=True))
+        rm = model_config_here(job.spec.reward.model.path, hub=True) if job.spec.reward.model is not None else None
         result = plan(config, model, world, gpu, reward_model_config=rm)
     except (OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -280,7 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "trainer.gpuMemoryGiB, else this machine's GPU)")
     plan_cmd.add_argument("--gpus", type=int, help="trainer GPUs (default: trainer.numNodes x trainer.nprocPerNode)")
     plan_cmd.add_argument("--model-config", metavar="FILE",
-                          help="the model's config.json, when model.path is not on this machine")
+                          help="the model's config.json, when model.path is neither on this machine nor an hf:// model "
+                               "(read from the Hub: HF_ENDPOINT, HF_TOKEN)")
     add_output_arg(plan_cmd, "the plan (bytes)")
     plan_cmd.set_defaults(func=_cmd_plan)
 

@@ -132,7 +132,10 @@ def _resolve_model(job: RLHFJob, output: Path, path: str | None = None, field: s
     if is_builtin(path):
         return str(materialize(path, output / folder, seed=job.spec.schedule.seed))
     if not Path(path).exists():
-        raise LocalRunError(f"{field}: {path!r} does not exist on this machine; give a local Hugging Face model directory or builtin://tiny-qwen2")
+        from rlhf_contract.api.uris import hub_id_hint
+
+        raise LocalRunError(f"{field}: " + (hub_id_hint(path) or f"{path!r} does not exist on this machine; give a "
+                                            "local Hugging Face model directory or builtin://tiny-qwen2"))
     return path
 
 

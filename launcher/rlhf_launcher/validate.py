@@ -47,6 +47,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     source = job_source(args.job)
     try:
         job = load_job(args.job, args.set)
+        check_hub_ids(job, source)
         budget_warnings = check_budgets_here(job, source)
     except JobError as err:
         if args.output_format:
@@ -73,6 +74,24 @@ def cmd_validate(args: argparse.Namespace) -> int:
             f"{job.metadata.name!r})"
         print(f"{source}: valid RLHFJob {named}")
     return ExitCode.OK
+
+
+def check_hub_ids(job, source: str) -> None:
+    """A JobError for each model or data path written as a bare Hub id (`Qwen/Qwen3-0.6B`)
+    that is no path on this machine, saying the `hf://` address to write."""
+    from rlhf_contract.api import JobError, Problem
+    from rlhf_contract.api.uris import hub_id_hint
+
+    s = job.spec
+    paths = [("spec.model.path", s.model.path), ("spec.data.path", s.data.path)]
+    if s.reward.model is not None:
+        paths.append(("spec.reward.model.path", s.reward.model.path))
+    paths += [(f"spec.evaluation.datasets[{i}].path", d.path)
+              for i, d in enumerate(s.evaluation.datasets if s.evaluation is not None else [])]
+    problems = [Problem(field, hint) for field, path in paths
+                if not Path(path).exists() and (hint := hub_id_hint(path)) is not None]
+    if problems:
+        raise JobError(problems, source)
 
 
 def check_budgets_here(job, source: str) -> list[str]:
@@ -114,9 +133,44 @@ def count_tokens_here(path: str, text: str) -> int | None:
         return None
 
 
-def model_config_here(path: str) -> dict:
+def hub_model_config(uri: str) -> dict:
+    """The config.json of the `hf://` model `uri`, that file alone downloaded from the Hub
+    (HF_ENDPOINT and HF_TOKEN from this environment) into a temporary directory; or a ValueError."""
+    import json
+    import os
+    import tempfile
+
+    from rlhf_contract.api.uris import parse_remote
+
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+
+    remote = parse_remote(uri)
+    endpoint = os.environ.get("HF_ENDPOINT") or None
+    server = endpoint or "the Hugging Face Hub"
+    name = f"{remote.path}/config.json" if remote.path else "config.json"
+    with tempfile.TemporaryDirectory(prefix="rlhfctl-config-") as tmp:
+        try:
+            local = hf_hub_download(remote.name, name, revision=remote.ref, endpoint=endpoint, local_dir=tmp,
+                                    cache_dir=f"{tmp}/.hub-cache", token=os.environ.get("HF_TOKEN") or None)
+            return json.loads(Path(local).read_text())
+        except RevisionNotFoundError:
+            why = f"no revision {remote.ref!r}"
+        except EntryNotFoundError:
+            why = f"no {name} in the repository"
+        except RepositoryNotFoundError:
+            why = f"no model repository {remote.name!r} (or it is private and HF_TOKEN cannot read it)"
+        except HfHubHTTPError as err:
+            why = f"{server} answered {err.response.status_code if err.response is not None else err}"
+        except (OSError, ValueError) as err:
+            why = f"{type(err).__name__}: {err}"
+    raise ValueError(f"model.path: cannot read the config.json of {uri} from {server}: {why} (the plan reads only "
+                     "that file; or give it with --model-config FILE)")
+
+
+def model_config_here(path: str, *, hub: bool = False) -> dict:
     """The config.json of `model.path` (a built-in model's own config, built without its
-    weights or model code), or a ValueError."""
+    weights or model code; with `hub`, an `hf://` model's from the Hub), or a ValueError."""
     from .installed import quiet_transformers_without_torch
 
     quiet_transformers_without_torch()  # before transformers is imported
@@ -128,6 +182,8 @@ def model_config_here(path: str) -> dict:
         if name not in BUILTIN_MODELS:
             raise ValueError(f"model.path: unknown built-in model {path!r}")
         return tiny_qwen2_config(name).to_dict()
+    if hub and path.startswith("hf://"):
+        return hub_model_config(path)
     config = read_model_config(path)
     if config is None:
         raise ValueError(f"model.path: {path} has no readable config.json on this machine (the plan reads only "

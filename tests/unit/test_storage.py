@@ -31,7 +31,15 @@ def job_data(**spec):
 
 @pytest.mark.parametrize("field,value,expected", [
     ("model", {"path": "hf://Qwen"}, "spec.model.path"),
-    ("model", {"path": "hf://a/b/c"}, "spec.model.path"),
+    ("model", {"path": "hf://a/b/c/../d"}, "spec.model.path"),
+    ("model", {"path": "hf://datasets/org/x"}, "spec.model.path"),  # a dataset repository as the model
+    ("model", {"path": "hf://spaces/org/x"}, "spec.model.path"),
+    ("data", {"path": "hf://dataset/org/x"}, "spec.data.path"),  # the type prefix is plural
+    ("data", {"path": "hf://models/org/x"}, "spec.data.path"),
+    ("data", {"path": "hf://org/x/data/*.jsonl"}, "spec.data.path"),
+    ("data", {"path": "hf://datasets/org/x/train.jsonl", "config": "main"}, "spec.data.config"),  # a config of files
+    ("data", {"path": "builtin://last-digit", "config": "main"}, "spec.data.config"),
+    ("evaluation", {"datasets": [{"name": "e", "path": "s3://bucket/x", "config": "main"}]}, "spec.evaluation.datasets[0].config"),
     ("data", {"path": "s3://Bad_Bucket/x"}, "spec.data.path"),
     ("data", {"path": "s3://bucket/../etc"}, "spec.data.path"),
     ("evaluation", {"datasets": [{"name": "e", "path": "hf://org/x@"}]}, "spec.evaluation.datasets[0].path"),
@@ -55,23 +63,52 @@ def test_parse_remote():
     assert parse_remote("/models/qwen") is None and parse_remote("builtin://tiny-qwen2") is None
 
 
+@pytest.mark.parametrize("uri", [
+    "hf://org/name", "hf://org/name@v1", "hf://datasets/org/name@v1/data/train.jsonl", "hf://models/org/m/sub/dir",
+    "hf://org/name@refs/pr/3/sub", "hf://org/name@refs/convert/parquet", "hf://org/name@feature%2Fx/a.json",
+    "hf://org/name/file@1.txt", "hf://datasets/org/name/a/b",
+])
+def test_hub_addresses_split_as_huggingface_hub_splits_them(uri):
+    """Our grammar (the contract imports no client) against huggingface_hub's own parser."""
+    from huggingface_hub.utils._hf_uris import parse_hf_uri
+
+    ours, theirs = parse_remote(uri), parse_hf_uri(uri)
+    assert (ours.name, ours.ref, ours.path) == (theirs.id, theirs.revision or "main", theirs.path_in_repo)
+    assert ours.repo_type == (theirs.type if uri.startswith(("hf://models/", "hf://datasets/")) else None)
+
+
+def test_bare_hub_id_hint():
+    from rlhf_contract.api.uris import hub_id_hint
+
+    assert "write hf://Qwen/Qwen3-0.6B" in hub_id_hint("Qwen/Qwen3-0.6B")
+    assert all(hub_id_hint(p) is None for p in ("/models/qwen", "./Qwen/Qwen3-0.6B", "hf://Qwen/Qwen3-0.6B",
+                                                  "data/train.jsonl", "a/b/c", "qwen"))
+
+
 def test_plan_and_localize_cover_every_field_once():
     job = validate_job(job_data(
         reward={"type": "model", "model": {"path": "hf://Qwen/Qwen2.5-0.5B@v1.0"}},  # the same address as the policy
-        evaluation={"datasets": [{"name": "held", "path": "hf://org/evalset"}, {"name": "local", "path": "/data/x.jsonl"}]}))
+        evaluation={"datasets": [{"name": "held", "path": "hf://org/evalset"}, {"name": "local", "path": "/data/x.jsonl"},
+                                 {"name": "test", "path": "hf://org/evalset", "config": "main", "split": "test"},
+                                 {"name": "file", "path": "hf://datasets/org/evalset@v2/extra/hard.jsonl"}]}))
     fetches = plan(job, "/output")
-    assert [(f.field, f.kind, f.local) for f in fetches] == [
-        ("spec.model.path", "model", "/output/sources/hf/models/Qwen/Qwen2.5-0.5B/v1.0"),
-        ("spec.data.path", "dataset", "/output/sources/s3/datasets/math/train.jsonl"),
-        ("spec.evaluation.datasets[0].path", "dataset", "/output/sources/hf/datasets/org/evalset/main"),
+    hub = "/output/sources/hf/datasets/org/evalset/"
+    assert [(f.field, f.kind, f.local, f.config, f.split) for f in fetches] == [
+        ("spec.model.path", "model", "/output/sources/hf/models/Qwen/Qwen2.5-0.5B/v1.0", None, None),
+        ("spec.data.path", "dataset", "/output/sources/s3/datasets/math/train.jsonl", None, None),
+        ("spec.evaluation.datasets[0].path", "dataset", hub + "main+default.train", None, "train"),
+        ("spec.evaluation.datasets[2].path", "dataset", hub + "main+main.test", "main", "test"),
+        ("spec.evaluation.datasets[3].path", "dataset", hub + "v2+extra--hard.jsonl", None, None),
     ]
     assert plan_from_json(plan_json(fetches)) == fetches
-    assert len({f.marker() for f in fetches}) == 3 and all(m.startswith("/output/sources/.complete/")
+    assert len({f.marker() for f in fetches}) == 5 and all(m.startswith("/output/sources/.complete/")
                                                             for m in (f.marker() for f in fetches))
+    assert fetches[2].pin_file() == fetches[3].pin_file()  # one address, one revision, two copies
     local = localize(job, "/output").spec
     assert local.model.path == local.reward.model.path == fetches[0].local
     assert local.data.path == fetches[1].local
-    assert [d.path for d in local.evaluation.datasets] == [fetches[2].local, "/data/x.jsonl"]
+    assert [d.path for d in local.evaluation.datasets] == [fetches[2].local, "/data/x.jsonl", fetches[3].local,
+                                                           hub + "v2+extra--hard.jsonl/extra/hard.jsonl"]
     assert job.spec.model.path == "hf://Qwen/Qwen2.5-0.5B@v1.0"  # the job itself is left as written
     assert plan(job, "/output", model_only=True) == fetches[:1]
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -19,24 +17,13 @@ from pathlib import Path
 import pytest
 
 from rlhf_contract.outputs import MARKER
-from rlhf_contract.sources import Fetch, plan_json
+from rlhf_contract.sources import Fetch
 from rlhf_trainer.storage import StorageError
 from rlhf_trainer.storage.fetch import fetch_all
 from rlhf_trainer.storage.publish import Publisher, restore_checkpoint
-from storage_servers import S3Server
+from storage_servers import STEP_SECRET, S3Server, files_of, run_step
 
-SECRET = "team-storage"
-
-
-def run_step(fetches: list[Fetch], env: dict[str, str], *extra: str) -> subprocess.CompletedProcess:
-    """The download step as the init container runs it."""
-    return subprocess.run([sys.executable, "-m", "rlhf_trainer.storage", "--plan", plan_json(fetches), *extra],
-                          env={**os.environ, "RLHF_STORAGE_SECRET": SECRET, "RLHF_TERMINATION_LOG": "/dev/null", **env},
-                          capture_output=True, text=True, timeout=120)
-
-
-def files_of(directory: Path) -> dict[str, bytes]:
-    return {str(f.relative_to(directory)): f.read_bytes() for f in sorted(directory.rglob("*")) if f.is_file()}
+SECRET = STEP_SECRET
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +45,7 @@ def test_hub_model_and_dataset_downloaded_once(hub, tiny_model_dir, tmp_path):
     first = run_step(fetches, env)
     assert first.returncode == 0, first.stderr
     model = Path(fetches[0].local)
-    assert files_of(model) == files_of(tiny_model_dir)
+    assert files_of(model) == {k: v for k, v in files_of(tiny_model_dir).items() if k != ".builtin"}  # not a model file
     assert files_of(Path(fetches[1].local)) == files_of(data)
     marker = json.loads(Path(fetches[0].marker()).read_text())
     assert marker["revision"] == commits["model"]  # the tag resolved to its commit
@@ -92,7 +79,7 @@ def test_hub_copy_without_marker_is_downloaded_again(hub, tiny_model_dir, tmp_pa
         fetch_all([fetch])
     finally:
         del os.environ["HF_ENDPOINT"]
-    assert files_of(half) == files_of(tiny_model_dir)
+    assert files_of(half) == {k: v for k, v in files_of(tiny_model_dir).items() if k != ".builtin"}
 
 
 @pytest.fixture(scope="module")

@@ -64,7 +64,7 @@ class RewardModelSpec(SpecModel):
     @field_validator("path")
     @classmethod
     def _remote(cls, value: str) -> str:
-        return check_path(value)
+        return check_path(value, "model")
 
 
 DEFAULT_JUDGE_TEMPLATE = (

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from .common import INT32_MAX, SpecModel
 from .reward import (MAX_REWARD_WEIGHT, CodeSandboxSpec, JudgeSpec, RewardComponentSpec,  # noqa: F401  (re-exported)
                      RewardFunctionSpec, RewardModelSpec, RewardSpec, RewardType, SandboxServiceSpec)
-from .uris import check_path
+from .uris import CONFIG_NAME, check_path, config_problem
 
 LORA_DEFAULT_TARGETS = "all-linear"
 
@@ -40,9 +40,10 @@ class ModelSpec(SpecModel):
 
     path: str = Field(min_length=1)
     """Hugging Face model directory (in Kubernetes: a path on a mounted volume), a Hub
-    repository `hf://<org>/<name>[@<revision>]`, an S3 location `s3://<bucket>/<prefix>`
-    (both downloaded once per job before anything starts), or a built-in model:
-    `builtin://tiny-qwen2` (or `builtin://tiny-qwen2-hd32`)."""
+    repository `hf://<org>/<name>[@<revision>][/<subfolder>]` (only the files
+    `from_pretrained` reads: safetensors weights, configs, tokenizer, chat template), an S3
+    location `s3://<bucket>/<prefix>` (both downloaded once per job before anything
+    starts), or a built-in model: `builtin://tiny-qwen2` (or `builtin://tiny-qwen2-hd32`)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights dtype for the rollout servers (`vllm serve --dtype`)."""
     lora: LoraSpec | None = None
@@ -52,7 +53,7 @@ class ModelSpec(SpecModel):
     @field_validator("path")
     @classmethod
     def _remote(cls, value: str) -> str:
-        return check_path(value)
+        return check_path(value, "model")
 
 
 class DataSpec(SpecModel):
@@ -60,10 +61,17 @@ class DataSpec(SpecModel):
 
     path: str = Field(min_length=1)
     """A local dataset (in Kubernetes: on a mounted volume): a JSON, JSONL, CSV, Parquet or
-    Arrow file, a directory of them, or a `save_to_disk` directory; a Hub dataset repository
-    `hf://<org>/<name>[@<revision>]` or an S3 location `s3://<bucket>/<prefix>` holding
-    them (downloaded once per job); or a built-in task: `builtin://last-digit`,
-    `builtin://sum-mod-10`."""
+    Arrow file, a directory of them, a `save_to_disk` directory, or a Hub dataset
+    repository's snapshot (a README.md with `configs:`); a Hub dataset repository
+    `hf://[datasets/]<org>/<name>[@<revision>]` (read as `datasets.load_dataset` reads it,
+    with `config` and `split`; only their files are downloaded), a file or folder in one
+    `hf://datasets/<org>/<name>[@<revision>]/<path>`, or an S3 location
+    `s3://<bucket>/<prefix>` holding them (downloaded once per job); or a built-in task:
+    `builtin://last-digit`, `builtin://sum-mod-10`."""
+    config: str | None = Field(default=None, min_length=1, max_length=128, pattern=CONFIG_NAME)
+    """The config of a Hub dataset repository (`main` or `socratic` of gsm8k: its README's
+    `configs:`); null: the repository's default (its only config, or the one marked
+    `default`)."""
     split: str = "train"
     """Split to read from a dataset with several."""
     prompt_key: str = "prompt"
@@ -88,7 +96,15 @@ class DataSpec(SpecModel):
     @field_validator("path")
     @classmethod
     def _remote(cls, value: str) -> str:
-        return check_path(value)
+        return check_path(value, "dataset")
+
+    @field_validator("config")
+    @classmethod
+    def _config_applies(cls, value: str | None, info: ValidationInfo) -> str | None:
+        problem = config_problem(info.data.get("path", ""), value)  # `path` is validated first (declared first)
+        if problem:
+            raise ValueError(problem)
+        return value
 
 
 class TeacherSpec(SpecModel):

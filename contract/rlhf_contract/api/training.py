@@ -6,12 +6,12 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from ..images import INFERENCE_IMAGE, TRAINER_IMAGE
 from .common import INT32_MAX, MAX_SECONDS, SEED_MAX, SecretKeyRef, SpecModel, Resources, RolePodSpec
 from .serving import ColocatedSpec, VllmSpec  # noqa: F401  (re-exported)
-from .uris import ENV_SECRET, EndpointUrl, check_no_parent, check_path, parse_remote
+from .uris import CONFIG_NAME, ENV_SECRET, EndpointUrl, check_no_parent, check_path, config_problem, parse_remote
 
 
 class RolloutSpec(SpecModel):
@@ -334,6 +334,8 @@ class EvalDatasetSpec(SpecModel):
     """Name in the metrics (`eval/<name>/...`, Prometheus label `dataset`)."""
     path: str = Field(min_length=1)
     """A file or directory, `hf://` or `s3://` address, as `data.path` (or a built-in task: 64 prompts unseen in training)."""
+    config: str | None = Field(default=None, min_length=1, max_length=128, pattern=CONFIG_NAME)
+    """The config of a Hub dataset repository, as `data.config` (not inherited from it)."""
     split: str = "train"
     """Split of a dataset with several."""
     max_prompts: int | None = Field(default=None, ge=1)
@@ -342,7 +344,15 @@ class EvalDatasetSpec(SpecModel):
     @field_validator("path")
     @classmethod
     def _remote(cls, value: str) -> str:
-        return check_path(value)
+        return check_path(value, "dataset")
+
+    @field_validator("config")
+    @classmethod
+    def _config_applies(cls, value: str | None, info: ValidationInfo) -> str | None:
+        problem = config_problem(info.data.get("path", ""), value)  # `path` is validated first (declared first)
+        if problem:
+            raise ValueError(problem)
+        return value
 
 
 class EvaluationSpec(SpecModel):

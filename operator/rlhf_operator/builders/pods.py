@@ -38,7 +38,7 @@ from typing import Any
 
 from rlhf_contract.api.models import PodScheduling, Resources, RLHFJob
 from rlhf_contract.api.pod_security import HOST_PATH
-from rlhf_contract.api.uris import is_remote
+from rlhf_contract.api.uris import hub_id_hint, is_remote
 from .meta import ROLE_ROLLOUT, ROLE_TRAINER, config_map_name
 
 POD_SETTINGS_ANNOTATION = "rlhf.dev/pod-settings"
@@ -152,8 +152,9 @@ class PodSettings:
         problems = []
         for where, path in (("spec.model.path", s.model.path), ("spec.data.path", s.data.path)):
             if not path.startswith(BUILTIN_PREFIX) and not is_remote(path) and mount_of(path, self.volume_mounts) is None:
-                problems.append(f"{where}: {path!r} is on no mounted volume; add a spec.pod.volumes entry (e.g. a "
-                                "persistentVolumeClaim) and a spec.pod.volumeMounts entry whose mountPath contains it")
+                problems.append(f"{where}: " + (hub_id_hint(path) or f"{path!r} is on no mounted volume; add a "
+                                "spec.pod.volumes entry (e.g. a persistentVolumeClaim) and a spec.pod.volumeMounts entry "
+                                "whose mountPath contains it"))
         if not self.output_claim and not self.output_scratch:
             mount = mount_of(self.output_dir, self.volume_mounts)
             if mount is None:

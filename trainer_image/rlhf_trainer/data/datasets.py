@@ -1,7 +1,12 @@
 """Datasets from local files through Hugging Face `datasets` (the rows; rendering.py turns
 them into prompts).
 
-`load_records(path, split=...)` reads, locally only (no hub):
+`load_records(path, split=..., config=...)` reads, locally only (no hub):
+  - a directory laid out as a Hub dataset repository whose README.md declares `configs:`
+    (a downloaded `hf://` snapshot): `datasets.load_dataset` on it with the config (`data.config`;
+    none: the repository's default) and the split, their files found as `datasets` finds them
+    (its own `MetadataConfigs` and pattern resolution), so a snapshot holding only the
+    chosen config's split (what the download step fetches) reads as the whole repository would;
   - a directory written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk`;
   - one JSON, JSONL, CSV, Parquet or Arrow file (chosen by extension);
   - a directory of such files (one format); files named after a split (`train.jsonl`,
@@ -9,17 +14,20 @@ them into prompts).
   JSON that `datasets` cannot read as a whole (a line that is not JSON, a column whose type
   changes between rows, an empty file) is read again line by line: each line that is not a
   JSON object stays in its place as an `UnreadableRow`, which the row code skips as malformed.
-`peek_records(path, split=..., limit=...)` opens the same layouts, resolves the same split,
-and reads only the columns, the first `limit` rows and the row count where the format gives
-it cheaply (Parquet metadata, Arrow record batches, `save_to_disk`; for JSON and CSV only
-when the sample reached the end): what the preflight's data checks read.
+`peek_records(path, split=..., config=..., limit=...)` opens the same layouts, resolves the
+same config and split, and reads only the columns, the first `limit` rows and the row count
+where the format gives it cheaply (Parquet metadata, Arrow record batches, `save_to_disk`;
+for JSON and CSV only when the sample reached the end): what the preflight's data checks read.
 
 A malformed row is skipped and counted (`MalformedRows`) by the code that turns rows into
 prompts or examples; more than MAX_MALFORMED_FRACTION of a dataset's rows malformed is an
 error naming the first one.
 
 Simplifications: rows are read into memory (fine up to ~1e6 prompts); a JSON array file
-(not JSON Lines) is peeked by reading it whole.
+(not JSON Lines) is peeked by reading it whole. A Hub-repository directory is given to
+`load_dataset` with its split's files resolved (`data_files`): `datasets` alone would infer
+the file format from every split of the first config, which a copy of one split lacks; its
+standalone `.huggingface.yaml` is not read, nor is the line-by-line JSON fallback applied.
 """
 
 from __future__ import annotations
@@ -114,6 +122,55 @@ def _read(path: str, fn, *args, **kwargs):
         raise ValueError(f"data.path: could not read {path}: {type(err).__name__}: {err}") from err
 
 
+def _hub_configs(p: Path):
+    """The `configs:` of a directory laid out as a Hub dataset repository (its README.md's
+    YAML header, as `datasets` reads it), or None (no README.md, or no configs in it)."""
+    if not p.is_dir() or not (p / "README.md").is_file():
+        return None
+    from datasets.utils.metadata import MetadataConfigs
+    from huggingface_hub import DatasetCard
+
+    card = _read(str(p / "README.md"), DatasetCard.load, p / "README.md")
+    return MetadataConfigs.from_dataset_card_data(card.data) or None
+
+
+def _config_files(p: Path, configs, config: str | None, split: str, path: str) -> tuple[str, list[str]]:
+    """(the config's name, the files of `split` in it) of a Hub-repository directory, or a
+    ValueError naming data.config or data.split."""
+    from datasets.data_files import DataFilesList, get_data_patterns, sanitize_patterns
+
+    names = ", ".join(configs)
+    try:
+        name = config or configs.get_default_config_name()
+    except ValueError as err:  # several marked default
+        raise ValueError(f"data.config: {path}: {err}; set data.config to one of {names}") from None
+    if name is None:
+        raise ValueError(f"data.config: {path} has several configs ({names}) and none is its default; set "
+                         "data.config to one")
+    if name not in configs:
+        raise ValueError(f"data.config: {path} has no config {name!r}; it has {names}")
+    params = configs[name]
+    base = p / params["data_dir"] if params.get("data_dir") else p
+    patterns = (sanitize_patterns(params["data_files"]) if params.get("data_files") is not None
+                else _read(path, get_data_patterns, str(base)))
+    if split not in patterns:
+        raise _split_error(f"{path} (config {name!r})", split, patterns)
+    try:
+        files = list(DataFilesList.from_patterns(patterns[split], base_path=str(base)))
+    except FileNotFoundError:
+        files = []
+    if not files:
+        raise _load_error(path, f"no files of split {split!r} of config {name!r} ({', '.join(patterns[split])})")
+    return name, files
+
+
+def _no_configs(path: str, config: str | None) -> None:
+    """data.config names a config of a Hub dataset repository; a plain path has only `default`."""
+    if config not in (None, "default"):
+        raise ValueError(f"data.config: {path} has no configs (it is no Hub dataset repository with `configs:` in "
+                         "its README.md); remove data.config")
+
+
 def _is_saved(p: Path) -> bool:
     return p.is_dir() and any((p / name).exists() for name in _SAVED_MARKERS)
 
@@ -170,13 +227,18 @@ def _json_rows(file: Path, limit: int | None = None) -> tuple[list, int | None]:
         return rows, len(rows)
 
 
-def load_records(path: str, *, split: str = "train") -> list:
+def load_records(path: str, *, split: str = "train", config: str | None = None) -> list:
     """Rows of a local dataset (see the module docstring for the accepted layouts)."""
     import datasets
 
     p = Path(path)
     if not p.exists():
         raise _load_error(path, "does not exist")
+    configs = _hub_configs(p)
+    if configs is not None:
+        name, files = _config_files(p, configs, config, split, path)
+        return _read(path, datasets.load_dataset, str(p), name=name, data_files={split: files}, split=split).to_list()
+    _no_configs(path, config)
     if _is_saved(p):
         return _select_split(_read(path, datasets.load_from_disk, str(p)), split, path).to_list()
     if p.is_dir():
@@ -249,20 +311,24 @@ def _peek_file(file: Path, limit: int) -> DataSample:
     return DataSample(rows[:limit], [str(c) for c in frame.columns], len(rows) if len(rows) <= limit else None)
 
 
-def peek_records(path: str, *, split: str = "train", limit: int = 256) -> DataSample:
+def peek_records(path: str, *, split: str = "train", config: str | None = None, limit: int = 256) -> DataSample:
     """The columns, the first `limit` rows and (where cheap) the row count of `split`, with
     `load_records`' errors for what cannot be opened."""
     p = Path(path)
     if not p.exists():
         raise _load_error(path, "does not exist")
-    if _is_saved(p):
+    configs = _hub_configs(p)
+    if configs is None:
+        _no_configs(path, config)
+    files = [Path(f) for f in _config_files(p, configs, config, split, path)[1]] if configs is not None else None
+    if files is None and _is_saved(p):
         import datasets
 
         data = _select_split(_read(path, datasets.load_from_disk, str(p)), split, path)
         return DataSample(data.select(range(min(limit, data.num_rows))).to_list(), list(data.column_names),
                           data.num_rows)
     sample = DataSample([], [], 0)
-    for file in _split_files(p, split, path):
+    for file in files if files is not None else _split_files(p, split, path):
         part = _read(str(file), _peek_file, file, limit - len(sample.rows))
         sample.rows += part.rows
         sample.columns += [c for c in part.columns if c not in sample.columns]

@@ -82,7 +82,7 @@ class PromptSource:
                                  + ", ".join("builtin://" + t for t in BUILTIN_TASKS))
             self._task = BUILTIN_TASKS[name]
         else:
-            records = load_records(path, split=spec.split)
+            records = load_records(path, split=spec.split, config=spec.config)
             self._rows, self.num_dropped, self.num_skipped = to_prompts(
                 records, tokenizer=tokenizer, source=path, prompt_key=spec.prompt_key, messages_key=spec.messages_key,
                 answer_key=spec.answer_key, system_prompt=spec.system_prompt, max_prompt_length=spec.max_prompt_length)

@@ -55,7 +55,7 @@ class OfflineData:
             self.eval = [self._task(EVAL_OFFSET + i) for i in range(n_eval)]
             self.train: list[Example] = []
         else:
-            rows = load_records(spec.path, split=spec.split)
+            rows = load_records(spec.path, split=spec.split, config=spec.config)
             examples = [e for e in self._examples(rows, tokenize, spec.path) if self._fits(e)]
             if not examples:
                 raise ValueError(f"data.path: {spec.path} has no usable rows ({len(rows)} rows: {self.num_dropped} "

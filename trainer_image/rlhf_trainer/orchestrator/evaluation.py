@@ -37,7 +37,7 @@ class Evaluator:
         self.config, self.sampler = config, sampler
         self.prompts: dict[str, list[Any]] = {}
         for d in self.spec.datasets:
-            data = DataSpec(**{**config.data.model_dump(), "path": d.path, "split": d.split, "shuffle": False})
+            data = DataSpec(**{**config.data.model_dump(), "path": d.path, "config": d.config, "split": d.split, "shuffle": False})
             try:
                 source = PromptSource(data, sampler.tokenizer, seed=config.schedule.seed + EVAL_SEED_OFFSET)
             except ValueError as err:

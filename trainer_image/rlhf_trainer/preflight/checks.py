@@ -21,6 +21,7 @@ import os
 import sys
 from pathlib import Path
 
+from rlhf_contract.api.uris import hub_id_hint
 from rlhf_contract.trainer_config import TrainerConfig
 
 from ..data.examples import BUILTIN_OFFLINE
@@ -35,7 +36,8 @@ def _model_config(path: str) -> tuple[dict | None, str | None]:
                       "give a Hugging Face model directory on a mounted volume")
     config = Path(path) / "config.json"
     if not Path(path).is_dir():
-        return None, f"spec.model.path: {path} does not exist in the trainer (mount the volume that holds the model)"
+        missing = hub_id_hint(path) or f"{path} does not exist in the trainer (mount the volume that holds the model)"
+        return None, f"spec.model.path: {missing}"
     try:
         return json.loads(config.read_text()), None
     except OSError:

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rlhf_contract.api.models import DataSpec, Method
+from rlhf_contract.api.uris import hub_id_hint
 from rlhf_contract.trainer_config import TrainerConfig
 
 from ..data.datasets import MAX_MALFORMED_FRACTION, ROW_ERRORS, DataSample, column, peek_records
@@ -95,7 +96,7 @@ def _sets(config: TrainerConfig) -> list[_Set]:
     sets = [_Set(config.data, "spec.data", config.data.path)]
     evaluation = config.evaluation if not config.method.offline else None
     for d in getattr(evaluation, "datasets", None) or []:
-        spec = DataSpec(**{**config.data.model_dump(), "path": d.path, "split": d.split, "shuffle": False})
+        spec = DataSpec(**{**config.data.model_dump(), "path": d.path, "config": d.config, "split": d.split, "shuffle": False})
         sets.append(_Set(spec, f"spec.evaluation.datasets[{d.name}]", f"evaluation dataset {d.name!r} ({d.path})"))
     return sets
 
@@ -121,10 +122,15 @@ def check_data(config: TrainerConfig, tokenizer: Callable[[], Any], *, require_p
         elif Path(s.spec.path).exists():
             _check_file(config, s, tok, report)
         elif require_paths:
-            report.problems.append(f"{s.field}.path: {s.spec.path} does not exist in the trainer "
-                                   "(mount the volume that holds it)")
+            report.problems.append(f"{s.field}.path: " + (hub_id_hint(s.spec.path) or f"{s.spec.path} does not "
+                                                          "exist in the trainer (mount the volume that holds it)"))
         else:
-            report.unchecked.append(f"{s.field}.path: {s.spec.path} is not on this machine; its data were not checked")
+            hint = hub_id_hint(s.spec.path)
+            if hint:
+                report.problems.append(f"{s.field}.path: {hint}")
+            else:
+                report.unchecked.append(f"{s.field}.path: {s.spec.path} is not on this machine; its data were not "
+                                        "checked")
     return report
 
 
@@ -136,7 +142,7 @@ def _in_field(message: str, s: _Set) -> str:
 def _check_file(config: TrainerConfig, s: _Set, tokenizer: Callable[[], Any], report: DataReport) -> None:
     d = s.spec
     try:
-        sample = peek_records(d.path, split=d.split, limit=SAMPLE_ROWS)
+        sample = peek_records(d.path, split=d.split, config=d.config, limit=SAMPLE_ROWS)
     except ValueError as err:
         report.problems.append(_in_field(str(err), s))
         return

@@ -26,7 +26,7 @@ def data_columns(config: TrainerConfig) -> set[str] | None:
     if path.startswith("builtin://"):
         return {"prompt", "answer"} if path != "builtin://gem" else None
     try:
-        sample = peek_records(path, split=config.data.split, limit=16)
+        sample = peek_records(path, split=config.data.split, config=config.data.config, limit=16)
     except (ValueError, OSError):
         return None
     return set(sample.columns) | {k for row in sample.rows if isinstance(row, dict) for k in row}

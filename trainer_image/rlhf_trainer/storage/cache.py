@@ -3,7 +3,9 @@ rlhf_contract.sources.SOURCE_CACHE_DIR in every pod that downloads). Each copy i
 there once, under a name made of what identifies its content, so a second job (or attempt,
 or pod) that pins the same content downloads nothing, and changed content gets a new name:
 
-  hf/<models|datasets>/<org>/<name>/<commit>      a Hub repository at one commit (40 hex)
+  hf/<models|datasets>/<org>/<name>/<commit>[+<selection>]
+                                                  a Hub repository at one commit (40 hex), or the
+                                                  part of it a job reads (sources.py's selection)
   s3/<bucket>/<sha256 of the address and its sorted key=ETag lines, 16 hex>
                                                   the objects of one address at those ETags
                                                   (a directory, or the one object)
@@ -36,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from rlhf_contract.api.uris import parse_remote
-from rlhf_contract.sources import COMPLETE_DIR, Fetch
+from rlhf_contract.sources import COMPLETE_DIR, Fetch, selection_suffix
 
 from . import pins
 from .files import listing_matches
@@ -64,7 +66,9 @@ def entry(root: Path, fetch: Fetch, pin: dict) -> Entry | None:
         commit = str(pin["revision"])
         if not COMMIT.fullmatch(commit):
             return None
-        name = PurePosixPath("hf", f"{fetch.kind}s", remote.name, commit)
+        # part of a repository (a dataset's config and split, a path inside it) is its own entry
+        name = PurePosixPath("hf", f"{fetch.kind}s", remote.name,
+                             commit + selection_suffix(remote, fetch.config, fetch.split))
     else:
         objects = pin.get("objects") or {}
         if not objects or not all(isinstance(v, str) and v for v in objects.values()):

@@ -10,7 +10,9 @@ gone mid-file) is never read as a model. Every name a server gives is kept insid
 directory (files.confined): a key with `..` fails the step naming it.
 
 Hub repositories: huggingface_hub's `snapshot_download` at the pinned commit (HF_ENDPOINT,
-HF_TOKEN). S3: MinIO's client (s3.py), each object at its pinned ETag. A missing
+HF_TOKEN), of the files the job's loader reads only (hub_files.py: a model's from_pretrained
+files, a dataset's config and split, the file or folder an address names). S3: MinIO's
+client (s3.py), each object at its pinned ETag. A missing
 repository, revision, bucket or object, a refused credential, a hostile object name or a
 pinned object that changed is permanent (exit 2, naming the field and the Secret); a
 Hub 429 or 5xx, an S3 SlowDown or 5xx, is retried inside the step (HUB_RETRY, s3.RETRY; the
@@ -31,7 +33,7 @@ from rlhf_contract.api.uris import DEFAULT_REVISION, parse_remote
 from rlhf_contract.sources import PARTIAL_DIR, Fetch
 
 from ..retry import Retry, TryAgain, retry_after
-from . import StorageError, cache, credentials_source, pins, s3
+from . import StorageError, cache, credentials_source, hub_files, pins, s3
 from .files import listing, listing_matches, remove_abandoned, unique_name, write_atomic
 
 log = logging.getLogger(__name__)
@@ -221,9 +223,12 @@ def _hf(fetch: Fetch, repo: str, revision: str, staging: Path, pin: dict | None)
                 raise _MissingRevision() from None  # a server that answers 404 to both
             pin = pins.record(fetch, {"revision": info.sha or revision})
         revision = pin["revision"]
+        files = _hub_retried(lambda: hub_files.select(fetch, api, repo, revision, staging / "content",
+                                                      staging / "hub-cache"))
         _hub_retried(lambda: snapshot_download(repo, repo_type=fetch.kind, revision=revision,
                                                local_dir=staging / "content", endpoint=endpoint,
-                                               cache_dir=staging / "hub-cache"))
+                                               cache_dir=staging / "hub-cache",
+                                               allow_patterns=hub_files.allow_patterns(files)))
     except (RevisionNotFoundError, _MissingRevision):
         raise StorageError(f"{where}: revision {revision!r} not found in the {fetch.kind} repository {repo!r} on "
                            f"{server}; give an existing branch, tag or commit after '@'", permanent=True) from None

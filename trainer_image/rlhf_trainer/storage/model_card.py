@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from rlhf_contract.api.uris import parse_remote
 from rlhf_contract.outputs import METRICS_FILE
 from rlhf_contract.redact import redact_spec, redact_url
 
@@ -45,10 +46,14 @@ def _rows(output_dir: Path) -> list[dict[str, Any]]:
 
 
 def _hub_id(uri: Any) -> str | None:
-    """`org/name` of an `hf://org/name[@rev]` address (None for any other)."""
-    if isinstance(uri, str) and uri.startswith("hf://"):
-        return uri.removeprefix("hf://").removeprefix("datasets/").split("@")[0]
-    return None
+    """The repository id (`org/name`, without type prefix, revision or folder) of an `hf://`
+    address (None for any other, or a malformed one)."""
+    if not (isinstance(uri, str) and uri.startswith("hf://")):
+        return None
+    try:
+        return parse_remote(uri).name
+    except ValueError:
+        return None
 
 
 def base_license(base_dir: Path | None) -> str | None:
