@@ -86,10 +86,13 @@ def test_hub_two_jobs_share_one_download_and_a_new_commit_is_fetched_again(hub_s
             proc = run_step([job], env, "--cache", str(cache))
             assert proc.returncode == 0, proc.stderr
         got = _gets(proxy, "/resolve/")
-        assert sorted(p.rsplit("/", 1)[1] for p in got) == sorted(f.name for f in repo.iterdir())
+        landed = sorted(f.name for f in Path(jobs[0].local).iterdir())
+        assert {"config.json", "model.safetensors"} <= set(landed)  # what from_pretrained reads (hub_files.py)
+        assert sorted(p.rsplit("/", 1)[1] for p in got) == landed  # each file once, for both jobs
         entry = Path(jobs[0].local).resolve()
         assert entry == (cache / "hf/models/org/cached" / first_commit).resolve()
-        assert Path(jobs[1].local).resolve() == entry and files_of(Path(jobs[1].local)) == files_of(repo)
+        assert Path(jobs[1].local).resolve() == entry
+        assert all((entry / name).read_bytes() == (repo / name).read_bytes() for name in landed)
 
         # a new commit on main: the next job pins it and downloads it once more, beside the first
         mirror = hub_server.mirrors / "models/org/cached"

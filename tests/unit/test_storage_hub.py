@@ -110,6 +110,22 @@ def test_the_copy_is_read_as_the_repository_is(gsm, tmp_path):
         load_records(fetch.reads(), split="train", config="socratic")  # not downloaded: another copy's
 
 
+def test_two_configs_of_one_commit_are_two_entries_of_the_shared_cache(gsm, tmp_path):
+    """spec.sourceCache (cache.py) with a part of a repository: two jobs reading two configs of
+    the same commit each get their own config's files, not the copy of whichever came first."""
+    cache = tmp_path / "cache"
+    copies = {}
+    for config in ("main", "socratic"):
+        fetch, = plan(job({"path": "hf://org/gsm", "config": config}), str(tmp_path / f"job-{config}"))
+        proc = run_step([fetch], {"HF_ENDPOINT": gsm.endpoint}, "--cache", str(cache))
+        assert proc.returncode == 0, proc.stderr
+        assert Path(fetch.local).is_symlink() and Path(fetch.local).resolve().is_relative_to(cache.resolve())
+        copies[config] = Path(fetch.local).resolve()
+        rows = load_records(fetch.reads(), split="train", config=config)
+        assert [r["question"] for r in rows][:1] == [f"{config}-train-0"]
+    assert copies["main"] != copies["socratic"]
+
+
 def test_a_folder_inside_a_dataset_repository(gsm, tmp_path):
     fetch, = plan(job({"path": "hf://datasets/org/gsm@main/socratic", "split": "test"}), str(tmp_path))
     assert (fetch.config, fetch.split) == (None, None) and fetch.reads() == fetch.local + "/socratic"
