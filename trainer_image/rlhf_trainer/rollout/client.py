@@ -14,9 +14,10 @@ healthy, so the server's prefix cache holds its context; any other request, and 
 an id, goes to the healthy endpoint with the fewest outstanding requests (ties: round robin).
 A server that refuses connections or answers 502/504 is marked unhealthy for
 `unhealthy_s` (or by `mark_unhealthy`): its ids move to the others at their next request
-and stay there; once the time is up one request probes it again. Connection errors are
-retried with exponential backoff, on any endpoint (`RolloutClient.retry_policy`); read timeouts are not (the server may still be working on the
-request); HTTP errors are not retried (except 502/503/504) and raise `RolloutError` with the
+and stay there; once the time is up one request probes it again (a 503, paused for a
+weight sync, is not unhealthy). Connection errors are retried with exponential backoff, on
+any endpoint (`RolloutClient.retry_policy`); read timeouts are not (the server may still be
+working on the request); HTTP errors are not retried (except 502/503/504) and raise `RolloutError` with the
 endpoint and the server's body. A 503 from a server paused for a weight sync is sent again
 until the client timeout without using up the retries (`RolloutClient.paused_policy`).
 With `seed` set, prompt i gets its own seed derived from (seed, i), so a run is reproducible
