@@ -90,7 +90,7 @@ class Process:
 
 LOGPROBS_MODE = "processed_logprobs"
 """The rollout log-probs are those of the distribution the sampler drew from (after the
-temperature), as the trainer's log-probs are: truncated importance sampling and the
+temperature), as the trainer's log-probs are: the rollout correction (importance weights) and the
 `logprob_mismatch` metric then compare like with like at any temperature."""
 
 

@@ -19,6 +19,7 @@ from .api.common import SpecModel
 from .api.models import (AlgorithmSpec, ColocatedSpec, DataSpec, DeepSpeedSpec, DistillationSpec, EnvironmentSpec, EvaluationSpec, HubOutputSpec, LoraSpec, Method, ModelSpec, ParallelismSpec, PreferenceSpec, RewardSpec,
                          RLHFJob, RLHFJobSpec, RolloutSpec, ScheduleSpec, TrackingSpec, TrainerSpec)
 from .api.rules import violations
+from .api.task import RolloutCorrectionSpec
 
 
 class _Config(SpecModel):
@@ -93,12 +94,13 @@ class OutputConfig(_Config):
     """Hub repository receiving `final/` (`output.hub`)."""
 
 
-DEFAULT_STALE_TIS_CAP = 2.0
-"""`algorithm.tisCap` of a job with `rollout.maxStaleness` >= 1 that sets none: stale samples
-are corrected toward the trainer's policy (resolved here, so the mounted config shows it)."""
+STALE_CORRECTION = RolloutCorrectionSpec(mode="tis")
+"""`algorithm.rolloutCorrection` of a job with `rollout.maxStaleness` >= 1 that sets none (nor
+the deprecated tisCap): stale samples are corrected toward the trainer's policy by truncated
+importance sampling, cap `DEFAULT_TIS_UPPER` (resolved here, so the mounted config shows it)."""
 
 # Fields of AlgorithmSpec that may stay null once a preset is applied.
-_OPTIONAL_ALGORITHM_FIELDS = {"dual_clip", "critic_learning_rate", "tis_cap"}
+_OPTIONAL_ALGORITHM_FIELDS = {"dual_clip", "critic_learning_rate", "tis_cap", "rollout_correction"}
 
 
 class TrainerConfig(_Config):
@@ -160,9 +162,9 @@ class TrainerConfig(_Config):
     def from_job(cls, job: RLHFJob) -> "TrainerConfig":
         s = job.spec
         r, t, o = s.rollout, s.trainer, s.output
-        algorithm = s.algorithm
-        if r.max_staleness and algorithm.tis_cap is None:
-            algorithm = algorithm.model_copy(update={"tis_cap": DEFAULT_STALE_TIS_CAP})
+        # the deprecated tisCap becomes its rolloutCorrection: the trainer reads one field
+        correction = s.algorithm.correction() or (STALE_CORRECTION if r.max_staleness else None)
+        algorithm = s.algorithm.model_copy(update={"rollout_correction": correction, "tis_cap": None})
         return cls(
             job_name=job.metadata.name, namespace=job.metadata.namespace, model_path=s.model.path, lora=s.model.lora,
             method=s.method, preference=s.preference, evaluation=s.evaluation,

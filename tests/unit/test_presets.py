@@ -46,17 +46,26 @@ def test_resolved_config_round_trips():
     assert again.to_config() == resolved
 
 
-@pytest.mark.parametrize(("staleness", "tis_cap", "want"), [(1, None, 2.0), (2, 1.5, 1.5), (0, None, None)])
-def test_the_trainer_config_shows_the_tis_cap_it_uses(staleness, tis_cap, want):
-    """Stale rollouts (maxStaleness >= 1) are corrected with tisCap 2.0 when none is set:
-    resolved in the contract, so the mounted trainer config holds the value used."""
+@pytest.mark.parametrize(("staleness", "algorithm", "want"), [
+    (1, {}, {"mode": "tis", "upper": 2.0, "lower": None}),
+    (2, {"tisCap": 1.5}, {"mode": "tis", "upper": 1.5, "lower": None}),  # the deprecated alias
+    (0, {"tisCap": 1.5}, {"mode": "tis", "upper": 1.5, "lower": None}),
+    (1, {"rolloutCorrection": {"mode": "token-mask", "upper": 3.0}}, {"mode": "token-mask", "upper": 3.0, "lower": None}),
+    (0, {}, None)])
+def test_the_trainer_config_shows_the_rollout_correction_it_uses(staleness, algorithm, want):
+    """Stale rollouts (maxStaleness >= 1) are corrected with TIS at cap 2.0 when nothing is
+    set, and the deprecated tisCap C becomes {mode: tis, upper: C}: resolved in the contract,
+    so the mounted trainer config holds the one correction the trainer uses."""
     from rlhf_contract.trainer_config import TrainerConfig
 
     data = copy.deepcopy(BASE)
     data["spec"]["rollout"]["maxStaleness"] = staleness
-    data["spec"]["algorithm"] = {"tisCap": tis_cap} if tis_cap else {}
+    data["spec"]["algorithm"] = algorithm
     config = TrainerConfig.from_json(TrainerConfig.from_job(validate_job(data)).to_json())
-    assert config.algorithm.tis_cap == want
+    got = config.algorithm.rollout_correction
+    assert (got.model_dump() if got else None) == want
+    assert config.algorithm.tis_cap is None
+    assert validate_job(data).to_config()["spec"]["algorithm"].get("tisCap") == algorithm.get("tisCap")
 
 
 def errors(**spec):

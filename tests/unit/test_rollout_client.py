@@ -260,3 +260,132 @@ def test_a_paused_server_is_waited_out_and_one_pool_serves_the_run(engines):
         assert sum(client.requests_sent.values()) >= 4  # 503s were retried, beyond max_retries=0
     finally:
         client.close()
+
+
+# ---- routing: trajectory ids, least outstanding requests, unhealthy servers ---------------
+
+def served(engines: list[str]) -> list[int]:
+    """Each engine's own count of the generation requests it has received."""
+    return [httpx.get(u + "/stats").json()["num_requests"] for u in engines]
+
+
+def test_every_turn_of_a_trajectory_goes_to_the_server_that_served_its_first(engines):
+    """Four trajectories of three turns each, one request at a time (each turn's prompt is the
+    one before plus its answer, as in a multi-turn episode): the servers' own counters show
+    which server got each request; every turn of an id lands where its first turn did, and
+    the first turns, with nothing in flight, are spread over both servers."""
+    client = RolloutClient(engines)
+    try:
+        where: dict[str, set[str]] = {}
+        for t, prompt in enumerate(PROMPTS[:4]):
+            context = list(prompt)
+            for turn in range(3):
+                before = served(engines)
+                [[s]] = client.generate_sync([context], n=1, max_tokens=3, temperature=1.0, seed=turn,
+                                             trajectory_id=f"traj-{t}")
+                delta = [a - b for a, b in zip(served(engines), before)]
+                assert sorted(delta) == [0, 1], delta
+                where.setdefault(f"traj-{t}", set()).add(engines[delta.index(1)])
+                context += s.token_ids
+        assert all(len(servers) == 1 for servers in where.values()), where
+        assert {next(iter(s)) for s in where.values()} == set(engines)
+        assert {t: next(iter(s)) for t, s in where.items()} == dict(client.routes)
+    finally:
+        client.close()
+
+
+def test_a_group_shares_one_server_and_a_new_id_goes_to_the_least_busy_one(engines):
+    """Two groups of four samples, each sample its own request with the group's id, all sent
+    at once: group g's first request takes a server; g's other three follow it, making it
+    the busier one; group h's first request then goes to the server with fewer outstanding
+    requests, and h's others follow h."""
+    client = RolloutClient(engines)
+
+    async def both() -> None:
+        calls = [client.generate([PROMPTS[k]], n=1, max_tokens=8, temperature=1.0, seed=k, trajectory_id=group)
+                 for group in ("g", "h") for k in range(4)]
+        await asyncio.gather(*calls)
+
+    try:
+        before = served(engines)
+        client.run(both())
+        delta = dict(zip(engines, (a - b for a, b in zip(served(engines), before))))
+        assert client.routes["g"] != client.routes["h"]
+        assert delta == {client.routes["g"]: 4, client.routes["h"]: 4}
+    finally:
+        client.close()
+
+
+def test_a_server_marked_unhealthy_hands_its_trajectories_to_the_others(engines):
+    client = RolloutClient(engines)
+    try:
+        def turn(tid: str) -> str:
+            before = served(engines)
+            client.generate_sync([PROMPTS[0]], n=1, max_tokens=2, temperature=1.0, seed=0, trajectory_id=tid)
+            return engines[[a - b for a, b in zip(served(engines), before)].index(1)]
+
+        first = turn("t")
+        other = next(e for e in engines if e != first)
+        client.mark_unhealthy(first)
+        assert turn("t") == other and client.routes["t"] == other and client.moves == 1
+        assert turn("new") == other  # nothing new goes to an unhealthy server
+        client.mark_healthy(first)
+        assert turn("t") == other  # a moved trajectory stays where its context now is
+    finally:
+        client.close()
+
+
+def test_a_dead_server_is_marked_unhealthy_then_probed_again(engines):
+    """A server that refuses connections: the request is retried on a live one, which keeps
+    the trajectory; new ids avoid the dead one for `unhealthy_s`, then one request probes it."""
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    client = RolloutClient([dead, *engines], backoff_s=0.01, unhealthy_s=1.0)
+    try:
+        client.generate_sync([PROMPTS[1]], n=1, max_tokens=2, temperature=1.0, seed=0, trajectory_id="a")
+        assert client.requests_sent[dead] == 1 and client.routes["a"] in engines and not client.healthy(dead)
+        for k in range(4):
+            client.generate_sync([PROMPTS[k]], n=1, max_tokens=2, temperature=1.0, seed=k, trajectory_id=f"b{k}")
+        assert client.requests_sent[dead] == 1
+        time.sleep(1.1)
+        assert client.healthy(dead)
+        client.generate_sync([PROMPTS[2]], n=1, max_tokens=2, temperature=1.0, seed=0, trajectory_id="c")
+        assert client.requests_sent[dead] == 2 and client.routes["c"] in engines  # probed, failed, moved on
+    finally:
+        client.close()
+
+
+def test_multi_turn_groups_keep_their_turns_on_one_server(engines, tiny_model_dir):
+    """multi_turn.collect against the real servers: three prompts x three trajectories of up
+    to three turns (an environment that asks for two more turns): each group's every request
+    (its id: group_id(seed, i)) goes to one server, and each server's own request count is
+    exactly the turns of the groups routed to it."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from rlhf_trainer.rollout.multi_turn import collect, group_id
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    async def step(state, action, extra_info):
+        turns = extra_info.get("turns", 0) + 1
+        return {"next_state": state + action, "reward": 0.0, "done": turns == 3,
+                "extra_info": {**extra_info, "turns": turns}}
+
+    prompts = [SimpleNamespace(text=tok.decode(p), token_ids=p, extra_info={}, answer="") for p in PROMPTS[:3]]
+    client = RolloutClient(engines)
+    try:
+        before = served(engines)
+        groups = collect(client, step, tok, prompts, n=3, max_turns=3, max_tokens=12,
+                         sampling={"temperature": 1.0, "stop_token_ids": [EOS]}, seed=5)
+        delta = dict(zip(engines, (a - b for a, b in zip(served(engines), before))))
+        want = dict.fromkeys(engines, 0)
+        for i, group in enumerate(groups):
+            want[client.routes[group_id(5, i)]] += sum(t.num_turns for t in group)
+        assert delta == want and sum(want.values()) > 9  # some trajectories took several turns
+    finally:
+        client.close()

@@ -4,6 +4,7 @@ and the preflight check of the pod's own command."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -106,6 +107,29 @@ def test_temperature_gives_ratio_one_for_an_unchanged_policy():
     # and the temperature matters: at 1.0 the same policy gives other log-probs
     step1 = step_for(a, temperature=1.0)
     assert not torch.allclose(step1.prepare(batch).old_logprobs, tensors.old_logprobs)
+
+
+def test_the_step_masks_tokens_by_the_rollout_correction_and_logs_the_masked_fraction():
+    """token-mask [lower, upper] on the trainer's and the rows' rollout log-probs: the step's
+    weights are rho where lower <= rho <= upper (0 elsewhere), and its metrics carry the
+    masked fraction, both worked out here from the tables, token by token."""
+    from rlhf_contract.api.models import RolloutCorrectionSpec
+
+    batch = RolloutBatch(rows(), 4, RolloutStats(*[0] * 12))
+    a = algorithm(rollout_correction=RolloutCorrectionSpec(mode="two-sided-mask", lower=0.1, upper=1.0))
+    step = step_for(a)
+    t = step.prepare(batch)
+    masked = valid = 0
+    for i, row in enumerate(batch.rows):
+        for j, rollout in enumerate(row.rollout_logprobs):
+            rho = math.exp(t.old_logprobs[i, j].item() - rollout)
+            valid += 1
+            masked += not 0.1 <= rho <= 1.0
+            assert t.correction[i, j].item() == (pytest.approx(rho, rel=1e-6) if 0.1 <= rho <= 1.0 else 0.0)
+    assert 0 < masked < valid  # both kinds occur in this batch
+    assert t.reward_metrics["rollout_correction_masked_fraction"] == pytest.approx(masked / valid)
+    metrics = step(batch, t)
+    assert math.isfinite(metrics["loss"])
 
 
 def test_non_finite_gradient_skips_the_step():

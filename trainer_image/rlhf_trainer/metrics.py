@@ -101,6 +101,10 @@ FAMILIES: dict[str, Family] = {
                                       "column; RL and offline).", "counter"),
     "rlhf_trainable_parameters": _g("Parameters the optimizer updates (with model.lora: the adapters only)."),
     "rlhf_logprob_mismatch": _g("Mean |trainer log-prob - rollout engine log-prob| per response token."),
+    "rlhf_rollout_correction_masked_ratio": _g("algorithm.rolloutCorrection: response tokens of the step masked "
+                                               "out of the loss (their importance ratio outside the band)."),
+    "rlhf_rollout_correction_weight_mean": _g("algorithm.rolloutCorrection: mean importance weight of the "
+                                              "tokens kept."),
     "rlhf_staleness_mean": _g("Policy versions the step's samples lag behind the trainer (rollout.maxStaleness >= 1)."),
     "rlhf_staleness_max": _g("Largest lag of a sample of the step, in policy versions."),
     "rlhf_rm_score_mean": _g("Mean reward-model score of the step's samples (reward.model; weighted into the reward)."),
@@ -150,6 +154,7 @@ FAMILIES: dict[str, Family] = {
 _RENAMED = {"truncated_fraction": "rlhf_truncated_ratio", "zero_std_group_fraction": "rlhf_zero_std_group_ratio",
             "dropped_group_fraction": "rlhf_dropped_group_ratio", "clip_fraction": "rlhf_clip_ratio",
             "padding_fraction": "rlhf_padding_ratio", "accuracy": "rlhf_accuracy_ratio", "mfu": "rlhf_mfu_ratio",
+            "rollout_correction_masked_fraction": "rlhf_rollout_correction_masked_ratio",
             "dropped_prompts": "rlhf_dropped_prompts_total", "skipped_rows": "rlhf_skipped_rows_total",
             "skipped_steps": "rlhf_skipped_optimizer_steps_total", "num_examples": "rlhf_examples_total",
             "dropped_examples": "rlhf_dropped_examples_total", "num_tokens": "rlhf_tokens_total"}

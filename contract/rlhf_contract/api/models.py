@@ -21,7 +21,7 @@ from .common import MAX_NAME_LENGTH, Method, SpecModel, PodScheduling, PodSecuri
 from .task import ModelSpec, DataSpec, SandboxServiceSpec, RewardSpec, EnvironmentSpec, AlgorithmSpec, DistillationSpec
 from .training import RolloutSpec, TrainerSpec, ScheduleSpec, OutputSpec, RunPolicy, EvaluationSpec, PreferenceSpec, TrackingSpec, SourceCacheSpec
 from .common import API_GROUP, API_VERSION, KIND, PLURAL, SHORT_NAME, KubeObject, GPU_RESOURCE, Quantity, Resources, VolumeMount  # noqa: F401  (re-exported)
-from .task import TeacherSpec, CodeSandboxSpec, LoraSpec, RewardModelSpec, RewardComponentSpec, Estimator, ESTIMATORS, LossAgg  # noqa: F401  (re-exported)
+from .task import TeacherSpec, CodeSandboxSpec, LoraSpec, RewardModelSpec, RewardComponentSpec, Estimator, ESTIMATORS, LossAgg, RolloutCorrectionSpec  # noqa: F401  (re-exported)
 from .training import ColocatedSpec, DeepSpeedSpec, HubOutputSpec, ParallelismSpec, EvalDatasetSpec, WandbSpec, MlflowSpec, SecretKeyRef  # noqa: F401  (re-exported)
 
 __all__ = [
@@ -65,6 +65,7 @@ __all__ = [
     "RewardComponentSpec",
     "RewardModelSpec",
     "RewardSpec",
+    "RolloutCorrectionSpec",
     "RolloutSpec",
     "RunPolicy",
     "SHORT_NAME",

@@ -14,6 +14,7 @@ from typing import Any
 from .common import Method
 from .presets import cel_resolved
 from .rule import Rule, required_for_component, required_for_reward  # noqa: F401  (re-exported)
+from .rules_algorithm import CORRECTION_RULES
 from .rules_rollout import CLUSTER_RULES, COLOCATED_RULES, ONLINE_CEL  # noqa: F401  (re-exported)
 
 ESTIMATOR = cel_resolved("advantage_estimator", "advantageEstimator")
@@ -122,6 +123,7 @@ RULES: tuple[Rule, ...] = (
     ),
     required_for_reward("http", "url", "the reward service endpoint"),
     *COLOCATED_RULES,
+    *CORRECTION_RULES,
     Rule(
         field_path="reward.components",
         cel="!has(self.reward.components) || self.reward.components.all(c, c.type != 'python' || has(c.file) || "

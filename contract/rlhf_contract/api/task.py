@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from .common import INT32_MAX, SpecModel
 from .reward import (MAX_REWARD_WEIGHT, CodeSandboxSpec, JudgeSpec, RewardComponentSpec,  # noqa: F401  (re-exported)
@@ -157,6 +157,42 @@ LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "se
 PolicyLoss = Literal["ppo", "gspo", "cispo"]
 
 
+CorrectionMode = Literal["tis", "token-mask", "sequence-mask", "two-sided-mask"]
+CORRECTION_MODES: tuple[str, ...] = get_args(CorrectionMode)
+MASK_MODES = ("token-mask", "sequence-mask", "two-sided-mask")
+"""The modes that zero a token's loss outside [lower, upper] (they need `upper`)."""
+DEFAULT_TIS_UPPER = 2.0
+"""`upper` of `mode: tis` when unset (and of a job with `rollout.maxStaleness` >= 1 that sets
+no correction): the cap veRL and the TIS post's examples use."""
+
+
+class RolloutCorrectionSpec(SpecModel):
+    """The importance correction between the rollout engine's log-probs and the trainer's
+    (`old`, before this step's updates), per response token with ratio
+    rho = exp(old - rollout): each token's policy loss is multiplied by a detached weight w.
+    `tis`: w = min(rho, upper) (truncated). `token-mask`: w = rho where lower <= rho <= upper,
+    else 0 (the token is masked out of the loss). `sequence-mask`: the sequence's ratio
+    rho_seq = exp(mean over its tokens of old - rollout) (the geometric mean of its token
+    ratios), w = rho_seq on every token of a sequence with lower <= rho_seq <= upper, else 0.
+    `two-sided-mask` (IcePop): `token-mask` with both bounds required. A masked token still
+    counts in `lossAgg`'s denominators (docs/methods.md)."""
+
+    mode: CorrectionMode = "tis"
+    """`tis`, `token-mask`, `sequence-mask` or `two-sided-mask`."""
+    upper: float | None = Field(default=None, gt=0)
+    """`tis`: the cap on the weight (2.0 when unset); the masks: the largest ratio kept
+    (required, at least 1)."""
+    lower: float | None = Field(default=None, gt=0)
+    """The masks: the smallest ratio kept (at most 1; required by `two-sided-mask`; unset:
+    no lower bound); not used by `tis`."""
+
+    @model_validator(mode="after")
+    def _tis_default(self) -> "RolloutCorrectionSpec":
+        if self.mode == "tis" and self.upper is None:
+            self.upper = DEFAULT_TIS_UPPER
+        return self
+
+
 class AlgorithmSpec(SpecModel):
     """The RL algorithm. `preset` sets the defaults of every field left unset (null);
     see presets.py and the preset table in docs/reference.md."""
@@ -209,14 +245,22 @@ class AlgorithmSpec(SpecModel):
     overlong_buffer: int | None = Field(default=None, ge=0)
     """DAPO soft overlong punishment: the last this-many tokens before rollout.maxTokens
     are penalised linearly down to -1; 0 disables it."""
+    rollout_correction: RolloutCorrectionSpec | None = None
+    """Importance correction against the rollout engine's log-probs: truncated (`tis`) or
+    masked (`token-mask`, `sequence-mask`, `two-sided-mask`) weights; null: none (with
+    rollout.maxStaleness >= 1 the trainer config resolves null to `tis` with upper 2.0)."""
     tis_cap: float | None = Field(default=None, gt=0)
-    """Truncated importance sampling against the rollout engine's logprobs, weights capped
-    at this value; null disables it (with rollout.maxStaleness >= 1 the trainer config
-    resolves null to 2.0)."""
+    """Deprecated: the same as `rolloutCorrection: {mode: tis, upper: <tisCap>}` (which the
+    trainer config resolves it to); set one or the other, not both."""
     entropy_coef: float = Field(default=0.0, ge=0)
     """Weight of an entropy bonus in the policy loss."""
     num_mini_batches: int | None = Field(default=None, ge=1)
     """Optimizer steps per RL step; the step's samples are split into this many parts
     (the gspo preset: 4, as the GSPO paper)."""
 
-
+    def correction(self) -> RolloutCorrectionSpec | None:
+        """The correction this algorithm asks for: `rolloutCorrection`, or the deprecated
+        `tisCap` as `tis` with that cap, or None."""
+        if self.rollout_correction is not None or self.tis_cap is None:
+            return self.rollout_correction
+        return RolloutCorrectionSpec(mode="tis", upper=self.tis_cap)

@@ -57,8 +57,8 @@ class RolloutSpec(SpecModel):
     max_staleness: int = Field(default=0, ge=0)
     """Policy versions a sample may lag behind the trainer. 0: synchronous (generate, then
     train). k >= 1: the rollouts of the next k steps are generated while the trainer trains
-    (weights are pushed between requests), stale samples are corrected by truncated
-    importance sampling (`algorithm.tisCap`, 2.0 when unset)."""
+    (weights are pushed between requests), stale samples are corrected by
+    `algorithm.rolloutCorrection` (truncated importance sampling, cap 2.0, when unset)."""
     placement: Literal["separate", "colocated"] = "separate"
     """`separate`: the rollout servers have devices of their own. `colocated`: they share the
     trainer's devices and take turns with it: generate, sleep while the trainer trains, wake

@@ -4,7 +4,7 @@ the loss is its negative):
 
   PPO clip (Schulman et al. 2017, eq. 7):  J = min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)
   dual clip (Ye et al. 2020), where A < 0:  J = max(J, c A)
-  TIS (Yao et al. 2025):  J * min(pi_old / pi_rollout, C)
+  TIS (Yao et al. 2025):  J * min(pi_old / pi_rollout, C) (the masks: test_corrections.py)
   entropy bonus (Schulman et al. 2017, eq. 9):  + c_H H
   KL in the loss (Shao et al. 2024):  - beta k(pi || pi_ref)
   aggregations: token mean; mean over sequences of the token mean / sum; Dr. GRPO's
@@ -19,10 +19,11 @@ import pytest
 import torch
 
 from algorithm_cases import random_mask
-from rlhf_contract.api.models import AlgorithmSpec
+from rlhf_contract.api.models import AlgorithmSpec, RolloutCorrectionSpec
 from rlhf_contract.api.presets import PRESETS
 from rlhf_trainer.algorithms.losses import (AGGREGATIONS, agg_weights, compose_loss, explained_variance,
-                                            ppo_token_loss, truncated_is_weights, value_token_loss)
+                                            ppo_token_loss, value_token_loss)
+from rlhf_trainer.algorithms.corrections import rollout_correction
 
 
 # ---- references, one token (or one row) at a time ---------------------------------------
@@ -86,18 +87,37 @@ def reference_loss(a: AlgorithmSpec, tables: dict[str, torch.Tensor], width: int
             lp, o, adv, h, ref, ro = (tables[k][i, j].item() for k in
                                       ("logp", "old", "advantages", "entropy", "ref", "rollout"))
             objective, _, grad = ppo_objective(lp, o, adv, a.clip_low, a.clip_high, a.dual_clip)
-            weight = 1.0 if a.tis_cap is None else min(math.exp(o - ro), a.tis_cap)
+            weight = correction_weight(a, tables, i, j)
             kl, dkl = kl_estimate(a.kl_estimator, lp, ref)
             beta = a.kl_coef if a.kl_mode == "loss" else 0.0
-            if mask[i, j]:
+            if mask[i, j] and weight == 0.0:  # masked out of the loss, still counted in its mean
+                row.append(0.0)
+            elif mask[i, j]:
                 row.append(-weight * objective - a.entropy_coef * h + beta * kl)
-            grad_row.append(-weight * grad + beta * dkl if mask[i, j] else 0.0)
+            grad_row.append(-weight * grad + beta * dkl if mask[i, j] and weight else 0.0)
         rows.append(row)
         grads.append(grad_row)
     counts = [len(r) for r in rows]
     return aggregate(rows, a.loss_agg, width), [
         [g * token_weight(a.loss_agg, counts[i], sum(counts), len(rows), width) if counts[i] else 0.0 for g in gr]
         for i, gr in enumerate(grads)]
+
+
+def correction_weight(a: AlgorithmSpec, tables: dict[str, torch.Tensor], i: int, j: int) -> float:
+    """The rollout correction's weight of token (i, j) from its definition (test_corrections.py
+    has the hand-worked cases): TIS min(rho, U); a mask keeps rho (the token's, or the
+    geometric mean of its row's valid tokens for sequence-mask) inside [L, U], else 0."""
+    spec = a.correction()
+    if spec is None:
+        return 1.0
+    log_ratio = [(tables["old"][i, k] - tables["rollout"][i, k]).item() for k in range(tables["mask"].shape[1])
+                 if tables["mask"][i, k]]
+    rho = math.exp((tables["old"][i, j] - tables["rollout"][i, j]).item())
+    if spec.mode == "tis":
+        return min(rho, spec.upper)
+    if spec.mode == "sequence-mask":
+        rho = math.exp(sum(log_ratio) / len(log_ratio)) if log_ratio else 1.0  # an empty row: off the mask anyway
+    return rho if (spec.lower or 0.0) <= rho <= spec.upper else 0.0
 
 
 def token_weight(agg: str, row_tokens: int, tokens: int, seqs: int, width: int) -> float:
@@ -110,6 +130,12 @@ CONFIGS = {
     "ppo": {},
     "dual-clip": {"dual_clip": 3.0, "clip_high": 0.28},
     "tis": {"tis_cap": 1.2},
+    "tis-spec": {"rollout_correction": RolloutCorrectionSpec(mode="tis", upper=1.1)},
+    "token-mask": {"rollout_correction": RolloutCorrectionSpec(mode="token-mask", upper=1.3), "entropy_coef": 0.01},
+    "sequence-mask": {"rollout_correction": RolloutCorrectionSpec(mode="sequence-mask", upper=1.05, lower=0.95),
+                      "kl_coef": 0.1},
+    "two-sided-mask": {"rollout_correction": RolloutCorrectionSpec(mode="two-sided-mask", upper=1.3, lower=0.8),
+                       "kl_coef": 0.1, "kl_estimator": "k2", "entropy_coef": 0.01},
     "entropy": {"entropy_coef": 0.01},
     "kl-k1": {"kl_coef": 0.1, "kl_estimator": "k1"},
     "kl-k2": {"kl_coef": 0.1, "kl_estimator": "k2"},
@@ -118,12 +144,19 @@ CONFIGS = {
 }
 
 
+def weights(a: AlgorithmSpec, tables: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """The correction's weights (its own tests: test_corrections.py)."""
+    spec = a.correction()
+    return None if spec is None else rollout_correction(spec, tables["old"], tables["rollout"], tables["mask"]).weights
+
+
 def run_compose(a: AlgorithmSpec, tables: dict[str, torch.Tensor], width: int, rows=slice(None)):
     coef = agg_weights(tables["mask"], a.loss_agg, width=width)
     logp = tables["logp"][rows].clone().requires_grad_()
+    w = weights(a, tables)
     loss, terms = compose_loss(a, logp=logp, entropy=tables["entropy"][rows], old=tables["old"][rows],
                                advantages=tables["advantages"][rows], coef=coef[rows], ref=tables["ref"][rows],
-                               rollout=tables["rollout"][rows])
+                               correction=None if w is None else w[rows])
     loss.backward()
     return loss, terms, logp.grad
 
@@ -169,7 +202,7 @@ def test_micro_batch_losses_split_any_way_sum_to_the_mini_batch_loss(agg):
             logp = packed["logp"][:, part].clone().requires_grad_()
             loss, _ = compose_loss(a, logp=logp, entropy=packed["entropy"][:, part], old=packed["old"][:, part],
                                    advantages=packed["advantages"][:, part], coef=packed_coef[:, part],
-                                   ref=packed["ref"][:, part], rollout=packed["rollout"][:, part])
+                                   ref=packed["ref"][:, part], correction=weights(a, packed)[:, part])
             loss.backward()
             total, grad[part] = total + loss.item(), logp.grad[0]
         assert total == pytest.approx(whole, abs=1e-12)
@@ -195,9 +228,9 @@ def test_compose_loss_without_a_reference_has_no_kl():
     assert loss.item() == pytest.approx(reference_loss(spec(loss_agg="token-mean"), tables, 7)[0], abs=1e-12)
 
 
-def test_compose_loss_with_tis_needs_the_rollout_log_probs():
+def test_compose_loss_with_a_correction_needs_its_weights():
     tables = batch(seed=5)
-    with pytest.raises(ValueError, match="algorithm.tisCap"):
+    with pytest.raises(ValueError, match="algorithm.rolloutCorrection"):
         compose_loss(spec(tis_cap=2.0), logp=tables["logp"], entropy=tables["entropy"], old=tables["old"],
                      advantages=tables["advantages"], coef=agg_weights(tables["mask"]))
 
@@ -251,14 +284,6 @@ def test_agg_weights_of_an_empty_mini_batch_are_zero_and_an_unknown_agg_names_th
         assert agg_weights(torch.zeros(2, 3), agg).abs().max() == 0
     with pytest.raises(ValueError, match="algorithm.lossAgg"):
         agg_weights(torch.ones(1, 1), "sum")
-
-
-def test_truncated_importance_weights_are_capped_detached_ratios():
-    old = torch.tensor([[-1.0, -2.0, -0.5]], dtype=torch.float64, requires_grad=True)
-    rollout = torch.tensor([[-1.5, -1.0, -0.5]], dtype=torch.float64)
-    w = truncated_is_weights(old, rollout, cap=1.5)
-    assert w.tolist()[0] == pytest.approx([min(math.exp(0.5), 1.5), math.exp(-1.0), 1.0])
-    assert not w.requires_grad
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -13,7 +13,8 @@ updates) and advantage A:
   GSPO (Zheng et al. 2025, policyLoss gspo): r replaced by s_t = sg[s] exp(logp - sg[logp]),
       s = exp(mean over the sequence's tokens of logp - old) (GSPO-token, eq. 13)
   CISPO (MiniMax-M1 2025, policyLoss cispo):  l = -sg[clip(r, 1 - clip_low, 1 + clip_high)] A logp
-  TIS (Yao et al. 2025):  l = l * min(exp(old - rollout), tis_cap), the weight detached
+  rollout correction (`corrections.py`: TIS, token / sequence masks, two-sided masks):
+      l = l * w, w detached; a token with w = 0 (masked) leaves the entropy and KL terms too
   entropy bonus (Schulman et al. 2017, eq. 9):  - entropyCoef * H
   KL in the loss (klMode loss; GRPO, Shao et al. 2024):  + klCoef * kl(logp, ref), with
       Schulman's k1 / k2 / k3 (`kl.py`)
@@ -68,13 +69,15 @@ class LossTerms:
 
 def compose_loss(a: AlgorithmSpec, *, logp: torch.Tensor, entropy: torch.Tensor, old: torch.Tensor,
                  advantages: torch.Tensor, coef: torch.Tensor, ref: torch.Tensor | None = None,
-                 rollout: torch.Tensor | None = None,
+                 correction: torch.Tensor | None = None,
                  seq_log_ratio: torch.Tensor | None = None) -> tuple[torch.Tensor, LossTerms]:
     """The policy loss of one micro-batch (the module docstring's L restricted to its
-    tokens): sum of coef x (policy loss l [x TIS weight] - entropyCoef x entropy
+    tokens): sum of coef x (policy loss l [x correction weight w] - entropyCoef x entropy
     [+ klCoef x KL when klMode is loss]), l by `policyLoss`. All tensors have one shape
-    (per packed token, [1, l]); `coef` carries the aggregation; `rollout` is needed when
-    tisCap is set, `seq_log_ratio` (each token's sequence mean of logp - old) by gspo."""
+    (per packed token, [1, l]); `coef` carries the aggregation; `correction` (the weights of
+    `corrections.rollout_correction`) is needed when `a.correction()` is set: a token whose
+    weight is 0 was masked and drops out of every term; `seq_log_ratio` (each token's
+    sequence mean of logp - old) is needed by gspo."""
     if a.policy_loss == "gspo":
         if seq_log_ratio is None:
             raise ValueError("algorithm.policyLoss is gspo: compose_loss needs the sequence log-ratios")
@@ -85,10 +88,12 @@ def compose_loss(a: AlgorithmSpec, *, logp: torch.Tensor, entropy: torch.Tensor,
     else:
         token_loss, clip_active = ppo_token_loss(logp, old, advantages, clip_low=a.clip_low, clip_high=a.clip_high,
                                                  dual_clip=a.dual_clip)
-    if a.tis_cap is not None:
-        if rollout is None:
-            raise ValueError("algorithm.tisCap is set: compose_loss needs the rollout log-probs")
-        token_loss = token_loss * truncated_is_weights(old, rollout, a.tis_cap)
+    if a.correction() is not None:
+        if correction is None:
+            raise ValueError("algorithm.rolloutCorrection (or tisCap) is set: compose_loss needs the correction "
+                             "weights (corrections.rollout_correction)")
+        token_loss = token_loss * correction.detach()
+        coef = torch.where(correction != 0, coef, 0.0)  # a masked token leaves the whole loss
     loss = (token_loss * coef).sum()
     if a.entropy_coef:
         loss = loss - a.entropy_coef * (entropy * coef).sum()
@@ -183,13 +188,6 @@ def sequence_means(values: torch.Tensor, mask: torch.Tensor, segments: list[rang
         if n > 0:
             out[seg.start:seg.stop] = (flat[seg.start:seg.stop] * m[seg.start:seg.stop]).sum() / n
     return out.reshape(values.shape)
-
-
-def truncated_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
-    """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly
-    brings you off-policy RL training"): w = min(exp(old_logp - rollout_logp), cap), detached,
-    correcting for the rollout engine's sampling policy differing from the trainer's."""
-    return (old_logprobs - rollout_logprobs).exp().clamp(max=cap).detach()
 
 
 def value_token_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,

@@ -176,7 +176,7 @@ class TrainStep:
         loss, terms = compose_loss(
             a, logp=logp, entropy=entropy, old=old, advantages=per_token(t.advantages), coef=c,
             ref=per_token(t.ref_logprobs) if t.ref_logprobs is not None else None,
-            rollout=per_token(t.rollout_logprobs) if a.tis_cap is not None else None, seq_log_ratio=seq_log_ratio)
+            correction=per_token(t.correction) if t.correction is not None else None, seq_log_ratio=seq_log_ratio)
         m.engine.backward(loss, last=last)  # gradients are SUMMED over data x context ranks: each loss is a share
         num_tokens = mask.sum()
         acc.add("loss", loss)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from rlhf_contract.api.models import AlgorithmSpec, DistillationSpec
 
 from ..algorithms.advantages import compute_advantages, gae
+from ..algorithms.corrections import correction_metrics, rollout_correction
 from ..algorithms.kl import kl_penalty
 from ..data.micro_batches import MicroBatch
 from ..data.sequences import Row, pad_rows
@@ -43,16 +44,19 @@ class StepTensors:
     """`method: distill`: the teacher's log-probs of the sampled tokens."""
     values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    correction: torch.Tensor | None = None
+    """`algorithm.rolloutCorrection`'s weight of each token (0: masked; None: no correction)."""
     reward_metrics: dict[str, float] = field(default_factory=dict)
-    """The learned reward model's metrics (`reward.model`), the step's total reward mean
-    included: the rows keep their verifiable rewards."""
+    """Metrics of the preparation: the learned reward model's (`reward.model`, the step's
+    total reward mean included: the rows keep their verifiable rewards), distillation's and
+    the rollout correction's."""
 
 
 def needs_old_logprobs(a: AlgorithmSpec, distill: bool = False) -> bool:
-    """With one optimizer step, no KL in the reward, no TIS and no distillation (whose
+    """With one optimizer step, no KL in the reward, no rollout correction and no distillation (whose
     advantages read the student's log-probs), the old log-probs equal the current ones at
     the first (only) pass: skip the extra forward (GRPO's shortcut)."""
-    return (a.num_mini_batches > 1 or (bool(a.kl_coef) and a.kl_mode == "reward") or a.tis_cap is not None
+    return (a.num_mini_batches > 1 or (bool(a.kl_coef) and a.kl_mode == "reward") or a.correction() is not None
             or distill)
 
 
@@ -138,6 +142,10 @@ def build_step_tensors(rows: list[Row], tables: dict[str, torch.Tensor], a: Algo
                     rollout_logprobs=pad_rows([r.rollout_logprobs for r in rows], width),
                     old_logprobs=tables.get("old_logprobs"), ref_logprobs=tables.get("ref_logprobs"),
                     teacher_logprobs=tables.get("teacher_logprobs"), values=tables.get("values"))
+    if (spec := a.correction()) is not None:
+        c = rollout_correction(spec, t.old_logprobs, t.rollout_logprobs, mask)
+        t.correction = c.weights
+        t.reward_metrics.update(correction_metrics(c, mask))
     token_rewards = torch.zeros_like(mask)
     for i, (r, reward) in enumerate(zip(rows, rewards if rewards is not None else [r.reward for r in rows])):
         if r.response_ids:

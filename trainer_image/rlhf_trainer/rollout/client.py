@@ -6,11 +6,18 @@ Token in, token out: each prompt goes as token ids to `POST /v1/completions` wit
 after the temperature; top-p/top-k are refused for RL, so nothing else changes them).
 Text is never re-tokenized.
 
-One request per prompt (with `n` samples), so each server batches whatever is in
-flight; each request goes to the endpoint with the fewest outstanding requests (ties:
-round robin). Connection errors are retried with exponential backoff, on any endpoint
-(`RolloutClient.retry_policy`); read timeouts are not (the server may still be working on the
-request); HTTP errors are not retried (except 502/503/504) and raise `RolloutError` with the
+One request per prompt (with `n` samples, so a group sharing a prompt is on one server),
+so each server batches whatever is in flight. Routing: a request carrying a trajectory id
+(`generate(trajectory_id=...)`: every turn of a multi-turn episode, and the episodes of one
+group, share one) goes to the server that served that id before while that server is
+healthy, so the server's prefix cache holds its context; any other request, and the first of
+an id, goes to the healthy endpoint with the fewest outstanding requests (ties: round robin).
+A server that refuses connections or answers 502/504 is marked unhealthy for
+`unhealthy_s` (or by `mark_unhealthy`): its ids move to the others at their next request
+and stay there; once the time is up one request probes it again (a 503, paused for a
+weight sync, is not unhealthy). Connection errors are retried with exponential backoff, on
+any endpoint (`RolloutClient.retry_policy`); read timeouts are not (the server may still be
+working on the request); HTTP errors are not retried (except 502/503/504) and raise `RolloutError` with the
 endpoint and the server's body. A 503 from a server paused for a weight sync is sent again
 until the client timeout without using up the retries (`RolloutClient.paused_policy`).
 With `seed` set, prompt i gets its own seed derived from (seed, i), so a run is reproducible
@@ -25,6 +32,7 @@ handshake (servers.py); `wait_ready` is its wait for /health.
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
 import itertools
 import threading
@@ -39,6 +47,11 @@ from rlhf_trainer.retry import Retry, TryAgain
 log = logging.getLogger(__name__)
 
 RETRY_STATUS = (502, 503, 504)
+UNHEALTHY_S = 30.0
+"""How long a server that refused a connection (or answered 502/504) is left out of routing."""
+MAX_ROUTES = 65536
+"""Trajectory ids remembered (least recently used forgotten first): far more than the
+trajectories of a few steps in flight."""
 PAUSED_POLL_S = 0.2
 """How often a request answered 503 (a server paused for a weight update) is sent again;
 such retries last until the client timeout and do not count against `max_retries`."""
@@ -81,7 +94,7 @@ class RolloutClient:
 
     def __init__(self, endpoints: list[str], *, timeout_s: float = 600.0,
                  max_concurrency: int = 256, max_retries: int = 5,
-                 backoff_s: float = 0.5, model: str | None = None):
+                 backoff_s: float = 0.5, model: str | None = None, unhealthy_s: float = UNHEALTHY_S):
         if not endpoints:
             raise ValueError("RolloutClient needs at least one endpoint")
         if max_concurrency < 1:
@@ -103,6 +116,12 @@ class RolloutClient:
         self.outstanding = dict.fromkeys(self.endpoints, 0)
         self.requests_sent = dict.fromkeys(self.endpoints, 0)
         self._turn = itertools.count()
+        self.unhealthy_s = unhealthy_s
+        self.routes: collections.OrderedDict[str, str] = collections.OrderedDict()
+        """Trajectory id -> the endpoint that serves it (see the module docstring)."""
+        self.moves = 0
+        """Trajectory ids moved off an unhealthy endpoint."""
+        self._down_until: dict[str, float] = {}
         self._loop: asyncio.AbstractEventLoop | None = None  # the run's event loop (a thread), see run()
         self._http: httpx.AsyncClient | None = None  # one connection pool for the run, on that loop
         self._loop_lock = threading.Lock()
@@ -137,23 +156,52 @@ class RolloutClient:
 
     # ---- endpoint choice ----------------------------------------------------------
 
-    def _pick(self, avoid: set[str] = frozenset()) -> str:
-        """The endpoint with the fewest outstanding requests, among those not in `avoid`
-        (the ones that already failed this request) if any is left; ties go round robin."""
-        candidates = [e for e in self.endpoints if e not in avoid] or self.endpoints
+    def healthy(self, endpoint: str) -> bool:
+        """Not marked unhealthy, or marked more than `unhealthy_s` ago."""
+        return time.monotonic() >= self._down_until.get(endpoint, 0.0)
+
+    def mark_unhealthy(self, endpoint: str) -> None:
+        """Leave `endpoint` out of routing for `unhealthy_s`: its trajectory ids move to the
+        other endpoints at their next request (while any is healthy)."""
+        self._down_until[endpoint.rstrip("/")] = time.monotonic() + self.unhealthy_s
+
+    def mark_healthy(self, endpoint: str) -> None:
+        """Route to `endpoint` again (ids that moved off it stay where they are)."""
+        self._down_until.pop(endpoint.rstrip("/"), None)
+
+    def _pick(self, avoid: set[str] = frozenset(), trajectory_id: str | None = None) -> str:
+        """The endpoint of `trajectory_id` if it has one, is healthy and is not in `avoid`
+        (the endpoints that already failed this request); else the endpoint with the fewest
+        outstanding requests among the healthy ones not in `avoid` (or, when none is left,
+        among all not in `avoid`, then all), ties round robin, which then serves the id."""
+        if trajectory_id is not None and (held := self.routes.get(trajectory_id)) is not None:
+            if held not in avoid and self.healthy(held):
+                self.routes.move_to_end(trajectory_id)
+                return held
+            self.moves += 1
+        allowed = [e for e in self.endpoints if e not in avoid] or self.endpoints
+        candidates = [e for e in allowed if self.healthy(e)] or allowed
         least = min(self.outstanding[e] for e in candidates)
         tied = [e for e in candidates if self.outstanding[e] == least]
-        return tied[next(self._turn) % len(tied)]
+        chosen = tied[next(self._turn) % len(tied)]
+        if trajectory_id is not None:
+            self.routes[trajectory_id] = chosen
+            self.routes.move_to_end(trajectory_id)
+            while len(self.routes) > MAX_ROUTES:
+                self.routes.popitem(last=False)
+        return chosen
 
     # ---- generation -----------------------------------------------------------------
 
     async def generate(self, prompts: list[list[int]], *, n: int, max_tokens: int,
                        temperature: float, top_p: float = 1.0, top_k: int = -1,
                        stop_token_ids: list[int] | None = None,
-                       seed: int | None = None, first_index: int = 0) -> list[list[Sample]]:
+                       seed: int | None = None, first_index: int = 0,
+                       trajectory_id: str | None = None) -> list[list[Sample]]:
         """n samples for each prompt (token ids); one inner list per prompt, in order.
         Prompt i's seed is `prompt_seed(seed, first_index + i)` (a call for one prompt of a
-        larger batch samples exactly as the whole batch would)."""
+        larger batch samples exactly as the whole batch would). With `trajectory_id`, every
+        request of the call goes where that id's earlier requests went (module docstring)."""
         if n < 1 or max_tokens < 1:
             raise ValueError(f"n ({n}) and max_tokens ({max_tokens}) must be >= 1")
         base = {
@@ -174,7 +222,7 @@ class RolloutClient:
                 if seed is not None:
                     body["seed"] = prompt_seed(seed, first_index + i)
                 async with limit:
-                    reply = await self._post(http, body)
+                    reply = await self._post(http, body, trajectory_id)
                 return _samples(reply, prompt, n)
 
             return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
@@ -194,21 +242,23 @@ class RolloutClient:
         finally:
             self.outstanding[endpoint] -= 1
 
-    async def _post(self, http: httpx.AsyncClient, body: dict) -> dict:
+    async def _post(self, http: httpx.AsyncClient, body: dict, trajectory_id: str | None = None) -> dict:
         failed: set[str] = set()  # a dead endpoint answers fastest: never let it win every retry
         paused_until = time.monotonic() + self.timeout_s
 
         async def send() -> dict:
-            endpoint = self._pick(failed)
+            endpoint = self._pick(failed, trajectory_id)
             try:
                 response = await self._send(http, endpoint, body)
             except RETRY_ERRORS as exc:
                 failed.add(endpoint)
+                self.mark_unhealthy(endpoint)
                 raise TryAgain(f"{endpoint}: {exc!r}") from exc
             except httpx.ReadTimeout:
                 raise RolloutError(f"{endpoint} did not answer a generation request within {self.timeout_s:g} s "
                                    "(rollout.requestTimeoutSeconds): the server hangs or is overloaded") from None
             if response.status_code == 200:
+                self.mark_healthy(endpoint)  # a probe after `unhealthy_s` succeeded
                 return response.json()
             if response.status_code not in RETRY_STATUS:
                 raise RolloutError(f"{endpoint}/v1/completions answered HTTP "
@@ -217,6 +267,7 @@ class RolloutClient:
             if response.status_code == 503:
                 raise _Paused(endpoint, last_error)
             failed.add(endpoint)
+            self.mark_unhealthy(endpoint)
             raise TryAgain(last_error)
 
         async def attempt() -> dict:

@@ -9,7 +9,10 @@ The environment is a Python file defining
 turn. When `state + action` is a prefix of `next_state`, the rest of `next_state` is the
 environment's observation: its tokens are appended to the SAME sequence with loss mask 0,
 and the model continues from there, so one trajectory stays one sequence in which only
-the model's own tokens are trained on. Rewards and scores of all turns are summed.
+the model's own tokens are trained on. Rewards and scores of all turns are summed. Every
+turn of the trajectories of one prompt's group carries one trajectory id, so the client
+keeps them on one rollout server (whose prefix cache holds the prompt and the turns so far)
+while it is healthy.
 
 Simplifications: when `next_state` does not extend `state + action` (the environment
 rewrote the context) the trajectory ends there, instead of starting a second sequence as
@@ -63,7 +66,7 @@ _KEYS = ("next_state", "reward", "done")
 
 async def run_trajectory(client: RolloutClient, step: StepFn, tokenizer: Any, prompt_text: str,
                          prompt_ids: list[int], extra_info: dict, *, max_turns: int, max_tokens: int,
-                         sampling: dict[str, Any], seed: int) -> Trajectory:
+                         sampling: dict[str, Any], seed: int, trajectory_id: str | None = None) -> Trajectory:
     traj = Trajectory(list(prompt_ids))
     state = prompt_text
     info = dict(extra_info)
@@ -73,7 +76,7 @@ async def run_trajectory(client: RolloutClient, step: StepFn, tokenizer: Any, pr
             traj.truncated = True
             break
         [[sample]] = await client.generate([traj.prompt_ids + traj.response_ids], n=1, max_tokens=budget,
-                                           seed=prompt_seed(seed, turn), **sampling)
+                                           seed=prompt_seed(seed, turn), trajectory_id=trajectory_id, **sampling)
         traj.response_ids += sample.token_ids
         traj.loss_mask += [1] * len(sample.token_ids)
         traj.logprobs += sample.logprobs
@@ -109,14 +112,21 @@ async def run_trajectory(client: RolloutClient, step: StepFn, tokenizer: Any, pr
     return traj
 
 
+def group_id(seed: int, index: int) -> str:
+    """The trajectory id of the group of prompt `index` in a call seeded with `seed` (each
+    step and rollout round has its own seed, so ids do not repeat within a run)."""
+    return f"{seed}:{index}"
+
+
 def collect(client: RolloutClient, step: StepFn, tokenizer: Any, prompts: list[Any], *, n: int, max_turns: int,
             max_tokens: int, sampling: dict[str, Any], seed: int) -> list[list[Trajectory]]:
-    """n trajectories per prompt, all run concurrently; one inner list per prompt."""
+    """n trajectories per prompt, all run concurrently; one inner list per prompt. The
+    trajectories of prompt i share the trajectory id `group_id(seed, i)`."""
 
     async def main() -> list[list[Trajectory]]:
         jobs = [run_trajectory(client, step, tokenizer, p.text, p.token_ids, {**p.extra_info, "answer": p.answer},
                                max_turns=max_turns, max_tokens=max_tokens, sampling=sampling,
-                               seed=prompt_seed(seed, i * n + j))
+                               seed=prompt_seed(seed, i * n + j), trajectory_id=group_id(seed, i))
                 for i, p in enumerate(prompts) for j in range(n)]
         flat = await asyncio.gather(*jobs)
         return [list(flat[i * n:(i + 1) * n]) for i in range(len(prompts))]
