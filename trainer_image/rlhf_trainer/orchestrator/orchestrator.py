@@ -83,9 +83,9 @@ class Orchestrator:
         return self.sampler.client.requests_sent
 
     def close(self) -> None:
+        if self.sampler.tools is not None:  # its workers live on the client's event loop
+            self.sampler.tools.close(self.sampler.client)
         self.sampler.client.close()
-        if self.sampler.tools is not None:
-            self.sampler.tools.close()
 
     def evaluate(self, step: int) -> dict[str, float]:
         """`spec.evaluation`'s metrics after `step` ({} without held-out sets)."""

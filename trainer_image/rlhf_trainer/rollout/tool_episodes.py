@@ -169,7 +169,16 @@ def collect(client: RolloutClient, runner: ToolRunner, fmt: ChatFormat, prompts:
         flat = await asyncio.gather(*(one(ids, i * n + j) for i, ids in enumerate(rendered) for j in range(n)))
         return [list(flat[i * n:(i + 1) * n]) for i in range(len(prompts))]
 
-    return client.run(main()) if hasattr(client, "run") else asyncio.run(main())
+    if hasattr(client, "run"):  # the run's event loop: the workers live on across steps
+        return client.run(main())
+
+    async def once() -> list[list[Episode]]:  # a loop of its own: the workers end with it
+        try:
+            return await main()
+        finally:
+            await runner.aclose()
+
+    return asyncio.run(once())
 
 
 def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
@@ -197,5 +206,10 @@ class ToolRollout:
                        max_tokens=max_tokens, max_concurrent=self.spec.max_concurrent_episodes, sampling=sampling,
                        seed=seed)
 
-    def close(self) -> None:
-        self.runner.close()
+    def close(self, client: Any = None) -> None:
+        """End the tool workers, on `client`'s event loop when it has one (before it stops)."""
+        loop = self.runner.loop
+        if loop is not None and loop.is_running() and hasattr(client, "run"):
+            client.run(self.runner.aclose())
+        else:
+            self.runner.close()

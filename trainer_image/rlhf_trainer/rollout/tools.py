@@ -152,6 +152,11 @@ class ToolRunner:
         # a reply is at most max_output_bytes of content, JSON-escaped (up to 6 bytes a character)
         self._line_limit = 6 * spec.max_output_bytes + 65536
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the workers belong to (None: no worker yet)."""
+        return self._loop
+
     def _bind_loop(self) -> None:
         loop = asyncio.get_running_loop()
         if loop is not self._loop:
@@ -170,13 +175,19 @@ class ToolRunner:
         except asyncio.TimeoutError:
             ready = b""
         if not ready:
-            self._retire(worker)
+            await self._discard(worker)
             raise ToolConfigError("rollout.tools: the tool worker process could not import the tool files")
         return worker
 
     def _retire(self, worker: _Worker) -> None:
         worker.kill()
         self._all.discard(worker)
+
+    async def _discard(self, worker: _Worker) -> None:
+        """Kill `worker`, wait for it to end and close its pipes."""
+        self._retire(worker)
+        await worker.proc.wait()
+        worker.proc._transport.close()  # noqa: SLF001  (asyncio closes it only when garbage-collected)
 
     async def call(self, name: str, arguments: dict[str, Any]) -> ToolOutcome:
         self._bind_loop()
@@ -193,17 +204,17 @@ class ToolRunner:
             proc.stdin.write((json.dumps({"name": name, "arguments": arguments}) + "\n").encode())
             line = await asyncio.wait_for(proc.stdout.readline(), timeout=self.spec.timeout_seconds)
         except asyncio.TimeoutError:
-            self._retire(worker)
+            await self._discard(worker)
             return ToolOutcome(kind="timeout", error=f"{name} ran past {self.spec.timeout_seconds:g} s "
                                "(rollout.tools.timeoutSeconds)")
         except (ValueError, asyncio.LimitOverrunError):  # a reply line past the limit
-            self._retire(worker)
+            await self._discard(worker)
             return ToolOutcome(kind="output", error=f"{name}'s reply is larger than the output cap")
         except (BrokenPipeError, ConnectionResetError):
             line = b""
         if not line:
-            self._retire(worker)
-            code = await proc.wait()
+            await self._discard(worker)
+            code = proc.returncode
             return ToolOutcome(kind="crashed", error=f"{name}'s worker process ended (exit status {code})")
         reply = json.loads(line)
         if reply["ok"]:
@@ -211,8 +222,15 @@ class ToolRunner:
         return ToolOutcome(kind=reply["kind"], error=reply["error"])
 
     def close(self) -> None:
-        """Kill every worker (the next call starts new ones)."""
+        """Kill every worker (the next call starts new ones); from the workers' own event loop,
+        or once it stopped (`aclose` also reaps them)."""
         for worker in list(self._all):
             self._retire(worker)
         self._idle.clear()
         self._loop = None
+
+    async def aclose(self) -> None:
+        """`close`, on the workers' loop, waiting for each process to end and its pipes to close."""
+        for worker in list(self._all):
+            await self._discard(worker)
+        self.close()
