@@ -42,7 +42,8 @@ class ModelSpec(SpecModel):
     """Hugging Face model directory (in Kubernetes: a path on a mounted volume), a Hub
     repository `hf://<org>/<name>[@<revision>]`, an S3 location `s3://<bucket>/<prefix>`
     (both downloaded once per job before anything starts), or a built-in model:
-    `builtin://tiny-qwen2` (or `builtin://tiny-qwen2-hd32`)."""
+    `builtin://tiny-qwen2` (or `builtin://tiny-qwen2-hd32`; `builtin://tiny-qwen2-tools` has a
+    chat template that renders tools, for `rollout.tools`)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights dtype for the rollout servers (`vllm serve --dtype`)."""
     lora: LoraSpec | None = None
