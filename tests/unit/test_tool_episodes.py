@@ -245,3 +245,14 @@ def test_the_job_spec_names_what_to_change():
                     "rollout": {"tools": {"functions": [{"file": "a.py", "function": "f"}]}}}}
     with pytest.raises((JobError, ValueError), match="rollout.tools.*environment"):
         validate_job(doc)
+
+
+def test_the_preflight_names_a_tool_that_cannot_load(tmp_path):
+    from rlhf_trainer.preflight import check
+
+    broken = tmp_path / "broken.py"
+    broken.write_text("def calculator(expression: str) -> str\n")
+    problems = check(config({"functions": [{"file": str(CALCULATOR), "function": "add"}]}), 1)
+    assert any(p.startswith("spec.rollout.tools.functions[0]: ") and "defines no function 'add'" in p for p in problems)
+    problems = check(config({"functions": [{"file": str(broken), "function": "calculator"}]}), 1)
+    assert any(p.startswith("spec.rollout.tools.functions[0].file: ") and "line 1" in p for p in problems)
