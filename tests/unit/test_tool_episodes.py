@@ -163,7 +163,7 @@ def test_a_hanging_raising_flooding_or_dying_tool_ends_only_its_episode(tok, tmp
     start = time.monotonic()
     policy = Policy(tok, scripts)
     batch = collect(tok, cfg, policy, prompts, tmp_path)
-    assert time.monotonic() - start < 20  # the hanging tool was killed at its 2 s limit
+    assert time.monotonic() - start < 60  # the hanging tool (an hour) was killed at its 2 s limit
     ends = {p: (r.extra["end"], r.reward) for (p, _), r in zip(prompts, batch.rows)}
     assert ends == {"1+1=": ("tool_timeout", 0.0), "2+2=": ("tool_raised", 0.0), "3+3=": ("tool_output", 0.0),
                     "4+4=": ("tool_crashed", 0.0), "5+5=": ("answer", 1.0), "6+6=": ("answer", 1.0)}
