@@ -136,6 +136,8 @@ def path_fields(job: RLHFJob) -> dict[str, tuple[tuple[Any, ...], str]]:
         (("reward", "file"), s.reward.file),
         (("reward", "model", "path"), s.reward.model.path if s.reward.model else None),
         (("environment", "file"), s.environment.file if s.environment else None),
+        *((("rollout", "tools", "functions", i, "file"), f.file)
+          for i, f in enumerate(s.rollout.tools.functions if s.rollout.tools else [])),
         *((("reward", "components", i, "file"), c.file) for i, c in enumerate(s.reward.components)),
         *((("evaluation", "datasets", i, "path"), d.path)
           for i, d in enumerate(s.evaluation.datasets if s.evaluation else [])),

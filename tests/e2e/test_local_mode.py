@@ -209,6 +209,54 @@ def test_multi_turn_environment_keeps_one_sequence_and_masks_its_tokens(tmp_path
     assert multi > 0, "no trajectory called the calculator"
 
 
+def test_tool_calling_episodes_keep_the_engines_tokens_and_mask_the_tool_messages(tmp_path):
+    """examples/local-tools.yaml with the real CPU engine: every stretch of mask-0 tokens is
+    exactly the chat template's tool messages for the calls of the model turn before it
+    (the calculator's results, or the error a malformed call gets), with log-prob 0; the
+    model's tokens keep the engine's (negative) log-probs; the tool metrics are logged."""
+    import importlib.util
+
+    from transformers import AutoTokenizer
+
+    from rlhf_trainer.rollout.tools import parse_tool_calls
+
+    spec = importlib.util.spec_from_file_location("calculator_tool", ROOT / "examples" / "calculator_tool.py")
+    calculator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(calculator)
+    out = tmp_path / "run"
+    res = rlhfctl("run", str(ROOT / "examples" / "local-tools.yaml"), "--output", str(out),
+                  *sets("schedule.totalSteps=2", "schedule.saveEvery=0"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    tok = AutoTokenizer.from_pretrained(out / "builtin-model")
+    rows = [json.loads(line) for step in (1, 2) for line in (out / "rollouts" / f"step-{step}.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 * 8 * 8
+    tool_turns = 0
+    for row in rows:
+        ids, mask, logprobs = row["response_ids"], row["loss_mask"], row["logprobs"]
+        assert len(ids) == len(mask) == len(logprobs) and mask[-1] == 1
+        runs, start = [], 0
+        for i in range(1, len(ids) + 1):
+            if i == len(ids) or mask[i] != mask[start]:
+                runs.append((mask[start], ids[start:i], logprobs[start:i]))
+                start = i
+        for k, (m, part, lp) in enumerate(runs):
+            if m == 1:
+                assert all(x < 0 for x in lp)
+                continue
+            assert lp == [0.0] * len(part)
+            _, calls = parse_tool_calls(tok.decode(runs[k - 1][1], skip_special_tokens=True))
+            results = [f"error: {c.error}" if c.error else calculator.calculator(**c.arguments) for c in calls]
+            expected = ("\n<|im_start|>user" + "".join(f"\n<tool_response>{r}</tool_response>" for r in results)
+                        + "<|im_end|>\n<|im_start|>assistant\n")
+            assert part == tok(expected, add_special_tokens=False)["input_ids"]
+            tool_turns += 1
+        assert row["extra"]["turns"] == sum(m == 1 for m, _, _ in runs)
+    assert tool_turns > 0, "no episode called the calculator"
+    for step in metrics(out):
+        assert {"tool_calls_mean", "tool_errors", "turns_mean", "tool_failed_fraction"} <= set(step)
+        assert step["turns_mean"] >= 1.0
+
+
 def test_parallel_layouts_train_exactly_like_one_process(tmp_path):
     """The whole run (sharded loading, rollouts, train steps, weight sync from sharded
     weights) on 1 process and on 2 processes as CP=2 (which also shards the weights

@@ -122,7 +122,7 @@ EXAMPLES = sorted((__import__("pathlib").Path(__file__).resolve().parents[2] / "
 
 
 @pytest.mark.parametrize("path", [p for p in EXAMPLES if p.stem in ("sft", "rm", "dpo") or p.stem in
-                                  ("local-sft", "local-rm", "local-dpo")], ids=lambda p: p.stem)
+                                  ("local-sft", "local-rm", "local-dpo", "local-tools-sft")], ids=lambda p: p.stem)
 def test_offline_examples_validate_and_build_a_trainer_alone(path):
     from rlhf_contract.api.load import load_job
     from rlhf_operator.builders import build_children

@@ -300,3 +300,10 @@ def test_links_that_stay_inside_but_reach_git_or_nothing_are_refused(tmp_path: P
         "git-config -> .git/config points into .git, which is never sent", "gone -> missing.txt points to nothing"]
     found, data = select(tmp_path, "wd", Selection(excludes=("/git-config", "gone")))
     assert sorted(data) == ["data/a.txt"] and found.skipped == ["latest -> data (a link to a directory: not followed)"]
+
+
+def test_tool_files_are_sent_and_their_paths_rewritten(workdir: Path):
+    doc = job_doc(rollout={"tools": {"functions": [{"file": "wd/reward.py", "function": "reward_fn"}]}})
+    packed = pack(copy.deepcopy(doc), validate_job(copy.deepcopy(doc)), Path("wd"), workdir.parent, "ns1")
+    assert packed.moved["spec.rollout.tools.functions[0].file"] == f"{WORKDIR_MOUNT}/reward.py"
+    assert validate_job(copy.deepcopy(packed.doc)).spec.rollout.tools.functions[0].file == f"{WORKDIR_MOUNT}/reward.py"

@@ -92,7 +92,14 @@ FAMILIES: dict[str, Family] = {
     "rlhf_response_length_mean": _g("Mean response length in tokens."),
     "rlhf_response_length_min": _g("Shortest response of the step in tokens."),
     "rlhf_response_length_max": _g("Longest response of the step in tokens."),
-    "rlhf_truncated_ratio": _g("Fraction of responses cut at rollout.maxTokens (clipped responses)."),
+    "rlhf_truncated_ratio": _g("Fraction of responses cut at rollout.maxTokens (clipped responses); with "
+                               "rollout.tools also episodes ended by tools.maxTurns."),
+    "rlhf_tool_calls_mean": _g("rollout.tools: tool calls per episode."),
+    "rlhf_tool_errors": _g("rollout.tools: tool calls of the step that failed (the model's malformed calls and "
+                           "failing tools)."),
+    "rlhf_turns_mean": _g("rollout.tools: model turns per episode."),
+    "rlhf_tool_failed_ratio": _g("rollout.tools: fraction of episodes ended by a failing tool (timeout, raised, "
+                                 "output past the cap, crashed)."),
     "rlhf_zero_std_group_ratio": _g("Fraction of sampled groups whose rewards are all equal (no GRPO signal)."),
     "rlhf_dropped_group_ratio": _g("Fraction of sampled groups dropped by dynamic sampling (all rewards equal)."),
     "rlhf_dropped_prompts_total": Family("Prompts the data source skipped (longer than data.maxPromptLength, "
@@ -151,7 +158,7 @@ FAMILIES: dict[str, Family] = {
                              "gauge", ("dataset", "k")),
 }
 
-_RENAMED = {"truncated_fraction": "rlhf_truncated_ratio", "zero_std_group_fraction": "rlhf_zero_std_group_ratio",
+_RENAMED = {"truncated_fraction": "rlhf_truncated_ratio", "tool_failed_fraction": "rlhf_tool_failed_ratio", "zero_std_group_fraction": "rlhf_zero_std_group_ratio",
             "dropped_group_fraction": "rlhf_dropped_group_ratio", "clip_fraction": "rlhf_clip_ratio",
             "padding_fraction": "rlhf_padding_ratio", "accuracy": "rlhf_accuracy_ratio", "mfu": "rlhf_mfu_ratio",
             "rollout_correction_masked_fraction": "rlhf_rollout_correction_masked_ratio",

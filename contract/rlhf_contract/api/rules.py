@@ -115,6 +115,13 @@ RULES: tuple[Rule, ...] = (
         check=lambda s: s.environment is None or ((s.environment.file is None) != (s.environment.gem is None)),
     ),
     Rule(
+        field_path="rollout.tools",
+        cel="!has(self.rollout.tools) || !has(self.environment)",
+        message="cannot be set with spec.environment: an episode is either model turns and tool messages "
+        "(rollout.tools, scored by spec.reward) or a step environment's turns; remove one of the two",
+        check=lambda s: s.rollout.tools is None or s.environment is None,
+    ),
+    Rule(
         field_path="data.path",
         cel="(self.data.path == 'builtin://gem') == (has(self.environment) && has(self.environment.gem))",
         message="is builtin://gem exactly when environment.gem is set (a GEM environment's reset "

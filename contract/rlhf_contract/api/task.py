@@ -43,7 +43,8 @@ class ModelSpec(SpecModel):
     repository `hf://<org>/<name>[@<revision>][/<subfolder>]` (only the files
     `from_pretrained` reads: safetensors weights, configs, tokenizer, chat template), an S3
     location `s3://<bucket>/<prefix>` (both downloaded once per job before anything
-    starts), or a built-in model: `builtin://tiny-qwen2` (or `builtin://tiny-qwen2-hd32`)."""
+    starts), or a built-in model: `builtin://tiny-qwen2` (or `builtin://tiny-qwen2-hd32`;
+    `builtin://tiny-qwen2-tools` has a chat template that renders tools, for `rollout.tools`)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights dtype for the rollout servers (`vllm serve --dtype`)."""
     lora: LoraSpec | None = None

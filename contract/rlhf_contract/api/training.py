@@ -11,6 +11,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from ..images import INFERENCE_IMAGE, TRAINER_IMAGE
 from .common import INT32_MAX, MAX_SECONDS, SEED_MAX, SecretKeyRef, SpecModel, Resources, RolePodSpec
 from .serving import ColocatedSpec, VllmSpec  # noqa: F401  (re-exported)
+from .tools import ToolsSpec
 from .uris import CONFIG_NAME, ENV_SECRET, EndpointUrl, check_no_parent, check_path, config_problem, parse_remote
 
 
@@ -67,6 +68,9 @@ class RolloutSpec(SpecModel):
     rlhf_trainer.supervise` starts and supervises them), and no rollout workload is made."""
     colocated: ColocatedSpec = Field(default_factory=ColocatedSpec)
     """Sleep level and trainer offload of `placement: colocated`."""
+    tools: ToolsSpec | None = None
+    """Tools the model may call (OpenAI function schemas, Python functions): each prompt runs
+    as a multi-turn episode of model turns and tool messages (docs/methods.md)."""
 
     @property
     def gpus_per_server(self) -> int:

@@ -5,7 +5,17 @@
 and a word-level tokenizer over the digits and a few symbols. It is small enough that a
 GRPO run on CPU learns the built-in toy tasks in a few minutes.
 
-Simplification: the tokenizer has no chat template; prompts are plain text.
+`builtin://tiny-qwen2-tools` is the same model over a larger vocabulary with a chat template
+in the Hermes / Qwen style that renders tools (`rollout.tools`): `<|im_start|>` / `<|im_end|>`
+turns, `<tools>` in the system turn, tool results as `<tool_response>` in a user turn, calls
+as `<tool_call>{"name": ..., "arguments": ...}</tool_call>`. Its `<|im_end|>` is the EOS.
+
+Simplifications: the first two tokenizers have no chat template (prompts are plain text);
+the tools tokenizer's vocabulary has the opening of a calculator call,
+`<tool_call>{"name": "calculator", "arguments": {"expression": "`, and its close `"}}</tool_call>`
+as one token each, so that a random model can come upon a call by sampling (a real tokenizer
+spells them out; the parser reads the decoded text either way), and its `<tools>` block names
+the tools rather than printing their JSON schemas.
 """
 
 from __future__ import annotations
@@ -15,18 +25,45 @@ import sys
 from pathlib import Path
 
 BUILTIN_PREFIX = "builtin://"
-BUILTIN_MODELS = ("tiny-qwen2", "tiny-qwen2-hd32")
+BUILTIN_MODELS = ("tiny-qwen2", "tiny-qwen2-hd32", "tiny-qwen2-tools")
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 VOCAB = [PAD, EOS, UNK, *[str(d) for d in range(10)], "+", "=", ":"]
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+CALL_OPEN = '<tool_call>{"name": "calculator", "arguments": {"expression": "'
+CALL_CLOSE = '"}}</tool_call>'
+TOOL_WORDS = ["\n", "system", "user", "assistant", "<tools>", "</tools>", "<tool_response>", "</tool_response>",
+              CALL_OPEN, CALL_CLOSE]
+"""The tools tokenizer's words beyond VOCAB: added tokens, so they are matched whole in any text
+(and survive transformers loading the directory as a Qwen2 byte-level tokenizer)."""
+TOOLS_TEMPLATE = (
+    "{% set NL = '\\n' %}"  # a newline right after a tag would be trimmed (trim_blocks)
+    "{% if tools %}<|im_start|>system{{ NL }}<tools>"
+    "{% for tool in tools %}{{ (tool.function or tool).name }}{% if not loop.last %}+{% endif %}{% endfor %}"
+    "</tools><|im_end|>{{ NL }}{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ NL }}<tool_response>{{ m.content }}</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>{{ NL }}{% endif %}"
+    "{% elif m.role == 'assistant' %}<|im_start|>assistant{{ NL }}{{ m.content or '' }}"
+    "{% for call in m.tool_calls or [] %}{% set f = call.function or call %}"
+    '<tool_call>{"name": "{{ f.name }}", "arguments": {{ f.arguments | tojson }}}</tool_call>'
+    "{% endfor %}<|im_end|>{{ NL }}"
+    "{% else %}<|im_start|>{{ m.role }}{{ NL }}{{ m.content }}<|im_end|>{{ NL }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant{{ NL }}{% endif %}"
+)
+"""The tools model's chat template (Hermes / Qwen 2.5 style, see the module docstring)."""
 
 
 def is_builtin(uri: str) -> bool:
     return uri.startswith(BUILTIN_PREFIX)
 
 
-def build_tokenizer():
-    """A character-level tokenizer over VOCAB: "3714:" is five tokens.
+def build_tokenizer(name: str = "tiny-qwen2"):
+    """A character-level tokenizer over VOCAB: "3714:" is five tokens (`tiny-qwen2-tools`: with
+    TOOL_WORDS, `<|im_start|>` and `<|im_end|>` as whole tokens and TOOLS_TEMPLATE).
 
     Texts have no spaces, so the tokenizer encodes and decodes the same whether it is
     loaded as itself or (as transformers 5 does for a Qwen2 directory) as a Qwen2
@@ -38,12 +75,23 @@ def build_tokenizer():
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK, padding_side="left"
     )
+    if name == "tiny-qwen2-tools":
+        from tokenizers import AddedToken
+
+        tokenizer.add_tokens([AddedToken(w, normalized=False, special=False) for w in TOOL_WORDS])
+        tokenizer.add_special_tokens({"eos_token": IM_END, "additional_special_tokens": [IM_START]})
+        tokenizer.chat_template = TOOLS_TEMPLATE
+    return tokenizer
 
 
-HEADS = {"tiny-qwen2": (4, 2), "tiny-qwen2-hd32": (2, 1)}
+def vocab_size(name: str) -> int:
+    return len(VOCAB) + (len(TOOL_WORDS) + 2 if name == "tiny-qwen2-tools" else 0)
+
+
+HEADS = {"tiny-qwen2": (4, 2), "tiny-qwen2-hd32": (2, 1), "tiny-qwen2-tools": (4, 2)}
 """(attention heads, KV heads) of each built-in model: hidden size 64, so head_dim 16 and 32.
 vLLM's CPU attention refuses head_dim 16; `tiny-qwen2-hd32` is the one a real vLLM serves."""
 
@@ -53,7 +101,7 @@ def tiny_qwen2_config(name: str = "tiny-qwen2"):
     from transformers import Qwen2Config
 
     return Qwen2Config(
-        vocab_size=len(VOCAB),
+        vocab_size=vocab_size(name),
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -62,7 +110,7 @@ def tiny_qwen2_config(name: str = "tiny-qwen2"):
         max_position_embeddings=128,
         tie_word_embeddings=False,
         bos_token_id=None,
-        eos_token_id=VOCAB.index(EOS),
+        eos_token_id=len(VOCAB) + len(TOOL_WORDS) if name == "tiny-qwen2-tools" else VOCAB.index(EOS),
         pad_token_id=VOCAB.index(PAD),
         torch_dtype="float32",
     )
@@ -105,7 +153,7 @@ def materialize(uri: str, directory: str | Path, seed: int = 0) -> Path:
         return directory
     directory.mkdir(parents=True, exist_ok=True)
     _save_without_deepspeed_probe(build_tiny_qwen2(seed, name), directory)
-    build_tokenizer().save_pretrained(directory)
+    build_tokenizer(name).save_pretrained(directory)
     marker.write_text(f"{name} seed={seed}")
     return directory
 
@@ -121,7 +169,7 @@ def materialize_tokenizer(uri: str, directory: str | Path) -> Path:
     config = tiny_qwen2_config(name)
     config.architectures = ["Qwen2ForCausalLM"]  # as the model's save writes it
     config.save_pretrained(directory)
-    build_tokenizer().save_pretrained(directory)
+    build_tokenizer(name).save_pretrained(directory)
     return directory
 
 

@@ -51,10 +51,16 @@ class Orchestrator:
             from ..rollout.multi_turn import load_environment
 
             env_step = load_environment(config.environment.file)
+        tools = None
+        if config.tools is not None:
+            from ..rollout.tool_episodes import ToolRollout
+
+            tools = ToolRollout(config.tools, tokenizer)
         data = PromptSource(config.data, tokenizer, seed=config.schedule.seed, gem_id=gem_id)
         reward = build_reward(config.reward, job_name=config.job_name, namespace=config.namespace,
                               judge_url=os.environ.get(ENV_JUDGE_ENDPOINTS))
-        return cls(config, data=data, sampler=Sampler(config, RolloutClient(endpoints, timeout_s=config.rollout_request_timeout_seconds), reward, tokenizer, env_step),
+        return cls(config, data=data, sampler=Sampler(config, RolloutClient(endpoints, timeout_s=config.rollout_request_timeout_seconds), reward, tokenizer, env_step,
+                                                    tools),
                    output_dir=output_dir)
 
     # ---- the rollout client's lifecycle -------------------------------------------
@@ -77,6 +83,8 @@ class Orchestrator:
         return self.sampler.client.requests_sent
 
     def close(self) -> None:
+        if self.sampler.tools is not None:  # its workers live on the client's event loop
+            self.sampler.tools.close(self.sampler.client)
         self.sampler.client.close()
 
     def evaluate(self, step: int) -> dict[str, float]:
@@ -101,6 +109,7 @@ class Orchestrator:
                               skipped_rows=getattr(self.data, "num_skipped", 0))
         reward = self.sampler.reward  # a judge's parse failures and tokens, a python function's log_metric
         stats.reward_counters = {**reward.drain_counters(), **reward.drain_metrics()}
+        stats.tools = self.sampler.drain_tool_metrics()
         return RolloutBatch(rows, self.config.sampling.samples_per_prompt, stats)
 
     def trainer_state(self, step: int) -> Any:

@@ -36,6 +36,9 @@ class RolloutStats:
     reward_counters: dict[str, float] = field(default_factory=dict)
     """`reward/<name>_<counter>`: what the reward functions counted this step (a judge's
     `parse_failures` and `judge_tokens`)."""
+    tools: dict[str, float] = field(default_factory=dict)
+    """With `rollout.tools`: tool_calls_mean, tool_errors, turns_mean, tool_failed_fraction
+    (rollout/tool_episodes.py `episode_metrics`)."""
 
 
 @dataclass

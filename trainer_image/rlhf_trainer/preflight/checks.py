@@ -60,6 +60,21 @@ def _readable_python(path: str | None, field: str) -> str | None:
     return None
 
 
+def _tool_problems(config: TrainerConfig) -> list[str]:
+    """`rollout.tools`: each file readable Python, each function there, each schema made."""
+    from ..rollout.tools import ToolConfigError, load_tools
+
+    unreadable = [problem for i, f in enumerate(config.tools.functions)
+                  if (problem := _readable_python(f.file, f"spec.rollout.tools.functions[{i}].file"))]
+    if unreadable:
+        return unreadable
+    try:
+        load_tools(config.tools)
+    except ToolConfigError as err:
+        return [f"spec.{err}"]
+    return []
+
+
 def _data_problems(config: TrainerConfig, model_ok: bool) -> list[str]:
 
     report = check_data(config, (lambda: load_tokenizer(config.model_path)) if model_ok else (lambda: None))
@@ -204,6 +219,8 @@ def check(config: TrainerConfig, world_size: int) -> list[str]:
     problems += reward_problems(config)
     if config.environment is not None and config.environment.file is not None:
         problems += filter(None, [_readable_python(config.environment.file, "spec.environment.file")])
+    if config.tools is not None:
+        problems += _tool_problems(config)
     if config.environment is not None and config.environment.gem is not None:
         import importlib.util
 

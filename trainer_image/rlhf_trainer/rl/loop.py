@@ -209,6 +209,7 @@ class RunLoop(LoopBase):
         num_tokens = stats["num_tokens"]
         stats.update({f"reward/{name}_mean": value for name, value in stats.pop("components").items()})
         stats.update({f"reward/{key}": value for key, value in stats.pop("reward_counters").items()})
+        stats.update(stats.pop("tools"))
         lr = self.config.optim.learning_rate * self.lr_factor(self.config.algorithm.num_mini_batches - 1)
         extra = {}
         if tensors.old_logprobs is not None:  # same weights, two engines: how far they disagree

@@ -1,0 +1,73 @@
+"""Tools the policy may call during a rollout (`rollout.tools`): OpenAI function schemas
+implemented as Python functions, their limits, and the episode's budgets."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field, JsonValue, WithJsonSchema, field_validator, model_validator
+
+from .common import MAX_SECONDS, SpecModel
+
+ToolSchema = Annotated[dict[str, JsonValue], WithJsonSchema(
+    {"type": "object", "x-kubernetes-preserve-unknown-fields": True})]
+"""An OpenAI function schema, kept as written (the CRD keeps its unknown fields)."""
+
+
+class ToolFunctionSpec(SpecModel):
+    """One tool: a Python function from a file (as a `python` reward is given), and the
+    OpenAI function schema the chat template shows the model."""
+
+    file: str = Field(min_length=1)
+    """Path of the Python file that defines the function."""
+    function: str = Field(min_length=1, max_length=512, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """The function's name in `file`; the model's call passes its `arguments` as keywords, and
+    what it returns (text, or any JSON value) is the tool message; a function that returns
+    None answers what it printed."""
+    schema_: ToolSchema | None = Field(default=None, alias="schema")
+    """The OpenAI tool schema, `{type: function, function: {name, description, parameters}}`
+    (or its `function` part alone); null: made from the function's signature and Google-style
+    docstring (transformers' `get_json_schema`). The model calls the tool by its schema's name."""
+
+    @field_validator("schema_")
+    @classmethod
+    def _openai_schema(cls, value: dict | None) -> dict | None:
+        if value is None:
+            return None
+        function = value.get("function", value)
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise ValueError("must be an OpenAI function schema with a name: {type: function, function: "
+                             "{name, description, parameters}}")
+        return value
+
+
+class ToolsSpec(SpecModel):
+    """Multi-turn rollouts with tools: the model's `<tool_call>` turns (Hermes / Qwen format) are
+    executed and answered with tool messages rendered by the tokenizer's chat template, until it
+    answers without a call, `maxTurns`, or `rollout.maxTokens` (the whole episode's tokens);
+    `spec.reward` scores its final answer."""
+
+    functions: list[ToolFunctionSpec] = Field(min_length=1, max_length=64)
+    """The tools, each a Python function (its name unique among them)."""
+    max_turns: int = Field(default=4, ge=1, le=64)
+    """Model turns per episode; an episode still calling tools at the last one is truncated."""
+    timeout_seconds: float = Field(default=10.0, gt=0, le=MAX_SECONDS)
+    """Wall-clock limit of one tool call; past it the call's process is killed and the episode
+    ends (reason `tool_timeout`)."""
+    max_output_bytes: int = Field(default=65536, ge=16, le=2**24)
+    """Largest tool result (and most it may print, UTF-8 bytes); past it the episode ends
+    (reason `tool_output`)."""
+    max_concurrent_episodes: int = Field(default=64, ge=1, le=4096)
+    """Episodes run at once (their generation requests and tool calls overlap)."""
+    max_processes: int = Field(default=4, ge=1, le=256)
+    """Tool worker processes (tool calls running at once); each lives across calls and is
+    replaced when a call kills it."""
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> "ToolsSpec":
+        names = [(f.schema_.get("function", f.schema_)["name"] if f.schema_ else f.function) for f in self.functions]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"rollout.tools.functions: tool names {repeated} appear more than once; "
+                             "give each tool its own name")
+        return self
