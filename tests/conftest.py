@@ -74,6 +74,17 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tools_tokenizer(tmp_path_factory):
+    """The tokenizer of builtin://tiny-qwen2-tools (its Hermes / Qwen-style chat template renders tools)."""
+    from transformers import AutoTokenizer
+
+    from rlhf_trainer.models.builtin import materialize_tokenizer
+
+    return AutoTokenizer.from_pretrained(materialize_tokenizer("builtin://tiny-qwen2-tools",
+                                                               tmp_path_factory.mktemp("tools-tok")))
+
+
+@pytest.fixture(scope="session")
 def start_engines(tmp_path_factory):
     """Factory: `with start_engines(model_dir, count) as urls:` runs `count` CPU engines
     (`python -m rlhf_inference.cpu_engine`) on free 127.0.0.1 ports until the block ends."""

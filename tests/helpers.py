@@ -11,7 +11,7 @@ from pathlib import Path
 
 from rlhf_launcher.local import free_port
 
-__all__ = ["free_port", "hf_causal_lm", "torchrun"]
+__all__ = ["free_port", "hf_causal_lm", "torchrun", "ScriptedPolicy", "PromptList"]
 
 
 def torchrun(worker: Path, world: int, *args: str, out: Path, timeout: float = 400,
@@ -54,3 +54,53 @@ def fake_pod(name: str, labels: dict[str, str], *, phase: str = "Running", ready
     return {"metadata": {"name": name, "labels": labels}, "spec": {"nodeName": node},
             "status": {"phase": phase, "containerStatuses": [cs],
                        "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+
+
+# ---- tool-calling and agent episodes: a scripted policy in place of the rollout servers ----
+
+class ScriptedPolicy:
+    """The rollout client's `generate`, scripted (for the tools tokenizer's chat template): the
+    episode of prompt "a+b=" plays SCRIPTS[a+b=][turn] (turn = assistant turns already in the
+    sequence); log-probs are distinct per token, and every emitted sample is kept."""
+
+    def __init__(self, tok, scripts: dict[str, list[str]], delay_s: float = 0.0):
+        self.tok, self.scripts, self.delay_s = tok, scripts, delay_s
+        self.emitted: dict[str, list] = {k: [] for k in scripts}
+        self.in_flight = self.most_in_flight = 0
+
+    def ids(self, text: str) -> list[int]:
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    async def generate(self, prompts, *, n, max_tokens, seed, **_):
+        import asyncio
+
+        from rlhf_trainer.models.builtin import IM_END
+        from rlhf_trainer.rollout.client import Sample
+
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        await asyncio.sleep(self.delay_s)
+        self.in_flight -= 1
+        [prompt] = prompts
+        text = self.tok.decode(prompt, skip_special_tokens=False)
+        key = text.split("user\n", 1)[1].split(IM_END, 1)[0]
+        turn = text.count("<|im_start|>assistant") - 1
+        ids = self.ids(self.scripts[key][turn])[:max_tokens]
+        base = -0.01 * (len(self.emitted[key]) + 1)
+        sample = Sample(list(prompt), ids, [base - 0.001 * k for k in range(len(ids))],
+                        "length" if len(ids) == max_tokens else "stop")
+        self.emitted[key].append(sample)
+        return [[sample]]
+
+
+class PromptList:
+    """The orchestrator's prompt source over fixed (prompt, answer) pairs."""
+
+    def __init__(self, prompts: list[tuple[str, str]]):
+        self.prompts, self.position = prompts, 0
+
+    def next_batch(self, n):
+        from rlhf_trainer.data.rendering import PromptRecord
+
+        self.position += n
+        return [PromptRecord(p, [], a, {"prompt": p, "answer": a}) for p, a in self.prompts[:n]]

@@ -20,7 +20,7 @@ from .api.models import (AlgorithmSpec, ColocatedSpec, DataSpec, DeepSpeedSpec, 
                          RLHFJob, RLHFJobSpec, RolloutSpec, ScheduleSpec, TrackingSpec, TrainerSpec)
 from .api.rules import violations
 from .api.task import RolloutCorrectionSpec
-from .api.tools import ToolsSpec
+from .api.tools import AgentSpec, ToolsSpec
 
 
 class _Config(SpecModel):
@@ -129,6 +129,8 @@ class TrainerConfig(_Config):
     """Multi-turn environment, if any."""
     tools: ToolsSpec | None = None
     """Tools the policy may call in its rollouts (`rollout.tools`), if any."""
+    agent: AgentSpec | None = None
+    """The agent program that runs each episode (`rollout.agent`), if any."""
     algorithm: AlgorithmSpec
     """The RL algorithm, resolved (no preset field left null)."""
     distillation: DistillationSpec | None = None
@@ -171,7 +173,7 @@ class TrainerConfig(_Config):
         return cls(
             job_name=job.metadata.name, namespace=job.metadata.namespace, model_path=s.model.path, lora=s.model.lora,
             method=s.method, preference=s.preference, evaluation=s.evaluation,
-            data=s.data, reward=s.reward, environment=s.environment, tools=r.tools, algorithm=algorithm,
+            data=s.data, reward=s.reward, environment=s.environment, tools=r.tools, agent=r.agent, algorithm=algorithm,
             distillation=s.distillation, sampling=SamplingConfig(samples_per_prompt=r.samples_per_prompt, max_tokens=r.max_tokens,
                                     temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                     max_staleness=r.max_staleness,
@@ -209,7 +211,8 @@ class TrainerConfig(_Config):
             preference=self.preference, evaluation=self.evaluation,
             rollout=RolloutSpec.model_construct(samples_per_prompt=s.samples_per_prompt, max_tokens=s.max_tokens,
                                                 temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                                max_staleness=s.max_staleness, tools=self.tools),
+                                                max_staleness=s.max_staleness, tools=self.tools,
+                                                agent=self.agent),
             trainer=TrainerSpec.model_construct(num_nodes=1, nproc_per_node=world_size, parallelism=o.parallelism,
                                                 max_tokens_per_micro_batch=o.max_tokens_per_micro_batch,
                                                 engine=o.engine, deepspeed=o.deepspeed))

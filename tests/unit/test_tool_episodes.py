@@ -6,20 +6,18 @@ can be compared token by token with what the engine emitted and what the templat
 
 from __future__ import annotations
 
-import asyncio
 import time
 from pathlib import Path
 
 import pytest
 
+from helpers import PromptList, ScriptedPolicy
 from rlhf_contract.api.load import validate_job
 from rlhf_contract.trainer_config import TrainerConfig
-from rlhf_trainer.data.rendering import PromptRecord
-from rlhf_trainer.models.builtin import CALL_CLOSE, CALL_OPEN, IM_END, materialize_tokenizer
+from rlhf_trainer.models.builtin import CALL_CLOSE, CALL_OPEN, IM_END
 from rlhf_trainer.orchestrator.orchestrator import Orchestrator
 from rlhf_trainer.orchestrator.sampler import Sampler
 from rlhf_trainer.rewards import build_reward
-from rlhf_trainer.rollout.client import Sample
 from rlhf_trainer.rollout.tool_episodes import ToolRollout
 from rlhf_trainer.rollout.tools import ToolConfigError, load_tools, parse_tool_calls
 
@@ -46,12 +44,9 @@ def calculator(expression: str) -> str:
 '''
 
 
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(materialize_tokenizer("builtin://tiny-qwen2-tools",
-                                                               tmp_path_factory.mktemp("tools-tok")))
+@pytest.fixture
+def tok(tools_tokenizer):
+    return tools_tokenizer
 
 
 def config(tools: dict, **rollout) -> TrainerConfig:
@@ -62,49 +57,10 @@ def config(tools: dict, **rollout) -> TrainerConfig:
                  "rollout": {"engine": "cpu", "samplesPerPrompt": 1, "maxTokens": 64, "tools": tools, **rollout}}}))
 
 
-class Policy:
-    """The rollout client's `generate`, scripted: the episode of prompt "a+b=" plays
-    SCRIPTS[a+b=][turn] (turn = assistant turns already in the sequence); log-probs are
-    distinct per token, and every emitted sample is kept."""
-
-    def __init__(self, tok, scripts: dict[str, list[str]], delay_s: float = 0.0):
-        self.tok, self.scripts, self.delay_s = tok, scripts, delay_s
-        self.emitted: dict[str, list[Sample]] = {k: [] for k in scripts}
-        self.in_flight = self.most_in_flight = 0
-        self.assistant = tok("<|im_start|>assistant", add_special_tokens=False)["input_ids"]
-
-    def ids(self, text: str) -> list[int]:
-        return self.tok(text, add_special_tokens=False)["input_ids"]
-
-    async def generate(self, prompts, *, n, max_tokens, seed, **_):
-        self.in_flight += 1
-        self.most_in_flight = max(self.most_in_flight, self.in_flight)
-        await asyncio.sleep(self.delay_s)
-        self.in_flight -= 1
-        [prompt] = prompts
-        text = self.tok.decode(prompt, skip_special_tokens=False)
-        key = text.split("user\n", 1)[1].split(IM_END, 1)[0]
-        turn = text.count("<|im_start|>assistant") - 1
-        ids = self.ids(self.scripts[key][turn])[:max_tokens]
-        base = -0.01 * (len(self.emitted[key]) + 1)
-        sample = Sample(list(prompt), ids, [base - 0.001 * k for k in range(len(ids))], "stop")
-        self.emitted[key].append(sample)
-        return [[sample]]
-
-
-class Data:
-    def __init__(self, prompts: list[tuple[str, str]]):
-        self.prompts, self.position = prompts, 0
-
-    def next_batch(self, n):
-        self.position += n
-        return [PromptRecord(p, [], a, {"prompt": p, "answer": a}) for p, a in self.prompts[:n]]
-
-
-def collect(tok, cfg: TrainerConfig, policy: Policy, prompts, tmp_path):
+def collect(tok, cfg: TrainerConfig, policy: ScriptedPolicy, prompts, tmp_path):
     tools = ToolRollout(cfg.tools, tok)
     sampler = Sampler(cfg, policy, build_reward(cfg.reward), tok, tools=tools)
-    orch = Orchestrator(cfg, data=Data(prompts), sampler=sampler, output_dir=tmp_path)
+    orch = Orchestrator(cfg, data=PromptList(prompts), sampler=sampler, output_dir=tmp_path)
     try:
         return orch.collect(step=1)
     finally:
@@ -121,7 +77,7 @@ def test_the_trainer_gets_the_engines_tokens_and_the_templates_tool_messages_mas
     on exactly those, each model token with the log-prob the engine gave."""
     cfg = config({"functions": [{"file": str(CALCULATOR), "function": "calculator"}], "maxTurns": 4})
     cfg = cfg.model_copy(update={"schedule": cfg.schedule.model_copy(update={"prompts_per_step": 1})})
-    policy = Policy(tok, {"7+5=": [call("7+5") + IM_END, call("1+2") + call("3") + IM_END, "2" + IM_END]})
+    policy = ScriptedPolicy(tok, {"7+5=": [call("7+5") + IM_END, call("1+2") + call("3") + IM_END, "2" + IM_END]})
     batch = collect(tok, cfg, policy, [("7+5=", "2")], tmp_path)
     [row] = batch.rows
     e1, e2, e3 = policy.emitted["7+5="]
@@ -161,7 +117,7 @@ def test_a_hanging_raising_flooding_or_dying_tool_ends_only_its_episode(tok, tmp
     scripts = {p: [call(p[:-1]) + IM_END, a + IM_END] for p, a in prompts}
     scripts["6+6="] = [CALL_OPEN + "6+6" + IM_END, call("6+6") + IM_END, "2" + IM_END]  # an unclosed call first
     start = time.monotonic()
-    policy = Policy(tok, scripts)
+    policy = ScriptedPolicy(tok, scripts)
     batch = collect(tok, cfg, policy, prompts, tmp_path)
     assert time.monotonic() - start < 60  # the hanging tool (an hour) was killed at its 2 s limit
     ends = {p: (r.extra["end"], r.reward) for (p, _), r in zip(prompts, batch.rows)}
@@ -185,7 +141,7 @@ def test_episodes_run_concurrently_up_to_the_limit(tok, tmp_path):
     cfg = config({"functions": [{"file": str(CALCULATOR), "function": "calculator"}], "maxConcurrentEpisodes": 3})
     prompts = [(f"{i}+1=", str((i + 1) % 10)) for i in range(8)]
     cfg = cfg.model_copy(update={"schedule": cfg.schedule.model_copy(update={"prompts_per_step": 8})})
-    policy = Policy(tok, {p: [call(p[:-1]) + IM_END, a + IM_END] for p, a in prompts}, delay_s=0.05)
+    policy = ScriptedPolicy(tok, {p: [call(p[:-1]) + IM_END, a + IM_END] for p, a in prompts}, delay_s=0.05)
     batch = collect(tok, cfg, policy, prompts, tmp_path)
     assert [r.reward for r in batch.rows] == [1.0] * 8
     assert policy.most_in_flight == 3
@@ -194,13 +150,13 @@ def test_episodes_run_concurrently_up_to_the_limit(tok, tmp_path):
 def test_budgets_truncate_and_end_on_the_models_tokens(tok, tmp_path):
     cfg = config({"functions": [{"file": str(CALCULATOR), "function": "calculator"}], "maxTurns": 2})
     cfg = cfg.model_copy(update={"schedule": cfg.schedule.model_copy(update={"prompts_per_step": 1})})
-    batch = collect(tok, cfg, Policy(tok, {"7+5=": [call("7+5") + IM_END] * 2}), [("7+5=", "2")], tmp_path)
+    batch = collect(tok, cfg, ScriptedPolicy(tok, {"7+5=": [call("7+5") + IM_END] * 2}), [("7+5=", "2")], tmp_path)
     [row] = batch.rows
     assert (row.extra["end"], row.truncated, row.extra["turns"]) == ("turn_budget", True, 2)
     assert row.mask()[-1] == 1.0
     short = config({"functions": [{"file": str(CALCULATOR), "function": "calculator"}]}, maxTokens=10)
     short = short.model_copy(update={"schedule": short.schedule.model_copy(update={"prompts_per_step": 1})})
-    batch = collect(tok, short, Policy(tok, {"7+5=": [call("7+5") + IM_END, "2" + IM_END]}), [("7+5=", "2")], tmp_path)
+    batch = collect(tok, short, ScriptedPolicy(tok, {"7+5=": [call("7+5") + IM_END, "2" + IM_END]}), [("7+5=", "2")], tmp_path)
     [row] = batch.rows
     assert (row.extra["end"], row.truncated, len(row.response_ids)) == ("token_budget", True, 6)
     assert batch.stats.truncated_fraction == 1.0

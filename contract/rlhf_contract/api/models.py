@@ -22,7 +22,7 @@ from .task import ModelSpec, DataSpec, SandboxServiceSpec, RewardSpec, Environme
 from .training import RolloutSpec, TrainerSpec, ScheduleSpec, OutputSpec, RunPolicy, EvaluationSpec, PreferenceSpec, TrackingSpec, SourceCacheSpec
 from .common import API_GROUP, API_VERSION, KIND, PLURAL, SHORT_NAME, KubeObject, GPU_RESOURCE, Quantity, Resources, VolumeMount  # noqa: F401  (re-exported)
 from .task import TeacherSpec, CodeSandboxSpec, LoraSpec, RewardModelSpec, RewardComponentSpec, Estimator, ESTIMATORS, LossAgg, RolloutCorrectionSpec  # noqa: F401  (re-exported)
-from .tools import ToolFunctionSpec, ToolsSpec  # noqa: F401  (re-exported)
+from .tools import AgentSpec, ToolFunctionSpec, ToolsSpec  # noqa: F401  (re-exported)
 from .training import ColocatedSpec, DeepSpeedSpec, HubOutputSpec, ParallelismSpec, EvalDatasetSpec, WandbSpec, MlflowSpec, SecretKeyRef  # noqa: F401  (re-exported)
 
 __all__ = [

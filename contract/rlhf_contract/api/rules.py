@@ -15,7 +15,7 @@ from .common import Method
 from .presets import cel_resolved
 from .rule import Rule, required_for_component, required_for_reward  # noqa: F401  (re-exported)
 from .rules_algorithm import CORRECTION_RULES
-from .rules_rollout import CLUSTER_RULES, COLOCATED_RULES, ONLINE_CEL  # noqa: F401  (re-exported)
+from .rules_rollout import AGENT_RULES, CLUSTER_RULES, COLOCATED_RULES, ONLINE_CEL  # noqa: F401  (re-exported)
 
 ESTIMATOR = cel_resolved("advantage_estimator", "advantageEstimator")
 CRITIC = cel_resolved("critic", "critic")
@@ -130,6 +130,7 @@ RULES: tuple[Rule, ...] = (
     ),
     required_for_reward("http", "url", "the reward service endpoint"),
     *COLOCATED_RULES,
+    *AGENT_RULES,
     *CORRECTION_RULES,
     Rule(
         field_path="reward.components",

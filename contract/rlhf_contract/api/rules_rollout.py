@@ -62,3 +62,22 @@ CLUSTER_RULES: tuple[Rule, ...] = (
 )
 """Rules of what the operator can build (the CRD's CEL and the operator's builders), not of
 what a job means: local mode runs these jobs."""
+
+AGENT_RULES: tuple[Rule, ...] = (
+    Rule(
+        field_path="rollout.agent",
+        cel="!has(self.rollout.agent) || !has(self.rollout.tools)",
+        message="cannot be set with rollout.tools: an episode is either the built-in tool loop (rollout.tools "
+        "runs the calls) or an agent program of one's own that calls the endpoint (rollout.agent runs its own "
+        "tools); remove one of the two",
+        check=lambda s: s.rollout.agent is None or s.rollout.tools is None,
+    ),
+    Rule(
+        field_path="rollout.agent",
+        cel="!has(self.rollout.agent) || !has(self.environment)",
+        message="cannot be set with spec.environment: an episode is either an agent program's chat completion "
+        "calls (rollout.agent, scored by spec.reward) or a step environment's turns; remove one of the two",
+        check=lambda s: s.rollout.agent is None or s.environment is None,
+    ),
+)
+"""Rules of `rollout.agent`: one episode driver at a time."""

@@ -71,3 +71,31 @@ class ToolsSpec(SpecModel):
             raise ValueError(f"rollout.tools.functions: tool names {repeated} appear more than once; "
                              "give each tool its own name")
         return self
+
+
+class AgentSpec(SpecModel):
+    """An agent program of one's own (any language, an OpenAI client) runs each episode against an
+    OpenAI-compatible chat completions endpoint the trainer serves per episode; the trainer trains
+    on the tokens it recorded there (never on what the agent sends back), and `spec.reward` scores
+    the recorded conversation (docs/methods.md, "Agents")."""
+
+    command: list[str] = Field(min_length=1, max_length=256)
+    """The agent's command, started once per episode in the job's working directory (`python`
+    first: the trainer's own interpreter). Its environment has `OPENAI_BASE_URL` and
+    `OPENAI_API_KEY` (the episode's endpoint and key) and `RLHF_EPISODE_ID`; its stdin is the
+    episode as one JSON object, `{"id": ..., "messages": [...]}` (the prompt as chat messages)."""
+    max_concurrent_episodes: int = Field(default=16, ge=1, le=4096)
+    """Agent processes (episodes) running at once."""
+    timeout_seconds: float = Field(default=300.0, gt=0, le=MAX_SECONDS)
+    """Wall-clock limit of one episode; past it the agent's process group is killed and the episode
+    ends (reason `agent_timeout`) with what was recorded so far."""
+    max_turns: int = Field(default=8, ge=1, le=256)
+    """Chat completion calls per episode; a call past them is refused (HTTP 400) and the episode is
+    truncated (reason `turn_budget`)."""
+
+    @field_validator("command")
+    @classmethod
+    def _no_empty_words(cls, value: list[str]) -> list[str]:
+        if not value[0]:
+            raise ValueError("the first word (the program) must not be empty, e.g. [python, agent.py]")
+        return value

@@ -1,5 +1,4 @@
-"""How a job runs: the rollout servers, the trainer and its parallelism, the schedule, the
-outputs, the restart policy, evaluation and the preference loss."""
+"""How a job runs: rollout servers, trainer and parallelism, schedule, outputs, restarts, evaluation, preferences."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from ..images import INFERENCE_IMAGE, TRAINER_IMAGE
 from .common import INT32_MAX, MAX_SECONDS, SEED_MAX, SecretKeyRef, SpecModel, Resources, RolePodSpec
 from .serving import ColocatedSpec, VllmSpec  # noqa: F401  (re-exported)
-from .tools import ToolsSpec
+from .tools import AgentSpec, ToolsSpec
 from .uris import CONFIG_NAME, ENV_SECRET, EndpointUrl, check_no_parent, check_path, config_problem, parse_remote
 
 
@@ -69,8 +68,9 @@ class RolloutSpec(SpecModel):
     colocated: ColocatedSpec = Field(default_factory=ColocatedSpec)
     """Sleep level and trainer offload of `placement: colocated`."""
     tools: ToolsSpec | None = None
-    """Tools the model may call (OpenAI function schemas, Python functions): each prompt runs
-    as a multi-turn episode of model turns and tool messages (docs/methods.md)."""
+    """Tools (OpenAI function schemas, Python functions) the model calls in multi-turn episodes (docs/methods.md)."""
+    agent: AgentSpec | None = None
+    """An agent program of one's own, run per episode against an OpenAI-compatible endpoint."""
 
     @property
     def gpus_per_server(self) -> int:

@@ -56,6 +56,10 @@ class Orchestrator:
             from ..rollout.tool_episodes import ToolRollout
 
             tools = ToolRollout(config.tools, tokenizer)
+        elif config.agent is not None:
+            from ..rollout.agent_episodes import AgentRollout
+
+            tools = AgentRollout(config.agent, tokenizer)
         data = PromptSource(config.data, tokenizer, seed=config.schedule.seed, gem_id=gem_id)
         reward = build_reward(config.reward, job_name=config.job_name, namespace=config.namespace,
                               judge_url=os.environ.get(ENV_JUDGE_ENDPOINTS))

@@ -43,9 +43,9 @@ _STAND_IN = [{"role": "user", "content": "\x00user\x00"}, {"role": "assistant", 
 class ChatFormat:
     """The tokenizer's chat template with `tools`: prompt tokens and tool-message tokens."""
 
-    def __init__(self, tokenizer: Any, tools: list[dict]):
+    def __init__(self, tokenizer: Any, tools: list[dict] | None, field: str = "rollout.tools"):
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("rollout.tools needs a model whose tokenizer has a chat template that renders tools "
+            raise ValueError(f"{field} needs a model whose tokenizer has a chat template that renders tools "
                              "(e.g. Qwen 2.5 and later, Hermes, or builtin://tiny-qwen2-tools)")
         self.tokenizer, self.tools = tokenizer, tools
         base = self.render(_STAND_IN)
@@ -67,8 +67,14 @@ class ChatFormat:
         """Tokens after a model turn `generated` that called tools: the rest of the assistant
         turn's closing the model did not write, the tool messages `contents`, the next
         generation prompt."""
+        return self.continuation_ids([{"role": "tool", "content": c} for c in contents], generated)
+
+    def continuation_ids(self, messages: list[dict], generated: list[int]) -> list[int]:
+        """Tokens after a model turn `generated`: the rest of its closing the model did not
+        write, what the template writes for the following `messages` (tool results, a user
+        turn), the next generation prompt."""
         base = self.render(_STAND_IN)
-        full = self.render(_STAND_IN + [{"role": "tool", "content": c} for c in contents], generation_prompt=True)
+        full = self.render(_STAND_IN + list(messages), generation_prompt=True)
         if not full.startswith(base):
             raise ValueError("the chat template renders earlier turns differently once tool messages follow; "
                              "tool-calling rollouts need a template that appends tool messages")
