@@ -257,6 +257,57 @@ def test_tool_calling_episodes_keep_the_engines_tokens_and_mask_the_tool_message
         assert step["turns_mean"] >= 1.0
 
 
+def test_an_agent_program_of_ones_own_trains_on_what_the_endpoint_recorded(tmp_path):
+    """examples/local-agent.yaml (the openai client in a process per episode) with the real CPU
+    engine: each row starts with the template's rendering of the agent's first request (its
+    tools included), the model's tokens keep the engine's (negative) log-probs, every mask-0
+    stretch is exactly the template's tool messages for the calls of the model turn before it
+    (the agent's own calculator's results), every episode ends on a recorded reason."""
+    import importlib.util
+
+    from transformers import AutoTokenizer
+
+    from rlhf_trainer.rollout.tools import parse_tool_calls
+
+    spec = importlib.util.spec_from_file_location("calculator_agent", ROOT / "examples" / "calculator_agent.py")
+    agent = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(agent)
+    out = tmp_path / "run"
+    res = rlhfctl("run", str(ROOT / "examples" / "local-agent.yaml"), "--output", str(out),
+                  *sets(*SMALL, "schedule.totalSteps=2", "schedule.saveEvery=0"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    tok = AutoTokenizer.from_pretrained(out / "builtin-model")
+    rows = [json.loads(line) for step in (1, 2) for line in (out / "rollouts" / f"step-{step}.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 * 4 * 4
+    for row in rows:
+        assert row["extra"]["end"] in ("answer", "token_budget", "turn_budget") and row["extra"]["segments"] == 1
+        prompt = tok.decode(row["prompt_ids"], skip_special_tokens=False)
+        user = prompt.split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
+        first = tok.apply_chat_template([{"role": "user", "content": user}], tools=agent.TOOLS, tokenize=False,
+                                        add_generation_prompt=True)
+        assert row["prompt_ids"] == tok(first, add_special_tokens=False)["input_ids"]
+        ids, mask, logprobs = row["response_ids"], row["loss_mask"], row["logprobs"]
+        assert len(ids) == len(mask) == len(logprobs) and mask[-1] == 1
+        runs, start = [], 0
+        for i in range(1, len(ids) + 1):
+            if i == len(ids) or mask[i] != mask[start]:
+                runs.append((mask[start], ids[start:i], logprobs[start:i]))
+                start = i
+        for k, (m, part, lp) in enumerate(runs):
+            if m == 1:
+                assert all(x < 0 for x in lp)
+                continue
+            assert lp == [0.0] * len(part)
+            _, calls = parse_tool_calls(tok.decode(runs[k - 1][1], skip_special_tokens=True))
+            results = [agent.calculator(**c.arguments) for c in calls if c.error is None]
+            expected = ("\n<|im_start|>user" + "".join(f"\n<tool_response>{r}</tool_response>" for r in results)
+                        + "<|im_end|>\n<|im_start|>assistant\n")
+            assert part == tok(expected, add_special_tokens=False)["input_ids"]
+        assert row["extra"]["turns"] == sum(m == 1 for m, _, _ in runs)
+    for step in metrics(out):
+        assert step["turns_mean"] >= 1.0 and "reward_mean" in step
+
+
 def test_parallel_layouts_train_exactly_like_one_process(tmp_path):
     """The whole run (sharded loading, rollouts, train steps, weight sync from sharded
     weights) on 1 process and on 2 processes as CP=2 (which also shards the weights

@@ -211,3 +211,13 @@ def test_rollout_agent_excludes_the_tool_loop_and_environments():
         validate_job({**base, "spec": {**base["spec"], "environment": {"file": "env.py"}}})
     with pytest.raises(ValueError, match=r"rollout.agent.command"):
         validate_job({**base, "spec": {**base["spec"], "rollout": {"agent": {"command": []}}}})
+
+
+def test_the_preflight_names_an_agent_that_cannot_start(tmp_path):
+    from rlhf_trainer.preflight import check
+
+    problems = check(config({"command": ["no-such-agent-program", "--fast"]}), 1)
+    assert any(p.startswith("spec.rollout.agent.command[0]: no-such-agent-program is not a program") for p in problems)
+    problems = check(config({"command": ["python", str(tmp_path / "missing.py")]}), 1)
+    assert any(p.startswith("spec.rollout.agent.command[1]: cannot read") for p in problems)
+    assert not [p for p in check(config({"command": ["python", str(EXAMPLE_AGENT)]}), 1) if "rollout.agent" in p]

@@ -75,6 +75,21 @@ def _tool_problems(config: TrainerConfig) -> list[str]:
     return []
 
 
+def _agent_problems(config: TrainerConfig) -> list[str]:
+    """`rollout.agent`: its program found (on PATH, or as a path), and a Python script it runs readable."""
+    import shutil
+
+    from ..rollout.agent_episodes import agent_command
+
+    command = agent_command(config.agent.command)
+    if shutil.which(command[0]) is None:
+        return [f"spec.rollout.agent.command[0]: {command[0]} is not a program on PATH nor an executable file; "
+                "give the agent's program (e.g. [python, agent.py]) as the trainer sees it"]
+    script = command[1] if len(command) > 1 and command[1].endswith(".py") else None
+    problem = _readable_python(script, "spec.rollout.agent.command[1]") if script else None
+    return [problem] if problem else []
+
+
 def _data_problems(config: TrainerConfig, model_ok: bool) -> list[str]:
 
     report = check_data(config, (lambda: load_tokenizer(config.model_path)) if model_ok else (lambda: None))
@@ -221,6 +236,8 @@ def check(config: TrainerConfig, world_size: int) -> list[str]:
         problems += filter(None, [_readable_python(config.environment.file, "spec.environment.file")])
     if config.tools is not None:
         problems += _tool_problems(config)
+    if config.agent is not None:
+        problems += _agent_problems(config)
     if config.environment is not None and config.environment.gem is not None:
         import importlib.util
 
