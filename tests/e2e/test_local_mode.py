@@ -305,7 +305,7 @@ def test_an_agent_program_of_ones_own_trains_on_what_the_endpoint_recorded(tmp_p
             assert part == tok(expected, add_special_tokens=False)["input_ids"]
         assert row["extra"]["turns"] == sum(m == 1 for m, _, _ in runs)
     for step in metrics(out):
-        assert step["turns_mean"] >= 1.0 and "reward_mean" in step
+        assert step["turns_mean"] >= 1.0 and "reward_mean" in step and "agent_failed_fraction" in step
 
 
 def test_parallel_layouts_train_exactly_like_one_process(tmp_path):

@@ -133,7 +133,8 @@ def test_the_trainer_gets_the_engines_tokens_of_an_openai_client_agent(tools_tok
     assert row.extra == {"end": "answer", "turns": 3, "tool_calls": 3, "tool_errors": 0, "segments": 1}
     # user, call, result, two calls, two results, answer; and the answer is right
     assert (row.reward, row.truncated) == (7 + 1.0, False)
-    assert batch.stats.tools["tool_calls_mean"] == 3.0 and batch.stats.tools["turns_mean"] == 3.0
+    assert batch.stats.tools == {"tool_calls_mean": 3.0, "tool_errors": 0.0, "turns_mean": 3.0,
+                                 "tool_failed_fraction": 0.0, "agent_failed_fraction": 0.0}
 
 
 def test_a_hanging_failing_silent_or_rewriting_agent_ends_only_its_episode(tools_tokenizer, tmp_path):
@@ -154,6 +155,7 @@ def test_a_hanging_failing_silent_or_rewriting_agent_ends_only_its_episode(tools
     assert "timeoutSeconds" in rows["1+1="].extra["agent_error"]
     assert rows["2+2="].extra["agent_error"] == "exit status 1: the agent broke"
     assert "without a chat completion call" in rows["4+4="].extra["agent_error"]
+    assert batch.stats.tools["agent_failed_fraction"] == pytest.approx(3 / 5)
     for p in ("1+1=", "2+2="):  # what was recorded before the agent went wrong: the model's call
         [emitted] = policy.emitted[p]
         assert rows[p].response_ids == emitted.token_ids and rows[p].mask() == [1.0] * len(emitted.token_ids)

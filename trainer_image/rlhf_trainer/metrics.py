@@ -100,6 +100,8 @@ FAMILIES: dict[str, Family] = {
     "rlhf_turns_mean": _g("rollout.tools: model turns per episode."),
     "rlhf_tool_failed_ratio": _g("rollout.tools: fraction of episodes ended by a failing tool (timeout, raised, "
                                  "output past the cap, crashed)."),
+    "rlhf_agent_failed_ratio": _g("rollout.agent: fraction of episodes whose agent failed (exited non-zero or "
+                                  "without a call, or timed out)."),
     "rlhf_zero_std_group_ratio": _g("Fraction of sampled groups whose rewards are all equal (no GRPO signal)."),
     "rlhf_dropped_group_ratio": _g("Fraction of sampled groups dropped by dynamic sampling (all rewards equal)."),
     "rlhf_dropped_prompts_total": Family("Prompts the data source skipped (longer than data.maxPromptLength, "
@@ -158,7 +160,8 @@ FAMILIES: dict[str, Family] = {
                              "gauge", ("dataset", "k")),
 }
 
-_RENAMED = {"truncated_fraction": "rlhf_truncated_ratio", "tool_failed_fraction": "rlhf_tool_failed_ratio", "zero_std_group_fraction": "rlhf_zero_std_group_ratio",
+_RENAMED = {"truncated_fraction": "rlhf_truncated_ratio", "tool_failed_fraction": "rlhf_tool_failed_ratio",
+            "agent_failed_fraction": "rlhf_agent_failed_ratio", "zero_std_group_fraction": "rlhf_zero_std_group_ratio",
             "dropped_group_fraction": "rlhf_dropped_group_ratio", "clip_fraction": "rlhf_clip_ratio",
             "padding_fraction": "rlhf_padding_ratio", "accuracy": "rlhf_accuracy_ratio", "mfu": "rlhf_mfu_ratio",
             "rollout_correction_masked_fraction": "rlhf_rollout_correction_masked_ratio",

@@ -131,10 +131,8 @@ class Sampler:
 
     def drain_tool_metrics(self) -> dict[str, float]:
         """The tool metrics of the episodes sampled since the last call ({} without tools)."""
-        from ..rollout.tool_episodes import episode_metrics
-
         episodes, self._episodes = self._episodes, []
-        return episode_metrics(episodes) if self.tools is not None else {}
+        return self.tools.metrics(episodes) if self.tools is not None else {}
 
 
 def _with_conversation(extra_info: dict, episode: Any) -> dict:

@@ -37,8 +37,8 @@ class RolloutStats:
     """`reward/<name>_<counter>`: what the reward functions counted this step (a judge's
     `parse_failures` and `judge_tokens`)."""
     tools: dict[str, float] = field(default_factory=dict)
-    """With `rollout.tools`: tool_calls_mean, tool_errors, turns_mean, tool_failed_fraction
-    (rollout/tool_episodes.py `episode_metrics`)."""
+    """With `rollout.tools` or `rollout.agent`: tool_calls_mean, tool_errors, turns_mean, tool_failed_fraction
+    (rollout/tool_episodes.py `episode_metrics`); with an agent also agent_failed_fraction."""
 
 
 @dataclass

@@ -34,7 +34,7 @@ from rlhf_contract.api.tools import AgentSpec
 
 from .agent_endpoint import AgentEndpoint, AgentEpisode
 from .client import RolloutClient, prompt_seed
-from .tool_episodes import ChatFormat
+from .tool_episodes import ChatFormat, episode_metrics
 
 STDERR_TAIL_BYTES = 2000
 """How much of a failing agent's stderr its record keeps."""
@@ -148,6 +148,12 @@ class AgentRollout:
                 sampling: dict[str, Any], seed: int) -> list[list[AgentEpisode]]:
         return collect(client, self.spec, self.tokenizer, prompts, n=n, max_tokens=max_tokens, sampling=sampling,
                        seed=seed)
+
+    def metrics(self, episodes: list[AgentEpisode]) -> dict[str, float]:
+        """The tools' episode metrics (tool calls, malformed calls as errors, calls per episode as
+        turns), and the fraction of episodes whose agent failed or timed out."""
+        return {**episode_metrics(episodes),
+                "agent_failed_fraction": sum(e.end.startswith("agent_") for e in episodes) / max(1, len(episodes))}
 
     def close(self, client: Any = None) -> None:
         """Nothing outlives a collection (each agent process ends with its episode)."""

@@ -212,6 +212,9 @@ class ToolRollout:
                        max_tokens=max_tokens, max_concurrent=self.spec.max_concurrent_episodes, sampling=sampling,
                        seed=seed)
 
+    def metrics(self, episodes: list[Episode]) -> dict[str, float]:
+        return episode_metrics(episodes)
+
     def close(self, client: Any = None) -> None:
         """End the tool workers, on `client`'s event loop when it has one (before it stops)."""
         loop = self.runner.loop
