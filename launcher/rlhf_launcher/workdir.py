@@ -139,6 +139,9 @@ def path_fields(job: RLHFJob) -> dict[str, tuple[tuple[Any, ...], str]]:
         *((("rollout", "tools", "functions", i, "file"), f.file)
           for i, f in enumerate(s.rollout.tools.functions if s.rollout.tools else [])),
         *((("reward", "components", i, "file"), c.file) for i, c in enumerate(s.reward.components)),
+        # the agent's command: the words that name a file (a script), not its program or flags
+        *((("rollout", "agent", "command", i), w) for i, w in enumerate(s.rollout.agent.command if s.rollout.agent else [])
+          if i > 0 and not w.startswith("-") and (w.endswith(".py") or "/" in w)),
         *((("evaluation", "datasets", i, "path"), d.path)
           for i, d in enumerate(s.evaluation.datasets if s.evaluation else [])),
     ]

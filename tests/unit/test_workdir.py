@@ -307,3 +307,13 @@ def test_tool_files_are_sent_and_their_paths_rewritten(workdir: Path):
     packed = pack(copy.deepcopy(doc), validate_job(copy.deepcopy(doc)), Path("wd"), workdir.parent, "ns1")
     assert packed.moved["spec.rollout.tools.functions[0].file"] == f"{WORKDIR_MOUNT}/reward.py"
     assert validate_job(copy.deepcopy(packed.doc)).spec.rollout.tools.functions[0].file == f"{WORKDIR_MOUNT}/reward.py"
+
+
+def test_an_agent_script_is_sent_and_its_path_rewritten(workdir: Path):
+    doc = job_doc(rollout={"agent": {"command": ["python", "-u", "wd/reward.py", "--turns", "3"]}})
+    packed = pack(copy.deepcopy(doc), validate_job(copy.deepcopy(doc)), Path("wd"), workdir.parent, "ns1")
+    assert {k: v for k, v in packed.moved.items() if "agent" in k} == {
+        "spec.rollout.agent.command[2]": f"{WORKDIR_MOUNT}/reward.py"}  # not the program, nor the flags
+    command = validate_job(copy.deepcopy(packed.doc)).spec.rollout.agent.command
+    assert command == ["python", "-u", f"{WORKDIR_MOUNT}/reward.py", "--turns", "3"]
+

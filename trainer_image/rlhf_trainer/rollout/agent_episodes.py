@@ -18,7 +18,7 @@ and `spec.reward` scores it as any other.
 
 Simplifications: the agent runs as a process of the trainer (in its pod on a cluster), trusted
 as a python reward is: not in the code sandbox, with no memory or CPU limit beyond its
-wall-clock one; the files its command names are not sent by `rlhfctl submit --working-dir`.
+wall-clock one; what it imports must be in the trainer's image.
 """
 
 from __future__ import annotations
