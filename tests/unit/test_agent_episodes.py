@@ -202,6 +202,22 @@ def test_episodes_run_concurrently_up_to_the_limit_and_budgets_truncate(tools_to
     assert row.mask()[-1] == 1.0
 
 
+def test_a_failing_rollout_server_fails_the_step_not_the_agent(tools_tokenizer, tmp_path):
+    """A generation request that fails is the servers' fault: the agent gets a 502 and the
+    collection raises the rollout error (the run restarts), rather than training on it."""
+    from rlhf_trainer.rollout.client import RolloutError
+
+    class Down(ScriptedPolicy):
+        async def generate(self, prompts, **_):
+            raise RolloutError("http://rollout-0: connection refused")
+
+    agent = tmp_path / "agent.py"
+    agent.write_text(HOSTILE)
+    cfg = config({"command": [sys.executable, str(agent)]})
+    with pytest.raises(RolloutError, match="connection refused"):
+        collect(tools_tokenizer, cfg, Down(tools_tokenizer, {}), [("7+5=", "2")], tmp_path)
+
+
 def test_rollout_agent_excludes_the_tool_loop_and_environments():
     base = {"apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob", "metadata": {"name": "agent"},
             "spec": {"model": {"path": "m"}, "data": {"path": "builtin://sum-mod-10"},

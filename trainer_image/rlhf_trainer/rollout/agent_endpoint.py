@@ -18,15 +18,16 @@ turns are never re-tokenised. Any other call (the first; a rewritten history; ot
 a new segment from the template's rendering of its messages with its tools. The model's tokens
 carry loss mask 1 and the engine's log-probs. Tool calls are read from the model's text in the
 Hermes / Qwen format (tools.py `parse_tool_calls`); a malformed call is counted in `tool_errors`
-and the reply's content is then the model's whole text, without that call.
+and the reply's content is then the model's whole text (the malformed call's text included).
 
 Budgets: `rollout.maxTokens` counts a segment's tokens after its prompt (as for `rollout.tools`);
 a call that leaves no room is refused (HTTP 400, `context_length_exceeded`) and the episode is
 truncated (`token_budget`); so is a call past `rollout.agent.maxTurns` (`turn_budget`).
 Simplifications: calls of one episode are served one at a time (concurrent calls of one agent
-queue); the template's rendering of new messages is measured on a stand-in conversation (as for
-`rollout.tools`); a template that cannot render the new messages after the recorded turns opens
-a new segment.
+queue); a failing generation request is answered 502 and fails the collection (as the servers'
+fault, not the agent's: `AgentEndpoint.failure`); the template's rendering of new messages is
+measured on a stand-in conversation (as for `rollout.tools`); a template that cannot render the
+new messages after the recorded turns opens a new segment.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from typing import Any
 
 from aiohttp import web
 
-from .client import RolloutError, prompt_seed
+from .client import prompt_seed
 from .tool_episodes import ChatFormat
 from .tools import parse_tool_calls
 
@@ -76,8 +77,8 @@ def chat_messages(messages: list[dict]) -> list[dict]:
 
 def _same(message: dict) -> tuple:
     """What must be equal for a message to be the recorded one."""
-    calls = tuple((c.get("function", {}).get("name"), json.dumps(c.get("function", {}).get("arguments"), sort_keys=True))
-                  for c in message.get("tool_calls", []) if isinstance(c, dict))
+    functions = [c.get("function") or {} for c in message.get("tool_calls", []) if isinstance(c, dict)]
+    calls = tuple((f.get("name"), json.dumps(f.get("arguments"), sort_keys=True)) for f in functions)
     return message.get("role"), message.get("content") or "", calls
 
 
@@ -175,6 +176,8 @@ class AgentEndpoint:
         self.episodes: dict[str, AgentEpisode] = {}
         self._runner: web.AppRunner | None = None
         self.url = ""
+        self.failure: BaseException | None = None
+        """The first generation request that failed (the servers', not an agent's fault)."""
 
     async def start(self) -> None:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
@@ -203,7 +206,8 @@ class AgentEndpoint:
 
     def _episode(self, request: web.Request) -> AgentEpisode | None:
         episode = self.episodes.get(request.match_info["id"])
-        if episode is None or request.headers.get("Authorization", "") != f"Bearer {episode.key}":
+        given = request.headers.get("Authorization", "")
+        if episode is None or not secrets.compare_digest(given.encode(), f"Bearer {episode.key}".encode()):
             return None
         return episode
 
@@ -264,9 +268,11 @@ class AgentEndpoint:
         limit = min(room, int(requested)) if isinstance(requested, int) and requested > 0 else room
         prompt = segment.prompt_ids + segment.response_ids + delta
         try:
-            [[sample]] = await self.client.generate([prompt], n=1, max_tokens=limit, seed=prompt_seed(episode.seed, episode.turns),
+            [[sample]] = await self.client.generate([prompt], n=1, max_tokens=limit,
+                                                    seed=prompt_seed(episode.seed, episode.turns),
                                                     trajectory_id=episode.id, **self.sampling)
-        except RolloutError as err:
+        except Exception as err:  # RolloutError and the like: the step fails with it (collect re-raises)
+            self.failure = self.failure or err
             return _error(502, f"the rollout servers failed: {err}")
         if episode.closed:  # ended (timed out) while this call was generating: keep the record as it was
             return _error(409, "the episode has ended")

@@ -94,7 +94,8 @@ async def run_agent(command: list[str], episode: AgentEpisode, base_url: str, me
     proc._transport.close()  # noqa: SLF001  (asyncio closes it only when garbage-collected)
     stderr = tail.decode(errors="replace").strip()
     if code is None:
-        episode.end, episode.error = "agent_timeout", f"the agent ran past {timeout_s:g} s (rollout.agent.timeoutSeconds)"
+        episode.end = "agent_timeout"
+        episode.error = f"the agent ran past {timeout_s:g} s (rollout.agent.timeoutSeconds)"
     elif episode.budget_end:
         episode.end = episode.budget_end
         if code != 0:
@@ -123,7 +124,8 @@ def collect(client: RolloutClient, spec: AgentSpec, tokenizer: Any, prompts: lis
             episode = endpoint.open(f"{seed}-{index}", prompt_seed(seed, index),
                                     fmt.ids(fmt.render(messages, generation_prompt=True)))
             async with limit:
-                await run_agent(command, episode, endpoint.base_url(episode), messages, timeout_s=spec.timeout_seconds)
+                await run_agent(command, episode, endpoint.base_url(episode), messages,
+                                timeout_s=spec.timeout_seconds)
             return episode
 
         try:
@@ -132,6 +134,8 @@ def collect(client: RolloutClient, spec: AgentSpec, tokenizer: Any, prompts: lis
             flat = await asyncio.gather(*(one(m, i * n + j) for i, m in enumerate(chats) for j in range(n)))
         finally:
             await endpoint.aclose()
+        if endpoint.failure is not None:  # the rollout servers failed, not the agents: so does the step
+            raise endpoint.failure
         return [list(flat[i * n:(i + 1) * n]) for i in range(len(prompts))]
 
     return client.run(main()) if hasattr(client, "run") else asyncio.run(main())
