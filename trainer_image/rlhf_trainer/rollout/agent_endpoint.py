@@ -132,29 +132,29 @@ class AgentEpisode:
         return self.end in ("turn_budget", "token_budget")
 
     @property
-    def _last(self) -> Segment | None:
+    def last_segment(self) -> Segment | None:
         return self.segments[-1] if self.segments else None
 
     @property
     def prompt_ids(self) -> list[int]:
-        return self._last.prompt_ids if self._last else list(self.fallback_prompt_ids)
+        return self.last_segment.prompt_ids if self.last_segment else list(self.fallback_prompt_ids)
 
     @property
     def response_ids(self) -> list[int]:
-        return self._last.response_ids if self._last else [self.eos]
+        return self.last_segment.response_ids if self.last_segment else [self.eos]
 
     @property
     def loss_mask(self) -> list[int]:
-        return self._last.loss_mask if self._last else [0]
+        return self.last_segment.loss_mask if self.last_segment else [0]
 
     @property
     def logprobs(self) -> list[float]:
-        return self._last.logprobs if self._last else [0.0]
+        return self.last_segment.logprobs if self.last_segment else [0.0]
 
     @property
     def conversation(self) -> list[dict]:
         """The recorded conversation of the trained segment (what the reward gets)."""
-        return list(self._last.messages) if self._last else []
+        return list(self.last_segment.messages) if self.last_segment else []
 
     def record(self) -> dict[str, Any]:
         """The episode's facts for its rollout record (`Row.extra`)."""
@@ -245,7 +245,7 @@ class AgentEndpoint:
             episode.budget_end = "turn_budget"
             return _error(400, f"the episode's {self.max_turns} calls are used up (rollout.agent.maxTurns)",
                           "turn_budget")
-        segment = episode._last
+        segment = episode.last_segment
         delta: list[int] = []
         if segment is not None and segment.continues(messages, tools):
             try:
@@ -276,7 +276,7 @@ class AgentEndpoint:
             return _error(502, f"the rollout servers failed: {err}")
         if episode.closed:  # ended (timed out) while this call was generating: keep the record as it was
             return _error(409, "the episode has ended")
-        if segment is not episode._last:
+        if segment is not episode.last_segment:
             episode.segments.append(segment)
         segment.response_ids += delta + list(sample.token_ids)
         segment.loss_mask += [0] * len(delta) + [1] * len(sample.token_ids)
