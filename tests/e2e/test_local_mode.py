@@ -274,7 +274,8 @@ def test_an_agent_program_of_ones_own_trains_on_what_the_endpoint_recorded(tmp_p
     spec.loader.exec_module(agent)
     out = tmp_path / "run"
     res = rlhfctl("run", str(ROOT / "examples" / "local-agent.yaml"), "--output", str(out),
-                  *sets(*SMALL, "schedule.totalSteps=2", "schedule.saveEvery=0"))
+                  *sets("schedule.promptsPerStep=4", "rollout.samplesPerPrompt=4", "schedule.totalSteps=2",
+                        "schedule.saveEvery=0"))
     assert res.returncode == 0, res.stderr[-3000:]
     tok = AutoTokenizer.from_pretrained(out / "builtin-model")
     rows = [json.loads(line) for step in (1, 2) for line in (out / "rollouts" / f"step-{step}.jsonl").read_text().splitlines()]
