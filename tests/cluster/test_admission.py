@@ -96,6 +96,7 @@ def test_valid_specs_are_accepted(cluster: Cluster, ns: str):
                 with_("spec.algorithm", {"rolloutCorrection": {"mode": "two-sided-mask", "lower": 0.5, "upper": 5}}),
                 yaml.safe_load((REPO / "examples" / "local-grpo.yaml").read_text()),
                 yaml.safe_load((REPO / "examples" / "local-distill.yaml").read_text()),
+                yaml.safe_load((REPO / "examples" / "local-agent.yaml").read_text()),
                 yaml.safe_load((REPO / "examples" / "rlhfjob.yaml").read_text())):
         validate_job(copy.deepcopy(doc))
         proc = dry_run(cluster, ns, doc)
@@ -104,7 +105,14 @@ def test_valid_specs_are_accepted(cluster: Cluster, ns: str):
 
 
 # (what, document, substrings every one of which the API server's message must contain)
+_AGENT = {"command": ["python", "/work/agent.py"]}
+_TOOLS = {"functions": [{"file": "/work/tools.py", "function": "calculator"}]}
 INVALID = [
+    ("agent and tools", with_("spec.rollout", {"agent": _AGENT, "tools": _TOOLS}),
+     ["spec.rollout.agent", "cannot be set with rollout.tools"]),
+    ("agent and environment", with_("spec.environment", {"file": "/work/env.py"}, with_("spec.rollout", {"agent": _AGENT})),
+     ["spec.rollout.agent", "cannot be set with spec.environment"]),
+    ("agent without command", with_("spec.rollout", {"agent": {"command": []}}), ["spec.rollout.agent.command"]),
     ("missing model", with_("spec.model", _DELETE), ["spec.model: Required value"]),
     ("empty model path", with_("spec.model.path", ""), ["spec.model.path", "at least 1"]),
     ("unknown dtype", with_("spec.model.dtype", "int3"), ["spec.model.dtype", "Unsupported value", "bfloat16"]),
