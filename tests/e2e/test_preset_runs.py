@@ -31,11 +31,14 @@ def test_preset_runs(preset, run_trainer, tiny_model_dir, tmp_path):
     assert (out / "final" / "model.safetensors").exists()
 
 
+# 82 s on a quiet run of the suite; 549 s in one beside the real-pod job: the deadline is
+# what it may take on a loaded 2-core machine.
+@pytest.mark.timeout(1200)
 def test_ppo_with_critic_learns(run_trainer, tiny_model_dir, tmp_path):
     config = small_job(tiny_model_dir, tmp_path / "out", algorithm={"preset": "ppo"},
                        rollout={"maxTokens": 1, "samplesPerPrompt": 8},
                        schedule={"totalSteps": 80, "promptsPerStep": 16, "saveEvery": 0})
-    rows = run_trainer(config, timeout=580)
+    rows = run_trainer(config, timeout=1140)
     rewards = [r["reward_mean"] for r in rows]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last >= 0.25 and last >= 2 * first, (first, last)
