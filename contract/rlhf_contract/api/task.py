@@ -11,7 +11,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from .common import INT32_MAX, SpecModel
 from .reward import (MAX_REWARD_WEIGHT, CodeSandboxSpec, JudgeSpec, RewardComponentSpec,  # noqa: F401  (re-exported)
                      RewardFunctionSpec, RewardModelSpec, RewardSpec, RewardType, SandboxServiceSpec)
-from .uris import CONFIG_NAME, check_path, config_problem
+from .uris import CONFIG_NAME, check_config, check_path
 
 LORA_DEFAULT_TARGETS = "all-linear"
 
@@ -102,10 +102,7 @@ class DataSpec(SpecModel):
     @field_validator("config")
     @classmethod
     def _config_applies(cls, value: str | None, info: ValidationInfo) -> str | None:
-        problem = config_problem(info.data.get("path", ""), value)  # `path` is validated first (declared first)
-        if problem:
-            raise ValueError(problem)
-        return value
+        return check_config(value, info.data.get("path", ""))  # `path` is validated first (declared first)
 
 
 class TeacherSpec(SpecModel):

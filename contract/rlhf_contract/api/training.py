@@ -11,7 +11,7 @@ from ..images import INFERENCE_IMAGE, TRAINER_IMAGE
 from .common import INT32_MAX, MAX_SECONDS, SEED_MAX, SecretKeyRef, SpecModel, Resources, RolePodSpec
 from .serving import ColocatedSpec, VllmSpec  # noqa: F401  (re-exported)
 from .tools import AgentSpec, ToolsSpec
-from .uris import CONFIG_NAME, ENV_SECRET, EndpointUrl, check_no_parent, check_path, config_problem, parse_remote
+from .uris import CONFIG_NAME, ENV_SECRET, EndpointUrl, check_no_parent, check_config, check_path, parse_remote
 
 
 class RolloutSpec(SpecModel):
@@ -353,10 +353,7 @@ class EvalDatasetSpec(SpecModel):
     @field_validator("config")
     @classmethod
     def _config_applies(cls, value: str | None, info: ValidationInfo) -> str | None:
-        problem = config_problem(info.data.get("path", ""), value)  # `path` is validated first (declared first)
-        if problem:
-            raise ValueError(problem)
-        return value
+        return check_config(value, info.data.get("path", ""))  # `path` is validated first (declared first)
 
 
 class EvaluationSpec(SpecModel):

@@ -157,6 +157,15 @@ def hub_id_hint(path: str) -> str | None:
 CONFIG_NAME = r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*$"
 
 
+def check_config(config: str | None, path: str) -> str | None:
+    """A pydantic validator's body for a dataset's `config`: unchanged, or ValueError saying
+    why it cannot apply to the dataset at `path` (config_problem)."""
+    problem = config_problem(path, config)
+    if problem:
+        raise ValueError(problem)
+    return config
+
+
 def config_problem(path: str, config: str | None) -> str | None:
     """Why `config` cannot apply to the dataset at `path` (None: it can)."""
     if config is None:
