@@ -22,6 +22,7 @@ import json
 from dataclasses import dataclass, field
 
 from .api.models import RLHFJob, RLHFJobSpec
+from .api.serving import QUANTIZATION_FLAG
 from .redact import redact_spec
 from .sources import Fetch, plan_json
 
@@ -146,6 +147,8 @@ def vllm_flags(v) -> list[str]:
         flags.append("--enable-prefix-caching" if v.enable_prefix_caching else "--no-enable-prefix-caching")
     if v.enforce_eager:
         flags.append("--enforce-eager")
+    if v.quantization is not None:
+        flags += ["--quantization", QUANTIZATION_FLAG[v.quantization]]
     return flags + list(v.extra_args)
 
 

@@ -51,6 +51,8 @@ class SamplingConfig(_Config):
     """`rollout.vllm.kvCacheMemoryBytes` (per GPU): the colocated memory plan's KV cache."""
     rollout_tensor_parallel: int = Field(default=1, ge=1)
     """`rollout.tensorParallelSize`: GPUs per rollout server (the colocated plan's weights per GPU)."""
+    quantization: str | None = None
+    """`rollout.vllm.quantization` (FP8 rollouts): the colocated plan's server weights."""
 
 
 class OptimConfig(_Config):
@@ -179,7 +181,8 @@ class TrainerConfig(_Config):
                                     max_staleness=r.max_staleness,
                                     colocated=r.colocated if r.placement == "colocated" else None,
                                     kv_cache_memory_bytes=r.vllm.kv_cache_memory_bytes,
-                                    rollout_tensor_parallel=r.tensor_parallel_size),
+                                    rollout_tensor_parallel=r.tensor_parallel_size,
+                                    quantization=r.vllm.quantization if r.engine == "vllm" else None),
             optim=OptimConfig(learning_rate=t.learning_rate, weight_decay=t.weight_decay,
                               max_grad_norm=t.max_grad_norm, lr_scheduler=t.lr_scheduler, warmup_steps=t.warmup_steps,
                               min_learning_rate_ratio=t.min_learning_rate_ratio,

@@ -31,7 +31,13 @@ What it records:
   (`collect_env.DEFAULT_PIP_PATTERNS`; `--nccl-only` refreshes just these);
 - `prometheus_metrics`: every `vllm:*` metric the V1 engine's Prometheus logger declares
   (`v1/metrics/loggers.py`, `perf.py`), with its kind (counter, gauge, histogram), read from
-  the source's AST (`--metrics-only` refreshes just these, without importing vLLM).
+  the source's AST (`--metrics-only` refreshes just these, without importing vLLM);
+- `quantization`: what `--quantization` accepts (`QuantizationMethods`), its online
+  shorthands (`_ONLINE_SHORTHANDS`: quantize a bf16 checkpoint as it loads), whether plain
+  `fp8` refuses a checkpoint that is not already FP8 (`Fp8Config.__init__` raising), and
+  whether each weight-transfer engine reloads through vLLM's layerwise reload (which runs a
+  layer's online quantization again on pushed weights), all read from the source's AST
+  (`--quant-only` refreshes just these).
 """
 
 from __future__ import annotations
@@ -201,6 +207,48 @@ def prometheus_metrics(root: Path) -> dict[str, str]:
     return dict(sorted(found.items()))
 
 
+QUANT_METHODS_FILE = "vllm/model_executor/layers/quantization/__init__.py"
+QUANT_CONFIG_FILE = "vllm/config/quantization.py"
+FP8_FILE = "vllm/model_executor/layers/quantization/fp8.py"
+LAYERWISE_FILE = "vllm/model_executor/model_loader/reload/layerwise.py"
+ENGINE_FILES = {"nccl": "vllm/distributed/weight_transfer/nccl_engine.py",
+                "ipc": "vllm/distributed/weight_transfer/ipc_engine.py"}
+
+
+def _assigned(tree: ast.AST, name: str) -> ast.AST:
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            return node.value
+    raise LookupError(name)
+
+
+def _calls(fn: ast.AST) -> set[str]:
+    return {n.func.id if isinstance(n.func, ast.Name) else getattr(n.func, "attr", "")
+            for n in ast.walk(fn) if isinstance(n, ast.Call)}
+
+
+def quantization_facts(root: Path) -> dict:
+    methods = _assigned(ast.parse((root / QUANT_METHODS_FILE).read_text()), "QuantizationMethods")
+    shorthands = _assigned(ast.parse((root / QUANT_CONFIG_FILE).read_text()), "_ONLINE_SHORTHANDS")
+    fp8 = next(n for n in ast.walk(ast.parse((root / FP8_FILE).read_text()))
+               if isinstance(n, ast.ClassDef) and n.name == "Fp8Config")
+    init = next(n for n in fp8.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    refuses = any(isinstance(n, ast.Raise) and "online" in ast.unparse(n) for n in ast.walk(init))
+    engines = {}
+    for kind, rel in ENGINE_FILES.items():
+        fns = {n.name: n for n in ast.walk(ast.parse((root / rel).read_text())) if isinstance(n, ast.FunctionDef)}
+        engines[kind] = ("initialize_layerwise_reload" in _calls(fns["start_weight_update"])
+                         and "finalize_layerwise_reload" in _calls(fns["finish_weight_update"]))
+    return {
+        "methods": sorted(e.value for e in ast.walk(methods) if isinstance(e, ast.Constant) and isinstance(e.value, str)),
+        "online_shorthands": sorted(k.value for k in shorthands.keys),
+        "fp8_refuses_unquantized_checkpoint": refuses,
+        "engines_reload_layerwise": engines,
+        "layerwise_reload_requantizes_online": "OnlineLinearBase" in (root / LAYERWISE_FILE).read_text(),
+    }
+
+
 def _ctype_name(t) -> str:
     """A ctypes type as a comparable string: structures by size (the name is the binding's own)."""
     import ctypes
@@ -271,6 +319,12 @@ def main() -> None:
         OUT.write_text(json.dumps(facts, indent=1, sort_keys=True) + "\n")
         print(f"wrote {OUT}: {len(facts['prometheus_metrics'])} Prometheus metrics")
         return
+    if sys.argv[2:] == ["--quant-only"]:
+        facts = json.loads(OUT.read_text())
+        facts["quantization"] = quantization_facts(root)
+        OUT.write_text(json.dumps(facts, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {OUT}: quantization facts {facts['quantization']}")
+        return
     sys.path.insert(0, str(root))
     import vllm
     from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
@@ -287,6 +341,7 @@ def main() -> None:
         "packed_layout": packed_layout_cases(),
         "serve_options": serve_options(),
         "prometheus_metrics": prometheus_metrics(root),
+        "quantization": quantization_facts(root),
         "nccl": nccl_facts(root),
     }
     OUT.write_text(json.dumps(facts, indent=1, sort_keys=True) + "\n")

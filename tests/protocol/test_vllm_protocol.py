@@ -405,3 +405,37 @@ def test_an_ipc_round_calls_vllms_routes_in_the_nccl_rounds_order():
             assert set(body) == {p["name"] for p in ROUTES[(method, path)]["params"] if p["in"] == "body"}
         else:
             check_call(method, path, query, body)
+
+
+# ---- FP8 rollouts ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["fp8", "fp8_per_block", "fp8_per_tensor", "fp8_per_channel"])
+def test_fp8_rollouts_are_an_online_scheme_that_requantizes_pushed_weights(name):
+    """`rollout.vllm.quantization` becomes a `--quantization` value vLLM's parser takes, and one
+    of its online schemes: the servers load the policy's bf16 weights, which vLLM's own `fp8`
+    refuses (it wants an FP8 checkpoint). Weight pushes go through both engines' layerwise
+    reload, which runs a layer's online quantization again on the weights it receives."""
+    from rlhf_contract.api.load import validate_job
+
+    quant = FACTS["quantization"]
+    doc = yaml.safe_load((ROOT / "examples/rlhfjob.yaml").read_text())
+    doc["spec"]["rollout"]["vllm"] = {"quantization": name}
+    job = validate_job(doc)
+    command = serve_command(job.spec, model_path="/m", host="h", port=1, name="n")
+    value = dict(_flags(command))["--quantization"]
+    assert "--quantization" in FACTS["serve_options"]
+    assert value in quant["methods"] and value in quant["online_shorthands"], value
+    # a plain `--quantization fp8` would fail at start on a bf16 checkpoint
+    assert quant["fp8_refuses_unquantized_checkpoint"] and value != "fp8"
+    assert quant["engines_reload_layerwise"] == {"nccl": True, "ipc": True}
+    assert quant["layerwise_reload_requantizes_online"]
+
+
+def test_quantization_flags_are_refused_in_extra_args():
+    from rlhf_contract.api.load import JobError, validate_job
+
+    doc = yaml.safe_load((ROOT / "examples/rlhfjob.yaml").read_text())
+    for args in (["--quantization", "fp8"], ["--quantization-config", "{}"], ["-q", "fp8"]):
+        doc["spec"]["rollout"]["vllm"] = {"extraArgs": args}
+        with pytest.raises(JobError, match="rollout.vllm.quantization"):
+            validate_job(doc)

@@ -84,3 +84,33 @@ def test_rlhfctl_plan_shows_the_phases_and_exits_2_when_one_does_not_fit(tmp_pat
 def test_a_separate_job_has_no_phases(placement):
     config = grpo_config(f"rollout.placement={placement}")
     assert colocated_phases(config, QWEN_7B, mp.plan(config, QWEN_7B, 8, mp.gib(80))) == []
+
+
+def test_fp8_rollouts_hold_the_layers_at_one_byte_and_the_rest_at_two():
+    """rollout.vllm.quantization: the layers' weights at 1 byte, the embeddings and the untied
+    LM head (Qwen2-7B's) at 2, plus one layer in bf16 while vLLM (re)loads it; counted here from
+    the model's own modules, not from the plan's shape."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    import torch
+
+    kv = 20 * 2**30
+    sets = (f"rollout.vllm.kvCacheMemoryBytes={kv}", "rollout.tensorParallelSize=2")
+    _, _, bf16 = phases_of(*sets)
+    config, _, fp8 = phases_of(*sets, "rollout.vllm.quantization=fp8")
+    assert config.sampling.quantization == "fp8"
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(Qwen2Config(**{k: v for k, v in QWEN_7B.items() if k != "architectures"}))
+    in_layers = sum(p.numel() for p in model.model.layers.parameters())
+    one_layer = sum(p.numel() for p in model.model.layers[0].parameters())
+    rest = params_7b() - in_layers
+    bf16_weights, fp8_weights = 2 * params_7b() / 2, (in_layers + 2 * rest + 2 * one_layer) / 2
+    for phase in ("sync", "generate"):
+        assert abs((bf16[phase] - fp8[phase]) - (bf16_weights - fp8_weights)) < 2**20, phase
+    assert fp8["train"] == bf16["train"]  # asleep: no weights on the GPU either way
+    # about 40 % of a 7B model's bf16 weights saved (its 1.1 B embedding and head parameters stay)
+    assert 0.35 < (bf16_weights - fp8_weights) / bf16_weights < 0.45
+
+
+def test_the_cpu_engine_plans_no_quantization():
+    config = grpo_config("rollout.engine=cpu", "rollout.vllm.quantization=fp8")
+    assert config.sampling.quantization is None

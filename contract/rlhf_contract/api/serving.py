@@ -24,7 +24,16 @@ OWN_SERVE_FLAGS = {
     "--no-enable-prefix-caching": "rollout.vllm.enablePrefixCaching", "--enforce-eager": "rollout.vllm.enforceEager",
     "--enable-sleep-mode": "rollout.placement", "--no-enable-sleep-mode": "rollout.placement",
     "--disable-sleep-mode": "rollout.placement", "--kv-cache-memory-bytes": "rollout.vllm.kvCacheMemoryBytes",
+    "--quantization": "rollout.vllm.quantization", "-q": "rollout.vllm.quantization",
+    "--quantization-config": "rollout.vllm.quantization",
 }
+
+QUANTIZATION_FLAG = {"fp8": "fp8_per_block", "fp8_per_block": "fp8_per_block", "fp8_per_tensor": "fp8_per_tensor",
+                     "fp8_per_channel": "fp8_per_channel"}
+"""`rollout.vllm.quantization` -> `vllm serve --quantization`: vLLM's online quantization (a
+bf16 checkpoint quantized as it loads). vLLM's own `fp8` is for checkpoints already stored in
+FP8 and refuses any other (tests/protocol checks this against its code), so our `fp8` is its
+128x128-block scheme, the one DeepSeek-V3 and veRL's FP8 rollouts use."""
 
 
 class VllmSpec(SpecModel):
@@ -44,6 +53,16 @@ class VllmSpec(SpecModel):
     enable_prefix_caching: bool | None = None
     """Reuse KV blocks of shared prompt prefixes (the group's samples share their prompt):
     `--[no-]enable-prefix-caching`. The cache is reset after every weight update."""
+    quantization: Literal["fp8", "fp8_per_block", "fp8_per_tensor", "fp8_per_channel"] | None = None
+    """FP8 rollouts: the servers quantize the policy's weights to FP8 as they load them and again
+    at every weight push (vLLM's online quantization, `--quantization`; its layerwise reload
+    re-quantizes pushed weights), halving their weight memory and speeding up generation; the
+    trainer still trains and pushes in its own dtype. `fp8` is `fp8_per_block` (128x128 blocks,
+    a scale each); `fp8_per_channel` a scale per output channel; `fp8_per_tensor` one per
+    weight. Linear layers only (embeddings and the LM head stay in model.dtype). Needs GPUs
+    with FP8 (compute capability 8.9 and above: L4, L40S, H100, H200, B200; on A100 vLLM
+    falls back to weight-only FP8). The rollout log-probs then differ more from the trainer's:
+    set algorithm.rolloutCorrection (e.g. token-mask) with it."""
     enforce_eager: bool = False
     """No CUDA graphs (`--enforce-eager`): faster start-up, slower decoding."""
     extra_args: list[str] = Field(default_factory=list, max_length=32)

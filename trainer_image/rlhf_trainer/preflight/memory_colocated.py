@@ -15,7 +15,10 @@ trainer's rank 0 (the most loaded: it packs the weight-sync buckets), three phas
   training engine.
 
 Server figures: the weights in the serving dtype (2 bytes per parameter on GPUs: bf16)
-divided by `rollout.tensorParallelSize`; a CUDA context like the trainer's; and
+divided by `rollout.tensorParallelSize`, or with `rollout.vllm.quantization` (FP8 rollouts)
+the layers' weights at 1 byte, the embeddings, LM head and norms still at 2, and one layer at
+2 bytes more for vLLM's layerwise (re)load, which quantizes each layer once its bf16 weights
+have arrived (server_weight_bytes); a CUDA context like the trainer's; and
 SERVER_WORKING_BYTES for what a generating worker allocates beyond weights and KV cache
 (sampler, activations of a batch, CUDA graphs unless enforceEager), which is NOT measured
 here: `make gpu-check` has no vLLM to measure it with.
@@ -41,6 +44,16 @@ class Phase:
     note: str
 
 
+def server_weight_bytes(shape, quantization: str | None, tp: int) -> int:
+    """A rollout server's weights per GPU (module docstring). FP8 scales (one float per
+    128x128 block, output channel or weight) are under 0.1 % of the weights and left out."""
+    if quantization is None:
+        return int(2 * shape.total(head=True) / tp)
+    layers = shape.num_layers * shape.layer  # quantized: 1 byte a weight
+    kept = shape.embed + shape.head + shape.norm  # not quantized: the serving dtype
+    return int((layers + 2 * kept + 2 * shape.layer) / tp)
+
+
 def colocated_phases(config, model_config: dict, trainer: MemoryPlan) -> list[Phase]:
     """The three phases' per-GPU bytes (module docstring) of a colocated job on CUDA, from
     the trainer's own plan; [] when the job is not colocated or sets no KV cache size."""
@@ -52,7 +65,8 @@ def colocated_phases(config, model_config: dict, trainer: MemoryPlan) -> list[Ph
 
     tp = config.sampling.rollout_tensor_parallel
     s = model_shape(model_config)
-    server_weights = int(2 * s.total(head=True) / tp)
+    quantization = config.sampling.quantization
+    server_weights = server_weight_bytes(s, quantization, tp)
     persistent = sum(t.bytes for t in trainer.terms if t.phase == "persistent")
     fixed = trainer.fixed
     closing = DEFAULT_BUCKET_BYTES + 2 * s.largest  # a bucket closes once it exceeds the size (bf16 on the wire)
@@ -67,7 +81,7 @@ def colocated_phases(config, model_config: dict, trainer: MemoryPlan) -> list[Ph
         Phase("generate", int(fixed + (1 + FRAGMENTATION) * resident) + server_weights + kv + server_ctx
               + SERVER_WORKING_BYTES,
               ("the trainer offloaded to host memory" if colocated.offload_trainer else "the trainer's state resident")
-              + f"; server weights {server_weights / GIB:.1f} GiB (/ tp {tp}), KV cache {kv / GIB:.1f} GiB, "
+              + f"; server weights {server_weights / GIB:.1f} GiB ({quantization + ', ' if quantization else ''}/ tp {tp}), KV cache {kv / GIB:.1f} GiB, "
               f"working memory {SERVER_WORKING_BYTES / GIB:.1f} GiB (not measured)"),
     ]
 
