@@ -114,8 +114,13 @@ FAMILIES: dict[str, Family] = {
                                                "out of the loss (their importance ratio outside the band)."),
     "rlhf_rollout_correction_weight_mean": _g("algorithm.rolloutCorrection: mean importance weight of the "
                                               "tokens kept."),
-    "rlhf_staleness_mean": _g("Policy versions the step's samples lag behind the trainer (rollout.maxStaleness >= 1)."),
-    "rlhf_staleness_max": _g("Largest lag of a sample of the step, in policy versions."),
+    "rlhf_staleness_mean": _g("Policy versions the step's response tokens lag behind the trainer, per token "
+                              "(rollout.maxStaleness >= 1)."),
+    "rlhf_staleness_max": _g("Largest lag of a response token of the step, in policy versions."),
+    "rlhf_stale_token_ratio": _g("Response tokens of the step taken out of the loss for lagging more than "
+                                 "rollout.maxStaleness versions."),
+    "rlhf_mixed_version_ratio": _g("rollout.inFlightUpdates: responses of the step sampled by more than one policy "
+                                   "version (a weight update arrived while they were generated)."),
     "rlhf_rm_score_mean": _g("Mean reward-model score of the step's samples (reward.model; weighted into the reward)."),
     "rlhf_rm_score_std": _g("Standard deviation of the reward-model scores of the step's samples."),
     "rlhf_distill_reverse_kl": _g("method distill: mean per-token reverse-KL estimate log p_student - log p_teacher "

@@ -59,6 +59,11 @@ class RolloutSpec(SpecModel):
     train). k >= 1: the rollouts of the next k steps are generated while the trainer trains
     (weights are pushed between requests), stale samples are corrected by
     `algorithm.rolloutCorrection` (truncated importance sampling, cap 2.0, when unset)."""
+    in_flight_updates: bool = False
+    """With `maxStaleness` >= 1: a weight update pauses the servers without ending their requests
+    (vLLM's `/pause?mode=keep`), loads the new weights and resumes them, instead of waiting for
+    the requests in flight to finish; every response token records the policy version that
+    sampled it, and the trainer bounds and corrects staleness per token."""
     placement: Literal["separate", "colocated"] = "separate"
     """`separate`: the rollout servers have devices of their own. `colocated`: they share the
     trainer's devices and take turns with it: generate, sleep while the trainer trains, wake
