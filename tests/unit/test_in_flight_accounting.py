@@ -101,5 +101,5 @@ def test_each_sample_is_trained_once_across_in_flight_updates(tiny_model_dir, st
             assert row.versions == sorted(row.versions)
             assert all(start <= v <= trained_version for v in row.versions)
         s = batch.extra["token_staleness"]
-        assert s["staleness_max"] <= K and s["stale_token_ratio"] == 0.0
-    assert sum(b.extra["token_staleness"]["mixed_version_ratio"] for b in taken) > 0
+        assert s["staleness_max"] <= K and s["stale_token_fraction"] == 0.0
+    assert sum(b.extra["token_staleness"]["mixed_version_fraction"] for b in taken) > 0

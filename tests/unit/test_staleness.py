@@ -35,13 +35,13 @@ def test_tokens_past_the_bound_leave_the_loss_and_the_figures_are_per_token():
     kept = [lag for lag, _ in tokens if lag <= 1]
     assert figures["staleness_mean"] == sum(kept) / len(kept)
     assert figures["staleness_max"] == 1.0
-    assert figures["stale_token_ratio"] == 5 / 11
-    assert figures["mixed_version_ratio"] == 2 / 4  # rows 0 and 3 (its None reads as the start, 3)
+    assert figures["stale_token_fraction"] == 5 / 11
+    assert figures["mixed_version_fraction"] == 2 / 4  # rows 0 and 3 (its None reads as the start, 3)
 
 
 def test_a_batch_within_the_bound_is_untouched():
     rows = [row([2, 2, 3]), row([3])]
     figures = bound_stale_tokens(batch(rows, start=2), trained_version=3, max_staleness=1)
     assert [r.loss_mask for r in rows] == [None, None]
-    assert figures == {"staleness_mean": 1 / 4 * 2, "staleness_max": 1.0, "stale_token_ratio": 0.0,
-                       "mixed_version_ratio": 0.5}
+    assert figures == {"staleness_mean": 1 / 4 * 2, "staleness_max": 1.0, "stale_token_fraction": 0.0,
+                       "mixed_version_fraction": 0.5}

@@ -170,6 +170,7 @@ _RENAMED = {"truncated_fraction": "rlhf_truncated_ratio", "tool_failed_fraction"
             "dropped_group_fraction": "rlhf_dropped_group_ratio", "clip_fraction": "rlhf_clip_ratio",
             "padding_fraction": "rlhf_padding_ratio", "accuracy": "rlhf_accuracy_ratio", "mfu": "rlhf_mfu_ratio",
             "rollout_correction_masked_fraction": "rlhf_rollout_correction_masked_ratio",
+            "stale_token_fraction": "rlhf_stale_token_ratio", "mixed_version_fraction": "rlhf_mixed_version_ratio",
             "dropped_prompts": "rlhf_dropped_prompts_total", "skipped_rows": "rlhf_skipped_rows_total",
             "skipped_steps": "rlhf_skipped_optimizer_steps_total", "num_examples": "rlhf_examples_total",
             "dropped_examples": "rlhf_dropped_examples_total", "num_tokens": "rlhf_tokens_total"}

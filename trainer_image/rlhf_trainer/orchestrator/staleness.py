@@ -29,8 +29,8 @@ def token_versions(versions: list[int | None] | None, num_tokens: int, fallback:
 
 def bound_stale_tokens(batch: RolloutBatch, *, trained_version: int, max_staleness: int) -> dict[str, float]:
     """Mask the tokens more than `max_staleness` versions behind `trained_version` (in place);
-    return `staleness_mean` / `staleness_max` (over the trained tokens), `stale_token_ratio`
-    (tokens masked by the bound, of those the loss had) and `mixed_version_ratio` (responses
+    return `staleness_mean` / `staleness_max` (over the trained tokens), `stale_token_fraction`
+    (tokens masked by the bound, of those the loss had) and `mixed_version_fraction` (responses
     sampled by more than one version)."""
     fallback = int(batch.extra.get("policy_version", trained_version))
     lags: list[int] = []
@@ -56,6 +56,6 @@ def bound_stale_tokens(batch: RolloutBatch, *, trained_version: int, max_stalene
     return {
         "staleness_mean": sum(lags) / len(lags) if lags else 0.0,
         "staleness_max": float(max(lags, default=0)),
-        "stale_token_ratio": masked / kept_before if kept_before else 0.0,
-        "mixed_version_ratio": mixed / len(batch.rows) if batch.rows else 0.0,
+        "stale_token_fraction": masked / kept_before if kept_before else 0.0,
+        "mixed_version_fraction": mixed / len(batch.rows) if batch.rows else 0.0,
     }
