@@ -482,7 +482,7 @@ def test_in_flight_weight_updates_still_learn_and_bound_staleness_per_token(tmp_
                   *sets("rollout.replicas=1", "rollout.maxTokens=1", "algorithm.klCoef=0", "schedule.totalSteps=120",
                         "schedule.saveEvery=0", "rollout.maxStaleness=1", "rollout.inFlightUpdates=true"))
     assert res.returncode == 0, res.stderr[-3000:]
-    assert json.loads((out / "trainer.json").read_text())["sampling"]["in_flight_updates"] is True
+    assert json.loads((out / "trainer.json").read_text())["sampling"]["inFlightUpdates"] is True
     rows = metrics(out)
     scores = [r["score_mean"] for r in rows]
     first, last = sum(scores[:10]) / 10, sum(scores[-10:]) / 10
