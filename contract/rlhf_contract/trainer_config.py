@@ -44,6 +44,9 @@ class SamplingConfig(_Config):
     """Top-k; -1 disables it."""
     max_staleness: int = Field(default=0, ge=0)
     """Policy versions a sample may lag behind the trainer (0: synchronous)."""
+    in_flight_updates: bool = False
+    """`rollout.inFlightUpdates`: weight updates pause the servers with mode keep (requests in
+    flight continue on the new weights); staleness is bounded and logged per token."""
     colocated: ColocatedSpec | None = None
     """Set when the rollout servers share the trainer's devices (`rollout.placement:
     colocated`): they sleep while it trains."""
@@ -54,6 +57,12 @@ class SamplingConfig(_Config):
     quantization: str | None = None
     """`rollout.vllm.quantization` (FP8 rollouts): the colocated plan's server weights."""
 
+
+    @property
+    def weight_update_pause_mode(self) -> str:
+        """vLLM's pause mode of a weight update: "keep" (requests in flight go on with the new
+        weights) with `in_flight_updates`, else "wait" (they finish on the old ones first)."""
+        return "keep" if self.in_flight_updates else "wait"
 
 class OptimConfig(_Config):
     """The optimizer and the micro-batch budget (from `spec.trainer`)."""
@@ -179,6 +188,7 @@ class TrainerConfig(_Config):
             distillation=s.distillation, sampling=SamplingConfig(samples_per_prompt=r.samples_per_prompt, max_tokens=r.max_tokens,
                                     temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                     max_staleness=r.max_staleness,
+                                    in_flight_updates=r.in_flight_updates,
                                     colocated=r.colocated if r.placement == "colocated" else None,
                                     kv_cache_memory_bytes=r.vllm.kv_cache_memory_bytes,
                                     rollout_tensor_parallel=r.tensor_parallel_size,

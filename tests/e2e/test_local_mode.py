@@ -469,3 +469,23 @@ def test_max_staleness_one_with_a_two_sided_masked_correction_still_learns(tmp_p
     masked = [r["rollout_correction_masked_fraction"] for r in rows]
     assert all(0.0 <= m < 1.0 for m in masked) and max(masked) > 0, masked
     assert max(r["staleness_max"] for r in rows) == 1
+
+
+def test_in_flight_weight_updates_still_learn_and_bound_staleness_per_token(tmp_path):
+    """rollout.inFlightUpdates: weight pushes pause the server with mode keep instead of
+    wait; the demo's task is learned in the learning test's 120 steps with the default TIS
+    correction, and every step logs per-token staleness within the bound (no token masked).
+    (Responses spanning an update, and each sample trained once: tests/unit/
+    test_in_flight_accounting.py; here the one-token answers cannot span one.)"""
+    out = tmp_path / "run"
+    res = rlhfctl("run", str(EXAMPLE), "--output", str(out),
+                  *sets("rollout.replicas=1", "rollout.maxTokens=1", "algorithm.klCoef=0", "schedule.totalSteps=120",
+                        "schedule.saveEvery=0", "rollout.maxStaleness=1", "rollout.inFlightUpdates=true"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads((out / "trainer.json").read_text())["sampling"]["inFlightUpdates"] is True
+    rows = metrics(out)
+    scores = [r["score_mean"] for r in rows]
+    first, last = sum(scores[:10]) / 10, sum(scores[-10:]) / 10
+    assert last >= 0.6 and last >= 3 * first, (first, last)
+    assert all(r["stale_token_fraction"] == 0.0 and 0 <= r["staleness_mean"] <= r["staleness_max"] <= 1 for r in rows)
+    assert max(r["staleness_max"] for r in rows) == 1 and all(r["mixed_version_fraction"] == 0.0 for r in rows)

@@ -154,6 +154,29 @@ def test_every_call_of_the_sender_is_a_vllm_route_with_vllms_fields(engine, tiny
     assert updates[0]["names"] == list(params) and updates[1] == {"names": [], "dtype_names": [], "shapes": []}
 
 
+def test_an_in_flight_round_pauses_with_vllms_keep_mode_and_resets_running_requests(engine, tiny_model_dir):
+    """rollout.inFlightUpdates: /pause?mode=keep (a PauseMode of vLLM's) and, since paused
+    requests hold KV blocks, one /reset_prefix_cache with vLLM's reset_running_requests query."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    meta = [(n, list(t.shape), t.dtype) for n, t in params.items()]
+    sender = RecordingSender([engine], "127.0.0.1", free_port(), bucket_bytes=8192, timeout_s=60, pause_mode="keep")
+    try:
+        sender.init()
+        sender.send(meta, iter(params.values()), weight_version="1")
+    finally:
+        sender.close()
+    for method, path, query, body in sender.recorded:
+        check_call(method, path, query, body)
+    round_ = [(path, query) for method, path, query, _ in sender.recorded if method == "POST"][1:]
+    assert round_ == [("/pause", {"mode": "keep"}), ("/start_weight_update", None), ("/update_weights", None),
+                      ("/finish_weight_update", None), ("/reset_prefix_cache", {"reset_running_requests": "true"}),
+                      ("/resume", None)]
+    assert "keep" in FACTS["pause_modes"]
+
+
 def test_nccl_init_info_is_the_unique_id_mode_vllm_accepts():
     transport = object.__new__(NcclTransport)  # no GPU here: only the payload is checked
     transport.unique_id = bytes(range(128))

@@ -261,6 +261,41 @@ def test_pause_waits_for_requests_in_flight_then_resume(either):
     assert after.status_code == 200
 
 
+def test_pause_keep_holds_requests_through_the_in_flight_rounds_reset_then_resumes_them(either):
+    """rollout.inFlightUpdates' round without the NCCL transfer (no NCCL here): /pause?mode=keep
+    mid-request, /reset_prefix_cache?reset_running_requests=true (vLLM moves the paused
+    requests to its waiting queue, their tokens kept), /resume: the request finishes whole,
+    nothing aborted, and a request sent while paused is queued, not refused."""
+    url, _, job = either
+    results = {}
+
+    def request(key, prompt, max_tokens):
+        results[key] = httpx.post(url + "/v1/completions", timeout=120, json={
+            "model": job.metadata.name, "prompt": prompt, "max_tokens": max_tokens, "n": 4, "temperature": 1.0,
+            "ignore_eos": True, "seed": 3, "return_token_ids": True})
+
+    first = threading.Thread(target=request, args=("first", PROMPTS[0], 60))
+    first.start()
+    time.sleep(0.3)
+    paused = httpx.post(url + "/pause", params={"mode": "keep"}, timeout=120)
+    assert paused.status_code == 200, paused.text
+    assert httpx.get(url + "/is_paused", timeout=60).json()["is_paused"] is True
+    late = threading.Thread(target=request, args=("late", PROMPTS[1], 5))
+    late.start()
+    time.sleep(0.5)
+    assert "first" not in results and "late" not in results  # held while paused
+    reset = httpx.post(url + "/reset_prefix_cache", params={"reset_running_requests": "true"}, timeout=60)
+    assert reset.status_code == 200 and reset.json() == {"success": True}, reset.text
+    assert httpx.post(url + "/resume").status_code == 200
+    first.join(120)
+    late.join(120)
+    for key, length in (("first", 60), ("late", 5)):
+        reply = results[key]
+        assert reply.status_code == 200, reply.text
+        assert [c["finish_reason"] for c in reply.json()["choices"]] == ["length"] * 4
+        assert all(len(c["token_ids"]) == length for c in reply.json()["choices"])
+
+
 def test_an_llm_judge_scores_through_the_server(either):
     """`reward.type: judge` against the server as its judge (a tiny random model: the plumbing,
     the parsing and the counters, not the judgement): every answer is a score in 0..1 or a

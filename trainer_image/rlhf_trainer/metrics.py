@@ -114,8 +114,13 @@ FAMILIES: dict[str, Family] = {
                                                "out of the loss (their importance ratio outside the band)."),
     "rlhf_rollout_correction_weight_mean": _g("algorithm.rolloutCorrection: mean importance weight of the "
                                               "tokens kept."),
-    "rlhf_staleness_mean": _g("Policy versions the step's samples lag behind the trainer (rollout.maxStaleness >= 1)."),
-    "rlhf_staleness_max": _g("Largest lag of a sample of the step, in policy versions."),
+    "rlhf_staleness_mean": _g("Policy versions the step's response tokens lag behind the trainer, per token "
+                              "(rollout.maxStaleness >= 1)."),
+    "rlhf_staleness_max": _g("Largest lag of a response token of the step, in policy versions."),
+    "rlhf_stale_token_ratio": _g("Response tokens of the step taken out of the loss for lagging more than "
+                                 "rollout.maxStaleness versions."),
+    "rlhf_mixed_version_ratio": _g("rollout.inFlightUpdates: responses of the step sampled by more than one policy "
+                                   "version (a weight update arrived while they were generated)."),
     "rlhf_rm_score_mean": _g("Mean reward-model score of the step's samples (reward.model; weighted into the reward)."),
     "rlhf_rm_score_std": _g("Standard deviation of the reward-model scores of the step's samples."),
     "rlhf_distill_reverse_kl": _g("method distill: mean per-token reverse-KL estimate log p_student - log p_teacher "
@@ -165,6 +170,7 @@ _RENAMED = {"truncated_fraction": "rlhf_truncated_ratio", "tool_failed_fraction"
             "dropped_group_fraction": "rlhf_dropped_group_ratio", "clip_fraction": "rlhf_clip_ratio",
             "padding_fraction": "rlhf_padding_ratio", "accuracy": "rlhf_accuracy_ratio", "mfu": "rlhf_mfu_ratio",
             "rollout_correction_masked_fraction": "rlhf_rollout_correction_masked_ratio",
+            "stale_token_fraction": "rlhf_stale_token_ratio", "mixed_version_fraction": "rlhf_mixed_version_ratio",
             "dropped_prompts": "rlhf_dropped_prompts_total", "skipped_rows": "rlhf_skipped_rows_total",
             "skipped_steps": "rlhf_skipped_optimizer_steps_total", "num_examples": "rlhf_examples_total",
             "dropped_examples": "rlhf_dropped_examples_total", "num_tokens": "rlhf_tokens_total"}

@@ -12,6 +12,14 @@ ONLINE_CEL = "(" + " || ".join(f"self.method == '{m}'" for m in Method if not m.
 
 COLOCATED_RULES: tuple[Rule, ...] = (
     Rule(
+        field_path="rollout.inFlightUpdates",
+        cel="!has(self.rollout.inFlightUpdates) || !self.rollout.inFlightUpdates || self.rollout.maxStaleness >= 1",
+        message="needs rollout.maxStaleness >= 1: only rollouts generated ahead are in flight when the weights "
+        "change (synchronous steps push weights while nothing generates); set maxStaleness, or remove "
+        "inFlightUpdates",
+        check=lambda s: not s.rollout.in_flight_updates or s.rollout.max_staleness >= 1,
+    ),
+    Rule(
         field_path="rollout.maxStaleness",
         cel="self.rollout.placement != 'colocated' || self.rollout.maxStaleness == 0",
         message="must be 0 with rollout.placement colocated: colocated servers sleep while the trainer "

@@ -59,6 +59,10 @@ class RolloutSpec(SpecModel):
     train). k >= 1: the rollouts of the next k steps are generated while the trainer trains
     (weights are pushed between requests), stale samples are corrected by
     `algorithm.rolloutCorrection` (truncated importance sampling, cap 2.0, when unset)."""
+    in_flight_updates: bool = False
+    """With `maxStaleness` >= 1: a weight update pauses the servers keeping their requests (vLLM's
+    `/pause?mode=keep`) rather than waiting for them to finish, and resumes them on the new weights;
+    each token records the policy version that sampled it, and staleness is bounded per token."""
     placement: Literal["separate", "colocated"] = "separate"
     """`separate`: the rollout servers have devices of their own. `colocated`: they share the
     trainer's devices and take turns with it: generate, sleep while the trainer trains, wake

@@ -67,7 +67,6 @@ class Engine:
         )
         self.generator.max_num_seqs = max_num_seqs
         self._rng = random.Random(seed)  # seeds for requests that bring none
-        self.weight_version: str | None = None
         self.num_requests = 0
         self._cv = threading.Condition()
         self._queue: deque[tuple[_Request, Sequence]] = deque()
@@ -81,6 +80,17 @@ class Engine:
         self._stopped = False
         self._worker = threading.Thread(target=self._work, name="cpu-engine-worker", daemon=True)
         self._worker.start()
+
+    @property
+    def weight_version(self) -> str | None:
+        """The label of the loaded weights (vLLM's /finish_weight_update `weight_version`)."""
+        return self.generator.weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: str | None) -> None:
+        # set between two steps (a weight update holds or pauses the worker), so every token
+        # is labelled with the weights that sampled it
+        self.generator.weight_version = version
 
     # ---- generation -------------------------------------------------------------
 

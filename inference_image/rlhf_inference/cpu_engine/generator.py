@@ -17,7 +17,10 @@ left-padded (or the running one is) to a common length and joined to the running
 and they decode with it from the next step (each row keeps its own positions and mask,
 so a joined sequence gets what it would have got alone). `on_finished(seq)` is called
 as soon as a sequence is done, so a short request answers without waiting for the
-batch's longest one.
+batch's longest one. Each sampled token records `weight_version` as it was at that step:
+weights change only between steps, so the label is the one of the weights that computed
+the token's logits (the KV cache of earlier tokens is kept across an update, as vLLM's
+pause mode "keep" keeps it).
 
 Simplifications (compared with vLLM): no paged KV cache (joining copies the cache), no
 chunked prefill, no prefix caching, no stop strings, no penalties, no `min_tokens`.
@@ -60,6 +63,9 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    token_versions: list[str | None] = field(default_factory=list)
+    """The weight version that sampled each token (a weight update between two decode steps
+    changes it mid-sequence: vLLM's `weight_versions` spans)."""
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | None = None  # the stop token id that ended it (None for EOS)
 
@@ -91,6 +97,8 @@ class BatchGenerator:
         self.num_batches = 0
         self.num_generated_tokens = 0
         self.max_batch_size = 0
+        self.weight_version: str | None = None
+        """The label of the weights now loaded; set only between two steps (the engine's hold)."""
 
     @torch.inference_mode()
     def generate(self, seqs: list[Sequence], between_steps: Callable[[], None] = lambda: None,
@@ -221,6 +229,7 @@ class BatchGenerator:
         for row, (seq, token, lp) in enumerate(zip(seqs, token_list, sampled_lps)):
             seq.token_ids.append(token)
             seq.logprobs.append(lp)
+            seq.token_versions.append(self.weight_version)
             if seq.params.logprobs is not None:
                 seq.top_logprobs.append(_top_logprobs(raw_logprobs[row], seq.params.logprobs))
             self.num_generated_tokens += 1

@@ -16,6 +16,12 @@ engines, so a model's file never changes how rollouts are sampled).
 Not supported (rejected with 400 when set, or when the generation config sets them):
 `stream`, `echo`, `stop` strings, `best_of`/`use_beam_search`, penalties, `min_p`,
 `logit_bias`. Other unknown fields are ignored.
+
+One field beyond vLLM's completions choice: `weight_versions`, the spans of output tokens
+each weight version sampled, in vLLM's own `WeightVersionSpan` form (`{"version", "start",
+"end"}`, `[start, end)`; vllm/outputs.py, which vLLM returns on its token-in-token-out
+`/generate` route, not on `/v1/completions`). A weight update with pause mode "keep" in the
+middle of a response gives it two spans.
 """
 
 from __future__ import annotations
@@ -203,6 +209,7 @@ def completion_response(req: CompletionRequest, model_name: str, tokenizer,
                 "token_ids": list(seq.token_ids) if req.return_token_ids else None,
                 "prompt_logprobs": None,
                 "prompt_token_ids": list(seq.prompt_token_ids) if req.return_token_ids else None,
+                "weight_versions": weight_version_spans(seq.token_versions),
             })
     return {
         "id": f"cmpl-{uuid.uuid4().hex}",
@@ -216,6 +223,20 @@ def completion_response(req: CompletionRequest, model_name: str, tokenizer,
             "total_tokens": prompt_tokens + completion_tokens,
         },
     }
+
+
+def weight_version_spans(labels: list[str | None]) -> list[dict] | None:
+    """vLLM's `_weight_version_spans` (v1/engine/output_processor.py): a span starts where a
+    token's label differs from the last span's; unlabelled tokens extend the span before
+    them; None when no token is labelled."""
+    starts: list[tuple[str, int]] = []
+    for i, label in enumerate(labels):
+        if label is not None and (not starts or starts[-1][0] != label):
+            starts.append((label, i))
+    if not starts:
+        return None
+    ends = [start for _, start in starts[1:]] + [len(labels)]
+    return [{"version": v, "start": s, "end": e} for (v, s), e in zip(starts, ends)]
 
 
 def _logprobs(seq: Sequence, tokenizer) -> dict:

@@ -30,6 +30,9 @@ class Row:
     """Each reward function's own reward, by name, when `reward.components` is set."""
     extra: dict[str, Any] | None = None
     """What the reward functions logged for this response with TRL's `log_extra`, by column."""
+    versions: list[int | None] | None = None
+    """The policy version that sampled each response token (`rollout.inFlightUpdates`: one
+    response may span a weight update); None when the server reports none."""
 
     def mask(self) -> list[float]:
         return [float(m) for m in self.loss_mask] if self.loss_mask is not None else [1.0] * len(self.response_ids)

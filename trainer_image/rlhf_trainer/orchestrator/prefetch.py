@@ -7,7 +7,13 @@ advanced only after a weight sync completed). The trainer takes step j's batch w
 servers hold version j - 1, so a batch lags at most k versions: the tag is a lower bound
 (a weight sync during generation lets in-flight requests finish on the old weights,
 "wait" pause; requests after it see the new ones), so the staleness logged is never
-under-stated.
+under-stated. With `rollout.inFlightUpdates` the sync pauses with mode "keep" instead: the
+requests in flight go on with the new weights, and `take` bounds and measures staleness
+per token (staleness.py).
+
+Exactly once: a batch is the rows of one `collect(step)`, whatever weight updates happened
+while its requests ran (a request paused by an update is resumed, never dropped or sent
+again), and `take` hands each step's batch out once, so every sample is trained once.
 
 Resume: the checkpoint holds the data position after the last batch the trainer TOOK;
 batches generated ahead are dropped with the process and regenerated after a resume
@@ -24,6 +30,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
+from .staleness import bound_stale_tokens
 from .types import RolloutBatch
 
 
@@ -69,6 +76,9 @@ class Prefetcher:
             self._cond.notify_all()
         if isinstance(item, BaseException):
             raise item
+        # per token: a response may span weight updates (rollout.inFlightUpdates)
+        item.extra["token_staleness"] = bound_stale_tokens(item, trained_version=self.served_version(),
+                                                           max_staleness=self.k)
         return item
 
     def close(self, timeout_s: float = 30.0) -> None:

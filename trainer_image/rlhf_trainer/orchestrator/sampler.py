@@ -104,7 +104,7 @@ class Sampler:
                     reward += float(overlong_penalty(torch.tensor([len(x.token_ids)]), s.max_tokens, buffer)[0])
                 rows.append(Row(list(x.prompt_token_ids), list(x.token_ids), list(x.logprobs), reward, score,
                                 x.finish_reason == "length", components=parts[0] if parts else None,
-                                extra={c: v[j] for c, v in logged.items()} or None))
+                                extra={c: v[j] for c, v in logged.items()} or None, versions=x.versions))
             out.append(rows)
         return out
 

@@ -81,7 +81,8 @@ class RunLoop(LoopBase):
             self.orchestrator = Orchestrator.build(config, self.tokenizer, endpoints, self.output_dir)
             host, port = weight_sync_addr.rsplit(":", 1)
             self.sender = WeightSyncSender(endpoints, host, int(port),
-                                           timeout_s=config.rollout_weight_sync_timeout_seconds)
+                                           timeout_s=config.rollout_weight_sync_timeout_seconds,
+                                           pause_mode=config.sampling.weight_update_pause_mode)
         if config.sampling.colocated is not None:
             from .colocation import Colocation, ServerSleep
 
@@ -224,7 +225,7 @@ class RunLoop(LoopBase):
         extra.update(tensors.reward_metrics)  # the learned reward's scores and the total reward mean
         if self.trackers is not None and self.trackers.samples_due(self.step):
             self.trackers.log_samples(self.step, self.trackers.sample_table(self.step, batch.rows, self.tokenizer.decode))
-        if "staleness" in batch.extra:
-            extra["staleness_mean"] = extra["staleness_max"] = batch.extra["staleness"]
+        if "staleness" in batch.extra:  # per token (orchestrator/staleness.py)
+            extra.update(batch.extra["token_staleness"])
         return {"step": self.step, **stats, **train, **extra, "learning_rate": lr, **timings,
                 "tokens_per_second": num_tokens / timings["step_seconds"], "policy_version": self.policy_version}

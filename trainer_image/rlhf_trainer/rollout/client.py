@@ -4,7 +4,8 @@ Token in, token out: each prompt goes as token ids to `POST /v1/completions` wit
 `return_token_ids: true` and `logprobs: 0`, and the samples come back as the server's
 `token_ids` and `logprobs.token_logprobs` (vLLM's processed logprobs of the sampled tokens:
 after the temperature; top-p/top-k are refused for RL, so nothing else changes them).
-Text is never re-tokenized.
+Text is never re-tokenized. A choice's `weight_versions` spans (the CPU engine sends them;
+vLLM's /v1/completions does not) become each token's policy version (`Sample.versions`).
 
 One request per prompt (with `n` samples, so a group sharing a prompt is on one server),
 so each server batches whatever is in flight. Routing: a request carrying a trajectory id
@@ -69,6 +70,9 @@ class Sample:
     token_ids: list[int]
     logprobs: list[float]  # the server's log-prob of each token in token_ids (at the sampling temperature)
     finish_reason: str  # "stop" | "length" | "abort"
+    versions: list[int | None] | None = None
+    """The policy version that sampled each token (from the choice's `weight_versions` spans;
+    None where the server labels none, as vLLM's /v1/completions)."""
 
 
 class RolloutError(RuntimeError):
@@ -333,5 +337,23 @@ def _samples(reply: dict, prompt: list[int], n: int) -> list[Sample]:
             token_ids=list(token_ids),
             logprobs=[float(x) for x in logprobs],
             finish_reason=str(choice.get("finish_reason")),
+            versions=token_versions(choice.get("weight_versions"), len(token_ids)),
         ))
     return samples
+
+
+def token_versions(spans: list[dict] | None, num_tokens: int) -> list[int | None] | None:
+    """Per-token policy versions from vLLM's `WeightVersionSpan`s (`{"version", "start", "end"}`,
+    output tokens `[start, end)`); None without spans. Tokens no span covers, or whose label is
+    not a policy version (a server started from a checkpoint's own label), get None."""
+    if not spans:
+        return None
+    versions: list[int | None] = [None] * num_tokens
+    for span in spans:
+        try:
+            version = int(span["version"])
+        except (TypeError, ValueError):
+            continue
+        for i in range(max(0, int(span["start"])), min(num_tokens, int(span["end"]))):
+            versions[i] = version
+    return versions

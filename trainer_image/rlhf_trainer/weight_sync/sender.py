@@ -18,6 +18,9 @@ as the pinned release (see `rlhf_contract.pod.VLLM_VERSION`) expects it.
 One round, `send()`, in the order vLLM requires:
   1. POST /pause?mode=wait (vLLM's start_weight_update does NOT pause: only /pause does;
      "wait" lets requests in flight finish and rejects new ones with 503 until /resume);
+     with `pause_mode="keep"` (`rollout.inFlightUpdates`) POST /pause?mode=keep: the
+     requests in flight stop between two steps and keep their tokens, new ones are queued,
+     and all of them continue on the new weights after /resume;
   2. POST /start_weight_update (an error if an update is already active);
   3. POST /update_weights {"update_info": {names, dtype_names, shapes}} to every server
      at once (each call returns once that server has loaded everything; empty lists
@@ -27,7 +30,10 @@ One round, `send()`, in the order vLLM requires:
   5. POST /reset_prefix_cache: vLLM keeps its prefix cache across a weight update, so
      later requests would reuse KV blocks computed with the old weights; must answer
      {"success": true} (false while blocks are still held, which vLLM documents as
-     retryable: asked again, a bounded number of times);
+     retryable: asked again, a bounded number of times); in mode "keep" the requests
+     paused in flight hold blocks, so it is asked once with `reset_running_requests=true`:
+     vLLM moves them to its waiting queue (their tokens kept) and recomputes their KV cache
+     with the new weights when they resume (the CPU engine keeps its KV cache instead);
   6. POST /resume.
 Every parameter is sent every round under its Hugging Face name.
 
@@ -81,6 +87,8 @@ __all__ = ["WeightSyncError", "WeightSyncSender"]
 
 log = logging.getLogger(__name__)
 
+PAUSE_MODES = ("wait", "keep")
+"""vLLM's pause modes a round may use ("abort" would end the requests in flight)."""
 DEFAULT_NUM_BUFFERS = 2  # vLLM's DEFAULT_PACKED_NUM_BUFFERS (streams on its side; no layout change)
 SHUTDOWN_TIMEOUT_S = 10.0
 RESET_PREFIX_CACHE_ATTEMPTS = 6
@@ -109,13 +117,16 @@ class WeightSyncSender(IpcRounds):
     def __init__(self, endpoints: list[str], listen_host: str, listen_port: int, *,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = 600.0,
                  backend: str | None = None, watchdog_grace_s: float = 60.0,
-                 on_watchdog: Callable[[str], None] | None = None):
+                 on_watchdog: Callable[[str], None] | None = None, pause_mode: str = "wait"):
         if not endpoints:
             raise ValueError("weight sync needs at least one rollout endpoint")
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)} or None, got {backend!r}")
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode must be one of {', '.join(PAUSE_MODES)}, got {pause_mode!r}")
+        self.pause_mode = pause_mode
         self.endpoints = [e.rstrip("/") for e in endpoints]
         self.listen_host = listen_host
         self.listen_port = listen_port
@@ -231,7 +242,7 @@ class WeightSyncSender(IpcRounds):
                              f"{self.timeout_s + self.watchdog_grace_s:.0f} s")
         stats = {"bytes": 0, "buckets": 0, "num_tensors": len(metadata)}
         try:
-            self._all("/pause", params={"mode": "wait"}, deadline=deadline)
+            self._all("/pause", params={"mode": self.pause_mode}, deadline=deadline)
             self._all("/start_weight_update", deadline=deadline)
             if metadata == self._sent_metadata:
                 update_info = {"names": [], "dtype_names": [], "shapes": []}  # reuse the last round's
@@ -267,6 +278,13 @@ class WeightSyncSender(IpcRounds):
         offload transfers) and documents that callers may retry: a server that answers false
         is asked again, up to RESET_PREFIX_CACHE_ATTEMPTS times with a growing pause."""
         start, pending, delay = time.perf_counter(), list(self.endpoints), RESET_PREFIX_CACHE_FIRST_DELAY_S
+        if self.pause_mode == "keep":  # paused requests hold KV blocks: move them aside (module docstring)
+            replies = self._all("/reset_prefix_cache", params={"reset_running_requests": "true"}, deadline=deadline)
+            refused = [(ep, r) for ep, r in zip(self.endpoints, replies) if r.get("success") is not True]
+            if refused:
+                raise WeightSyncError(f"{refused[0][0]}/reset_prefix_cache?reset_running_requests=true answered "
+                                      f"{refused[0][1]}: its prefix cache still holds KV blocks of the old weights")
+            return
         for attempt in range(1, RESET_PREFIX_CACHE_ATTEMPTS + 1):
             self.calls.append("POST /reset_prefix_cache")
             futures = [self._pool.submit(self._call, "POST", ep, "/reset_prefix_cache") for ep in pending]
