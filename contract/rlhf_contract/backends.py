@@ -48,6 +48,13 @@ BACKENDS: dict[str, BackendNeeds] = {b.backend: b for b in (
                  "ClusterTrainingRuntime (trainingRuntime.enabled=true)"),
 )}
 
+ROLLOUT_NEEDS: dict[str, BackendNeeds] = {"LeaderWorkerSet": BackendNeeds(
+    "LeaderWorkerSet", "leaderworkerset.x-k8s.io", "v1", "leaderworkersets",
+    "LeaderWorkerSet (its CRD, controller and webhooks: the manifests.yaml of a release of "
+    "github.com/kubernetes-sigs/lws)")}
+"""What a job's rollout servers need beyond its backend, by workload kind: LeaderWorkerSet for
+`rollout.nodesPerServer` > 1 (with any backend that has rollout servers of its own)."""
+
 KUEUE_GROUP = "kueue.x-k8s.io"
 """Kueue is installed when the API server serves its group."""
 
@@ -62,7 +69,12 @@ def installed(groups: set[str], resources: Callable[[str, str], set[str] | None]
 
 
 def missing_message(backend: str) -> str:
-    """What a job of `backend` says when the cluster lacks its CRD."""
+    """What a job of `backend` (or with rollout servers of a ROLLOUT_NEEDS kind) says when the
+    cluster lacks its CRD."""
+    if backend in ROLLOUT_NEEDS:
+        needs = ROLLOUT_NEEDS[backend]
+        return (f"rollout.nodesPerServer above 1: the cluster has no {needs.crd} CRD; install {needs.install}, "
+                "or set rollout.nodesPerServer: 1")
     needs = BACKENDS[backend]
     others = [b for b in BACKENDS if b != backend]
     return (f"spec.backend {backend}: the cluster has no {needs.crd} CRD; install {needs.install}, "

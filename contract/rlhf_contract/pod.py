@@ -72,6 +72,14 @@ ROLLOUT_STARTUP_PROBE_PERIOD_S = 10
 TRAINER_MASTER_PORT = 29500
 WEIGHT_SYNC_PORT = 29600
 TRAINER_METRICS_PORT = 9400
+ROLLOUT_MASTER_PORT = 29501
+"""A multi-node rollout server's rendezvous (`vllm serve --master-port`, vLLM's default set
+explicitly): its leader listens there, its headless workers connect."""
+
+# The variables the LeaderWorkerSet controller sets in every container of a group (its
+# api/leaderworkerset/v1 LwsLeaderAddress, LwsGroupSize, LwsWorkerIndex); Kubernetes expands
+# `$(NAME)` in a container's command from them.
+LWS_LEADER_ADDRESS, LWS_GROUP_SIZE, LWS_WORKER_INDEX = "LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX"
 
 
 def run_config(job: RLHFJob) -> dict:
@@ -130,6 +138,19 @@ def serve_command(spec: RLHFJobSpec, *, model_path: str, host: str, port: int, n
         *(["--enable-sleep-mode"] if r.placement == "colocated" else []),
         *vllm_flags(r.vllm),
     ]
+
+
+def multinode_flags(spec: RLHFJobSpec, *, leader: bool) -> list[str]:
+    """`rollout.nodesPerServer` > 1: the flags that join one pod of a LeaderWorkerSet group into
+    one vLLM server (vLLM's multi-node multiprocessing launch, as its LWS recipe): node rank
+    `$(LWS_WORKER_INDEX)` of `$(LWS_GROUP_SIZE)`, the rendezvous on the leader; the leader
+    (rank 0) serves HTTP, the workers run `--headless` (engine workers, no API server). None
+    for a one-node server."""
+    if spec.rollout.nodes_per_server == 1:
+        return []
+    flags = ["--nnodes", f"$({LWS_GROUP_SIZE})", "--node-rank", "0" if leader else f"$({LWS_WORKER_INDEX})",
+             "--master-addr", f"$({LWS_LEADER_ADDRESS})", "--master-port", str(ROLLOUT_MASTER_PORT)]
+    return flags if leader else [*flags, "--headless"]
 
 
 def vllm_flags(v) -> list[str]:

@@ -28,6 +28,7 @@ from rlhf_contract.api.models import API_GROUP, API_VERSION, PLURAL
 from rlhf_contract.backends import BACKENDS
 from rlhf_contract.redact import redact_text
 from .builders.jobset import JOBSET_API_VERSION
+from .builders.lws import LWS_API_VERSION
 from .builders.trainjob import TRAINER_API_VERSION, adoption_labels, unadopted_selector
 from .builders.meta import LABEL_JOB, jobset_name, rollout_name, trainer_name
 from .status import Observed
@@ -42,11 +43,11 @@ _PLURALS = {
     "ConfigMap": "configmaps", "Service": "services", "ServiceAccount": "serviceaccounts", "Pod": "pods",
     "Event": "events", "StatefulSet": "statefulsets", "NetworkPolicy": "networkpolicies", "Role": "roles",
     "RoleBinding": "rolebindings", "PyTorchJob": "pytorchjobs", "JobSet": "jobsets", "RLHFJob": PLURAL,
-    "TrainJob": "trainjobs",
+    "TrainJob": "trainjobs", "LeaderWorkerSet": "leaderworkersets",
     "Lease": "leases", "Node": "nodes",
 }
 _API_VERSIONS = {"StatefulSet": "apps/v1", "PyTorchJob": BACKENDS["PyTorchJob"].api_version, "JobSet": JOBSET_API_VERSION,
-                 "TrainJob": TRAINER_API_VERSION,
+                 "TrainJob": TRAINER_API_VERSION, "LeaderWorkerSet": LWS_API_VERSION,
                  "RLHFJob": f"{API_GROUP}/{API_VERSION}", "Lease": "coordination.k8s.io/v1"}
 
 
@@ -77,6 +78,9 @@ CHILD_KINDS = (
               "pytorchjob", ("PyTorchJob",), trainer_name),
     ChildKind("JobSet", *JOBSET_API_VERSION.split("/"), "jobsets", "jobset", ("JobSet",), jobset_name),
     ChildKind("TrainJob", *TRAINER_API_VERSION.split("/"), "trainjobs", "trainjob", ("TrainJob",), trainer_name),
+    # rollout.nodesPerServer > 1: the rollout servers (builders/lws.py)
+    ChildKind("LeaderWorkerSet", *LWS_API_VERSION.split("/"), "leaderworkersets", "leaderworkerset",
+              ("PyTorchJob", "TrainJob"), rollout_name),
 )
 
 

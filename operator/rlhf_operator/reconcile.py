@@ -40,7 +40,7 @@ from pydantic import ValidationError
 
 from rlhf_contract.api import problems
 from rlhf_contract.api.models import RLHFJob, resolve_backend
-from rlhf_contract.backends import BACKENDS, missing_message
+from rlhf_contract.backends import BACKENDS, ROLLOUT_NEEDS, missing_message
 from rlhf_contract.redact import redact_text
 from rlhf_contract.sources import plan as sources_plan
 
@@ -143,7 +143,7 @@ def _server_message(err: ApiException) -> str:
 
 def _workloads(observed: status.Observed) -> dict[str, dict[str, Any] | None]:
     return {"StatefulSet": observed.statefulset, "PyTorchJob": observed.pytorchjob, "JobSet": observed.jobset,
-            "TrainJob": observed.trainjob}
+            "TrainJob": observed.trainjob, "LeaderWorkerSet": observed.leaderworkerset}
 
 
 def _job(obj: dict[str, Any]) -> str:
@@ -235,7 +235,7 @@ class Reconciler:
             if uid and again and (err.status == 409 or (err.status == 422 and "metadata.uid" in (err.body or ""))):
                 cache.applied.pop(key, None)  # deleted or replaced since: whose is the name now?
                 return self._apply(cache, obj, force=True, again=False)
-            if err.status == 404 and obj["kind"] in BACKENDS:  # no such resource: the backend's CRD is missing
+            if err.status == 404 and (obj["kind"] in BACKENDS or obj["kind"] in ROLLOUT_NEEDS):  # its CRD is missing
                 out = Written(digest, now, problem=(MISSING, missing_message(obj["kind"])))
                 cache.applied[key] = out
                 return out

@@ -43,6 +43,7 @@ from .builders.meta import LABEL_JOB_UID, LABEL_ROLE, ROLE_ROLLOUT, ROLE_TRAINER
 from .conditions import CONDITION_TYPES, conditions_by_type, set_conditions
 from .failures import (NODE_LOST_AFTER, Failure, attempt_failure, labels, lost_pod,
                        parse_time, pod_failure, pod_ready, true_condition, ts, unschedulable)
+from .lws_status import ROLLOUT_KINDS, left_to_lws, rollout_kind, servers
 from .ownership import controlled_by
 
 __all__ = ["NODE_LOST_AFTER", "Event", "Failure", "Observed", "Plan", "attempt_failure",
@@ -64,6 +65,7 @@ class Observed:
     jobset: dict[str, Any] | None = None
     """Backend JobSet: the job's JobSet (then statefulset and pytorchjob are None)."""
     trainjob: dict[str, Any] | None = None  # backend TrainJob: in place of the PyTorchJob
+    leaderworkerset: dict[str, Any] | None = None  # rollout.nodesPerServer > 1: in place of the StatefulSet
     pods: list[dict[str, Any]] = field(default_factory=list)
     nodes_not_ready: dict[str, datetime] = field(default_factory=dict)
     """Nodes of the job's pods that are not Ready: name -> since when (the Ready
@@ -145,7 +147,7 @@ def _context(body: dict[str, Any], job: RLHFJob | None, observed: Observed) -> _
     if job is not None and not progress.get("totalSteps"):
         progress["totalSteps"] = job.spec.schedule.total_steps
     workloads = {"StatefulSet": observed.statefulset, "PyTorchJob": observed.pytorchjob, "JobSet": observed.jobset,
-                 "TrainJob": observed.trainjob}
+                 "TrainJob": observed.trainjob, "LeaderWorkerSet": observed.leaderworkerset}
     # A JobSet lives through every attempt (it restarts its own jobs).
     current = {k: w for k, w in workloads.items() if w is not None and controlled_by(w, uid)
                and (k == "JobSet" or attempt_of(w) == restarts) and not w["metadata"].get("deletionTimestamp")}
@@ -210,7 +212,7 @@ def _terminal(job: RLHFJob | None, observed: Observed, c: _Context, now: datetim
     done = any(true_condition(w, t) for w, t in ((observed.pytorchjob, "Succeeded"), (observed.jobset, "Completed"),
                                                   (observed.trainjob, "Complete"))) or any(
         true_condition(w, "Failed") for w in (observed.pytorchjob, observed.jobset, observed.trainjob))
-    delete = [k for k in c.live if k == "StatefulSet" or (not done and now >= finished + TERMINAL_GRACE)]
+    delete = [k for k in c.live if k in ROLLOUT_KINDS or (not done and now >= finished + TERMINAL_GRACE)]
     ttl = job.spec.run_policy.ttl_seconds_after_finished if job else None
     expired = ttl is not None and now >= finished + timedelta(seconds=ttl)
     return finish(c.prev_phase, cond.get("reason", c.prev_phase), cond.get("message", ""), delete=delete,
@@ -221,7 +223,7 @@ def _trainer_failure(observed: Observed, c: _Context, now: datetime, node_lost_a
                      kind: str = "PyTorchJob") -> Failure | None:
     """The first failure of the current attempt (a server's, once the trainer is done, does
     not count), or a Failed PyTorchJob (TrainJob) whose failed pod has not been seen in time."""
-    failure = attempt_failure([p for p in c.ours if attempt_of(p) == c.restarts],
+    failure = attempt_failure([p for p in c.ours if attempt_of(p) == c.restarts and not left_to_lws(p)],
                               lambda pod: lost_pod(pod, observed.nodes_not_ready, now, node_lost_after))
     ptj_failed = true_condition(c.current.get(kind), "Failed")
     if ptj_failed and now < (parse_time(ptj_failed.get("lastTransitionTime")) or now) + EVIDENCE_GRACE:
@@ -242,7 +244,7 @@ def _plan_pytorchjob(job: RLHFJob, observed: Observed, c: _Context, now: datetim
     # Succeeded dominates: a finished trainer is never restarted, whatever the servers do.
     if true_condition(c.current.get(kind), done):
         return finish("Succeeded", "TrainerSucceeded", "the trainer finished every step",
-                      delete=[k for k in c.live if k == "StatefulSet"])
+                      delete=[k for k in c.live if k in ROLLOUT_KINDS])
     failure = _trainer_failure(observed, c, now, node_lost_after, kind)
     if failure is not None:
         # Keep a failed trainer's PyTorchJob (its pods' logs); stop everything else.
@@ -278,7 +280,7 @@ def _plan_pytorchjob(job: RLHFJob, observed: Observed, c: _Context, now: datetim
         return finish("Pending", "WaitingForOldPods",
                       f"waiting for {len(leftovers)} pod(s) of an earlier run to be deleted", support=True,
                       delete=c.stale)
-    required = [kind] if job.spec.trainer_pods_only else ["StatefulSet", kind]
+    required = [kind] if job.spec.trainer_pods_only else [rollout_kind(job), kind]
     return _pods_phase(job, c.ours, c.restarts, all(k in c.current for k in required), finish)
 
 
@@ -300,7 +302,8 @@ def _pods_phase(job: RLHFJob, ours: list[dict[str, Any]], attempt: int, workload
     else:
         expected = {ROLE_ROLLOUT: job.spec.rollout.replicas, ROLE_TRAINER: job.spec.trainer.num_nodes}
     pods = [p for p in ours if attempt_of(p) == attempt and not p["metadata"].get("deletionTimestamp")]
-    by_role = {r: [p for p in pods if labels(p).get(LABEL_ROLE) == r] for r in expected}
+    # a LeaderWorkerSet group counts as one rollout server (lws_status.servers)
+    by_role = {r: servers(job, r, [p for p in pods if labels(p).get(LABEL_ROLE) == r]) for r in expected}
     counts = ", ".join(f"{sum((p.get('status') or {}).get('phase') == 'Running' for p in by_role[r])}/{n} {r}"
                        for r, n in expected.items())
     if not workloads_exist or any(len(by_role[r]) < n for r, n in expected.items()):

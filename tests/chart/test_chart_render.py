@@ -96,6 +96,8 @@ def test_rbac_is_least_privilege(render):
     # deleted when their node is lost; patched only to label a TrainJob's pods as the job's
     assert verbs[("", "pods")] == {"get", "list", "watch", "patch", "delete"}
     assert verbs[("rlhf.dev", "rlhfjobs/status")] == {"get", "patch"}
+    # rollout.nodesPerServer > 1: the rollout servers' LeaderWorkerSet, written like the StatefulSet
+    assert verbs[("leaderworkerset.x-k8s.io", "leaderworkersets")] == verbs[("apps", "statefulsets")]
     from rlhf_operator.kube import CHILD_KINDS  # each kind's watch fills the index that reconciles read
     for ck in CHILD_KINDS:
         assert {"list", "watch"} <= verbs[(ck.group, ck.plural)], ck.plural

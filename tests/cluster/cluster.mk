@@ -35,6 +35,12 @@ trainer-bin:
 	bash tests/cluster/trainer/build.sh
 test: trainer-bin
 
+# The LeaderWorkerSet controller v0.9.0 (rollout.nodesPerServer > 1), in a cache of its own.
+.PHONY: lws-bin
+lws-bin:
+	bash tests/cluster/lws/build.sh
+test: lws-bin
+
 # The images the real-pod tests run (tests/cluster/test_real_pods.py): pause, bases from
 # Debian's archive and PyPI, and our four images from their Dockerfiles, built by BuildKit
 # (hack/images.py) into the suite's registry, cached in ~/.cache/rlhf-operator/ (a warm run

@@ -462,3 +462,30 @@ def test_quantization_flags_are_refused_in_extra_args():
         doc["spec"]["rollout"]["vllm"] = {"extraArgs": args}
         with pytest.raises(JobError, match="rollout.vllm.quantization"):
             validate_job(doc)
+
+
+def test_a_multi_node_servers_leader_and_worker_commands_are_accepted_by_vllms_parser():
+    """rollout.nodesPerServer 2: the leader (rank 0, HTTP) and the headless worker, each flag one
+    vLLM's `vllm serve` has; the values LWS's env gives them are Kubernetes `$(VAR)`s."""
+    from rlhf_contract.api.load import JobError, validate_job
+    from rlhf_contract.pod import multinode_flags
+
+    doc = yaml.safe_load((ROOT / "examples/rlhfjob.yaml").read_text())
+    doc["spec"]["rollout"].update(tensorParallelSize=8, nodesPerServer=2)
+    job = validate_job(doc)
+    base = serve_command(job.spec, model_path="/m", host="h", port=1, name="n")
+    options = FACTS["serve_options"]
+    for leader in (True, False):
+        command = base + multinode_flags(job.spec, leader=leader)
+        flags = dict(_flags(command))
+        for flag, value in _flags(command):
+            assert flag in options, f"vLLM {VLLM_VERSION}'s `vllm serve` does not accept {flag}: {shlex.join(command)}"
+        assert flags["--nnodes"] == "$(LWS_GROUP_SIZE)" and flags["--master-addr"] == "$(LWS_LEADER_ADDRESS)"
+        assert flags["--node-rank"] == ("0" if leader else "$(LWS_WORKER_INDEX)")
+        assert ("--headless" in command) is not leader
+        assert flags["--tensor-parallel-size"] == "8"  # the whole group's ranks
+    one_node = validate_job(yaml.safe_load((ROOT / "examples/rlhfjob.yaml").read_text()))
+    assert multinode_flags(one_node.spec, leader=True) == []
+    doc["spec"]["rollout"]["vllm"] = {"extraArgs": ["--nnodes", "2"]}  # the operator's, from nodesPerServer
+    with pytest.raises(JobError, match="rollout.nodesPerServer"):
+        validate_job(doc)

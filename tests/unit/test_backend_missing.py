@@ -100,3 +100,13 @@ def test_which_backends_a_cluster_has_is_read_from_api_discovery():
     # a group served without our version or resource (Kubeflow's other operators) is not the backend
     assert not installed({"kubeflow.org"}, lambda g, v: {"tfjobs"})["PyTorchJob"]
     assert not installed({"trainer.kubeflow.org"}, lambda g, v: None)["TrainJob"]
+
+
+def test_a_missing_leaderworkerset_crd_is_the_same_problem_naming_it_and_nodes_per_server():
+    """rollout.nodesPerServer > 1 with any backend: the rollout LeaderWorkerSet's 404 is BackendMissing."""
+    kube = NoCRDKube({"LeaderWorkerSet"})
+    r, cache = reconciler(kube)
+    outcome = r._apply_all(cache, [manifest(), manifest("LeaderWorkerSet", "j-rollout")], Observed())
+    assert outcome == {MISSING: missing_message("LeaderWorkerSet")}
+    assert "no leaderworkersets.leaderworkerset.x-k8s.io CRD" in outcome[MISSING]
+    assert "rollout.nodesPerServer: 1" in outcome[MISSING]

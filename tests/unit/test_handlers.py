@@ -45,7 +45,7 @@ def test_observed_children_are_the_backends_kinds_by_their_fixed_names():
             "statefulsets": [_obj("j-rollout")],
             # the deleted trainer of attempt 0 still indexed beside attempt 1's: the newer one counts
             "pytorchjobs": [_obj("j-trainer", "2026-01-01T00:05:00Z"), _obj("j-trainer", "2026-01-01T00:00:00Z")],
-            "jobsets": [_obj("j")]}
+            "jobsets": [_obj("j")], "leaderworkersets": [_obj("j-rollout")]}
     read: list[str] = []
     asked: list[set[str]] = []
 
@@ -58,8 +58,10 @@ def test_observed_children_are_the_backends_kinds_by_their_fixed_names():
         return {}
 
     o = observed_of("ns", "j", "PyTorchJob", reader, not_ready)
-    assert sorted(read) == ["pods", "pytorchjobs", "statefulsets"]  # not the other backend's JobSet
+    # not the other backend's JobSet; the rollout servers' LeaderWorkerSet (rollout.nodesPerServer > 1)
+    assert sorted(read) == ["leaderworkersets", "pods", "pytorchjobs", "statefulsets"]
     assert o.statefulset["metadata"]["name"] == "j-rollout" and o.jobset is None
+    assert o.leaderworkerset["metadata"]["name"] == "j-rollout"
     assert o.pytorchjob["metadata"]["creationTimestamp"] == "2026-01-01T00:05:00Z"
     assert [p["metadata"]["name"] for p in o.pods] == ["j-trainer-0", "j-rollout-0", "j-rollout-1"]
     assert asked == [{"n1", "n2"}]
@@ -67,7 +69,7 @@ def test_observed_children_are_the_backends_kinds_by_their_fixed_names():
     read.clear()
     o = observed_of("ns", "j", "JobSet", reader, not_ready)
     assert sorted(read) == ["jobsets", "pods"] and o.jobset["metadata"]["name"] == "j"
-    assert o.statefulset is None and o.pytorchjob is None
+    assert o.statefulset is None and o.pytorchjob is None and o.leaderworkerset is None
     # an object of another name (another job's child that shares no key) is not this job's
     objs["statefulsets"] = [_obj("other-rollout")]
     assert observed_of("ns", "j", "PyTorchJob", reader, not_ready).statefulset is None

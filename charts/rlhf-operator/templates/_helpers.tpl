@@ -113,6 +113,10 @@ rules:
   - apiGroups: [trainer.kubeflow.org]
     resources: [trainjobs]
     verbs: [get, list, watch, create, patch, delete]
+  - apiGroups: [leaderworkerset.x-k8s.io]
+    # rollout.nodesPerServer > 1: multi-node rollout servers (optional, as JobSet)
+    resources: [leaderworkersets]
+    verbs: [get, list, watch, create, patch, delete]
   - apiGroups: [networking.k8s.io]
     resources: [networkpolicies]
     verbs: [get, create, patch, delete]

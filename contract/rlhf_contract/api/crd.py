@@ -60,11 +60,19 @@ def _structural(node: Any, defs: dict[str, Any]) -> Any:
             out["enum"] = [value]
         elif key == "description":
             out[key] = " ".join(value.split())
+        elif key == "default":  # a null field of an object's default is an absent one (an enum refuses null)
+            out[key] = _without_nulls(value)
         else:
             out[key] = _structural(value, defs)
     if "properties" in out:
         out.setdefault("type", "object")
     return out
+
+
+def _without_nulls(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    return [_without_nulls(v) for v in value] if isinstance(value, list) else value
 
 
 def _schema(model: type) -> dict[str, Any]:

@@ -38,7 +38,7 @@ COLOCATED_RULES: tuple[Rule, ...] = (
     ),
 )
 
-CLUSTER_RULES: tuple[Rule, ...] = (
+_CLUSTER_RULES: tuple[Rule, ...] = (
     Rule(
         field_path="trainer.numNodes",
         cel="self.rollout.placement != 'colocated' || self.trainer.numNodes == 1",
@@ -71,6 +71,30 @@ CLUSTER_RULES: tuple[Rule, ...] = (
 """Rules of what the operator can build (the CRD's CEL and the operator's builders), not of
 what a job means: local mode runs these jobs."""
 
+MULTINODE_RULES: tuple[Rule, ...] = (
+    Rule(
+        field_path="rollout.nodesPerServer",
+        cel="self.rollout.tensorParallelSize % self.rollout.nodesPerServer == 0",
+        message="must divide rollout.tensorParallelSize: a server's tensor-parallel ranks are spread evenly over "
+        "its nodes (GPUs per pod = tensorParallelSize / nodesPerServer)",
+        check=lambda s: s.rollout.tensor_parallel_size % s.rollout.nodes_per_server == 0,
+        detail=lambda s: f"got {s.rollout.nodes_per_server} for tensorParallelSize {s.rollout.tensor_parallel_size}",
+    ),
+    Rule(
+        field_path="rollout.nodesPerServer",
+        cel="self.rollout.nodesPerServer == 1 || (self.rollout.engine == 'vllm' && "
+        "self.rollout.placement != 'colocated' && (!has(self.backend) || self.backend != 'JobSet'))",
+        message="above 1 needs rollout.engine vllm, rollout.placement separate and spec.backend PyTorchJob or "
+        "TrainJob: a multi-node server is a vLLM LeaderWorkerSet group beside the trainer; set nodesPerServer: 1 "
+        "otherwise",
+        check=lambda s: s.rollout.nodes_per_server == 1 or (
+            s.rollout.engine == "vllm" and s.rollout.placement != "colocated" and s.backend != "JobSet"),
+        detail=lambda s: f"got engine {s.rollout.engine}, placement {s.rollout.placement}, backend {s.backend}",
+    ),
+)
+"""Rules of `rollout.nodesPerServer` (servers larger than one node: builders/lws.py); cluster
+rules, as local mode runs every server as one CPU process."""
+
 AGENT_RULES: tuple[Rule, ...] = (
     Rule(
         field_path="rollout.agent",
@@ -89,3 +113,5 @@ AGENT_RULES: tuple[Rule, ...] = (
     ),
 )
 """Rules of `rollout.agent`: one episode driver at a time."""
+
+CLUSTER_RULES: tuple[Rule, ...] = (*_CLUSTER_RULES, *MULTINODE_RULES)

@@ -26,6 +26,9 @@ OWN_SERVE_FLAGS = {
     "--disable-sleep-mode": "rollout.placement", "--kv-cache-memory-bytes": "rollout.vllm.kvCacheMemoryBytes",
     "--quantization": "rollout.vllm.quantization", "-q": "rollout.vllm.quantization",
     "--quantization-config": "rollout.vllm.quantization",
+    "--nnodes": "rollout.nodesPerServer", "-n": "rollout.nodesPerServer", "--node-rank": "rollout.nodesPerServer",
+    "-r": "rollout.nodesPerServer", "--master-addr": "rollout.nodesPerServer",
+    "--master-port": "rollout.nodesPerServer", "--headless": "rollout.nodesPerServer",
 }
 
 QUANTIZATION_FLAG = {"fp8": "fp8_per_block", "fp8_per_block": "fp8_per_block", "fp8_per_tensor": "fp8_per_tensor",

@@ -26,7 +26,10 @@ class RolloutSpec(SpecModel):
     replicas: int = Field(default=1, ge=1, le=INT32_MAX)
     """Number of rollout servers."""
     tensor_parallel_size: int = Field(default=1, ge=1)
-    """GPUs per rollout server (vLLM tensor parallel size)."""
+    """GPUs per rollout server (vLLM tensor parallel size), over all its nodes."""
+    nodes_per_server: int = Field(default=1, ge=1, le=INT32_MAX)
+    """Pods (nodes) one rollout server spans, `tensorParallelSize` / nodesPerServer GPUs each.
+    Above 1: a LeaderWorkerSet group per server (needs the LWS controller; docs/methods.md)."""
     samples_per_prompt: int = Field(default=8, ge=1, le=INT32_MAX)
     """Responses sampled for each prompt (the group size)."""
     max_tokens: int = Field(default=1024, ge=1, le=INT32_MAX)
@@ -78,7 +81,7 @@ class RolloutSpec(SpecModel):
 
     @property
     def gpus_per_server(self) -> int:
-        """Accelerators each rollout server pod requests: none for the CPU engine."""
+        """Accelerators one rollout server uses: none for the CPU engine."""
         return 0 if self.engine == "cpu" else self.tensor_parallel_size
 
 

@@ -20,10 +20,11 @@ from .sandbox import build_sandbox, wants_sandbox
 from .judge import build_judge
 from .services import build_network_policy, build_rollout_service, build_weight_sync_service
 from .jobset import build_jobset
+from .lws import build_rollout_lws, uses_lws
 from .trainjob import TrainJobError, build_trainjob, check_trainjob
 from .workloads import build_rollout_statefulset, build_trainer_pytorchjob, rollout_endpoints, weight_sync_addr
 
-WORKLOAD_KINDS = ("StatefulSet", "PyTorchJob", "JobSet", "TrainJob")
+WORKLOAD_KINDS = ("StatefulSet", "PyTorchJob", "JobSet", "TrainJob", "LeaderWorkerSet")
 
 
 def build_support(job: RLHFJob, settings: PodSettings | None = None) -> list[dict[str, Any]]:
@@ -64,7 +65,8 @@ def build_workloads(job: RLHFJob, attempt: int, settings: PodSettings) -> list[d
     build_trainer = build_trainjob if job.spec.backend == "TrainJob" else build_trainer_pytorchjob
     if job.spec.trainer_pods_only:  # offline, or colocated: no rollout StatefulSet
         return [build_trainer(job, attempt, settings)]
-    return [build_rollout_statefulset(job, attempt, settings), build_trainer(job, attempt, settings)]
+    build_rollout = build_rollout_lws if uses_lws(job) else build_rollout_statefulset  # rollout.nodesPerServer > 1
+    return [build_rollout(job, attempt, settings), build_trainer(job, attempt, settings)]
 
 
 def job_settings(job: RLHFJob, *, allow_host_path: bool = False) -> PodSettings:

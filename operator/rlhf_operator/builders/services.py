@@ -12,6 +12,7 @@ from typing import Any
 
 from rlhf_contract import pod as contract
 from rlhf_contract.api.models import RLHFJob
+from .lws import leader_selector
 from .meta import (
     COMPLETION_INDEX_LABEL, JOBSET_NAME_LABEL, JOBSET_RJOB_LABEL, LABEL_JOB, LABEL_ROLE, RJOB_TRAINER, ROLE_ROLLOUT,
     jobset_name, metadata, network_policy_name, rollout_name, trainer_name, weight_sync_name,
@@ -28,7 +29,8 @@ def build_rollout_service(job: RLHFJob) -> dict[str, Any]:
             "clusterIP": "None",
             # DNS names exist from the start; the trainer's client waits for /health itself.
             "publishNotReadyAddresses": True,
-            "selector": {LABEL_JOB: job.metadata.name, LABEL_ROLE: ROLE_ROLLOUT},
+            # LeaderWorkerSet groups: their leaders (vLLM's rank 0, the HTTP server) only
+            "selector": {LABEL_JOB: job.metadata.name, LABEL_ROLE: ROLE_ROLLOUT, **leader_selector(job)},
             "ports": [{"name": "http", "port": contract.ROLLOUT_PORT, "targetPort": "http", "protocol": "TCP"}],
         },
     }
