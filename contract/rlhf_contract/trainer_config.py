@@ -11,6 +11,7 @@ The algorithm arrives resolved (presets applied): every field the trainer reads 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
@@ -93,6 +94,18 @@ class OutputConfig(_Config):
     """`s3://` location receiving each checkpoint and `final/` (`output.uri`)."""
     hub: HubOutputSpec | None = None
     """Hub repository receiving `final/` (`output.hub`)."""
+
+
+@dataclass(frozen=True)
+class ReferenceModel:
+    """The frozen model a job's loss compares against (`TrainerConfig.reference_model`)."""
+
+    path: str
+    """The model directory it is read from."""
+    copy: bool
+    """Loaded as a second model; False: the policy's own base with its LoRA adapters off."""
+    teacher: bool
+    """A distillation teacher (`distillation.teacher`), not the starting model."""
 
 
 STALE_CORRECTION = RolloutCorrectionSpec(mode="tis")
@@ -193,6 +206,17 @@ class TrainerConfig(_Config):
             rollout_weight_sync_timeout_seconds=r.weight_sync_timeout_seconds,
             tracking=s.tracking, termination_grace_period_seconds=s.run_policy.termination_grace_period_seconds,
         )
+
+    def reference_model(self) -> ReferenceModel | None:
+        """The frozen model the method's loss compares against (the method's `reference`
+        fact, MethodFacts), or None: the one place that decides it, for the loaders, both
+        engines and the memory plan."""
+        kind = Method(self.method).facts.reference
+        if kind == "teacher":
+            return ReferenceModel(self.distillation.teacher.path, copy=True, teacher=True) if self.distillation else None
+        if kind == "always" or (kind == "kl" and self.algorithm.kl_coef):
+            return ReferenceModel(self.model_path, copy=self.lora is None, teacher=False)
+        return None
 
     def rule_problems(self, world_size: int) -> list[str]:
         """The contract's cross-field RULES that this config breaks on a trainer world of

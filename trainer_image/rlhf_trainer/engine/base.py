@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,24 @@ from ..checkpoint import save_final
 from ..models import lora
 
 TensorSpecs = list[tuple[str, list[int], torch.dtype]]
+
+
+@dataclass(frozen=True)
+class PlannedState:
+    """What an engine keeps on each GPU, for the memory plan (preflight/memory_plan.py):
+    the trained model's persistent terms, the bytes per parameter of a frozen model (the
+    reference, a teacher, the reward model), its own working buffers during a micro-batch,
+    and whether FSDP's unsharded compute copies exist (a term the plan computes itself).
+    Terms are (name, bytes, note)."""
+
+    trained: list[tuple[str, int, str]]
+    frozen_bytes: int
+    """Bytes per parameter of a frozen model..."""
+    frozen_shard: int
+    """...divided over this many ranks."""
+    fsdp_copies: bool
+    micro_batch: list[tuple[str, int, str]] = field(default_factory=list)
+    note: str = ""
 
 
 class EngineStateError(RuntimeError):
@@ -49,6 +68,13 @@ class Engine(ABC):
     def load_models(cls, config, info, **kwargs) -> tuple[torch.nn.Module, torch.nn.Module | None, Any]:
         """Load and lay out the job's models as this engine trains them: (trained,
         reference, layout)."""
+
+    @classmethod
+    @abstractmethod
+    def planned_state(cls, optim, *, params: float, trained: float, shard: int, cuda: bool) -> PlannedState:
+        """The memory plan's view of this engine for a model of `params` parameters per rank
+        (its tensor-parallel part divided by the `shard` data-parallel ranks; `trained` of
+        them trained)."""
 
     # ---- one optimizer step ---------------------------------------------------------
 

@@ -85,3 +85,31 @@ def colocated_problem(config, phases: list[Phase], gpu_bytes: int) -> str:
     return (f"spec.rollout.placement: colocated, the {worst.name} phase needs {worst.bytes / GIB:.1f} GiB per GPU of "
             f"{gpu_bytes / GIB:.1f} ({worst.note}): " + "; ".join(fixes[p.name] for p in over)
             + " (rlhfctl plan job.yaml shows the phases)")
+
+
+@dataclass(frozen=True)
+class MemoryVerdict:
+    """A job's whole memory answer: the trainer's plan, a colocated job's phases, and the
+    problem that refuses it ("" when it fits). `rlhfctl plan` prints it and the trainer's
+    preflight returns its problem: one answer for both."""
+
+    plan: MemoryPlan
+    phases: list[Phase]
+    problem: str
+
+    @property
+    def peak(self) -> int:
+        return max([self.plan.total, *(p.bytes for p in self.phases)])
+
+
+def memory_verdict(config, model_config: dict, world_size: int, gpu_bytes: int,
+                   reward_model_config: dict | None = None) -> MemoryVerdict:
+    """The plan of `config` (memory_plan.py `plan`, whichever engine the job trains on) and
+    its colocated phases; raises what `plan` raises for a model it cannot build."""
+    from .memory_plan import plan
+
+    result = plan(config, model_config, world_size, gpu_bytes, reward_model_config=reward_model_config)
+    if not result.fits:
+        return MemoryVerdict(result, [], result.message())
+    phases = colocated_phases(config, model_config, result)
+    return MemoryVerdict(result, phases, colocated_problem(config, phases, gpu_bytes))
