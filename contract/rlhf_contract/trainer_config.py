@@ -19,6 +19,7 @@ from pydantic import ConfigDict, Field, model_validator
 from .api.common import SpecModel
 from .api.models import (AlgorithmSpec, ColocatedSpec, DataSpec, DeepSpeedSpec, DistillationSpec, EnvironmentSpec, EvaluationSpec, HubOutputSpec, LoraSpec, Method, ModelSpec, ParallelismSpec, PreferenceSpec, RewardSpec,
                          RLHFJob, RLHFJobSpec, RolloutSpec, ScheduleSpec, TrackingSpec, TrainerSpec)
+from .api.serving import VllmSpec
 from .api.rules import violations
 from .api.task import RolloutCorrectionSpec
 from .api.tools import AgentSpec, ToolsSpec
@@ -31,7 +32,8 @@ class _Config(SpecModel):
 
 
 class SamplingConfig(_Config):
-    """How the rollout servers sample (from `spec.rollout`)."""
+    """How the rollout servers sample and where they run (from `spec.rollout`, under the
+    spec's own names, so `_as_spec` gives the rules what the job said)."""
 
     samples_per_prompt: int = Field(default=8, ge=1)
     """Responses per prompt (the group size)."""
@@ -45,12 +47,16 @@ class SamplingConfig(_Config):
     """Top-k; -1 disables it."""
     max_staleness: int = Field(default=0, ge=0)
     """Policy versions a sample may lag behind the trainer (0: synchronous)."""
-    colocated: ColocatedSpec | None = None
-    """Set when the rollout servers share the trainer's devices (`rollout.placement:
-    colocated`): they sleep while it trains."""
+    placement: Literal["separate", "colocated"] = "separate"
+    """`rollout.placement`: `colocated` servers share the trainer's devices and sleep while it
+    trains (read by the trainer in rl/placement.py only)."""
+    colocated: ColocatedSpec = Field(default_factory=ColocatedSpec)
+    """`rollout.colocated`: the turns' settings, read with placement colocated."""
+    engine: Literal["vllm", "cpu"] = "vllm"
+    """`rollout.engine`: what serves the rollouts (the colocation rules depend on it)."""
     kv_cache_memory_bytes: int | None = None
     """`rollout.vllm.kvCacheMemoryBytes` (per GPU): the colocated memory plan's KV cache."""
-    rollout_tensor_parallel: int = Field(default=1, ge=1)
+    tensor_parallel_size: int = Field(default=1, ge=1)
     """`rollout.tensorParallelSize`: GPUs per rollout server (the colocated plan's weights per GPU)."""
 
 
@@ -190,9 +196,9 @@ class TrainerConfig(_Config):
             distillation=s.distillation, sampling=SamplingConfig(samples_per_prompt=r.samples_per_prompt, max_tokens=r.max_tokens,
                                     temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                     max_staleness=r.max_staleness,
-                                    colocated=r.colocated if r.placement == "colocated" else None,
+                                    placement=r.placement, colocated=r.colocated, engine=r.engine,
                                     kv_cache_memory_bytes=r.vllm.kv_cache_memory_bytes,
-                                    rollout_tensor_parallel=r.tensor_parallel_size),
+                                    tensor_parallel_size=r.tensor_parallel_size),
             optim=OptimConfig(learning_rate=t.learning_rate, weight_decay=t.weight_decay,
                               max_grad_norm=t.max_grad_norm, lr_scheduler=t.lr_scheduler, warmup_steps=t.warmup_steps,
                               min_learning_rate_ratio=t.min_learning_rate_ratio,
@@ -236,7 +242,10 @@ class TrainerConfig(_Config):
             rollout=RolloutSpec.model_construct(samples_per_prompt=s.samples_per_prompt, max_tokens=s.max_tokens,
                                                 temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                                 max_staleness=s.max_staleness, tools=self.tools,
-                                                agent=self.agent),
+                                                agent=self.agent, placement=s.placement, colocated=s.colocated,
+                                                engine=s.engine, tensor_parallel_size=s.tensor_parallel_size,
+                                                vllm=VllmSpec.model_construct(
+                                                    kv_cache_memory_bytes=s.kv_cache_memory_bytes)),
             trainer=TrainerSpec.model_construct(num_nodes=1, nproc_per_node=world_size, parallelism=o.parallelism,
                                                 max_tokens_per_micro_batch=o.max_tokens_per_micro_batch,
                                                 engine=o.engine, deepspeed=o.deepspeed))

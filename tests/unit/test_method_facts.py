@@ -70,3 +70,17 @@ def test_a_distill_jobs_plan_holds_its_weight_sync_like_an_rl_jobs(teacher):
     assert term(distill, "NCCL communicators").bytes == term(rl, "NCCL communicators").bytes \
         == term(sft, "NCCL communicators").bytes + NCCL_COMMUNICATOR_BYTES
     assert term(distill, "distillation teacher") is not None
+
+
+def test_the_pod_checks_the_colocation_rules_again():
+    """The trainer config keeps `rollout.placement` and `rollout.colocated` under the spec's
+    names, so the rules the spec obeys are checked again on the config in the pod (they were
+    not: its rebuilt spec had no placement)."""
+    config = config_of("local-grpo.yaml", "rollout.placement=colocated")
+    assert config.sampling.placement == "colocated" and config.rule_problems(1) == []
+    stale = config.model_copy(update={"sampling": config.sampling.model_copy(update={"max_staleness": 1})})
+    assert any(p.startswith("spec.rollout.maxStaleness: must be 0 with rollout.placement colocated")
+               for p in stale.rule_problems(1))
+    vllm = config.model_copy(update={"sampling": config.sampling.model_copy(update={"engine": "vllm"})})
+    assert any(p.startswith("spec.rollout.vllm.kvCacheMemoryBytes") for p in vllm.rule_problems(1))
+    assert TrainerConfig.from_json(config.to_json()) == config

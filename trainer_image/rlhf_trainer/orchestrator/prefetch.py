@@ -54,7 +54,7 @@ class Prefetcher:
                     self._ready[step] = err
                     self._cond.notify_all()
                 return
-            batch.extra.update(policy_version=version, data_position=data.state_dict())
+            batch.policy_version, batch.data_position = version, data.state_dict()
             with self._cond:
                 self._ready[step] = batch
                 self._cond.notify_all()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..rl.placement import colocated_spec
 from .memory_plan import FRAGMENTATION, GIB, MemoryPlan, model_shape
 from .memory_runtime import CUDA_CONTEXT_BYTES
 
@@ -44,13 +45,13 @@ class Phase:
 def colocated_phases(config, model_config: dict, trainer: MemoryPlan) -> list[Phase]:
     """The three phases' per-GPU bytes (module docstring) of a colocated job on CUDA, from
     the trainer's own plan; [] when the job is not colocated or sets no KV cache size."""
-    colocated = config.sampling.colocated
+    colocated = colocated_spec(config)
     kv = config.sampling.kv_cache_memory_bytes
     if colocated is None or kv is None:
         return []
     from ..weight_sync.buckets import DEFAULT_BUCKET_BYTES
 
-    tp = config.sampling.rollout_tensor_parallel
+    tp = config.sampling.tensor_parallel_size
     s = model_shape(model_config)
     server_weights = int(2 * s.total(head=True) / tp)
     persistent = sum(t.bytes for t in trainer.terms if t.phase == "persistent")
@@ -81,7 +82,7 @@ def colocated_problem(config, phases: list[Phase], gpu_bytes: int) -> str:
     fixes = {"train": "the trainer's own fixes (trainer.maxTokensPerMicroBatch, activation checkpointing, more GPUs)",
              "sync": "more GPUs (trainer.nprocPerNode) or a larger rollout.tensorParallelSize",
              "generate": "a smaller rollout.vllm.kvCacheMemoryBytes"
-             + ("" if config.sampling.colocated.offload_trainer else ", or rollout.colocated.offloadTrainer: true")}
+             + ("" if colocated_spec(config).offload_trainer else ", or rollout.colocated.offloadTrainer: true")}
     return (f"spec.rollout.placement: colocated, the {worst.name} phase needs {worst.bytes / GIB:.1f} GiB per GPU of "
             f"{gpu_bytes / GIB:.1f} ({worst.note}): " + "; ".join(fixes[p.name] for p in over)
             + " (rlhfctl plan job.yaml shows the phases)")
