@@ -120,6 +120,34 @@ class Engine(ABC):
     def load_files(self, directory: Path, tag: str) -> None:
         """Collective: restore what `save_files` wrote."""
 
+    @classmethod
+    def wrote(cls, step_dir: Path, part: str) -> bool:
+        """Whether this engine wrote `part` of the checkpoint `step_dir` (its layout on disk)."""
+        return False
+
+    @classmethod
+    def read_trained(cls, step_dir: Path, part: str) -> dict[str, torch.Tensor]:
+        """`part`'s trained tensors in the checkpoint `step_dir`, whole, by Hugging Face name,
+        read in one process without a GPU (`rlhfctl export`). Torch's DCP files by default."""
+        import warnings
+
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        from ..checkpoint import SafeReader
+
+        reader = SafeReader(str(step_dir))  # DCP's metadata pickle read with DCP's classes only
+        prefix = f"{part}.model."
+        state = {key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
+                 for key, meta in reader.read_metadata().state_dict_metadata.items()
+                 if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
+        if state:
+            import torch.distributed.checkpoint as dcp
+
+            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load({part: {"model": state}}, storage_reader=reader)
+        return state
+
     # ---- whole parameters ---------------------------------------------------------------
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:

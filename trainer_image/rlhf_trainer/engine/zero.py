@@ -196,6 +196,21 @@ class ZeroEngine(Engine):
         norm = torch.as_tensor(float("nan") if norm is None else float(norm), dtype=torch.float32)
         return norm if bool(torch.isfinite(norm)) else None
 
+    @classmethod
+    def wrote(cls, step_dir: Path, part: str) -> bool:
+        return any((Path(step_dir) / part).glob("*model_states.pt"))
+
+    @classmethod
+    def read_trained(cls, step_dir: Path, part: str) -> dict[str, torch.Tensor]:
+        """The ZeRO files of `step_dir/part/` keep the fp32 weights in the optimizer's
+        partitions: DeepSpeed's own `zero_to_fp32` merges them (as data only)."""
+        import sys
+
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        with contextlib.redirect_stdout(sys.stderr), data_only_loads():  # it prints its progress; no pickle runs code
+            return dict(get_fp32_state_dict_from_zero_checkpoint(str(step_dir), tag=part))
+
     def save_files(self, directory: Path, tag: str) -> None:
         """Collective: this part's ZeRO state (parameters, optimizer) under `directory/tag`."""
         self.ds.save_checkpoint(str(directory), tag=tag, save_latest=False)
