@@ -11,6 +11,7 @@ The algorithm arrives resolved (presets applied): every field the trainer reads 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
@@ -18,6 +19,7 @@ from pydantic import ConfigDict, Field, model_validator
 from .api.common import SpecModel
 from .api.models import (AlgorithmSpec, ColocatedSpec, DataSpec, DeepSpeedSpec, DistillationSpec, EnvironmentSpec, EvaluationSpec, HubOutputSpec, LoraSpec, Method, ModelSpec, ParallelismSpec, PreferenceSpec, RewardSpec,
                          RLHFJob, RLHFJobSpec, RolloutSpec, ScheduleSpec, TrackingSpec, TrainerSpec)
+from .api.serving import VllmSpec
 from .api.rules import violations
 from .api.task import RolloutCorrectionSpec
 from .api.tools import AgentSpec, ToolsSpec
@@ -30,7 +32,8 @@ class _Config(SpecModel):
 
 
 class SamplingConfig(_Config):
-    """How the rollout servers sample (from `spec.rollout`)."""
+    """How the rollout servers sample and where they run (from `spec.rollout`, under the
+    spec's own names, so `_as_spec` gives the rules what the job said)."""
 
     samples_per_prompt: int = Field(default=8, ge=1)
     """Responses per prompt (the group size)."""
@@ -47,12 +50,16 @@ class SamplingConfig(_Config):
     in_flight_updates: bool = False
     """`rollout.inFlightUpdates`: weight updates pause the servers with mode keep (requests in
     flight continue on the new weights); staleness is bounded and logged per token."""
-    colocated: ColocatedSpec | None = None
-    """Set when the rollout servers share the trainer's devices (`rollout.placement:
-    colocated`): they sleep while it trains."""
+    placement: Literal["separate", "colocated"] = "separate"
+    """`rollout.placement`: `colocated` servers share the trainer's devices and sleep while it
+    trains (read by the trainer in rl/placement.py only)."""
+    colocated: ColocatedSpec = Field(default_factory=ColocatedSpec)
+    """`rollout.colocated`: the turns' settings, read with placement colocated."""
+    engine: Literal["vllm", "cpu"] = "vllm"
+    """`rollout.engine`: what serves the rollouts (the colocation rules depend on it)."""
     kv_cache_memory_bytes: int | None = None
     """`rollout.vllm.kvCacheMemoryBytes` (per GPU): the colocated memory plan's KV cache."""
-    rollout_tensor_parallel: int = Field(default=1, ge=1)
+    tensor_parallel_size: int = Field(default=1, ge=1)
     """`rollout.tensorParallelSize`: GPUs per rollout server (the colocated plan's weights per GPU)."""
     quantization: str | None = None
     """`rollout.vllm.quantization` (FP8 rollouts): the colocated plan's server weights."""
@@ -104,6 +111,18 @@ class OutputConfig(_Config):
     """`s3://` location receiving each checkpoint and `final/` (`output.uri`)."""
     hub: HubOutputSpec | None = None
     """Hub repository receiving `final/` (`output.hub`)."""
+
+
+@dataclass(frozen=True)
+class ReferenceModel:
+    """The frozen model a job's loss compares against (`TrainerConfig.reference_model`)."""
+
+    path: str
+    """The model directory it is read from."""
+    copy: bool
+    """Loaded as a second model; False: the policy's own base with its LoRA adapters off."""
+    teacher: bool
+    """A distillation teacher (`distillation.teacher`), not the starting model."""
 
 
 STALE_CORRECTION = RolloutCorrectionSpec(mode="tis")
@@ -189,9 +208,9 @@ class TrainerConfig(_Config):
                                     temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                     max_staleness=r.max_staleness,
                                     in_flight_updates=r.in_flight_updates,
-                                    colocated=r.colocated if r.placement == "colocated" else None,
+                                    placement=r.placement, colocated=r.colocated, engine=r.engine,
                                     kv_cache_memory_bytes=r.vllm.kv_cache_memory_bytes,
-                                    rollout_tensor_parallel=r.tensor_parallel_size,
+                                    tensor_parallel_size=r.tensor_parallel_size,
                                     quantization=r.vllm.quantization if r.engine == "vllm" else None),
             optim=OptimConfig(learning_rate=t.learning_rate, weight_decay=t.weight_decay,
                               max_grad_norm=t.max_grad_norm, lr_scheduler=t.lr_scheduler, warmup_steps=t.warmup_steps,
@@ -206,6 +225,17 @@ class TrainerConfig(_Config):
             rollout_weight_sync_timeout_seconds=r.weight_sync_timeout_seconds,
             tracking=s.tracking, termination_grace_period_seconds=s.run_policy.termination_grace_period_seconds,
         )
+
+    def reference_model(self) -> ReferenceModel | None:
+        """The frozen model the method's loss compares against (the method's `reference`
+        fact, MethodFacts), or None: the one place that decides it, for the loaders, both
+        engines and the memory plan."""
+        kind = Method(self.method).facts.reference
+        if kind == "teacher":
+            return ReferenceModel(self.distillation.teacher.path, copy=True, teacher=True) if self.distillation else None
+        if kind == "always" or (kind == "kl" and self.algorithm.kl_coef):
+            return ReferenceModel(self.model_path, copy=self.lora is None, teacher=False)
+        return None
 
     def rule_problems(self, world_size: int) -> list[str]:
         """The contract's cross-field RULES that this config breaks on a trainer world of
@@ -225,7 +255,10 @@ class TrainerConfig(_Config):
             rollout=RolloutSpec.model_construct(samples_per_prompt=s.samples_per_prompt, max_tokens=s.max_tokens,
                                                 temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                                 max_staleness=s.max_staleness, tools=self.tools,
-                                                agent=self.agent),
+                                                agent=self.agent, placement=s.placement, colocated=s.colocated,
+                                                engine=s.engine, tensor_parallel_size=s.tensor_parallel_size,
+                                                vllm=VllmSpec.model_construct(
+                                                    kv_cache_memory_bytes=s.kv_cache_memory_bytes)),
             trainer=TrainerSpec.model_construct(num_nodes=1, nproc_per_node=world_size, parallelism=o.parallelism,
                                                 max_tokens_per_micro_batch=o.max_tokens_per_micro_batch,
                                                 engine=o.engine, deepspeed=o.deepspeed))

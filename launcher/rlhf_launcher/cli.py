@@ -13,16 +13,17 @@ from pathlib import Path
 from rlhf_contract.exit_codes import ExitCode
 
 
-def _emit_plan(job, world: int, gpu: int, result, fmt: str) -> int:
+def _emit_plan(job, world: int, gpu: int, verdict, fmt: str) -> int:
     """`plan -o json|yaml`: the plan's numbers (bytes), and the same exit code as the table."""
     from .output import emit
 
-    emit({"name": job.metadata.name, "gpus": world, "gpuBytes": gpu, "fits": result.fits, "totalBytes": result.total,
+    result = verdict.plan
+    emit({"name": job.metadata.name, "gpus": world, "gpuBytes": gpu, "fits": not verdict.problem, "totalBytes": result.total,
           "peakPhase": result.peak_phase, "maxTokensPerMicroBatch": result.tokens,
           "activationCheckpointing": result.activation_checkpointing,
           "terms": [{"name": t.name, "phase": t.phase, "bytes": t.bytes, "note": t.note} for t in result.terms],
-          "notes": list(result.notes), "message": None if result.fits else result.message()}, fmt)
-    return ExitCode.OK if result.fits else ExitCode.CONFIG_ERROR
+          "notes": list(result.notes), "message": verdict.problem or None}, fmt)
+    return ExitCode.CONFIG_ERROR if verdict.problem else ExitCode.OK
 
 
 def _plan_gpu_bytes(args: argparse.Namespace, config, job) -> tuple[int | None, str]:
@@ -53,7 +54,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     from rlhf_contract.api import JobError, load_job
     from rlhf_contract.trainer_config import TrainerConfig
-    from rlhf_trainer.preflight.memory_plan import GIB, plan
+    from rlhf_trainer.preflight.memory_colocated import memory_verdict
+    from rlhf_trainer.preflight.memory_plan import GIB
 
     from .installed import PLAN_EXTRA, torch_installed
     from .validate import model_config_here
@@ -79,12 +81,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         model = (json.loads(Path(args.model_config).read_text()) if args.model_config
                  else model_config_here(job.spec.model.path, hub=True))
         rm = model_config_here(job.spec.reward.model.path, hub=True) if job.spec.reward.model is not None else None
-        result = plan(config, model, world, gpu, reward_model_config=rm)
+        verdict = memory_verdict(config, model, world, gpu, reward_model_config=rm)
     except (OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return ExitCode.CONFIG_ERROR
+    result = verdict.plan
     if args.output_format:
-        return _emit_plan(job, world, gpu, result, args.output_format)
+        return _emit_plan(job, world, gpu, verdict, args.output_format)
     p = config.optim.parallelism
     table = Table(title=f"{job.metadata.name}: memory per GPU, {world} trainer GPUs of {gpu / GIB:.1f} GiB{source} "
                         f"(tensorParallel {p.tensor_parallel}, contextParallel {p.context_parallel}, "
@@ -103,21 +106,18 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     console.print(table)
     for note in result.notes:
         console.print(f"note: {note}")
-    if not result.fits:
-        print(result.message(), file=sys.stderr)
-        return ExitCode.CONFIG_ERROR
-    return _colocated_plan(console, config, model, result, gpu)
+    return _colocated_plan(console, verdict, gpu)
 
 
-def _colocated_plan(console, config, model: dict, result, gpu: int) -> int:
+def _colocated_plan(console, verdict, gpu: int) -> int:
     """A colocated job's phases (rlhf_trainer/preflight/memory_colocated.py) after the
-    trainer's table; exit 2 when one does not fit."""
+    trainer's table; exit 2 with the preflight's own problem (`memory_verdict`) when the
+    job does not fit."""
     from rich.table import Table
 
-    from rlhf_trainer.preflight.memory_colocated import colocated_phases, colocated_problem
     from rlhf_trainer.preflight.memory_plan import GIB
 
-    phases = colocated_phases(config, model, result)
+    phases = verdict.phases
     if phases:
         table = Table(title="rollout.placement colocated: the trainer and a server's worker on each GPU, in turns")
         for column in ("phase", "GiB", "what"):
@@ -125,12 +125,10 @@ def _colocated_plan(console, config, model: dict, result, gpu: int) -> int:
         for phase in phases:
             table.add_row(phase.name, f"{phase.bytes / GIB:.1f}", phase.note)
         console.print(table)
-    problem = colocated_problem(config, phases, gpu)
-    if problem:
-        print(problem, file=sys.stderr)
+    if verdict.problem:
+        print(verdict.problem, file=sys.stderr)
         return ExitCode.CONFIG_ERROR
-    peak = max([result.total, *(p.bytes for p in phases)])
-    console.print(f"fits: {peak / GIB:.1f} of {gpu / GIB:.1f} GiB per GPU")
+    console.print(f"fits: {verdict.peak / GIB:.1f} of {gpu / GIB:.1f} GiB per GPU")
     return 0
 
 

@@ -8,20 +8,17 @@ architecture, tokenizer and export dtype come from the model the run started fro
 `trainer.json`; a built-in model is rebuilt from its name and the run's seed, or taken
 from `<output>/builtin-model/` where local mode wrote it). Only the policy is exported; the
 optimizer state is not read, except under `trainer.engine: deepspeed`, whose ZeRO files
-(`step-N/policy/`) keep the fp32 weights in the optimizer's partitions: DeepSpeed's own
-`zero_to_fp32` merges them. A LoRA run's checkpoint holds the adapters: they are put on
+(`step-N/policy/`) keep the fp32 weights in the optimizer's partitions: the engine that
+wrote the checkpoint reads it (rlhf_trainer/engine `checkpoint_engine`). A LoRA run's checkpoint holds the adapters: they are put on
 that model and exported merged, with `adapter/` in peft's format, as the run's `final/`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import pickle
 import shutil
-import sys
 import tempfile
-import warnings
 from pathlib import Path
 
 from rlhf_contract.outputs import MARKER, checkpoint_step
@@ -45,31 +42,12 @@ def _run_model(output_dir: Path) -> tuple[str, int, dict | None]:
 
 
 def _policy_state(checkpoint: Path) -> dict:
-    """The policy's trained tensors in `checkpoint`, whole, by Hugging Face name: DCP's
-    files, or under DeepSpeed the ZeRO files of `step-N/policy/` merged to fp32 by
-    DeepSpeed's own reader."""
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    """The policy's trained tensors in `checkpoint`, whole, by Hugging Face name, as the
+    engine that wrote them reads them (rlhf_trainer/engine: DCP files, or ZeRO's merged by
+    DeepSpeed's own reader)."""
+    from rlhf_trainer.engine import checkpoint_engine
 
-    if any((checkpoint / "policy").glob("*model_states.pt")):
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-        from rlhf_trainer.engine.zero import data_only_loads
-
-        with contextlib.redirect_stdout(sys.stderr), data_only_loads():  # it prints its progress; no pickle runs code
-            return dict(get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag="policy"))
-    from rlhf_trainer.checkpoint import SafeReader
-
-    reader = SafeReader(str(checkpoint))  # DCP's metadata pickle read with DCP's classes only
-    prefix = "policy.model."
-    state = {key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
-             for key, meta in reader.read_metadata().state_dict_metadata.items()
-             if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
-    if state:
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load({"policy": {"model": state}}, storage_reader=reader)
-    return state
+    return checkpoint_engine(checkpoint, "policy").read_trained(checkpoint, "policy")
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, model: str | None = None,

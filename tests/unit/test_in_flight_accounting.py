@@ -95,11 +95,11 @@ def test_each_sample_is_trained_once_across_in_flight_updates(tiny_model_dir, st
     # per token: versions never decrease within a response, never newer than the trained policy
     # nor older than the batch's start; some responses spanned an update
     for step, batch in enumerate(taken, start=1):
-        start, trained_version = batch.extra["policy_version"], step - 1
+        start, trained_version = batch.policy_version, step - 1
         for row in batch.rows:
             assert row.versions is not None and len(row.versions) == len(row.response_ids)
             assert row.versions == sorted(row.versions)
             assert all(start <= v <= trained_version for v in row.versions)
-        s = batch.extra["token_staleness"]
+        s = batch.token_staleness
         assert s["staleness_max"] <= K and s["stale_token_fraction"] == 0.0
-    assert sum(b.extra["token_staleness"]["mixed_version_fraction"] for b in taken) > 0
+    assert sum(b.token_staleness["mixed_version_fraction"] for b in taken) > 0

@@ -32,7 +32,7 @@ class Orchestrator:
         self.started.append(step)
         time.sleep(0.01)
         self.data.position += 4
-        return RolloutBatch([], 1, RolloutStats(*[0] * 12), {"step": step})
+        return RolloutBatch([], 1, RolloutStats(*[0] * 12), step=step)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
@@ -43,8 +43,8 @@ def test_taken_batches_lag_at_most_k_versions(k):
     lags = []
     for step in range(1, 12):
         batch = pre.take(step)
-        assert batch.extra["step"] == step and batch.extra["data_position"] == {"position": 4 * step}
-        lags.append(served["v"] - batch.extra["policy_version"])
+        assert batch.step == step and batch.data_position == {"position": 4 * step}
+        lags.append(served["v"] - batch.policy_version)
         time.sleep(0.03)  # train, then the weight sync completes: the servers hold version `step`
         served["v"] = step
         assert max(orch.started) <= step + k  # never more than k steps ahead
@@ -63,7 +63,7 @@ def test_a_producer_failure_reaches_the_trainer():
 def test_resumed_producer_starts_at_the_resumed_step():
     orch = Orchestrator()
     pre = Prefetcher(orch, max_staleness=2, first_step=7, last_step=20, served_version=lambda: 6)
-    assert pre.take(7).extra["step"] == 7
+    assert pre.take(7).step == 7
     pre.close()
     assert min(orch.started) == 7 and threading.active_count() < 50
 

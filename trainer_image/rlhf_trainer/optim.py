@@ -1,5 +1,6 @@
-"""The optimizer side shared by every method: AdamW over a model's trainable parameters
-and learning-rate schedules as a pure function of the optimizer step (the engines of
+"""The optimizer side shared by every method: AdamW over a model's trainable parameters,
+learning-rate schedules as a pure function of the optimizer step, and the skeleton of one
+optimizer step (`optimizer_step`) that the RL and offline loops both run (the engines of
 engine/ step, clip and skip).
 
 Schedules: linear warmup from 0, then constant, linear or cosine decay to
@@ -11,6 +12,8 @@ each parameter group's `initial_lr` and scaled per step (engine/base.py `scale_l
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -53,3 +56,25 @@ def adamw(model: torch.nn.Module, optim, learning_rate: float | None = None) -> 
     fused = uniform and all(p.device.type == "cuda" for p in params)
     return torch.optim.AdamW(params, lr=learning_rate or optim.learning_rate, weight_decay=optim.weight_decay,
                              fused=fused, foreach=uniform and not fused)
+
+
+def optimizer_step(parts: Sequence[tuple[Any, str]], micro_batches: Sequence, run_micro: Callable[[Any, bool], None],
+                   *, max_grad_norm: float, acc, lr_factor: float | None = None) -> None:
+    """One optimizer step of every (engine, grad-norm metric) in `parts`: each engine's rate
+    set to `lr_factor` x its base rate (None: left as it is) and its gradients dropped;
+    `run_micro(mb, last)` runs each micro-batch's forwards and backwards (`last`: the step's
+    last, DeepSpeed's accumulation boundary); then each engine clips to `max_grad_norm` and
+    steps, its norm added to `acc` under its metric, or a non-finite norm counted in
+    `skipped_steps` (the engine skipped the step)."""
+    for engine, _ in parts:
+        if lr_factor is not None:
+            engine.scale_lr(lr_factor)
+        engine.zero_grad()
+    for j, mb in enumerate(micro_batches):
+        run_micro(mb, j == len(micro_batches) - 1)
+    for engine, metric in parts:
+        norm = engine.step_or_skip(max_grad_norm)
+        if norm is not None:
+            acc.add(metric, norm)
+        else:
+            acc.add("skipped_steps", 1.0)

@@ -15,7 +15,6 @@ import math
 import re
 import types
 import typing
-from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator,
@@ -24,6 +23,7 @@ from pydantic.alias_generators import to_camel
 from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue
 from pydantic_core import core_schema
 
+from .methods import METHOD_FACTS, Method, MethodFacts  # noqa: F401  (the API's method enum)
 from .uris import url_credentials
 from .pod_security import MAX_POD_VOLUMES, ANNOTATIONS_CEL, VOLUME_SCHEMA, check_annotations, check_group, check_volume
 
@@ -47,32 +47,6 @@ MAX_SECONDS = INT32_MAX
 own durations; beyond it Python's timers overflow."""
 SEED_MAX = 2**32 - 1
 """Seeds go to NumPy and vLLM (`--seed`), which take 0 <= seed < 2**32."""
-
-
-class Method(StrEnum):
-    """How a job learns (`spec.method`). A `StrEnum`: it equals its YAML string."""
-
-    RL = "rl"
-    """Rollouts from the policy, scored by `reward`."""
-    SFT = "sft"
-    """Supervised fine-tuning on the dataset's responses."""
-    RM = "rm"
-    """A reward model (Bradley-Terry) from preference pairs."""
-    DPO = "dpo"
-    """Direct preference optimization against the frozen starting model."""
-    DISTILL = "distill"
-    """On-policy distillation: rollouts from the policy (the student), every sampled token
-    scored by a frozen teacher (`distillation`)."""
-
-    @property
-    def offline(self) -> bool:
-        """Trains from the dataset alone: no rollout servers."""
-        return self not in (Method.RL, Method.DISTILL)
-
-    @property
-    def pairs(self) -> bool:
-        """Trains on preference pairs (chosen, rejected)."""
-        return self in (Method.RM, Method.DPO)
 
 
 def number_kind(annotation: Any) -> type | None:

@@ -1,6 +1,7 @@
 """The training engines behind one interface (engine/base.py): FSDP2 with AdamW
 (engine/fsdp2.py, the default) and DeepSpeed ZeRO (engine/zero.py, `trainer.engine:
-deepspeed`). `engine_type` is the one place that reads which engine a job asked for."""
+deepspeed`). `engine_type` is the one place that reads which engine a job asked for, and
+`checkpoint_engine` the one place that tells which engine wrote a checkpoint."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 from .base import Engine, EngineStateError
 from .fsdp2 import Fsdp2Engine
 
-__all__ = ["Engine", "EngineStateError", "Fsdp2Engine", "build_engine", "engine_type", "load_models"]
+__all__ = ["Engine", "EngineStateError", "Fsdp2Engine", "build_engine", "checkpoint_engine", "engine_type",
+           "load_models"]
 
 
 def engine_type(optim) -> type[Engine]:
@@ -21,6 +23,14 @@ def engine_type(optim) -> type[Engine]:
 
         return ZeroEngine
     return Fsdp2Engine
+
+
+def checkpoint_engine(step_dir, part: str = "policy") -> type[Engine]:
+    """The engine class that wrote `part` of the checkpoint `step_dir` (read from its files:
+    `rlhfctl export` has no job spec to ask), whose `read_trained` reads it back."""
+    from .zero import ZeroEngine
+
+    return ZeroEngine if ZeroEngine.wrote(step_dir, part) else Fsdp2Engine
 
 
 def load_models(config, info, **kwargs) -> tuple[torch.nn.Module, torch.nn.Module | None, Any]:

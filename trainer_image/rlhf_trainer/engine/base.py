@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,24 @@ from ..checkpoint import save_final
 from ..models import lora
 
 TensorSpecs = list[tuple[str, list[int], torch.dtype]]
+
+
+@dataclass(frozen=True)
+class PlannedState:
+    """What an engine keeps on each GPU, for the memory plan (preflight/memory_plan.py):
+    the trained model's persistent terms, the bytes per parameter of a frozen model (the
+    reference, a teacher, the reward model), its own working buffers during a micro-batch,
+    and whether FSDP's unsharded compute copies exist (a term the plan computes itself).
+    Terms are (name, bytes, note)."""
+
+    trained: list[tuple[str, int, str]]
+    frozen_bytes: int
+    """Bytes per parameter of a frozen model..."""
+    frozen_shard: int
+    """...divided over this many ranks."""
+    fsdp_copies: bool
+    micro_batch: list[tuple[str, int, str]] = field(default_factory=list)
+    note: str = ""
 
 
 class EngineStateError(RuntimeError):
@@ -49,6 +68,13 @@ class Engine(ABC):
     def load_models(cls, config, info, **kwargs) -> tuple[torch.nn.Module, torch.nn.Module | None, Any]:
         """Load and lay out the job's models as this engine trains them: (trained,
         reference, layout)."""
+
+    @classmethod
+    @abstractmethod
+    def planned_state(cls, optim, *, params: float, trained: float, shard: int, cuda: bool) -> PlannedState:
+        """The memory plan's view of this engine for a model of `params` parameters per rank
+        (its tensor-parallel part divided by the `shard` data-parallel ranks; `trained` of
+        them trained)."""
 
     # ---- one optimizer step ---------------------------------------------------------
 
@@ -93,6 +119,34 @@ class Engine(ABC):
 
     def load_files(self, directory: Path, tag: str) -> None:
         """Collective: restore what `save_files` wrote."""
+
+    @classmethod
+    def wrote(cls, step_dir: Path, part: str) -> bool:
+        """Whether this engine wrote `part` of the checkpoint `step_dir` (its layout on disk)."""
+        return False
+
+    @classmethod
+    def read_trained(cls, step_dir: Path, part: str) -> dict[str, torch.Tensor]:
+        """`part`'s trained tensors in the checkpoint `step_dir`, whole, by Hugging Face name,
+        read in one process without a GPU (`rlhfctl export`). Torch's DCP files by default."""
+        import warnings
+
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        from ..checkpoint import SafeReader
+
+        reader = SafeReader(str(step_dir))  # DCP's metadata pickle read with DCP's classes only
+        prefix = f"{part}.model."
+        state = {key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
+                 for key, meta in reader.read_metadata().state_dict_metadata.items()
+                 if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
+        if state:
+            import torch.distributed.checkpoint as dcp
+
+            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load({part: {"model": state}}, storage_reader=reader)
+        return state
 
     # ---- whole parameters ---------------------------------------------------------------
 

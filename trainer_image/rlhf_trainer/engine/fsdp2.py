@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from ..models.loading import load_models
 from ..parallel.grad_norm import clip_grad_norm
-from .base import Engine, move_optimizer_state
+from .base import Engine, PlannedState, move_optimizer_state
 
 TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
 """Checkpoints hold what trains: with LoRA (models/lora.py) the adapters, not the frozen
@@ -45,6 +45,18 @@ class Fsdp2Engine(Engine):
         from ..optim import adamw
 
         return cls(model, adamw(model, optim, learning_rate), adapter=adapter)
+
+    @classmethod
+    def planned_state(cls, optim, *, params: float, trained: float, shard: int, cuda: bool) -> PlannedState:
+        """fp32 master weights, fp32 gradients reduce-scattered every micro-batch, fp32 AdamW
+        state, all sharded over the FSDP ranks; frozen models in bf16 on GPUs, sharded alike."""
+        lora = trained < params
+        return PlannedState(
+            trained=[("policy weights (fp32)", int(4 * params), ""),
+                     ("policy gradients (fp32, sharded)", int(4 * trained),
+                      "LoRA adapters only" if lora else "reduce-scattered every micro-batch"),
+                     ("AdamW state (fp32)", int(8 * trained), "exp_avg + exp_avg_sq")],
+            frozen_bytes=2 if cuda else 4, frozen_shard=shard, fsdp_copies=cuda or shard > 1)
 
     @classmethod
     def load_models(cls, config, info, **kwargs):

@@ -47,7 +47,7 @@ import torch.distributed as dist
 from ..models.loading import host_until_sharded, load_causal_lm
 from ..models.logprob_head import attach_logprob_head
 from ..parallel.parallelize import zero_layout
-from .base import Engine, move_optimizer_state
+from .base import Engine, PlannedState, move_optimizer_state
 
 
 def ds_config(optim, *, trains: bool, cuda: bool) -> dict[str, Any]:
@@ -119,6 +119,34 @@ class ZeroEngine(Engine):
         self.offloads = offloads  # optimizer or parameters already live on the host (trainer.deepspeed.offload*)
 
     @classmethod
+    def planned_state(cls, optim, *, params: float, trained: float, shard: int, cuda: bool) -> PlannedState:
+        """ds_config's layout: bf16 module weights on GPUs (partitioned at stage 3, none on the
+        GPU with parameter offload), fp32 master weights, gradient partitions and AdamW state
+        partitioned over the data-parallel ranks (on the host with optimizer offload); frozen
+        models partitioned at stage 3, whole at stage 2; the gradient reduction buckets (and
+        ZeRO-3's prefetch bucket) during a micro-batch. Read from ds_config, not measured on a GPU."""
+        spec = optim.deepspeed
+        size, stage3 = (2 if cuda else 4), spec.zero_stage == 3
+        weights = 0 if stage3 and spec.offload_params else size * params * (1 if stage3 else shard)
+        terms = [(f"policy weights ({'bf16' if cuda else 'fp32'}, "
+                  + ("on the host" if weights == 0 else "partitioned" if stage3 else "whole") + ")", int(weights),
+                  f"ZeRO-{spec.zero_stage}")]
+        if not spec.offload_optimizer:
+            if cuda:
+                terms.append(("fp32 master weights (partitioned)", int(4 * trained), "bf16 training"))
+            terms += [("gradient partitions (fp32)", int(4 * trained), "reduce-scattered at the boundary"),
+                      ("AdamW state (fp32, partitioned)", int(8 * trained), "exp_avg + exp_avg_sq")]
+        buckets = [("ZeRO reduction buckets", int(2 * spec.reduce_bucket_size * size),
+                    "reduce bucket + contiguous gradients buffer")]
+        if stage3:
+            buckets.append(("ZeRO-3 prefetch bucket", int(spec.reduce_bucket_size * size), "gathered parameters"))
+        return PlannedState(trained=terms, frozen_bytes=size, frozen_shard=shard if stage3 else 1, fsdp_copies=False,
+                            micro_batch=buckets,
+                            note=f"trainer.engine deepspeed (ZeRO-{spec.zero_stage}"
+                                 + (", optimizer on the host" if spec.offload_optimizer else "")
+                                 + "): the plan follows its config, not measured on a GPU")
+
+    @classmethod
     def train(cls, model: torch.nn.Module, optim, learning_rate: float | None = None, *,
               adapter: tuple[Any, str] | None = None) -> "ZeroEngine":
         """Hand `model` (on the host or its device) to a DeepSpeed engine that trains its
@@ -167,6 +195,21 @@ class ZeroEngine(Engine):
         norm = self.ds.get_global_grad_norm()
         norm = torch.as_tensor(float("nan") if norm is None else float(norm), dtype=torch.float32)
         return norm if bool(torch.isfinite(norm)) else None
+
+    @classmethod
+    def wrote(cls, step_dir: Path, part: str) -> bool:
+        return any((Path(step_dir) / part).glob("*model_states.pt"))
+
+    @classmethod
+    def read_trained(cls, step_dir: Path, part: str) -> dict[str, torch.Tensor]:
+        """The ZeRO files of `step_dir/part/` keep the fp32 weights in the optimizer's
+        partitions: DeepSpeed's own `zero_to_fp32` merges them (as data only)."""
+        import sys
+
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        with contextlib.redirect_stdout(sys.stderr), data_only_loads():  # it prints its progress; no pickle runs code
+            return dict(get_fp32_state_dict_from_zero_checkpoint(str(step_dir), tag=part))
 
     def save_files(self, directory: Path, tag: str) -> None:
         """Collective: this part's ZeRO state (parameters, optimizer) under `directory/tag`."""
@@ -241,9 +284,8 @@ def frozen_with_zero(model: torch.nn.Module, optim) -> torch.nn.Module:
     return engine.module
 
 
-def load_for_zero(config, info, *, trained: torch.nn.Module | None = None, with_ref: bool = False,
-                  critic: torch.nn.Module | None = None, reward_model: torch.nn.Module | None = None,
-                  ref_path: str | None = None) -> tuple[torch.nn.Module, torch.nn.Module | None, Any]:
+def load_for_zero(config, info, *, trained: torch.nn.Module | None = None, reference=None,
+                  critic: torch.nn.Module | None = None, reward_model: torch.nn.Module | None = None) -> tuple[torch.nn.Module, torch.nn.Module | None, Any]:
     """DeepSpeed: every rank reads the models whole on the host (GPUs) or its device (CPU);
     the trained ones go to ZeRO with their optimizer (`ZeroEngine.train`), the frozen
     ones here (ZeRO-3 inference at stage 3). Packed attention and checkpointing as under
@@ -252,8 +294,8 @@ def load_for_zero(config, info, *, trained: torch.nn.Module | None = None, with_
     lm = trained is None
     model = load_causal_lm(config.model_path, host) if lm else trained
     ref_dtype = torch.bfloat16 if info.device.type == "cuda" else torch.float32
-    ref = (load_causal_lm(ref_path or config.model_path, host, ref_dtype).eval().requires_grad_(False)
-           if with_ref else None)  # the starting model, or a distillation teacher (ref_path)
+    ref = (load_causal_lm(reference.path, host, ref_dtype).eval().requires_grad_(False)
+           if reference is not None else None)  # the starting model, or a distillation teacher (no LoRA here)
     # decided once before any model loads (main.py: preflight.with_checkpointing_decided)
     checkpointing = bool(config.optim.parallelism.activation_checkpointing)
     layout = zero_layout(model, ref=ref, critic=critic, reward_model=reward_model, world_size=info.world_size,

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rlhf_contract.trainer_config import TrainerConfig
+from rlhf_contract.trainer_config import ReferenceModel, TrainerConfig
 
 from ..distributed import DistInfo
 from ..parallel.parallelize import Layout, parallelize_models
@@ -135,12 +135,11 @@ def fill_from_checkpoint(model: torch.nn.Module, path: str, device: torch.device
 
 
 def load_models(config: TrainerConfig, info: DistInfo, *, trained: torch.nn.Module | None = None,
-                with_ref: bool = False, critic: torch.nn.Module | None = None,
-                reward_model: torch.nn.Module | None = None,
-                ref_path: str | None = None) -> tuple[torch.nn.Module, torch.nn.Module | None, Layout]:
+                reference: ReferenceModel | None = None, critic: torch.nn.Module | None = None,
+                reward_model: torch.nn.Module | None = None) -> tuple[torch.nn.Module, torch.nn.Module | None, Layout]:
     """Build the trained model (the causal LM of `model.path`, or `trained` when given,
-    e.g. a score model), the frozen reference (`with_ref`: the starting model, or the causal
-    LM of `ref_path`, a distillation teacher), lay them out with the optional critic and the
+    e.g. a score model), the frozen reference (`reference`, TrainerConfig.reference_model:
+    the starting model, or a distillation teacher), lay them out with the optional critic and the
     reward model, and fill the sharded ones from their checkpoints; causal LMs get the
     chunked log-prob head. Returns (trained, reference, layout). The layout of FSDP2 (the
     default engine); DeepSpeed's is engine/zero.py `load_for_zero`."""
@@ -156,8 +155,8 @@ def load_models(config: TrainerConfig, info: DistInfo, *, trained: torch.nn.Modu
     # the reference never trains: on GPUs it is stored in bf16 (what it computes in), no optimizer state;
     # with adapters it is the base itself (the policy with its adapters off): no second copy
     ref_dtype = torch.bfloat16 if info.device.type == "cuda" else torch.float32
-    separate_ref = with_ref and (config.lora is None or ref_path is not None)
-    ref_path = ref_path or config.model_path
+    separate_ref = reference is not None and reference.copy
+    ref_path = reference.path if reference is not None else config.model_path
     ref = new(ref_path, ref_dtype).eval().requires_grad_(False) if separate_ref else None
     p = config.optim.parallelism
     # decided once before any model loads (main.py: preflight.with_checkpointing_decided); unset here = off
@@ -170,6 +169,6 @@ def load_models(config: TrainerConfig, info: DistInfo, *, trained: torch.nn.Modu
             if sharded:
                 fill_from_checkpoint(m, path, info.device, seed)
             attach_logprob_head(m, tensor_parallel=p.tensor_parallel > 1)
-    if with_ref and not separate_ref:
+    if reference is not None and not separate_ref:
         ref = AdaptersOff(model)
     return model, ref, layout

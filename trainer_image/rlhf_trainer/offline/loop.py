@@ -47,7 +47,7 @@ class OfflineLoop(LoopBase):
             # on GPUs it stays on the host: FSDP moves it layer by layer as it shards it (no GPU holds it whole)
             trained = ScoreModel(config.model_path, self.tokenizer.pad_token_id).to(host_until_sharded(info.device))
         self.model, self.ref, self.layout = load_models(config, info, trained=trained,
-                                                        with_ref=config.method == "dpo")
+                                                        reference=config.reference_model())
         self.engine = build_engine(self.model, config, causal_lm=trained is None)
         self.train_step = OfflineStep(config, self.engine, self.ref, self.layout, info.device)
 

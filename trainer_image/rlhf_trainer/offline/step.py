@@ -22,6 +22,7 @@ from ..data.micro_batches import MicroBatch, plan
 from ..data.sequences import Row
 from ..models.forward import last_token_scores, policy_forward
 from ..engine import Engine
+from ..optim import optimizer_step
 from ..parallel.parallelize import Layout
 from .data import Example
 from .losses import bradley_terry_loss, dpo_loss, sft_loss_sum
@@ -106,18 +107,15 @@ class OfflineStep:
         rows, micro = self.plan(examples)
         num_tokens, num_pairs = sizes(examples)
         self.model.train()
-        self.engine.scale_lr(lr_factor)
-        self.engine.zero_grad()
-        for j, mb in enumerate(micro):  # gradients reduce-scattered after each micro-batch (FSDP2's default)
+
+        def run_micro(mb, last: bool) -> None:  # gradients reduce-scattered after each micro-batch (FSDP2's default)
             loss = self.micro_batch_loss(rows, mb, acc, num_tokens=num_tokens, num_pairs=num_pairs)
             # gradients are summed over data-parallel ranks: each loss is its share
-            self.engine.backward(loss, last=j == len(micro) - 1)
+            self.engine.backward(loss, last=last)
             acc.add("loss", loss.detach())
-        norm = self.engine.step_or_skip(self.config.optim.max_grad_norm)
-        if norm is not None:
-            acc.add("grad_norm", norm)
-        else:
-            acc.add("skipped_steps", 1.0)
+
+        optimizer_step([(self.engine, "grad_norm")], micro, run_micro, max_grad_norm=self.config.optim.max_grad_norm,
+                       acc=acc, lr_factor=lr_factor)
         return self.summary(acc, train=True)
 
     @torch.no_grad()

@@ -114,7 +114,7 @@ class Orchestrator:
         reward = self.sampler.reward  # a judge's parse failures and tokens, a python function's log_metric
         stats.reward_counters = {**reward.drain_counters(), **reward.drain_metrics()}
         stats.tools = self.sampler.drain_tool_metrics()
-        return RolloutBatch(rows, self.config.sampling.samples_per_prompt, stats)
+        return RolloutBatch(rows, self.config.sampling.samples_per_prompt, stats, step=step)
 
     def trainer_state(self, step: int) -> Any:
         """TRL's `trainer_state` for the reward functions of `step` (rewards/forms.py):

@@ -61,7 +61,7 @@ class Prefetcher:
                     self._ready[step] = err
                     self._cond.notify_all()
                 return
-            batch.extra.update(policy_version=version, data_position=data.state_dict())
+            batch.policy_version, batch.data_position = version, data.state_dict()
             with self._cond:
                 self._ready[step] = batch
                 self._cond.notify_all()
@@ -77,7 +77,7 @@ class Prefetcher:
         if isinstance(item, BaseException):
             raise item
         # per token: a response may span weight updates (rollout.inFlightUpdates)
-        item.extra["token_staleness"] = bound_stale_tokens(item, trained_version=self.served_version(),
+        item.token_staleness = bound_stale_tokens(item, trained_version=self.served_version(),
                                                            max_staleness=self.k)
         return item
 

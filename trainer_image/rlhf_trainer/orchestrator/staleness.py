@@ -32,7 +32,7 @@ def bound_stale_tokens(batch: RolloutBatch, *, trained_version: int, max_stalene
     return `staleness_mean` / `staleness_max` (over the trained tokens), `stale_token_fraction`
     (tokens masked by the bound, of those the loss had) and `mixed_version_fraction` (responses
     sampled by more than one version)."""
-    fallback = int(batch.extra.get("policy_version", trained_version))
+    fallback = trained_version if batch.policy_version is None else int(batch.policy_version)
     lags: list[int] = []
     masked = kept_before = mixed = 0
     for row in batch.rows:

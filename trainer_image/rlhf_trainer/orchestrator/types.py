@@ -49,4 +49,17 @@ class RolloutBatch:
     rows: list[Row]
     group_size: int
     stats: RolloutStats
-    extra: dict = field(default_factory=dict)
+    step: int | None = None
+    """The trainer step it was collected for."""
+    policy_version: int | None = None
+    """Generated ahead (`rollout.maxStaleness` >= 1): the policy version the servers held
+    when its generation started (orchestrator/prefetch.py); None: generated for this step."""
+    data_position: dict | None = None
+    """Generated ahead: the data source's position after its prompts (what a checkpoint
+    records, so a resume regenerates the batches generated ahead)."""
+    staleness: int | None = None
+    """Policy versions it lags behind the servers' when the trainer took it (rl/loop.py)."""
+    token_staleness: dict[str, float] | None = None
+    """Generated ahead: the per-token figures of orchestrator/staleness.py (`staleness_mean`,
+    `staleness_max`, `stale_token_fraction`, `mixed_version_fraction`), set when the trainer
+    takes it (prefetch.py)."""

@@ -27,7 +27,7 @@ from rlhf_contract.trainer_config import TrainerConfig
 from ..data.examples import BUILTIN_OFFLINE
 from .data import check_data, load_tokenizer
 from .rewards import reward_problems
-from .memory_plan import detect_gpu_bytes, gib, plan, read_model_config
+from .memory_plan import detect_gpu_bytes, gib, read_model_config
 
 
 def _model_config(path: str) -> tuple[dict | None, str | None]:
@@ -174,23 +174,16 @@ def memory_problems(config: TrainerConfig, world_size: int, model: dict | None) 
     gpu = gpu_memory_bytes(config) if model is not None else None
     if gpu is None:
         return []
-    if config.optim.engine == "deepspeed":
-        print("warning: the memory plan models FSDP2; a job on trainer.engine deepspeed is not planned",
-              file=sys.stderr, flush=True)
-        return []
+    from .memory_colocated import memory_verdict
+
     rm = read_model_config(config.reward.model.path) if config.reward.model is not None else None
     try:
-        result = plan(config, model, world_size, gpu, reward_model_config=rm)
+        verdict = memory_verdict(config, model, world_size, gpu, reward_model_config=rm)
     except Exception as err:  # a model family the plan cannot build: say so, do not refuse the job
         print(f"warning: no memory plan for {config.model_path} ({type(err).__name__}: {err})", file=sys.stderr,
               flush=True)
         return []
-    if not result.fits:
-        return [result.message()]
-    from .memory_colocated import colocated_phases, colocated_problem
-
-    problem = colocated_problem(config, colocated_phases(config, model, result), gpu)
-    return [problem] if problem else []
+    return [verdict.problem] if verdict.problem else []
 
 
 def check(config: TrainerConfig, world_size: int) -> list[str]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..rl.placement import colocated_spec
 from .memory_plan import FRAGMENTATION, GIB, MemoryPlan, model_shape
 from .memory_runtime import CUDA_CONTEXT_BYTES
 
@@ -57,13 +58,13 @@ def server_weight_bytes(shape, quantization: str | None, tp: int) -> int:
 def colocated_phases(config, model_config: dict, trainer: MemoryPlan) -> list[Phase]:
     """The three phases' per-GPU bytes (module docstring) of a colocated job on CUDA, from
     the trainer's own plan; [] when the job is not colocated or sets no KV cache size."""
-    colocated = config.sampling.colocated
+    colocated = colocated_spec(config)
     kv = config.sampling.kv_cache_memory_bytes
     if colocated is None or kv is None:
         return []
     from ..weight_sync.buckets import DEFAULT_BUCKET_BYTES
 
-    tp = config.sampling.rollout_tensor_parallel
+    tp = config.sampling.tensor_parallel_size
     s = model_shape(model_config)
     quantization = config.sampling.quantization
     server_weights = server_weight_bytes(s, quantization, tp)
@@ -95,7 +96,35 @@ def colocated_problem(config, phases: list[Phase], gpu_bytes: int) -> str:
     fixes = {"train": "the trainer's own fixes (trainer.maxTokensPerMicroBatch, activation checkpointing, more GPUs)",
              "sync": "more GPUs (trainer.nprocPerNode) or a larger rollout.tensorParallelSize",
              "generate": "a smaller rollout.vllm.kvCacheMemoryBytes"
-             + ("" if config.sampling.colocated.offload_trainer else ", or rollout.colocated.offloadTrainer: true")}
+             + ("" if colocated_spec(config).offload_trainer else ", or rollout.colocated.offloadTrainer: true")}
     return (f"spec.rollout.placement: colocated, the {worst.name} phase needs {worst.bytes / GIB:.1f} GiB per GPU of "
             f"{gpu_bytes / GIB:.1f} ({worst.note}): " + "; ".join(fixes[p.name] for p in over)
             + " (rlhfctl plan job.yaml shows the phases)")
+
+
+@dataclass(frozen=True)
+class MemoryVerdict:
+    """A job's whole memory answer: the trainer's plan, a colocated job's phases, and the
+    problem that refuses it ("" when it fits). `rlhfctl plan` prints it and the trainer's
+    preflight returns its problem: one answer for both."""
+
+    plan: MemoryPlan
+    phases: list[Phase]
+    problem: str
+
+    @property
+    def peak(self) -> int:
+        return max([self.plan.total, *(p.bytes for p in self.phases)])
+
+
+def memory_verdict(config, model_config: dict, world_size: int, gpu_bytes: int,
+                   reward_model_config: dict | None = None) -> MemoryVerdict:
+    """The plan of `config` (memory_plan.py `plan`, whichever engine the job trains on) and
+    its colocated phases; raises what `plan` raises for a model it cannot build."""
+    from .memory_plan import plan
+
+    result = plan(config, model_config, world_size, gpu_bytes, reward_model_config=reward_model_config)
+    if not result.fits:
+        return MemoryVerdict(result, [], result.message())
+    phases = colocated_phases(config, model_config, result)
+    return MemoryVerdict(result, phases, colocated_problem(config, phases, gpu_bytes))

@@ -29,7 +29,7 @@ What the plan assumes the code does (read from the code, keep it in step):
   bf16 gradient (reduced with the root, at the end of backward).
 - LoRA (models/lora.py): the base stays in fp32 (frozen, sharded), only adapters have
   gradients and AdamW state; the reference is the base with the adapters off (no copy).
-- Reference model (`algorithm.klCoef` != 0 without LoRA, or `method: dpo`): a second
+- Reference model (TrainerConfig.reference_model; a distill job's teacher alike): a second
   copy in bf16, sharded like the policy, no gradients; its forward runs under no_grad,
   before the micro-batches, so its working set (two unsharded bf16 layers and the head's
   chunk) never adds to the policy's activations.
@@ -69,7 +69,10 @@ What the plan assumes the code does (read from the code, keep it in step):
   joins (memory_runtime.py, with the sources of both figures); `FRAGMENTATION` (17 %) of
   everything else for the caching allocator (measured on an H200: see FRAGMENTATION).
 
-Not planned: pipeline parallelism (none exists), DeepSpeed, the rollout servers' GPUs (vLLM
+The engine's state (weights, gradients, optimizer, frozen models, buffers) is asked of the
+engine (`Engine.planned_state`): the above is FSDP2's; DeepSpeed's is ZeRO's from its config.
+
+Not planned: pipeline parallelism (none exists), the rollout servers' GPUs (vLLM
 plans its own with `rollout.vllm.gpuMemoryUtilization`), host memory.
 """
 
@@ -159,12 +162,6 @@ class MemoryPlan:
 
 # ---- the plan -------------------------------------------------------------------------
 
-def _uses_reference(config) -> bool:
-    if config.lora is not None:
-        return False  # the base with the adapters off
-    return config.method == Method.DPO or (config.method == Method.RL and bool(config.algorithm.kl_coef))
-
-
 def _terms(config, model_config: dict, world_size: int, *, tokens: int, checkpointing: bool, dtype: str,
            reward_model_config: dict | None, cuda: bool) -> list[Term]:
     p = config.optim.parallelism
@@ -172,39 +169,42 @@ def _terms(config, model_config: dict, world_size: int, *, tokens: int, checkpoi
     shard = max(world_size // tp, 1)  # FSDP's dp_shard x cp
     lora = config.lora
     s = model_shape(model_config, lora)
-    is_rm = config.method == Method.RM  # a score model: no LM head (a one-label score head)
-    causal = not is_rm
+    causal = Method(config.method).facts.lm_head  # else a score model: a one-label score head
     layer_tp = layer_per_tp_rank(s, tp)
     params_local = (s.num_layers * layer_tp + s.root_tp(tp, head=causal) + s.root_trainable) / shard
     trained_local = params_local if lora is None else (s.num_layers * s.layer_trainable + s.root_trainable) / shard
     size = dtype_of(dtype).itemsize
     local_tokens = -(-tokens // cp)
-    terms = [
-        Term("policy weights (fp32)", int(4 * params_local), "persistent",
-             f"{s.total(head=causal) / 1e9:.2f} B parameters / {shard} FSDP ranks" + (f" / tp {tp}" if tp > 1 else "")),
-        Term("policy gradients (fp32, sharded)", int(4 * trained_local), "persistent",
-             "LoRA adapters only" if lora else "reduce-scattered every micro-batch"),
-        Term("AdamW state (fp32)", int(8 * trained_local), "persistent", "exp_avg + exp_avg_sq"),
-    ]
-    if _uses_reference(config):
-        terms.append(Term("reference model", int((2 if cuda else 4) * params_local), "persistent",
-                          "bf16, sharded like the policy" if cuda else "fp32"))
-    teacher = read_model_config(config.distillation.teacher.path) if config.distillation is not None else None
+    from ..engine import engine_type
+
+    engine = engine_type(config.optim)
+    state = engine.planned_state(config.optim, params=params_local, trained=trained_local, shard=shard, cuda=cuda)
+    where = f"{s.total(head=causal) / 1e9:.2f} B parameters / {shard} ranks" + (f" / tp {tp}" if tp > 1 else "")
+    terms = [Term(name, b, "persistent", note or where) for name, b, note in state.trained]
+    frozen, frozen_kind = state.frozen_bytes, "bf16" if cuda else "fp32"
+    per_frozen_rank = shard // state.frozen_shard  # 1 when frozen models shard like the policy
+    reference = config.reference_model()
+    if reference is not None and reference.copy and not reference.teacher:
+        terms.append(Term("reference model", int(frozen * params_local * per_frozen_rank), "persistent",
+                          f"{frozen_kind}, laid out like the policy"))
+    teacher = read_model_config(reference.path) if reference is not None and reference.teacher else None
     if teacher is not None:  # laid out like the reference, with its own shape
-        terms.append(Term(f"distillation teacher ({'bf16' if cuda else 'fp32'}, sharded)",
-                          int((2 if cuda else 4) * model_shape(teacher).total(head=True) / shard), "persistent"))
+        terms.append(Term(f"distillation teacher ({frozen_kind})", int(frozen * model_shape(teacher).total(head=True) / state.frozen_shard),
+                          "persistent"))
     critic = not config.method.offline and bool(config.algorithm.critic)
     if critic:
         critic_local = (s.num_layers * layer_tp + s.root_tp(tp, head=False)) / shard
-        terms.append(Term("critic weights + gradients + AdamW", int(16 * critic_local), "persistent",
-                          "fp32, trains like the policy"))
-    rm_shape = None
+        critic_state = engine.planned_state(config.optim, params=critic_local, trained=critic_local, shard=shard,
+                                            cuda=cuda)
+        terms.append(Term("critic weights + gradients + AdamW", sum(b for _, b, _ in critic_state.trained),
+                          "persistent", "trains like the policy"))
     if not config.method.offline and config.reward.model is not None and reward_model_config is not None:
-        rm_shape = model_shape(reward_model_config)
-        terms.append(Term(f"reward model ({'bf16' if cuda else 'fp32'}, sharded)",
-                          int((2 if cuda else 4) * rm_shape.total(head=False) / shard), "persistent"))
+        terms.append(Term(f"reward model ({frozen_kind})",
+                          int(frozen * model_shape(reward_model_config).total(head=False) / state.frozen_shard),
+                          "persistent"))
+    terms += [Term(name, b, "micro-batch", note) for name, b, note in state.micro_batch]
     # FSDP's unsharded compute copies (bf16 on CUDA; on one CPU process nothing is copied)
-    if cuda or shard > 1:
+    if state.fsdp_copies:
         root = s.root_tp(tp, head=causal)
         head_grad = (s.head or s.embed) / tp if (causal and lora is None) else s.root_trainable
         layer_grads = s.layer_trainable / (tp if lora is None else 1)
@@ -224,14 +224,15 @@ def _terms(config, model_config: dict, world_size: int, *, tokens: int, checkpoi
     if not cuda:  # on CUDA optim.py's AdamW is fused: no temporary of the shard's size
         terms.append(Term("AdamW step temporaries", int(4 * trained_local), "optimizer step",
                           "foreach sqrt(exp_avg_sq)"))
-    if not config.method.offline:
+    syncs = Method(config.method).syncs_weights  # decided once: the sync buffers and its communicator go together
+    if syncs:
         from ..weight_sync.buckets import DEFAULT_BUCKET_BYTES
 
         terms.append(Term("weight-sync buffers (rank 0)", weight_sync_bytes(DEFAULT_BUCKET_BYTES, s.largest),
                           "weight sync", f"{WEIGHT_SYNC_BUFFERS + 1} x ({DEFAULT_BUCKET_BYTES / GIB:.0f} GiB bucket + the "
                                          "largest tensor): ring and packing; that tensor gathered in fp32"))
     if cuda:
-        comms = nccl_communicators(world_size, tp, cp, weight_sync=config.method == Method.RL)
+        comms = nccl_communicators(world_size, tp, cp, weight_sync=syncs)
         terms.append(Term("CUDA context + cuBLAS", CUDA_CONTEXT_BYTES, "fixed", "outside the caching allocator"))
         terms.append(Term(f"NCCL communicators ({len(comms)})", len(comms) * NCCL_COMMUNICATOR_BYTES, "fixed",
                           ", ".join(comms) or "none"))

@@ -7,9 +7,13 @@ clean-up: loop.py). For each step:
   2. train     `TrainStep.prepare` (old / reference log-probs, values, advantages) and the
                optimizer steps (rl/step.py)
   3. sync      every rank gathers full tensors, rank 0 streams them to the rollout servers
-               (weight_sync.push_weights; skipped when every optimizer step of the step was
-               skipped: the weights did not change)
+               (`WeightSync.push`; when the placement says so: a separate placement skips it
+               when every optimizer step of the step was skipped, a colocated one never)
   4. record    the step's metrics row (rank 0)
+
+Where the servers run is one object (rl/placement.py `Separate` / `Colocated`), asked at
+each point where the placement matters: before and after the rollout, before a sync,
+whether to sync, and around evaluation. The loop itself never branches on the placement.
 
 A checkpoint holds, besides the models, the policy version and the orchestrator's data
 position (after the last batch the trainer took).
@@ -32,10 +36,10 @@ from ..distributed import DistInfo, broadcast_object
 from ..loop import LoopBase
 from ..metrics import logprob_mismatch, peak_flops, peak_gpu_memory_bytes, train_mfu
 from ..optim import schedule_factor
+from ..orchestrator.types import RolloutBatch
 from ..preemption import STOP, StepAbandoned
-from ..weight_sync import push_weights
-from ..weight_sync.push import ipc_sync
 from .models import build_models
+from .placement import WeightSync, placement_of
 from .step import TrainStep
 
 log = logging.getLogger("rlhf_trainer")
@@ -65,13 +69,10 @@ class RunLoop(LoopBase):
                                     distillation=config.distillation)
         self.max_staleness = config.sampling.max_staleness
         self.policy_version = 0
-        self.served_version = 0  # what the rollout servers hold (advanced after each completed sync)
         self.prefetcher = None
         self.data_position: dict | None = None  # after the last batch taken (maxStaleness >= 1)
-        self.orchestrator = self.sender = None
+        self.orchestrator = sender = None
         self.num_params = self.models.engine.total_parameters()
-        self.colocation = None
-        self.ipc = None  # set in start(): the servers take weights by CUDA IPC
         self.train_seconds = 0.0  # the last step's update and sync: what finishing a step after SIGTERM costs
         self._before_step: dict[str, Any] | None = None
         if info.is_main:
@@ -80,14 +81,10 @@ class RunLoop(LoopBase):
 
             self.orchestrator = Orchestrator.build(config, self.tokenizer, endpoints, self.output_dir)
             host, port = weight_sync_addr.rsplit(":", 1)
-            self.sender = WeightSyncSender(endpoints, host, int(port),
-                                           timeout_s=config.rollout_weight_sync_timeout_seconds,
-                                           pause_mode=config.sampling.weight_update_pause_mode)
-        if config.sampling.colocated is not None:
-            from .colocation import Colocation, ServerSleep
-
-            servers = ServerSleep(endpoints, config.rollout_weight_sync_timeout_seconds) if info.is_main else None
-            self.colocation = Colocation(config.sampling.colocated, self.models.engines(), servers)
+            sender = WeightSyncSender(endpoints, host, int(port), timeout_s=config.rollout_weight_sync_timeout_seconds,
+                                      pause_mode=config.sampling.weight_update_pause_mode)
+        self.placement = placement_of(config, self.models.engines(), endpoints, info.is_main)
+        self.weights = WeightSync(self.models.engine, sender, self.placement)
 
     def parts(self) -> Parts:
         return self.models.parts()
@@ -114,24 +111,19 @@ class RunLoop(LoopBase):
     # ---- the run ----------------------------------------------------------------------
 
     def start(self) -> None:
-        if self.info.is_main:
-            self.sender.init(self.orchestrator.check_servers())  # one handshake, used by both
-        self.ipc = ipc_sync(self.sender)  # colocated vLLM: every rank exports its buffers
+        self.weights.start(self.orchestrator.check_servers() if self.info.is_main else None)  # one handshake
         self.sync_weights()  # servers start from exactly the trainer's weights (also after a resume)
         if self.max_staleness and self.info.is_main:
             from ..orchestrator.prefetch import Prefetcher
 
             self.prefetcher = Prefetcher(self.orchestrator, max_staleness=self.max_staleness, first_step=self.step + 1,
                                          last_step=self.config.schedule.total_steps,
-                                         served_version=lambda: self.served_version)
+                                         served_version=lambda: self.weights.served_version)
 
     def evaluate(self, step: int) -> dict[str, Any]:
-        if self.colocation is None or self.config.evaluation is None or not self.config.evaluation.datasets:
-            return self.orchestrator.evaluate(step) if self.orchestrator is not None else {}
-        self.colocation.to_generation()
-        scores = self.orchestrator.evaluate(step) if self.orchestrator is not None else {}
-        self.sync_weights()  # back to the state between steps: servers asleep but for their weights
-        return scores
+        has_datasets = self.config.evaluation is not None and bool(self.config.evaluation.datasets)
+        return self.placement.evaluate(lambda: self.orchestrator.evaluate(step) if self.orchestrator is not None else {},
+                                       self.sync_weights, has_datasets)
 
     def finish(self) -> None:
         if self.orchestrator is not None:
@@ -142,29 +134,23 @@ class RunLoop(LoopBase):
             self.prefetcher.close()
         if self.orchestrator is not None:
             self.orchestrator.close()
-        if self.sender is not None:
-            self.sender.close()
-        if self.colocation is not None:
-            self.colocation.close()
+        self.weights.close()
+        self.placement.close()
 
     def sync_weights(self) -> float:
         """Collective: the servers get the policy's weights (tagged with its version)."""
-        if self.colocation is not None:
-            self.colocation.before_sync()
-        seconds = push_weights(self.models.engine, self.sender, weight_version=str(self.policy_version), ipc=self.ipc)
-        self.served_version = self.policy_version
-        return seconds
+        return self.weights.push(self.policy_version)
 
-    def _next_batch(self):
+    def _next_batch(self) -> RolloutBatch:
         """Rank 0: this step's rollouts, generated now (synchronous) or ahead (maxStaleness)."""
         if self.prefetcher is None:
             return self.orchestrator.collect(self.step)
         batch = self.prefetcher.take(self.step)
-        batch.extra["staleness"] = self.served_version - batch.extra["policy_version"]
-        if batch.extra["staleness"] > self.max_staleness:  # the producer's gate makes this impossible
-            raise RuntimeError(f"step {self.step}: a batch {batch.extra['staleness']} versions old exceeds "
+        batch.staleness = self.weights.served_version - batch.policy_version
+        if batch.staleness > self.max_staleness:  # the producer's gate makes this impossible
+            raise RuntimeError(f"step {self.step}: a batch {batch.staleness} versions old exceeds "
                                f"rollout.maxStaleness={self.max_staleness}")
-        self.data_position = batch.extra["data_position"]
+        self.data_position = batch.data_position
         return batch
 
     def run_step(self) -> dict[str, Any] | None:
@@ -172,12 +158,10 @@ class RunLoop(LoopBase):
         self._before_step = self.extra_state() if self.info.is_main else None
         with span(timings, "step_seconds"):
             with span(timings, "rollout_seconds"):  # with maxStaleness >= 1: waiting for a prefetched batch
-                if self.colocation is not None:
-                    self.colocation.to_generation()
+                self.placement.before_rollout()
                 batch = self._next_batch() if self.info.is_main else None
                 batch = broadcast_object(batch)
-                if self.colocation is not None:
-                    self.colocation.to_training()
+                self.placement.after_rollout()
             stop = STOP.agree(self.train_seconds + self.save_seconds, self.info.device)
             if stop.abandon:  # nothing of this step has touched the models yet
                 log.warning("step %d abandoned: %.0f s left, finishing it and saving takes about %.0f s",
@@ -191,10 +175,9 @@ class RunLoop(LoopBase):
                 self.policy_version += 1
             else:
                 log.warning("step %d: every optimizer step had a non-finite gradient norm; weights unchanged%s",
-                            self.step, "" if self.colocation else ", no weight sync")
-            # colocated servers slept through the update (level 2 discards their weights): always sync;
+                            self.step, "" if self.placement.should_sync(False) else ", no weight sync")
             # after SIGTERM the servers are going away (a resumed run syncs them first: start)
-            sync = (changed or self.colocation is not None) and not stop.stop
+            sync = self.placement.should_sync(changed) and not stop.stop
             timings["weight_sync_seconds"] = self.sync_weights() if sync else 0.0
         self.train_seconds = timings["train_seconds"] + timings["weight_sync_seconds"]
         if not self.info.is_main:
@@ -225,7 +208,9 @@ class RunLoop(LoopBase):
         extra.update(tensors.reward_metrics)  # the learned reward's scores and the total reward mean
         if self.trackers is not None and self.trackers.samples_due(self.step):
             self.trackers.log_samples(self.step, self.trackers.sample_table(self.step, batch.rows, self.tokenizer.decode))
-        if "staleness" in batch.extra:  # per token (orchestrator/staleness.py)
-            extra.update(batch.extra["token_staleness"])
+        if batch.token_staleness is not None:  # per token (orchestrator/staleness.py)
+            extra.update(batch.token_staleness)
+        elif batch.staleness is not None:
+            extra["staleness_mean"] = extra["staleness_max"] = batch.staleness
         return {"step": self.step, **stats, **train, **extra, "learning_rate": lr, **timings,
                 "tokens_per_second": num_tokens / timings["step_seconds"], "policy_version": self.policy_version}

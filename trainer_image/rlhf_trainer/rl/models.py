@@ -68,10 +68,9 @@ def build_models(config: TrainerConfig, info: DistInfo, pad_token_id: int | None
         # frozen: bf16 on GPUs (what it computes in), no optimizer state
         reward_model = load_reward_model(config.reward.model.path, host_until_sharded(info.device), pad_token_id,
                                          torch.bfloat16 if info.device.type == "cuda" else torch.float32)
-    teacher_path = config.distillation.teacher.path if config.distillation is not None else None
     # the teacher takes the reference's place (a distill job has no KL to the starting model: the contract's rule)
-    policy, frozen, layout = load_models(config, info, with_ref=bool(a.kl_coef) or teacher_path is not None,
-                                         critic=critic, reward_model=reward_model, ref_path=teacher_path)
+    reference = config.reference_model()
+    policy, frozen, layout = load_models(config, info, reference=reference, critic=critic, reward_model=reward_model)
     critic_engine = build_engine(critic, config, a.critic_learning_rate, causal_lm=False) if critic is not None else None
-    ref, teacher = (None, frozen) if teacher_path is not None else (frozen, None)
+    ref, teacher = (None, frozen) if reference is not None and reference.teacher else (frozen, None)
     return Models(build_engine(policy, config), ref, critic_engine, reward_model, teacher), layout

@@ -27,8 +27,8 @@ from ..accumulator import MetricAccumulator
 from ..algorithms.losses import agg_weights, compose_loss, explained_variance, sequence_means, value_token_loss
 from ..data.micro_batches import MicroBatch, plan
 from ..data.sequences import Row
-from ..engine import Engine
 from ..models.forward import critic_forward, local, policy_forward, whole_row
+from ..optim import optimizer_step
 from ..orchestrator.types import RolloutBatch
 from ..parallel.parallelize import Layout
 from .models import Models
@@ -105,23 +105,20 @@ class TrainStep:
         m.policy.train()
         if m.critic is not None:
             m.critic.train()
+        parts = [(m.engine, "grad_norm")] + ([(m.critic_engine, "critic_grad_norm")] if m.critic_engine else [])
         for k in range(a.num_mini_batches):
-            if lr_factor is not None:
-                for engine in m.engines():
-                    engine.scale_lr(lr_factor(k))
             idx = list(range(k * per_mini, (k + 1) * per_mini))
             mask_k = t.mask[idx]
             width = max(max(len(rows[i].response_ids) for i in idx), 1)
             coef = agg_weights(mask_k, a.loss_agg, num_tokens=float(mask_k.sum()), num_seqs=per_mini, width=width)
             value_coef = agg_weights(mask_k, "token-mean")
-            for engine in m.engines():
-                engine.zero_grad()
-            micro = self._plan(rows, idx)
-            for j, mb in enumerate(micro):  # FSDP reduce-scatters each micro-batch's gradients
-                self.micro_step(rows, t, mb, coef, value_coef, base=idx[0], acc=acc, last=j == len(micro) - 1)
-            self._clip_and_step(m.engine, acc, "grad_norm")
-            if m.critic_engine is not None:
-                self._clip_and_step(m.critic_engine, acc, "critic_grad_norm")
+
+            def run_micro(mb, last: bool, idx=idx, coef=coef, value_coef=value_coef) -> None:
+                # FSDP reduce-scatters each micro-batch's gradients
+                self.micro_step(rows, t, mb, coef, value_coef, base=idx[0], acc=acc, last=last)
+
+            optimizer_step(parts, self._plan(rows, idx), run_micro, max_grad_norm=self.max_grad_norm, acc=acc,
+                           lr_factor=lr_factor(k) if lr_factor is not None else None)
         acc.reduce(self.layout.reduce_group)
         host = acc.to_host()
         tokens = max(host["clip_fraction"][1], 1.0)
@@ -191,10 +188,3 @@ class TrainStep:
             vloss = (vl * per_token(value_coef, relative=True)).sum()
             m.critic_engine.backward(vloss, last=last)
             acc.add("value_loss", vloss)
-
-    def _clip_and_step(self, engine: Engine, acc: MetricAccumulator, name: str) -> None:
-        norm = engine.step_or_skip(self.max_grad_norm)
-        if norm is not None:
-            acc.add(name, norm)
-        else:
-            acc.add("skipped_steps", 1.0)
