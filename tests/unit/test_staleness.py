@@ -14,7 +14,7 @@ def row(versions, loss_mask=None, n=None):
 
 
 def batch(rows, start):
-    return RolloutBatch(rows, 1, RolloutStats(*[0] * 12), {"policy_version": start})
+    return RolloutBatch(rows, 1, RolloutStats(*[0] * 12), policy_version=start)
 
 
 def test_tokens_past_the_bound_leave_the_loss_and_the_figures_are_per_token():

@@ -28,8 +28,7 @@ class RolloutSpec(SpecModel):
     tensor_parallel_size: int = Field(default=1, ge=1)
     """GPUs per rollout server (vLLM tensor parallel size), over all its nodes."""
     nodes_per_server: int = Field(default=1, ge=1, le=INT32_MAX)
-    """Pods (nodes) one rollout server spans, `tensorParallelSize` / nodesPerServer GPUs each.
-    Above 1: a LeaderWorkerSet group per server (needs the LWS controller; docs/methods.md)."""
+    """Pods (nodes) one rollout server spans, tensorParallelSize / nodesPerServer GPUs each; above 1 a LeaderWorkerSet."""
     samples_per_prompt: int = Field(default=8, ge=1, le=INT32_MAX)
     """Responses sampled for each prompt (the group size)."""
     max_tokens: int = Field(default=1024, ge=1, le=INT32_MAX)
@@ -63,9 +62,8 @@ class RolloutSpec(SpecModel):
     (weights are pushed between requests), stale samples are corrected by
     `algorithm.rolloutCorrection` (truncated importance sampling, cap 2.0, when unset)."""
     in_flight_updates: bool = False
-    """With `maxStaleness` >= 1: a weight update pauses the servers keeping their requests (vLLM's
-    `/pause?mode=keep`) rather than waiting for them to finish, and resumes them on the new weights;
-    each token records the policy version that sampled it, and staleness is bounded per token."""
+    """With `maxStaleness` >= 1: weight updates pause the servers keeping their requests (vLLM's `/pause?mode=keep`),
+    which go on with the new weights; each token records its policy version, staleness bounded per token."""
     placement: Literal["separate", "colocated"] = "separate"
     """`separate`: the rollout servers have devices of their own. `colocated`: they share the
     trainer's devices and take turns with it: generate, sleep while the trainer trains, wake
