@@ -58,9 +58,8 @@ class RolloutSpec(SpecModel):
     """`vllm serve` settings (memory, batching, prefix caching, extra flags); engine vllm only."""
     max_staleness: int = Field(default=0, ge=0)
     """Policy versions a sample may lag behind the trainer. 0: synchronous (generate, then
-    train). k >= 1: the rollouts of the next k steps are generated while the trainer trains
-    (weights are pushed between requests), stale samples are corrected by
-    `algorithm.rolloutCorrection` (truncated importance sampling, cap 2.0, when unset)."""
+    train). k >= 1: the next k steps' rollouts are generated while the trainer trains, stale
+    samples corrected by `algorithm.rolloutCorrection` (truncated IS, cap 2.0, when unset)."""
     in_flight_updates: bool = False
     """With `maxStaleness` >= 1: weight updates pause the servers keeping their requests (vLLM's `/pause?mode=keep`),
     which go on with the new weights; each token records its policy version, staleness bounded per token."""
