@@ -47,6 +47,7 @@ from rlhf_contract.sources import plan as sources_plan
 from kubernetes.client.rest import ApiException
 
 from . import metrics, status
+from .status import as_stored, status_view
 from .conditions import (BACKEND_MISSING, CHILD_CONFLICT, CHILD_REFUSED, CONDITION_TYPES, conditions_by_type,
                          conflict_condition, missing_condition,
                          refused_condition)
@@ -145,19 +146,6 @@ def _server_message(err: ApiException) -> str:
 def _job(obj: dict[str, Any]) -> str:
     """The name of the job a child manifest is built for."""
     return obj["metadata"]["ownerReferences"][0]["name"]
-
-
-def status_view(st: dict[str, Any]) -> dict[str, Any]:
-    """The part of the status the operator owns (the trainer owns progress, but totalSteps),
-    what is compared and written: its messages with URL credentials cut (`redact_text`)."""
-    view = {k: v for k, v in st.items() if k != "progress"}
-    if isinstance(view.get("message"), str):
-        view["message"] = redact_text(view["message"])
-    if view.get("conditions"):
-        view["conditions"] = [{**c, "message": redact_text(c["message"])} if isinstance(c.get("message"), str) else c
-                              for c in view["conditions"]]
-    view["progress"] = {"totalSteps": (st.get("progress") or {}).get("totalSteps")}
-    return view
 
 
 class Reconciler:
@@ -357,7 +345,7 @@ class Reconciler:
         if blocked and plan.status["phase"] not in status.TERMINAL:  # still why nothing runs, until the children are written
             plan.status["message"] = blocked["message"]
         # 1. The decision first: a restart or a terminal phase is durable before anything is deleted.
-        if status_view(plan.status) != status_view(old):
+        if as_stored(status_view(plan.status)) != as_stored(status_view(old)):
             kube.patch_status(namespace, name, status_view(plan.status))
             if plan.status["restarts"] > int(old.get("restarts") or 0):
                 metrics.RESTARTS.inc()

@@ -40,7 +40,8 @@ import copy
 from datetime import datetime, timedelta
 from typing import Any, Callable
 
-from rlhf_contract.api.models import RLHFJob
+from rlhf_contract.api.models import Condition, Progress, RLHFJob, RLHFJobStatus
+from rlhf_contract.redact import redact_text
 
 from .backends import BACKENDS, of_job, workloads_of
 from .backends.base import ROLLOUT_STATEFULSET, Context, Event, Observed, Plan
@@ -49,8 +50,8 @@ from .conditions import CONDITION_TYPES, conditions_by_type, set_conditions
 from .failures import NODE_LOST_AFTER, Failure, attempt_failure, labels, lost_pod, parse_time, pod_failure, ts
 from .ownership import controlled_by
 
-__all__ = ["NODE_LOST_AFTER", "Event", "Failure", "Observed", "Plan", "attempt_failure",
-           "lost_pod", "parse_time", "plan", "pod_failure", "set_conditions"]
+__all__ = ["NODE_LOST_AFTER", "Event", "Failure", "Observed", "Plan", "as_stored", "attempt_failure",
+           "lost_pod", "parse_time", "plan", "pod_failure", "set_conditions", "status_view"]
 
 TERMINAL = ("Succeeded", "Failed")
 TERMINAL_GRACE = timedelta(seconds=60)
@@ -147,3 +148,46 @@ def _terminal(job: RLHFJob | None, observed: Observed, c: Context, now: datetime
     expired = ttl is not None and now >= finished + timedelta(seconds=ttl)
     return finish(c.prev_phase, cond.get("reason", c.prev_phase), cond.get("message", ""), delete=delete,
                   delete_job=expired)
+
+
+# ---------------------------------------------------------------- what is written and compared
+
+def status_view(st: dict[str, Any]) -> dict[str, Any]:
+    """The part of the status the operator owns (the trainer owns progress, but totalSteps),
+    what is compared and written: its messages with URL credentials cut (`redact_text`)."""
+    view = {k: v for k, v in st.items() if k != "progress"}
+    if isinstance(view.get("message"), str):
+        view["message"] = redact_text(view["message"])
+    if view.get("conditions"):
+        view["conditions"] = [{**c, "message": redact_text(c["message"])} if isinstance(c.get("message"), str) else c
+                              for c in view["conditions"]]
+    view["progress"] = {"totalSteps": (st.get("progress") or {}).get("totalSteps")}
+    return view
+
+
+def _defaults(model: type) -> dict[str, Any]:
+    return {(f.alias or n): f.default for n, f in model.model_fields.items() if not f.is_required()}
+
+
+_STATUS_DEFAULTS = {k: v for k, v in _defaults(RLHFJobStatus).items() if k not in ("progress", "conditions", "phase")}
+_CONDITION_DEFAULTS = _defaults(Condition)
+_PROGRESS_DEFAULTS = _defaults(Progress)
+
+
+def _stored(obj: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """A merge patch's object as stored: a null removes the key, then the default fills it."""
+    return {**defaults, **{k: v for k, v in obj.items() if v is not None}}
+
+
+def as_stored(view: dict[str, Any]) -> dict[str, Any]:
+    """A `status_view` as the API server returns it once written: the CRD's defaults (the
+    contract's status model: `disruptions: 0`, `completionTime: null`, `progress.totalSteps:
+    0`, ...) filled in. The status read back always carries them and a plan's leaves them
+    out, so compared as they were, a steady job's status differed on every reconcile and
+    was patched each time (the most expensive request of a reconcile)."""
+    out = _stored(view, _STATUS_DEFAULTS)
+    if isinstance(out.get("conditions"), list):
+        out["conditions"] = [_stored(c, _CONDITION_DEFAULTS) if isinstance(c, dict) else c for c in out["conditions"]]
+    if isinstance(out.get("progress"), dict):
+        out["progress"] = {k: v for k, v in _stored(out["progress"], _PROGRESS_DEFAULTS).items() if k == "totalSteps"}
+    return out
