@@ -123,15 +123,29 @@ class Watcher:
 RECONCILE_READS = ("GET rlhfjobs", "GET statefulsets", "GET pytorchjobs", "GET jobsets", "LIST pods", "GET nodes")
 
 
-def api_reads(cluster: Cluster) -> dict[str, float]:
-    """The API server's own request counters (`apiserver_request_total`) for RECONCILE_READS."""
+# Writes: the operator's applies (PATCH), status patches, deletes and events, and the
+# controllers' and kwok's writes (pods' status, the workloads' status): what the API server
+# spends its CPU on while the jobs are created (verb, resource, subresource).
+WRITE_VERBS = ("POST", "PATCH", "PUT", "DELETE", "APPLY")
+
+
+def api_requests(cluster: Cluster) -> dict[str, float]:
+    """The API server's own request counters (`apiserver_request_total`): RECONCILE_READS, and
+    every write by verb and resource ("PATCH rlhfjobs/status"); and, under "<key> seconds",
+    the time the API server spent on them (`apiserver_request_duration_seconds_sum`)."""
     out = dict.fromkeys(RECONCILE_READS, 0.0)
     for line in cluster.kubectl("get", "--raw", "/metrics", timeout=60).stdout.splitlines():
-        if line.startswith("apiserver_request_total{"):
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}", 1)[0]))
-            key = f"{labels.get('verb')} {labels.get('resource')}"
-            if key in out:
-                out[key] += float(line.rsplit(" ", 1)[1])
+        metric = line.split("{", 1)[0]
+        if metric not in ("apiserver_request_total", "apiserver_request_duration_seconds_sum"):
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}", 1)[0]))
+        key = f"{labels.get('verb')} {labels.get('resource')}"
+        if labels.get("verb") in WRITE_VERBS:
+            key += f"/{labels['subresource']}" if labels.get("subresource") else ""
+        elif key not in RECONCILE_READS:
+            continue
+        key += " seconds" if metric.endswith("_sum") else ""
+        out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
 
 
@@ -204,7 +218,7 @@ def run(cluster: Cluster, args) -> int:
     watcher = Watcher(cluster, ns)
     try:
         wait_for(lambda: "leader:" in log.read_text(), 60, "the operator to lead")
-        cpu0, reads0 = cpu_seconds(op.pid), api_reads(cluster)
+        cpu0, reads0 = cpu_seconds(op.pid), api_requests(cluster)
         names = [f"job-{i:04d}" for i in range(args.jobs)]
         docs = yaml.safe_dump_all([job_doc(n, args.backend) for n in names])
         t0 = time.monotonic()
@@ -242,7 +256,8 @@ def run(cluster: Cluster, args) -> int:
             lat = [watcher.restarting_at[n] - watcher.pod_failed_at[n] for n in sample]
         cpu_fail = cpu_seconds(op.pid) - cpu1
         t_all = time.monotonic() - t0
-        reads = {k: v - reads0[k] for k, v in api_reads(cluster).items()}
+        requests = {k: v - reads0.get(k, 0.0) for k, v in api_requests(cluster).items()}
+        reads = {k: requests[k] for k in RECONCILE_READS}
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         def metric(prefix: str) -> float:
             return sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(prefix))
@@ -264,6 +279,11 @@ def run(cluster: Cluster, args) -> int:
             "child_reads": {s: int(metric(f'rlhf_operator_child_reads_total{{source="{s}"}}')) for s in ("index", "api")},
             "api_reads": {k: int(v) for k, v in reads.items() if v},
             "api_reads_per_s": round(sum(reads.values()) / t_all, 1),
+            "api_writes": {k: int(v) for k, v in sorted(requests.items())
+                           if v >= 1 and k not in reads and not k.endswith(" seconds")},
+            # what one request of each kind cost the API server (its own clock), milliseconds
+            "api_mean_ms": {k: round(1000 * requests[f"{k} seconds"] / v, 1) for k, v in sorted(requests.items())
+                            if v >= 1 and f"{k} seconds" in requests},
         }, indent=2))
         return 0
     finally:

@@ -175,7 +175,7 @@ def _cmd_render(args: argparse.Namespace) -> int:
     YAML documents (or a JSON List): for review before `kubectl apply` (GitOps). The job's uid
     is only known once the API server has it: `--uid` (owner references, pod labels) or a placeholder."""
     from rlhf_contract.api import JobError, load_job
-    from rlhf_operator.builders import build_support, build_workloads, job_settings
+    from rlhf_operator.backends import build_support, build_workloads, job_settings
     from rlhf_operator.builders.pods import PodSettingsError
     from .output import dump_objects
 

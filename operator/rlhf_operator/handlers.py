@@ -1,8 +1,8 @@
 """kopf wiring only: the watches put job keys into the work queue; reconcile.py does the
 rest. Only the holder of the Lease runs kopf at all.
 
-Watches: RLHFJobs; the children of `kube.CHILD_KINDS` (pods, StatefulSets, PyTorchJobs,
-JobSets, TrainJobs: a TrainJob's pods once kube.py has labelled them) that carry the job label, filtered by the API server
+Watches: RLHFJobs; the children of `backends.CHILD_KINDS` (pods, the rollout StatefulSets,
+each backend's workload; a TrainJob's pods once its backend has labelled them) that carry the job label, filtered by the API server
 (`settings.watching.label_selectors`), so the operator never receives the cluster's
 other pods. Each child watch fills a kopf index (`@kopf.index`: job key -> its objects of
 that kind), from which reconciles read the children: no GET or LIST per reconcile. kopf
@@ -34,8 +34,9 @@ from rlhf_contract.exit_codes import ExitCode
 
 from . import health, metrics
 from .health import Heartbeat
+from .backends import BACKENDS, CHILD_KINDS, ChildKind
 from .builders import LABEL_JOB
-from .kube import CHILD_KINDS, ChildKind, Kube, node_readiness
+from .kube import Kube, node_readiness
 from .leader import Lease
 from .reconcile import Reconciler
 from .status import NODE_LOST_AFTER
@@ -58,7 +59,7 @@ class _State:
 
 STATE = _State()
 # A reconcile that several events asked for is counted under the most specific of them.
-TRIGGER_PRIORITY = {"resync": 0, "job": 1, "pytorchjob": 2, "jobset": 2, "trainjob": 2, "pod": 3}
+TRIGGER_PRIORITY = {"resync": 0, "job": 1, **{b.trigger: 2 for b in BACKENDS.values()}, "pod": 3}
 
 
 def _enqueue(namespace: str, name: str, trigger: str, urgent: bool = False) -> None:
@@ -165,22 +166,19 @@ async def on_pod(event: dict[str, Any], body: kopf.Body, namespace: str, labels:
     _from_kopf(*key, "pod", urgent=failed)
 
 
-@kopf.on.event("kubeflow.org", "v1", "pytorchjobs", labels={LABEL_JOB: kopf.PRESENT})
-async def on_pytorchjob(namespace: str, labels: dict[str, str], **_: Any) -> None:
-    _from_kopf(namespace, labels[LABEL_JOB], "pytorchjob")
+def _on_workload(trigger: str):
+    async def on_workload(namespace: str, labels: dict[str, str], **_: Any) -> None:
+        _from_kopf(namespace, labels[LABEL_JOB], trigger)
+    on_workload.__name__ = f"on_{trigger}"
+    return on_workload
 
 
-# Backend JobSet. On a cluster without the JobSet CRD kopf finds no such resource and
-# watches nothing here (jobs with that backend then stay Pending: the API refuses the JobSet).
-@kopf.on.event("jobset.x-k8s.io", "v1alpha2", "jobsets", labels={LABEL_JOB: kopf.PRESENT})
-async def on_jobset(namespace: str, labels: dict[str, str], **_: Any) -> None:
-    _from_kopf(namespace, labels[LABEL_JOB], "jobset")
-
-
-# Backend TrainJob (Kubeflow Trainer v2): as the JobSet watch, nothing without its CRD.
-@kopf.on.event("trainer.kubeflow.org", "v1alpha1", "trainjobs", labels={LABEL_JOB: kopf.PRESENT})
-async def on_trainjob(namespace: str, labels: dict[str, str], **_: Any) -> None:
-    _from_kopf(namespace, labels[LABEL_JOB], "trainjob")
+# Each backend's workload (backends/). On a cluster without the backend's CRD kopf finds no
+# such resource and watches nothing (jobs with that backend then show BackendMissing).
+for _b in BACKENDS.values():
+    metrics.RECONCILES.labels(trigger=_b.trigger)  # its series exists (at 0) from the start
+    kopf.on.event(_b.workload.group, _b.workload.version, _b.workload.plural, labels={LABEL_JOB: kopf.PRESENT},
+                  id=f"on_{_b.trigger}")(_on_workload(_b.trigger))
 
 
 def _resync_loop(namespaces: list[str], stop: threading.Event) -> None:

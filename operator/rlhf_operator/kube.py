@@ -11,13 +11,11 @@ replicas from acting at once is leader.py (over `Kube.request`).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import socket
 import threading
 import time
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Callable
 
@@ -25,13 +23,9 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
 from rlhf_contract.api.models import API_GROUP, API_VERSION, PLURAL
-from rlhf_contract.backends import BACKENDS
 from rlhf_contract.redact import redact_text
-from .builders.jobset import JOBSET_API_VERSION
-from .builders.lws import LWS_API_VERSION
-from .builders.trainjob import TRAINER_API_VERSION, adoption_labels, unadopted_selector
-from .builders.meta import LABEL_JOB, jobset_name, rollout_name, trainer_name
-from .status import Observed
+from .backends import CHILD_KINDS, ChildKind, Observed, adopt, kinds_of
+from .builders.meta import LABEL_JOB
 
 log = logging.getLogger(__name__)
 
@@ -42,57 +36,20 @@ NODE_CACHE_SECONDS = 10.0  # a node read serves every job on it this long (lost-
 _PLURALS = {
     "ConfigMap": "configmaps", "Service": "services", "ServiceAccount": "serviceaccounts", "Pod": "pods",
     "Event": "events", "StatefulSet": "statefulsets", "NetworkPolicy": "networkpolicies", "Role": "roles",
-    "RoleBinding": "rolebindings", "PyTorchJob": "pytorchjobs", "JobSet": "jobsets", "RLHFJob": PLURAL,
-    "TrainJob": "trainjobs", "LeaderWorkerSet": "leaderworkersets",
-    "Lease": "leases", "Node": "nodes",
+    "RoleBinding": "rolebindings", "RLHFJob": PLURAL, "Lease": "leases", "Node": "nodes",
+    **{ck.kind: ck.plural for ck in CHILD_KINDS},
 }
-_API_VERSIONS = {"StatefulSet": "apps/v1", "PyTorchJob": BACKENDS["PyTorchJob"].api_version, "JobSet": JOBSET_API_VERSION,
-                 "TrainJob": TRAINER_API_VERSION, "LeaderWorkerSet": LWS_API_VERSION,
-                 "RLHFJob": f"{API_GROUP}/{API_VERSION}", "Lease": "coordination.k8s.io/v1"}
-
-
-@dataclass(frozen=True)
-class ChildKind:
-    """A kind of child the operator reads back: kopf watches it (the job's label, filtered
-    by the API server) into an in-memory index; `Kube.observe` reads it with a GET (a LIST
-    for pods) where there is no index."""
-
-    kind: str
-    group: str  # "" for the core group
-    version: str
-    plural: str
-    field: str  # `Observed`'s attribute; "pods": every object of the job, else the one named `name(job)`
-    backends: tuple[str, ...] | None = None  # the backends whose jobs have it (None: every job)
-    name: Callable[[str], str] | None = None
-
-    @property
-    def api_version(self) -> str:
-        return f"{self.group}/{self.version}" if self.group else self.version
-
-
-# One line per kind of child whose state a reconcile reads (a new backend's workload: one more line).
-CHILD_KINDS = (
-    ChildKind("Pod", "", "v1", "pods", "pods"),
-    ChildKind("StatefulSet", "apps", "v1", "statefulsets", "statefulset", ("PyTorchJob", "TrainJob"), rollout_name),
-    ChildKind("PyTorchJob", BACKENDS["PyTorchJob"].group, BACKENDS["PyTorchJob"].version, BACKENDS["PyTorchJob"].plural,
-              "pytorchjob", ("PyTorchJob",), trainer_name),
-    ChildKind("JobSet", *JOBSET_API_VERSION.split("/"), "jobsets", "jobset", ("JobSet",), jobset_name),
-    ChildKind("TrainJob", *TRAINER_API_VERSION.split("/"), "trainjobs", "trainjob", ("TrainJob",), trainer_name),
-    # rollout.nodesPerServer > 1: the rollout servers (builders/lws.py)
-    ChildKind("LeaderWorkerSet", *LWS_API_VERSION.split("/"), "leaderworkersets", "leaderworkerset",
-              ("PyTorchJob", "TrainJob"), rollout_name),
-)
+_API_VERSIONS = {"StatefulSet": "apps/v1", "RLHFJob": f"{API_GROUP}/{API_VERSION}", "Lease": "coordination.k8s.io/v1",
+                 **{ck.kind: ck.api_version for ck in CHILD_KINDS}}
 
 
 def observed_of(namespace: str, name: str, backend: str, read: Callable[[ChildKind], list[dict[str, Any]]],
                 nodes_not_ready: Callable[[set[str]], dict[str, datetime]]) -> Observed:
     """The job's children from `read(kind)` (the objects of that kind with the job's label,
-    or the one of its name): for each workload kind of `backend`, the object of the
-    child's name (the newest, should a stale one linger); every pod of the job."""
+    or the one of its name): for each workload kind of `backend` (its `kinds`), the object
+    of the child's name (the newest, should a stale one linger); every pod of the job."""
     found: dict[str, Any] = {}
-    for ck in CHILD_KINDS:
-        if ck.backends is not None and backend not in ck.backends:
-            continue
+    for ck in kinds_of(backend):  # the pods, the backend's workloads
         objs = read(ck)
         if ck.name is None:
             found[ck.field] = objs
@@ -196,41 +153,31 @@ class Kube:
         self.delete("RLHFJob", namespace, name, uid)
 
     # ---- children
-    def observe(self, namespace: str, name: str, backend: str = "PyTorchJob") -> Observed:
+    def observe(self, namespace: str, name: str, backend: str) -> Observed:
         """The job's children read from the API server (GETs and a pod LIST); the operator
         reads them from kopf's indexes instead, and this only to audit those."""
         def read(ck: ChildKind) -> list[dict[str, Any]]:
             if ck.name is None:
-                return self.request("GET", api_path(ck.api_version, ck.kind, namespace),
-                                    query=[("labelSelector", f"{LABEL_JOB}={name}")])[0].get("items", [])
+                return self.list_pods(namespace, f"{LABEL_JOB}={name}")
             obj = self.read(api_path(ck.api_version, ck.kind, namespace, ck.name(name)))
             return [obj] if obj is not None else []
-        return self.with_adopted(observed_of(namespace, name, backend, read, self.nodes_not_ready), namespace, name)
+        return self.with_adopted(observed_of(namespace, name, backend, read, self.nodes_not_ready), namespace, name,
+                                 backend)
 
-    def with_adopted(self, observed: Observed, namespace: str, name: str) -> Observed:
-        """Backend TrainJob: the TrainJob's pods that do not carry the job's labels yet,
-        labelled now (`adopt_trainjob_pods`) and counted with the job's pods."""
-        if observed.trainjob is None:
-            return observed
-        adopted = self.adopt_trainjob_pods(namespace, name, observed.trainjob)
-        return dataclasses.replace(observed, pods=observed.pods + adopted) if adopted else observed
+    def with_adopted(self, observed: Observed, namespace: str, name: str, backend: str) -> Observed:
+        """The job's pods that its backend's controller made without the job's labels,
+        labelled now and counted with the job's pods (`Backend.adopt`: backend TrainJob's)."""
+        return adopt(self, observed, namespace, name, backend)
 
-    def adopt_trainjob_pods(self, namespace: str, name: str, trainjob: dict[str, Any]) -> list[dict[str, Any]]:
-        """Backend TrainJob: label the TrainJob's pods that lack the job's labels (v2.3 puts them on
-        through the runtime patch; an older Trainer's pods need this), so that the pod watch, the
-        NetworkPolicy and `rlhfctl logs` find them; the pods patched."""
-        found = self.request("GET", api_path("v1", "Pod", namespace),
-                             query=[("labelSelector", unadopted_selector(name))])[0].get("items", [])
-        if not found:
-            return []
-        jobset = self.read(api_path(JOBSET_API_VERSION, "JobSet", namespace, trainer_name(name)))
-        adopted = []
-        for pod in found:
-            if (labels := adoption_labels(trainjob, jobset, pod)) is not None:
-                adopted.append(self.request("PATCH", api_path("v1", "Pod", namespace, pod["metadata"]["name"]),
-                                            body={"metadata": {"uid": pod["metadata"]["uid"], "labels": labels}},
-                                            content_type="application/merge-patch+json")[0])
-        return adopted
+    def list_pods(self, namespace: str, selector: str) -> list[dict[str, Any]]:
+        return self.request("GET", api_path("v1", "Pod", namespace),
+                            query=[("labelSelector", selector)])[0].get("items", [])
+
+    def patch_pod_labels(self, namespace: str, pod: dict[str, Any], labels: dict[str, str]) -> dict[str, Any]:
+        """Add `labels` to that pod (of its uid); the pod as patched."""
+        return self.request("PATCH", api_path("v1", "Pod", namespace, pod["metadata"]["name"]),
+                            body={"metadata": {"uid": pod["metadata"]["uid"], "labels": labels}},
+                            content_type="application/merge-patch+json")[0]
 
     def claim_access_modes(self, namespace: str, name: str) -> list[str] | None:
         """A PersistentVolumeClaim's `spec.accessModes` (fixed at its creation); None: no such claim."""

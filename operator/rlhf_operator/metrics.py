@@ -24,7 +24,7 @@ CHILD_READS = Counter("rlhf_operator_child_reads_total",
                       ["source"])
 
 PHASES = ("Pending", "Initializing", "Running", "Restarting", "Suspended", "Succeeded", "Failed")
-TRIGGERS = ("job", "pod", "pytorchjob", "resync")
+TRIGGERS = ("job", "pod", "resync")  # and each backend's workload (handlers.py)
 
 # Series exist (at 0) from the start, so rates and "jobs by phase" have data before the first event.
 for _trigger in TRIGGERS:

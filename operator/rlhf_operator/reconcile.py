@@ -39,7 +39,7 @@ from typing import Any, Callable
 from pydantic import ValidationError
 
 from rlhf_contract.api import problems
-from rlhf_contract.api.models import RLHFJob, resolve_backend
+from rlhf_contract.api.models import RLHFJob
 from rlhf_contract.backends import BACKENDS, ROLLOUT_NEEDS, missing_message
 from rlhf_contract.redact import redact_text
 from rlhf_contract.sources import plan as sources_plan
@@ -47,12 +47,14 @@ from rlhf_contract.sources import plan as sources_plan
 from kubernetes.client.rest import ApiException
 
 from . import metrics, status
+from .status import as_stored, status_view
 from .conditions import (BACKEND_MISSING, CHILD_CONFLICT, CHILD_REFUSED, CONDITION_TYPES, conditions_by_type,
                          conflict_condition, missing_condition,
                          refused_condition)
-from .builders import LABEL_JOB_UID, PodSettings, PodSettingsError, build_support, build_workloads, job_settings
+from .backends import CHILD_KINDS, name_of, build_support, build_workloads, job_settings, workloads_of
+from .builders import LABEL_JOB_UID, PodSettings, PodSettingsError
 from .builders.meta import attempt_of
-from .kube import CHILD_KINDS, Kube, not_ready, observed_of
+from .kube import Kube, not_ready, observed_of
 from .ownership import conflict, controlled_by, earlier_job
 
 log = logging.getLogger("rlhf_operator")
@@ -141,27 +143,9 @@ def _server_message(err: ApiException) -> str:
         return f"{err.status} {err.reason}: {err.body or ''}".strip()
 
 
-def _workloads(observed: status.Observed) -> dict[str, dict[str, Any] | None]:
-    return {"StatefulSet": observed.statefulset, "PyTorchJob": observed.pytorchjob, "JobSet": observed.jobset,
-            "TrainJob": observed.trainjob, "LeaderWorkerSet": observed.leaderworkerset}
-
-
 def _job(obj: dict[str, Any]) -> str:
     """The name of the job a child manifest is built for."""
     return obj["metadata"]["ownerReferences"][0]["name"]
-
-
-def status_view(st: dict[str, Any]) -> dict[str, Any]:
-    """The part of the status the operator owns (the trainer owns progress, but totalSteps),
-    what is compared and written: its messages with URL credentials cut (`redact_text`)."""
-    view = {k: v for k, v in st.items() if k != "progress"}
-    if isinstance(view.get("message"), str):
-        view["message"] = redact_text(view["message"])
-    if view.get("conditions"):
-        view["conditions"] = [{**c, "message": redact_text(c["message"])} if isinstance(c.get("message"), str) else c
-                              for c in view["conditions"]]
-    view["progress"] = {"totalSteps": (st.get("progress") or {}).get("totalSteps")}
-    return view
 
 
 class Reconciler:
@@ -187,7 +171,7 @@ class Reconciler:
         indexed, nodes = self.index((namespace, name))
         observed = observed_of(namespace, name, backend, lambda ck: indexed.get(ck.plural, []),
                                lambda names: not_ready(names, nodes.get))
-        return self.kube.with_adopted(observed, namespace, name)  # backend TrainJob: its unlabelled pods
+        return self.kube.with_adopted(observed, namespace, name, backend)  # backend TrainJob: its unlabelled pods
 
     def note_pod(self, key: JobKey, pod: dict[str, Any]) -> bool:
         """Remember a pod from a watch event when it shows a failure; True if it does."""
@@ -253,7 +237,7 @@ class Reconciler:
         server's message} for one it refuses as invalid (422), {CONFLICT: ...} for one of
         another owner, {} for all written or an earlier job's still there (nothing after it is
         written: the RoleBinding must not bind the job's Role to a ServiceAccount not the job's)."""
-        workloads = _workloads(observed)
+        workloads = workloads_of(observed)
         for obj in objs:
             # the job's workload of its kind (not the judge's or sandbox's StatefulSet): observed, or missing
             workload = obj["metadata"]["name"] == WORKLOAD_NAMES.get(obj["kind"], lambda _: None)(_job(obj))
@@ -266,7 +250,7 @@ class Reconciler:
     def _delete_workloads(self, cache: JobCache, job_name: str, kinds: list[str], observed: status.Observed) -> list[str]:
         """Delete the workloads of `kinds` that the job controls, each by its uid; the others
         are left alone: the conflicts among them (not an earlier job's)."""
-        conflicts, workloads = [], _workloads(observed)
+        conflicts, workloads = [], workloads_of(observed)
         for kind in kinds:
             obj = workloads.get(kind)
             if obj is None:
@@ -333,7 +317,7 @@ class Reconciler:
             seen = {u: p for u, p in list(cache.failed_pods.items())
                     if (p["metadata"].get("labels") or {}).get(LABEL_JOB_UID) == body["metadata"]["uid"]}
             cache.uid, cache.applied, cache.failed_pods = body["metadata"]["uid"], {}, seen
-        backend = resolve_backend((body.get("spec") or {}).get("backend"), body["metadata"].get("labels") or {})
+        backend = name_of(body)
         observed = self.observe(cache, namespace, name, backend)
         attempt = int((body.get("status") or {}).get("restarts") or 0)
         for uid, p in list(cache.failed_pods.items()):
@@ -361,7 +345,7 @@ class Reconciler:
         if blocked and plan.status["phase"] not in status.TERMINAL:  # still why nothing runs, until the children are written
             plan.status["message"] = blocked["message"]
         # 1. The decision first: a restart or a terminal phase is durable before anything is deleted.
-        if status_view(plan.status) != status_view(old):
+        if as_stored(status_view(plan.status)) != as_stored(status_view(old)):
             kube.patch_status(namespace, name, status_view(plan.status))
             if plan.status["restarts"] > int(old.get("restarts") or 0):
                 metrics.RESTARTS.inc()

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from rlhf_contract.api.models import API_GROUP, API_VERSION, KIND
 
-from .builders import build_support
+from .backends import build_support
 from .kube import Kube, api_path
 from .reconcile import job_model
 

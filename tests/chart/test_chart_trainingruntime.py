@@ -1,5 +1,5 @@
 """The chart's ClusterTrainingRuntime `rlhf-torch` is the one the operator's TrainJobs are
-built against (rlhf_operator.builders.trainjob.build_runtime), and it passes Kubeflow
+built against (rlhf_operator.backends.trainjob.build_runtime), and it passes Kubeflow
 Trainer v2.3's own CRD schema."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlhf_operator.builders.trainjob import RUNTIME_NAME, build_runtime
+from rlhf_operator.backends.trainjob import RUNTIME_NAME, build_runtime
 
 REPO = Path(__file__).resolve().parents[2]
 

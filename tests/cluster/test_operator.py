@@ -450,7 +450,7 @@ def test_built_children_of_the_cluster_example_pass_server_validation(cluster: C
     """Every child of examples/rlhfjob.yaml, as the builders make it, is accepted by the API
     server and the training-operator's webhook (server-side dry run)."""
     from rlhf_contract.api import load_job
-    from rlhf_operator.builders import build_children
+    from rlhf_operator.backends import build_children
 
     ns = setup["multi"]
     job = load_job(Path(__file__).resolve().parents[2] / "examples" / "rlhfjob.yaml")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from rlhf_operator.builders.trainjob import build_runtime
+from rlhf_operator.backends.trainjob import build_runtime
 
 from . import pki
 from .harness import Cluster, free_port, wait_for

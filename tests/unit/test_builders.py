@@ -15,7 +15,8 @@ from kubernetes.client import ApiClient
 
 from rlhf_contract import pod as contract
 from rlhf_contract.api import validate_job
-from rlhf_operator.builders import build_children, rollout_endpoints, weight_sync_addr
+from rlhf_operator.backends import build_children, rollout_endpoints
+from rlhf_operator.builders import weight_sync_addr
 from rlhf_contract.trainer_config import TrainerConfig
 from rlhf_operator.builders.pods import CONFIG_PATH
 

@@ -10,7 +10,8 @@ import copy
 import pytest
 from kubernetes.client import ApiClient
 from rlhf_contract.api import JobError, validate_job
-from rlhf_operator.builders import PodSettingsError, build_children
+from rlhf_operator.backends import build_children
+from rlhf_operator.builders import PodSettingsError
 
 UID = "0b7e6d2c-1111-4222-8333-944455556666"
 POD = {  # every pod

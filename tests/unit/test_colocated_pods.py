@@ -20,7 +20,8 @@ import pytest
 from rlhf_contract import images
 from rlhf_contract import pod as contract
 from rlhf_contract.api import validate_job
-from rlhf_operator.builders import PodSettingsError, build_children
+from rlhf_operator.backends import build_children
+from rlhf_operator.builders import PodSettingsError
 
 from test_builders import make_job
 

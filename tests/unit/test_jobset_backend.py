@@ -11,7 +11,8 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from helpers import fake_pod, job_of
-from rlhf_operator.builders import build_children, build_workloads, PodSettings
+from rlhf_operator.backends import build_children, build_workloads
+from rlhf_operator.builders import PodSettings
 from rlhf_contract.exit_codes import TABLE, ExitCode
 from rlhf_operator.failures import Failure
 from rlhf_operator.status import Observed, plan

@@ -13,7 +13,8 @@ import pytest
 from helpers import fake_pod, job_of
 from rlhf_contract.backends import missing_message
 from rlhf_contract.exit_codes import PERMANENT
-from rlhf_operator.builders import PodSettingsError, build_children, job_settings
+from rlhf_operator.backends import build_children, job_settings
+from rlhf_operator.builders import PodSettingsError
 from rlhf_operator.status import Observed, plan
 
 UID = "uid-lws"

@@ -125,7 +125,7 @@ EXAMPLES = sorted((__import__("pathlib").Path(__file__).resolve().parents[2] / "
                                   ("local-sft", "local-rm", "local-dpo", "local-tools-sft")], ids=lambda p: p.stem)
 def test_offline_examples_validate_and_build_a_trainer_alone(path):
     from rlhf_contract.api.load import load_job
-    from rlhf_operator.builders import build_children
+    from rlhf_operator.backends import build_children
 
     job = load_job(path)
     assert job.spec.offline

@@ -227,3 +227,53 @@ def test_a_support_statefulset_is_not_mistaken_for_the_missing_rollout_workload(
     r._apply_all(cache, [rollout], Observed())
     r._apply_all(cache, [rollout], Observed())  # missing from what was observed: applied again, its name read again
     assert [c[0] for c in kube.calls[2:]] == ["get", "apply", "get", "apply"]
+
+
+def test_a_steady_jobs_status_read_back_with_the_crds_defaults_is_not_patched_again():
+    """The API server returns the status with the CRD's defaults (`disruptions: 0`,
+    `completionTime: null`); compared against a plan's, which leaves them out, every reconcile
+    of a steady job used to patch the status (the most expensive request at scale)."""
+    from rlhf_contract.api.models import RLHFJobStatus
+
+    job = {"apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob",
+           "metadata": {"name": "j", "namespace": "ns", "uid": UID, "generation": 1,
+                        "creationTimestamp": "2026-01-01T00:00:00Z"},
+           "spec": {"model": {"path": "/w/m"}, "data": {"path": "/w/d"}, "rollout": {"replicas": 1},
+                    "trainer": {"numNodes": 1}, "output": {"dir": "/w/o"},
+                    "pod": {"volumes": [{"name": "w", "emptyDir": {}}], "volumeMounts": [{"name": "w", "mountPath": "/w"}]}}}
+    owned = [ref("RLHFJob", "j", UID)]
+
+    def pod(name, role):
+        return {"metadata": {"name": name, "uid": name, "labels": {"rlhf.dev/job": "j", "rlhf.dev/job-uid": UID,
+                                                                  "rlhf.dev/role": role, "rlhf.dev/attempt": "0"}},
+                "spec": {"nodeName": "n"}, "status": {"phase": "Running",
+                                                      "conditions": [{"type": "Ready", "status": "True"}]}}
+
+    def workload(name):
+        return {"metadata": {"name": name, "namespace": "ns", "uid": name, "labels": {"rlhf.dev/attempt": "0"},
+                             "ownerReferences": owned}}
+
+    class ApiServer(RecordingKube):
+        patches = 0
+
+        def get_job(self, ns, name):
+            return json.loads(json.dumps(job))
+
+        def observe(self, ns, name, backend):
+            return Observed(statefulset=workload("j-rollout"), pytorchjob=workload("j-trainer"),
+                            pods=[pod("r0", "rollout"), pod("t0", "trainer")])
+
+        def patch_status(self, ns, name, st):
+            self.patches += 1
+            merged = {**(job.get("status") or {}), **json.loads(json.dumps(st))}  # a merge patch: null removes
+            merged["progress"] = {k: v for k, v in (merged.get("progress") or {}).items() if v is not None}
+            job["status"] = RLHFJobStatus.model_validate(merged).model_dump(by_alias=True, mode="json")
+
+        def event(self, *_):
+            pass
+
+    kube = ApiServer()
+    r = Reconciler(kube)
+    assert [r.reconcile("ns", "j") for _ in range(3)] == ["Running"] * 3
+    assert job["status"]["disruptions"] == 0 and job["status"]["completionTime"] is None  # as the API server has it
+    assert kube.patches == 1

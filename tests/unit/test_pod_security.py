@@ -19,8 +19,9 @@ from rlhf_contract.api import JobError, validate_job
 from rlhf_contract.api.crd import crd
 from rlhf_contract.api.pod_security import KUBERNETES_VOLUME_TYPES
 from rlhf_launcher.cli import main as rlhfctl
-from rlhf_operator.builders import PodSettingsError, build_children
-from rlhf_operator.builders.trainjob import build_runtime
+from rlhf_operator.backends import build_children
+from rlhf_operator.builders import PodSettingsError
+from rlhf_operator.backends.trainjob import build_runtime
 
 from test_builders import make_job
 

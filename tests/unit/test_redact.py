@@ -12,7 +12,7 @@ import yaml
 from rlhf_contract.api.models import RLHFJob
 from rlhf_contract.pod import JOB_FILE, run_config
 from rlhf_contract.redact import REDACTED, redact_spec, redact_text
-from rlhf_operator.builders import build_children
+from rlhf_operator.backends import build_children
 from rlhf_operator.builders.config import build_config_map
 from rlhf_trainer.storage.model_card import write_card
 

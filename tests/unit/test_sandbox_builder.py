@@ -11,7 +11,8 @@ import pytest
 from rlhf_contract import sandbox as contract
 from rlhf_contract.api import validate_job
 from rlhf_contract.api.models import RewardSpec
-from rlhf_operator.builders import LABEL_JOB, LABEL_ROLE, ROLE_TRAINER, build_children
+from rlhf_operator.backends import build_children
+from rlhf_operator.builders import LABEL_JOB, LABEL_ROLE, ROLE_TRAINER
 
 from test_builders import make_job, roundtrip
 

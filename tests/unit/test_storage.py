@@ -16,7 +16,7 @@ from kubernetes.client import ApiClient
 from rlhf_contract.api import JobError, validate_job
 from rlhf_contract.api.uris import parse_remote
 from rlhf_contract.sources import localize, plan, plan_from_json, plan_json
-from rlhf_operator.builders import build_children
+from rlhf_operator.backends import build_children
 
 SECRET = "storage-creds"
 

@@ -202,7 +202,7 @@ def test_a_model_in_a_folder_of_its_repository(llama_like, tiny_model_dir, hub_s
 
 def test_a_bare_hub_id_is_answered_with_the_hf_address(tmp_path, capsys, monkeypatch):
     from rlhf_launcher.cli import main
-    from rlhf_operator.builders import build_children
+    from rlhf_operator.backends import build_children
     from rlhf_operator.builders.pods import PodSettingsError
 
     monkeypatch.chdir(tmp_path)  # no such local path here

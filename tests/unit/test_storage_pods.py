@@ -15,7 +15,7 @@ from kubernetes.client.rest import ApiException
 
 from rlhf_contract.api import JobError, validate_job
 from rlhf_contract.sources import SOURCE_CACHE_DIR
-from rlhf_operator.builders import build_children, job_settings
+from rlhf_operator.backends import build_children, job_settings
 from rlhf_operator.builders.pods import PodSettingsError
 from rlhf_operator.reconcile import JobCache, Reconciler
 from test_storage import job_data

@@ -16,10 +16,10 @@ import yaml
 from helpers import fake_pod, job_of
 from rlhf_contract.api import validate_job
 from rlhf_contract.exit_codes import ExitCode
-from rlhf_operator.builders import (
-    PodSettings, PodSettingsError, TrainJobError, build_children, build_workloads, job_settings,
-)
-from rlhf_operator.builders.trainjob import NODE, RUNTIME_NAME, TORCH_ENV, adoption_labels, build_runtime
+from rlhf_operator.backends import build_children, build_workloads, job_settings
+from rlhf_operator.backends.trainjob import TrainJobError
+from rlhf_operator.builders import PodSettings, PodSettingsError
+from rlhf_operator.backends.trainjob import NODE, RUNTIME_NAME, TORCH_ENV, adoption_labels, build_runtime
 from rlhf_operator.status import Observed, plan
 from test_builders import check_schema, children_of, make_job
 

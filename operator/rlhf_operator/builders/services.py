@@ -13,10 +13,7 @@ from typing import Any
 from rlhf_contract import pod as contract
 from rlhf_contract.api.models import RLHFJob
 from .lws import leader_selector
-from .meta import (
-    COMPLETION_INDEX_LABEL, JOBSET_NAME_LABEL, JOBSET_RJOB_LABEL, LABEL_JOB, LABEL_ROLE, RJOB_TRAINER, ROLE_ROLLOUT,
-    jobset_name, metadata, network_policy_name, rollout_name, trainer_name, weight_sync_name,
-)
+from .meta import LABEL_JOB, LABEL_ROLE, ROLE_ROLLOUT, metadata, network_policy_name, rollout_name, weight_sync_name
 
 
 def build_rollout_service(job: RLHFJob) -> dict[str, Any]:
@@ -36,8 +33,8 @@ def build_rollout_service(job: RLHFJob) -> dict[str, Any]:
     }
 
 
-def build_weight_sync_service(job: RLHFJob) -> dict[str, Any]:
-    """Selects trainer rank 0 (the PyTorchJob's master pod, or the JobSet's trainer pod 0),
+def build_weight_sync_service(job: RLHFJob, rank0: dict[str, str]) -> dict[str, Any]:
+    """Selects trainer rank 0 (`rank0`: its backend's selector, e.g. the PyTorchJob's master pod),
     where the weight-sync rendezvous (TCPStore) listens; headless, so NCCL peers see the
     pod address."""
     return {
@@ -47,24 +44,10 @@ def build_weight_sync_service(job: RLHFJob) -> dict[str, Any]:
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
-            "selector": _trainer_rank0(job),
+            "selector": rank0,
             "ports": [{"name": "weight-sync", "port": contract.WEIGHT_SYNC_PORT,
                        "targetPort": contract.WEIGHT_SYNC_PORT, "protocol": "TCP"}],
         },
-    }
-
-
-def _trainer_rank0(job: RLHFJob) -> dict[str, str]:
-    if job.spec.backend == "JobSet":  # pod 0 of the trainer's (only) Job
-        return {JOBSET_NAME_LABEL: jobset_name(job.metadata.name), JOBSET_RJOB_LABEL: RJOB_TRAINER,
-                COMPLETION_INDEX_LABEL: "0"}
-    if job.spec.backend == "TrainJob":  # pod 0 of the `node` Job of the TrainJob's JobSet (named as it)
-        return {JOBSET_NAME_LABEL: trainer_name(job.metadata.name), JOBSET_RJOB_LABEL: "node",
-                COMPLETION_INDEX_LABEL: "0"}
-    return {
-        "training.kubeflow.org/job-name": trainer_name(job.metadata.name),
-        "training.kubeflow.org/replica-type": "master",
-        "training.kubeflow.org/replica-index": "0",
     }
 
 

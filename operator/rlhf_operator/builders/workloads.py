@@ -1,4 +1,6 @@
-"""The two workloads of one attempt: the rollout StatefulSet and the trainer PyTorchJob.
+"""The parts of the workloads every backend shares: the rollout StatefulSet, the rollout
+and trainer containers. The backends' own workloads (the trainer PyTorchJob, the JobSet,
+the TrainJob) are built in backends/.
 
 Both take their commands and environment from the pod contract (contract.py). Pods of
 attempt N carry `rlhf.dev/attempt: N`; a restart deletes both workloads, waits until every
@@ -7,9 +9,7 @@ pod of the job is gone, and builds them again with N + 1.
 Rollout servers: one pod per server, `tensorParallelSize` GPUs each, stable DNS names
 `<job>-rollout-<i>.<job>-rollout.<ns>.svc` through the headless Service; updateStrategy
 OnDelete so that a spec change never rolls servers under a running trainer.
-Trainer: a Kubeflow PyTorchJob (Master + `numNodes - 1` Workers, restartPolicy Never,
-backoffLimit 0: restarts are ours, whole-job), container `pytorch` as the
-training-operator expects; torchrun reads the PET_* variables it sets.
+Trainer: `trainer_container`, which each backend puts in its own workload.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from typing import Any
 
 from rlhf_contract import images, pod as contract
 from rlhf_contract.api.models import RLHFJob
-from rlhf_contract.backends import BACKENDS
 from rlhf_contract.sources import localize
 from .meta import (
     LABEL_ATTEMPT, LABEL_JOB, LABEL_ROLE, RJOB_ROLLOUT, ROLE_ROLLOUT, ROLE_TRAINER, job_labels, jobset_name, metadata,
@@ -46,14 +45,11 @@ def trainer_image(job: RLHFJob) -> str:
 
 def rollout_endpoints(job: RLHFJob) -> list[str]:
     """Base URLs of the rollout servers: the StatefulSet pods' stable DNS names (none for
-    the offline methods)."""
+    the offline methods, or colocated servers). A backend that runs the servers in its own
+    workload has its own (`backends.rollout_endpoints` picks)."""
     if job.spec.trainer_pods_only:  # colocated: each trainer pod's own, on loopback (contract.colocated_trainer_process)
         return []
     ns = namespace_of(job)
-    if job.spec.backend == "JobSet":  # Job i of replicated job `rollout`, its pod 0, in the JobSet's subdomain
-        js = jobset_name(job.metadata.name)
-        return [f"http://{js}-{RJOB_ROLLOUT}-{i}-0.{js}.{ns}.svc:{contract.ROLLOUT_PORT}"
-                for i in range(job.spec.rollout.replicas)]
     name = rollout_name(job.metadata.name)
     return [f"http://{name}-{i}.{name}.{ns}.svc:{contract.ROLLOUT_PORT}" for i in range(job.spec.rollout.replicas)]
 
@@ -192,31 +188,3 @@ def trainer_container(job: RLHFJob, settings: PodSettings, *, rollout_endpoints:
     if env_from:
         container["envFrom"] = env_from
     return container
-
-
-def build_trainer_pytorchjob(job: RLHFJob, attempt: int, settings: PodSettings) -> dict[str, Any]:
-    t = job.spec.trainer
-    # container `pytorch`: the training-operator injects PET_* / MASTER_* into it
-    container = trainer_container(job, settings, rollout_endpoints=rollout_endpoints(job),
-                                  weight_sync_addr=weight_sync_addr(job))
-    template = {
-        "metadata": template_metadata(pod_labels(job, ROLE_TRAINER, attempt), settings.role(ROLE_TRAINER)),
-        "spec": with_storage(job, settings, pod_spec(job, settings, [container], role=ROLE_TRAINER, restart_policy="Never",
-                                                     service_account=trainer_name(job.metadata.name)),
-                             trainer=True),
-    }
-    replicas = {"Master": {"replicas": 1, "restartPolicy": "Never", "template": template}}
-    if t.num_nodes > 1:
-        replicas["Worker"] = {"replicas": t.num_nodes - 1, "restartPolicy": "Never", "template": template}
-    return {
-        "apiVersion": BACKENDS["PyTorchJob"].api_version,
-        "kind": "PyTorchJob",
-        "metadata": metadata(job, trainer_name(job.metadata.name),
-                             {**job_labels(job), LABEL_ATTEMPT: str(attempt)}),
-        "spec": {
-            # Failed pods stay for their logs; running ones go when the PyTorchJob ends.
-            "runPolicy": {"cleanPodPolicy": "Running", "backoffLimit": 0},
-            "nprocPerNode": str(t.nproc_per_node),
-            "pytorchReplicaSpecs": replicas,
-        },
-    }

@@ -34,20 +34,26 @@ the test cluster and the chart's runtime target v2.3.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 from rlhf_contract.api.models import RLHFJob
 from rlhf_contract.backends import BACKENDS
 
-from .meta import (
-    JOBSET_NAME_LABEL, LABEL_ATTEMPT, LABEL_JOB, LABEL_JOB_UID, LABEL_MANAGED_BY, LABEL_ROLE, MANAGER, ROLE_TRAINER,
-    job_labels, metadata, pod_labels, trainer_name,
+from ..builders.meta import (
+    COMPLETION_INDEX_LABEL, JOBSET_NAME_LABEL, JOBSET_RJOB_LABEL, LABEL_ATTEMPT, LABEL_JOB, LABEL_JOB_UID,
+    LABEL_MANAGED_BY, LABEL_ROLE, MANAGER, ROLE_TRAINER, job_labels, metadata, pod_labels, trainer_name,
 )
-from .pods import PodSettings, PodSettingsError, pod_spec, template_metadata
-from .storage import with_storage
-from .workloads import rollout_endpoints, trainer_container, weight_sync_addr
+from ..builders.pods import PodSettings, PodSettingsError, pod_spec, template_metadata
+from ..builders.storage import with_storage
+from ..builders.workloads import rollout_endpoints, trainer_container, weight_sync_addr
+from .base import ROLLOUT_LWS, ROLLOUT_STATEFULSET, Observed, workload_kind
+from .jobset import JOBSET_API_VERSION, NEEDS as JOBSET_NEEDS
+from .pytorchjob import WholeJobRestarts
 
-TRAINER_API_VERSION = BACKENDS["TrainJob"].api_version
+NEEDS = BACKENDS["TrainJob"]
+TRAINER_API_VERSION = NEEDS.api_version
+JOBSET_KIND = JOBSET_NEEDS.backend  # a TrainJob runs as a JobSet
 RUNTIME_NAME = "rlhf-torch"
 """The ClusterTrainingRuntime of the chart (charts/rlhf-operator/templates/trainingruntime.yaml)."""
 NODE = "node"
@@ -89,7 +95,7 @@ def _pod(job: RLHFJob, settings: PodSettings, attempt: int = 0) -> dict[str, Any
                                   weight_sync_addr=weight_sync_addr(job), name=NODE)
     spec = with_storage(job, settings, pod_spec(job, settings, [container], role=ROLE_TRAINER, restart_policy="Never",
                                                 service_account=trainer_name(job.metadata.name)), trainer=True)
-    spec.pop("imagePullSecrets", None)  # on the trainer's ServiceAccount instead (builders.build_support)
+    spec.pop("imagePullSecrets", None)  # on the trainer's ServiceAccount instead (backends.build_support)
     return {"metadata": template_metadata(pod_labels(job, ROLE_TRAINER, attempt), settings.role(ROLE_TRAINER)),
             "spec": spec}
 
@@ -169,7 +175,7 @@ def trainjob_problems(pod: dict[str, Any], runtime: dict[str, Any]) -> list[str]
 
 def check_trainjob(job: RLHFJob, settings: PodSettings, attempt: int = 0) -> dict[str, Any]:
     """The trainer pod, or TrainJobError naming every field a v2.3 TrainJob cannot carry
-    (builders.job_settings calls this for backend TrainJob, so the operator fails the job at once)."""
+    (backends.job_settings calls this for backend TrainJob, so the operator fails the job at once)."""
     pod = _pod(job, settings, attempt)
     problems = trainjob_problems(pod, _runtime_pod())
     if problems:
@@ -216,10 +222,10 @@ def build_trainjob(job: RLHFJob, attempt: int, settings: PodSettings) -> dict[st
     labels = {**job_labels(job), LABEL_ATTEMPT: str(attempt)}
     return {
         "apiVersion": TRAINER_API_VERSION,
-        "kind": "TrainJob",
+        "kind": NEEDS.backend,
         "metadata": metadata(job, trainer_name(job.metadata.name), labels),
         "spec": {
-            "runtimeRef": {"name": RUNTIME_NAME, "apiGroup": "trainer.kubeflow.org", "kind": "ClusterTrainingRuntime"},
+            "runtimeRef": {"name": RUNTIME_NAME, "apiGroup": NEEDS.group, "kind": "ClusterTrainingRuntime"},
             "trainer": trainer,
             "runtimePatches": [runtime_patch(pod, labels)],
             # only when suspended: otherwise Kueue (admission) owns the field
@@ -255,3 +261,48 @@ def adoption_labels(trainjob: dict[str, Any] | None, jobset: dict[str, Any] | No
 
 def _controller(obj: dict[str, Any]) -> str | None:
     return next((r["uid"] for r in obj["metadata"].get("ownerReferences") or [] if r.get("controller")), None)
+
+
+def adopt_pods(kube: Any, namespace: str, name: str, trainjob: dict[str, Any]) -> list[dict[str, Any]]:
+    """Label the TrainJob's pods that lack the job's labels (v2.3 puts them on through the
+    runtime patch; an older Trainer's pods need this), so that the pod watch, the
+    NetworkPolicy and `rlhfctl logs` find them; the pods patched. `kube`: a kube.Kube."""
+    found = kube.list_pods(namespace, unadopted_selector(name))
+    if not found:
+        return []
+    jobset = kube.get({"apiVersion": JOBSET_API_VERSION, "kind": JOBSET_KIND,
+                       "metadata": {"namespace": namespace, "name": trainer_name(name)}})
+    return [kube.patch_pod_labels(namespace, pod, labels) for pod in found
+            if (labels := adoption_labels(trainjob, jobset, pod)) is not None]
+
+
+class TrainJobBackend(WholeJobRestarts):
+    """The trainer as a TrainJob beside our rollout StatefulSet; restarts are the operator's
+    (as PyTorchJob's)."""
+
+    needs = NEEDS
+    workload = workload_kind(NEEDS, "trainjob", trainer_name)
+    kinds = (ROLLOUT_STATEFULSET, ROLLOUT_LWS, workload)
+    done_condition = "Complete"
+
+    def check(self, job: RLHFJob, settings: PodSettings) -> None:
+        check_trainjob(job, settings)
+
+    def pull_secrets(self, job: RLHFJob) -> tuple[Any, ...]:  # its pods take them from the ServiceAccount
+        return job.spec.pod.image_pull_secrets
+
+    def trainer_rank0(self, job: RLHFJob) -> dict[str, str]:  # pod 0 of the `node` Job of its JobSet (named as it)
+        return {JOBSET_NAME_LABEL: trainer_name(job.metadata.name), JOBSET_RJOB_LABEL: NODE,
+                COMPLETION_INDEX_LABEL: "0"}
+
+    def build_trainer(self, job: RLHFJob, attempt: int, settings: PodSettings) -> dict[str, Any]:
+        return build_trainjob(job, attempt, settings)
+
+    def adopt(self, kube: Any, observed: Observed, namespace: str, name: str) -> Observed:
+        if observed.trainjob is None:
+            return observed
+        adopted = adopt_pods(kube, namespace, name, observed.trainjob)
+        return dataclasses.replace(observed, pods=observed.pods + adopted) if adopted else observed
+
+
+BACKEND = TrainJobBackend()
