@@ -24,43 +24,11 @@ from rlhf_launcher.local import free_port  # noqa: E402  (one definition)
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
 
-SHARED_TIERS = ("tests/cluster/",)
-"""Tiers whose tests share one session-wide process group (tests/cluster/: the control
-plane), so they run on one worker."""
-
-FIRST_TIERS = ("tests/cluster/", "tests/e2e/", "tests/vllm/", "tests/distributed/")
-"""Handed out first, in this order: the long work units (the control plane's tier, runs of
-whole jobs, a real vLLM, torchrun worlds). The many short files of the other tiers come
-last and fill in, so both workers finish together. (xdist's own order, most tests first,
-left the single-test end-to-end files for the end: one worker ran them for minutes while
-the other sat idle.)"""
-
 
 def pytest_xdist_make_scheduler(config, log):
-    """`make test` runs two pytest-xdist workers: each file's tests run on one worker (a
-    module fixture, such as a torchrun of every case, is built once) and the tiers of
-    SHARED_TIERS on one worker (one control plane); the files of FIRST_TIERS are handed out
-    first. (A scheduler of our own: pytest 9.2 ignores the node ids that xdist 3.8's
-    `--dist loadgroup` rewrites.)"""
-    from xdist.scheduler import LoadScopeScheduling
-
-    def rank(scope: str) -> int:
-        return next((i for i, tier in enumerate(FIRST_TIERS) if scope.startswith(tier)), len(FIRST_TIERS))
-
-    class FileScheduling(LoadScopeScheduling):
-        ordered = False
-
-        def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return next((tier for tier in SHARED_TIERS if path.startswith(tier)), path)
-
-        def _assign_work_unit(self, node) -> None:
-            if not self.ordered:  # the first assignment: the queue is complete (xdist sorted it by size)
-                units = sorted(self.workqueue.items(), key=lambda unit: rank(unit[0]))  # stable: by size within a tier
-                self.workqueue.clear()
-                self.workqueue.update(units)
-                self.ordered = True
-            super()._assign_work_unit(node)
+    """`make test` runs two pytest-xdist workers, scheduled by tests/scheduling.py (file units,
+    tests/cluster/ on one worker, long tiers first, CPU learners not beside the real-pod job)."""
+    from scheduling import FileScheduling
 
     return FileScheduling(config, log)
 

@@ -2,7 +2,7 @@
 
 Starts `rollout.replicas` rollout servers (always the CPU engine: vLLM needs GPUs) and one
 torchrun trainer node with `trainer.nprocPerNode` processes, using the same commands and
-environment as the pods (`contract.py`), on 127.0.0.1 ports. Shows progress from
+environment as the pods (`rlhf_contract/pod.py`), on 127.0.0.1 ports. Shows progress from
 `metrics.jsonl`; Ctrl-C stops everything and keeps the last complete checkpoint. Restarts
 as the operator's: any process failing stops all of them, and up to
 `runPolicy.maxRestarts` more attempts each resume from the newest complete checkpoint;

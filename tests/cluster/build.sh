@@ -18,12 +18,16 @@
 #                      (k8s.io/kubernetes v1.34.4, staging modules replaced by v0.34.4),
 #                      kubelet and kube-proxy (the real node of tests/cluster/node/),
 #                      etcd (go.etcd.io/etcd/server/v3, the v3.6 that kubernetes pins), helm v3
-#   kwok/              kwok v0.8 (built against k8s.io/* v0.36; v0.7 does not compile with v0.34) and the
-#                      JobSet controller v0.12 (sigs.k8s.io/jobset, also k8s.io/* v0.36: one module,
-#                      so client-go and friends compile once)
+#   kwok/              kwok v0.8 (built against k8s.io/* v0.36; v0.7 does not compile with v0.34), the
+#                      JobSet controller v0.12 (sigs.k8s.io/jobset) and Kubeflow Trainer v2.3's
+#                      controller (spec.backend TrainJob), all on k8s.io/* v0.36 and controller-runtime
+#                      v0.24: one module, so client-go and friends compile once for the three. Trainer
+#                      and its manifests land in trainer/ (tests/cluster/trainer/build.sh prints it).
 #   training-operator/ Kubeflow training-operator v1.9 (needs k8s.io/* v0.31 and
 #                      controller-runtime v0.19)
 # The three cannot share one module: each pins k8s.io/* versions the others do not compile with.
+# Kueue (tests/cluster/kueue/build.sh) stays apart too: v0.17 pins k8s.io/* v0.35 and
+# controller-runtime v0.23.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -31,7 +35,8 @@ TOOLS="$HERE/tools"
 CACHE_ROOT="${RLHF_CLUSTER_BIN_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/rlhf-operator/cluster-bin}"
 
 KUBE_VERSION=v1.34.4
-BINARIES=(etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy kwok helm training-operator jobset)
+BINARIES=(etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy kwok helm training-operator jobset
+          trainer/trainer-controller-manager)
 
 hash_inputs() {
     (cd "$HERE" && cat build.sh tools/*/go.mod tools/*/go.sum) | sha256sum | cut -c1-16
@@ -93,6 +98,8 @@ mkdir -p "$out"
 mv "$TMP/k8s/server" "$out/etcd"
 mv "$TMP/kwok/kwok" "$out/kwok"
 mv "$TMP/kwok/jobset" "$out/jobset"
+mkdir -p "$out/trainer"
+mv "$TMP/kwok/trainer-controller-manager" "$out/trainer/"
 for b in kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy helm; do
     mv "$TMP/k8s/$b" "$out/$b"
 done
@@ -117,7 +124,14 @@ js_dir="$(cd "$TOOLS/kwok" && go list -m -f '{{.Dir}}' sigs.k8s.io/jobset)"
 mkdir -p "$out/manifests/jobset"
 cp "$js_dir/config/components/crd/bases/jobset.x-k8s.io_jobsets.yaml" "$js_dir/config/components/webhook/manifests.yaml" \
    "$out/manifests/jobset/"
-chmod -R u+w "$out/manifests"
+# Kubeflow Trainer v2's CRDs, RBAC, webhooks and runtimes beside its binary.
+tr_dir="$(cd "$TOOLS/kwok" && go list -m -f '{{.Dir}}' github.com/kubeflow/trainer/v2)"
+for part in crds rbac webhook runtimes; do
+    mkdir -p "$out/trainer/$part"
+    cp -r "$tr_dir/manifests/base/$part/." "$out/trainer/$part/"
+done
+touch "$out/trainer/.complete"
+chmod -R u+w "$out/manifests" "$out/trainer"
 
 for b in "${BINARIES[@]}"; do
     [[ -x "$out/$b" ]] || { echo "build.sh: $b missing after build" >&2; exit 1; }

@@ -29,11 +29,9 @@ kueue-bin:
 	bash tests/cluster/kueue/build.sh
 test: kueue-bin
 
-# Kubeflow Trainer v2.3.0 (spec.backend TrainJob), in a cache of its own (a few minutes, once).
+# Kubeflow Trainer v2.3.0 (spec.backend TrainJob): built with the control plane (cluster-bin).
 .PHONY: trainer-bin
-trainer-bin:
-	bash tests/cluster/trainer/build.sh
-test: trainer-bin
+trainer-bin: cluster-bin
 
 # The LeaderWorkerSet controller v0.9.0 (rollout.nodesPerServer > 1), in a cache of its own.
 .PHONY: lws-bin

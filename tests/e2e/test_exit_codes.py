@@ -34,15 +34,18 @@ class OldServer(BaseHTTPRequestHandler):
         pass
 
 
-def test_a_server_without_weight_transfer_exits_2_naming_rollout_image(tmp_path, tiny_model_dir):
-    server = ThreadingHTTPServer(("127.0.0.1", 0), OldServer)
+def run_trainer_pod(handler: type[BaseHTTPRequestHandler], tmp_path, tiny_model_dir, name: str,
+                    **spec) -> tuple[subprocess.CompletedProcess, str]:
+    """The trainer pod's own command (the contract's `trainer_process`) against a rollout
+    server answering with `handler`: (its result, its termination message)."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
-        job = validate_job({"apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob", "metadata": {"name": "old"},
+        job = validate_job({"apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob", "metadata": {"name": name},
                             "spec": {"model": {"path": str(tiny_model_dir)},
                                      "data": {"path": "builtin://last-digit", "maxPromptLength": 16},
-                                     "rollout": {"engine": "cpu", "maxTokens": 2}}})
+                                     "rollout": {"engine": "cpu", "maxTokens": 2}, **spec}})
         config = tmp_path / "trainer.json"
         config.write_text(TrainerConfig.from_job(job).to_json())
         proc = trainer_process(job, config_path=str(config), rollout_endpoints=[url],
@@ -54,8 +57,13 @@ def test_a_server_without_weight_transfer_exits_2_naming_rollout_image(tmp_path,
                              capture_output=True, text=True, timeout=300)
     finally:
         server.shutdown()
+    return res, termination.read_text()
+
+
+def test_a_server_without_weight_transfer_exits_2_naming_rollout_image(tmp_path, tiny_model_dir):
+    res, message = run_trainer_pod(OldServer, tmp_path, tiny_model_dir, "old")
     assert res.returncode == 2, res.stderr[-3000:]
-    assert "rollout.image" in termination.read_text()
+    assert "rollout.image" in message
 
 
 class RefusingServer(BaseHTTPRequestHandler):
@@ -91,28 +99,8 @@ def test_a_failed_weight_sync_exits_75_through_torchrun_so_the_job_restarts(tmp_
     """torchrun (two processes: a world of one runs without it) turns the worker's exit into 1;
     the launcher passes the weight sync's own code on (75: not permanent, so the operator
     restarts the job, its servers included)."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), RefusingServer)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
-        job = validate_job({"apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob", "metadata": {"name": "sync"},
-                            "spec": {"model": {"path": str(tiny_model_dir)},
-                                     "data": {"path": "builtin://last-digit", "maxPromptLength": 16},
-                                     "rollout": {"engine": "cpu", "maxTokens": 2},
-                                     "trainer": {"nprocPerNode": 2}}})
-        config = tmp_path / "trainer.json"
-        config.write_text(TrainerConfig.from_job(job).to_json())
-        proc = trainer_process(job, config_path=str(config), rollout_endpoints=[url],
-                               weight_sync_addr=f"127.0.0.1:{free_port()}", output_dir=str(tmp_path / "out"),
-                               master_addr="127.0.0.1", master_port=free_port(), python=sys.executable)
-        termination = tmp_path / "termination-log"
-        termination.write_text("")
-        res = subprocess.run(proc.command, env={**os.environ, **proc.env, "RLHF_TERMINATION_LOG": str(termination)},
-                             capture_output=True, text=True, timeout=300)
-    finally:
-        server.shutdown()
+    res, message = run_trainer_pod(RefusingServer, tmp_path, tiny_model_dir, "sync", trainer={"nprocPerNode": 2})
     assert res.returncode == ExitCode.WEIGHT_SYNC == 75, res.stderr[-3000:]
     assert ExitCode.WEIGHT_SYNC not in PERMANENT
-    message = termination.read_text()
     assert "WeightSyncError" in message and "/init_weight_transfer_engine" in message and "HTTP 500" in message
     assert "exiting with code 75 so the job restarts" in res.stderr

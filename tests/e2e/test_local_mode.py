@@ -209,6 +209,22 @@ def test_multi_turn_environment_keeps_one_sequence_and_masks_its_tokens(tmp_path
     assert multi > 0, "no trajectory called the calculator"
 
 
+def mask_runs(ids: list[int], mask: list[int], logprobs: list[float]) -> list[tuple[int, list, list]]:
+    """A response cut where its loss mask changes: (mask value, token ids, log-probs) each."""
+    runs, start = [], 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or mask[i] != mask[start]:
+            runs.append((mask[start], ids[start:i], logprobs[start:i]))
+            start = i
+    return runs
+
+
+def tool_messages(results: list[str]) -> str:
+    """The chat template's text between a model turn with tool calls and the next model turn."""
+    return ("\n<|im_start|>user" + "".join(f"\n<tool_response>{r}</tool_response>" for r in results)
+            + "<|im_end|>\n<|im_start|>assistant\n")
+
+
 def test_tool_calling_episodes_keep_the_engines_tokens_and_mask_the_tool_messages(tmp_path):
     """examples/local-tools.yaml with the real CPU engine: every stretch of mask-0 tokens is
     exactly the chat template's tool messages for the calls of the model turn before it
@@ -234,11 +250,7 @@ def test_tool_calling_episodes_keep_the_engines_tokens_and_mask_the_tool_message
     for row in rows:
         ids, mask, logprobs = row["response_ids"], row["loss_mask"], row["logprobs"]
         assert len(ids) == len(mask) == len(logprobs) and mask[-1] == 1
-        runs, start = [], 0
-        for i in range(1, len(ids) + 1):
-            if i == len(ids) or mask[i] != mask[start]:
-                runs.append((mask[start], ids[start:i], logprobs[start:i]))
-                start = i
+        runs = mask_runs(ids, mask, logprobs)
         for k, (m, part, lp) in enumerate(runs):
             if m == 1:
                 assert all(x < 0 for x in lp)
@@ -246,8 +258,7 @@ def test_tool_calling_episodes_keep_the_engines_tokens_and_mask_the_tool_message
             assert lp == [0.0] * len(part)
             _, calls = parse_tool_calls(tok.decode(runs[k - 1][1], skip_special_tokens=True))
             results = [f"error: {c.error}" if c.error else calculator.calculator(**c.arguments) for c in calls]
-            expected = ("\n<|im_start|>user" + "".join(f"\n<tool_response>{r}</tool_response>" for r in results)
-                        + "<|im_end|>\n<|im_start|>assistant\n")
+            expected = tool_messages(results)
             assert part == tok(expected, add_special_tokens=False)["input_ids"]
             tool_turns += 1
         assert row["extra"]["turns"] == sum(m == 1 for m, _, _ in runs)
@@ -289,11 +300,7 @@ def test_an_agent_program_of_ones_own_trains_on_what_the_endpoint_recorded(tmp_p
         assert row["prompt_ids"] == tok(first, add_special_tokens=False)["input_ids"]
         ids, mask, logprobs = row["response_ids"], row["loss_mask"], row["logprobs"]
         assert len(ids) == len(mask) == len(logprobs) and mask[-1] == 1
-        runs, start = [], 0
-        for i in range(1, len(ids) + 1):
-            if i == len(ids) or mask[i] != mask[start]:
-                runs.append((mask[start], ids[start:i], logprobs[start:i]))
-                start = i
+        runs = mask_runs(ids, mask, logprobs)
         for k, (m, part, lp) in enumerate(runs):
             if m == 1:
                 assert all(x < 0 for x in lp)
@@ -301,8 +308,7 @@ def test_an_agent_program_of_ones_own_trains_on_what_the_endpoint_recorded(tmp_p
             assert lp == [0.0] * len(part)
             _, calls = parse_tool_calls(tok.decode(runs[k - 1][1], skip_special_tokens=True))
             results = [agent.calculator(**c.arguments) for c in calls if c.error is None]
-            expected = ("\n<|im_start|>user" + "".join(f"\n<tool_response>{r}</tool_response>" for r in results)
-                        + "<|im_end|>\n<|im_start|>assistant\n")
+            expected = tool_messages(results)
             assert part == tok(expected, add_special_tokens=False)["input_ids"]
         assert row["extra"]["turns"] == sum(m == 1 for m, _, _ in runs)
     for step in metrics(out):

@@ -71,7 +71,7 @@ def test_every_function_we_declare_has_the_signature_vllms_wrapper_declares():
             continue
         assert [name(restype), [name(a) for a in argtypes]] == FACTS["functions"][fn], fn
         checked += 1
-    assert checked == len(nccl.FUNCTIONS) - len(NOT_IN_VLLM) >= 9
+    assert checked == len(nccl.FUNCTIONS) - len(NOT_IN_VLLM) >= 8
     lib = nccl.Nccl()
     assert all(hasattr(lib.lib, fn) for fn in nccl.FUNCTIONS)  # the library exports them all
 

@@ -1,7 +1,10 @@
 """The product's shape, read from its source (AST), not from running it:
 - no import cycle among product modules (function-level and TYPE_CHECKING imports count);
 - no module imports another module's underscore-prefixed name (privates stay private);
-- no product file over 400 lines and no function over 80 (tables excepted, named below).
+- no product file over 400 lines and no function over 80, except the ones named below, each
+  with its reason and its own cap. A file that has grown past the cap is split where it has
+  a seam; where it has none (one table, one protocol, one state machine), it is named here
+  rather than cut in two by line count, and its cap stops it growing further unseen.
 """
 
 from __future__ import annotations
@@ -16,8 +19,11 @@ PACKAGES = {"rlhf_contract": "contract", "rlhf_operator": "operator", "rlhf_trai
             "rlhf_inference": "inference_image", "rlhf_launcher": "launcher"}
 MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 80
-LONG_FUNCTIONS_ALLOWED: set[str] = set()
-"""`module:function` names allowed over the limit (tables, route lists); none today."""
+LONG_FILES_ALLOWED: dict[str, tuple[int, str]] = {}
+"""Dotted module name -> (its own line cap, why it is one file); none today."""
+LONG_FUNCTIONS_ALLOWED: dict[str, tuple[int, str]] = {}
+"""`module:function` -> (its own line cap, why it is one function: a table, a route list);
+none today."""
 
 
 def product_modules(root: Path = ROOT) -> dict[str, Path]:
@@ -124,13 +130,32 @@ def test_the_checks_see_a_cycle_and_a_private_import(tmp_path):
     assert private == ["rlhf_contract.b imports rlhf_contract.c._hidden"]
 
 
+def function_lengths(source: str) -> dict[str, int]:
+    return {node.name: node.end_lineno - node.lineno + 1 for node in ast.walk(ast.parse(source))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
 @pytest.mark.parametrize("name,path", sorted(product_modules().items()))
 def test_files_and_functions_stay_small(name, path):
     source = path.read_text()
-    assert len(source.splitlines()) <= MAX_FILE_LINES, f"{path.relative_to(ROOT)} has over {MAX_FILE_LINES} lines"
-    long = [f"{name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
-            for node in ast.walk(ast.parse(source))
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
-            and f"{name}:{node.name}" not in LONG_FUNCTIONS_ALLOWED]
-    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+    cap, _ = LONG_FILES_ALLOWED.get(name, (MAX_FILE_LINES, ""))
+    assert len(source.splitlines()) <= cap, (
+        f"{path.relative_to(ROOT)} has over {cap} lines: split it where it has a seam, or name it in "
+        f"LONG_FILES_ALLOWED with the reason it is one file and its own cap")
+    long = [f"{name}:{fn} ({n} lines)" for fn, n in function_lengths(source).items()
+            if n > LONG_FUNCTIONS_ALLOWED.get(f"{name}:{fn}", (MAX_FUNCTION_LINES, ""))[0]]
+    assert not long, f"functions over their cap ({MAX_FUNCTION_LINES} unless named in LONG_FUNCTIONS_ALLOWED): {long}"
+
+
+def test_every_named_exception_is_still_needed_and_says_why():
+    """An exception names a file (or function) that exists, is over the common cap (else the
+    entry is stale: delete it) and gives its reason; its own cap is above the common one."""
+    modules = product_modules()
+    for name, (cap, why) in LONG_FILES_ALLOWED.items():
+        assert name in modules and why and cap > MAX_FILE_LINES, name
+        assert len(modules[name].read_text().splitlines()) > MAX_FILE_LINES, f"{name} is under the cap again"
+    for name, (cap, why) in LONG_FUNCTIONS_ALLOWED.items():
+        module, fn = name.split(":")
+        lengths = function_lengths(modules[module].read_text()) if module in modules else {}
+        assert fn in lengths and why and cap > MAX_FUNCTION_LINES, name
+        assert lengths[fn] > MAX_FUNCTION_LINES, f"{name} is under the cap again"

@@ -11,7 +11,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from rlhf_trainer.rewards.custom import RemoteReward, RewardError, normalize_result
-from rlhf_trainer.rewards.forms import load_reward_function
+from rlhf_trainer.rewards.forms import python_reward
+from rlhf_trainer.rewards.sample import Sample
+
+
+def score(path: str, name: str = "reward_fn", response: str = "x", answer: str = "y", extra_info: dict | None = None):
+    """One response scored by the trainer's python reward (`python_reward`) of `name` in `path`."""
+    [result] = python_reward(path, name)([Sample(response, answer, extra_info or {})])
+    return result
 
 
 @pytest.mark.parametrize("value, expected", [
@@ -74,31 +81,30 @@ def reward_file(tmp_path):
 
 
 def test_load_and_call_user_functions(reward_file):
-    fn = load_reward_function(reward_file)
-    assert fn(" 42 ", "42", {}) == (1.0, 1.0)
-    assert fn("41", "42", {}) == (0.0, 0.0)
-    assert load_reward_function(reward_file, "shaped")("42", "42", {}) == pytest.approx((0.98, 1.0))
-    assert load_reward_function(reward_file, "async_fn")("abcd", "", {"weight": 0.5}) == (2.0, 2.0)
+    assert score(reward_file, response=" 42 ", answer="42") == (1.0, 1.0)
+    assert score(reward_file, response="41", answer="42") == (0.0, 0.0)
+    assert score(reward_file, "shaped", "42", "42") == pytest.approx((0.98, 1.0))
+    assert score(reward_file, "async_fn", "abcd", "", {"weight": 0.5}) == (2.0, 2.0)
 
 
 def test_user_function_errors_name_file_and_function(reward_file, tmp_path):
     with pytest.raises(RewardError, match=r"reward function 'broken' in .*my_reward.py raised "
                                           r"ZeroDivisionError"):
-        load_reward_function(reward_file, "broken")("x", "y", {})
+        score(reward_file, "broken")
     with pytest.raises(RewardError, match=r"'bad_value' in .*my_reward.py returned an invalid "
                                           r"result: reward must be a number, got 'yes'"):
-        load_reward_function(reward_file, "bad_value")("x", "y", {})
+        score(reward_file, "bad_value")
     with pytest.raises(ValueError, match=r"my_reward.py defines no function 'nope'; it defines "
                                          r"reward_fn, shaped, async_fn, broken"):
-        load_reward_function(reward_file, "nope")
+        python_reward(reward_file, "nope")
     with pytest.raises(ValueError, match=r"'two_args' in .*must accept \(response, answer, "
                                          r"extra_info\)"):
-        load_reward_function(reward_file, "two_args")
+        python_reward(reward_file, "two_args")
     with pytest.raises(ValueError, match=r"reward file .*missing.py does not exist"):
-        load_reward_function(str(tmp_path / "missing.py"))
+        python_reward(str(tmp_path / "missing.py"), "reward_fn")
     (tmp_path / "syntax.py").write_text("def reward_fn(:\n")
     with pytest.raises(ValueError, match=r"syntax.py failed to import: SyntaxError"):
-        load_reward_function(str(tmp_path / "syntax.py"))
+        python_reward(str(tmp_path / "syntax.py"), "reward_fn")
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -202,4 +208,4 @@ def test_a_reward_function_that_calls_exit_is_an_error_not_a_hang(tmp_path):
     trainer waiting forever: it is a RewardError like any other raise."""
     (tmp_path / "quits.py").write_text("import sys\ndef reward_fn(response, answer, extra_info):\n    sys.exit(2)\n")
     with pytest.raises(RewardError, match=r"raised SystemExit: 2"):
-        load_reward_function(str(tmp_path / "quits.py"))("x", "y", {})
+        score(str(tmp_path / "quits.py"))

@@ -20,7 +20,7 @@ from rlhf_trainer.data.sequences import Row
 from rlhf_trainer.models.builtin import build_tiny_qwen2
 from rlhf_trainer.models.forward import policy_forward
 from rlhf_trainer.models.logprob_head import HEAD_CHUNK_TOKENS, attach_logprob_head, chunked_token_stats, token_stats
-from rlhf_trainer.parallel.context_parallel import AttentionSegments, document_causal_mask, segment_attention
+from rlhf_trainer.parallel.context_parallel import AttentionSegments, segment_attention
 
 
 class Recorder(TorchDispatchMode):
@@ -41,6 +41,13 @@ class Recorder(TorchDispatchMode):
         return max((int(torch.tensor(s).prod()) for _, shapes in self.ops for s in shapes if s), default=0)
 
 
+def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """The dense reference the segments encode: a boolean mask [b, L, L] (True = attend) where
+    key j is visible to query i iff j <= i and both are in the same document."""
+    pos = torch.arange(document_ids.shape[-1])
+    return (document_ids[:, :, None] == document_ids[:, None, :]) & (pos[None, None, :] <= pos[None, :, None])
+
+
 def bounds_of(lengths: list[int]) -> tuple[int, ...]:
     return (0, *itertools.accumulate(lengths))
 
@@ -56,7 +63,7 @@ def test_every_ranks_slice_matches_the_dense_mask_reference_without_building_it(
     doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
     weights = torch.randn(1, total, heads, dim, dtype=torch.float64)
 
-    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_mask(doc, 0, total)[:, None],
+    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_mask(doc)[:, None],
                                            enable_gqa=True).transpose(1, 2)
     ref_grads = torch.autograd.grad((dense * weights).sum(), (q, k, v))
 

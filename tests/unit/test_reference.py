@@ -1,9 +1,11 @@
 """docs/reference.md is generated from the API models (`make docs`): it is current, it names
 every field of the models with its documentation, and its tables are the contract's own.
-The README and the other docs pages name only files and links that exist."""
+The README and the other docs pages name only files and links that exist, and so do the
+docstrings of the packages' sources."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 from typing import Any, Iterator
@@ -100,3 +102,63 @@ def test_readme_and_docs_name_files_that_exist():
     assert len(named) > 100
     missing = sorted(f"{page}: {path}" for page, path in named if not (ROOT / path.rstrip("/")).exists())
     assert not missing, "pages name files that do not exist (moved or renamed?):\n" + "\n".join(missing)
+
+
+PACKAGES = {"contract": "rlhf_contract", "operator": "rlhf_operator", "trainer_image": "rlhf_trainer",
+            "inference_image": "rlhf_inference", "launcher": "rlhf_launcher"}
+# Another project's files are named from its own root (`vllm/v1/engine/core.py`); bare file
+# names that are not ours: vLLM's modules, and the sandbox's program (sandbox/bwrap.py).
+FOREIGN_ROOTS = ("vllm/",)
+FOREIGN_NAMES = {"packed_tensor.py", "pynccl_wrapper.py", "gpu_worker.py", "nccl_engine.py", "nccl_common.py",
+                 "main.py"}
+SLASHED = re.compile(r"(?<![\w./-])([A-Za-z_][\w.-]*(?:/[\w.-]+)+)")
+BARE = re.compile(r"(?<![\w./-])([A-Za-z_]\w*\.py)\b")
+OURS = (*TOP_DIRS, "hack/", *(f"{package}/" for package in PACKAGES.values()))
+
+
+def docstrings(path: Path) -> Iterator[tuple[str, str]]:
+    """(where, docstring) for the module, its classes and its functions."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node)
+            if doc:
+                yield f"{path.relative_to(ROOT)}:{getattr(node, 'name', '<module>')}", doc
+
+
+def docstring_paths(doc: str) -> Iterator[str]:
+    """Our file paths a docstring names: a path with a slash that ends in `.py` or starts at one
+    of our folders (`docs/storage.md`), and a bare `*.py` name. Other paths (`final/README.md`,
+    `checkpoints/step-N/`) are a job's artefacts, not files of this repository."""
+    for path in SLASHED.findall(doc):
+        path = path.rstrip(".")
+        if path.startswith(FOREIGN_ROOTS):
+            continue
+        if path.startswith(OURS) or path.endswith(".py"):
+            yield path
+    for name in BARE.findall(doc):
+        if name not in FOREIGN_NAMES:
+            yield name
+
+
+def test_docstrings_name_files_that_exist():
+    """`rl/step.py` in trainer_image/rlhf_trainer/parallel/ resolves against the trainer's
+    package (or the repository, the folder the package sits in, the file's own folder); a
+    bare `sender.py` is a file of that name somewhere in our sources."""
+    ours = {p.name for top in (*PACKAGES, "tests") for p in (ROOT / top).rglob("*.py")}
+    checked, missing = 0, []
+    for top, package in PACKAGES.items():
+        bases = [ROOT, ROOT / top, ROOT / top / package]
+        for source in sorted((ROOT / top).rglob("*.py")):
+            for where, doc in docstrings(source):
+                for path in docstring_paths(doc):
+                    checked += 1
+                    if "/" not in path:
+                        found = path in ours
+                    else:
+                        found = any((base / path.rstrip("/")).exists()
+                                    for base in (*bases, source.parent, *(ROOT / t for t in PACKAGES)))
+                    if not found:
+                        missing.append(f"{where}: {path}")
+    assert checked > 150
+    assert not missing, "docstrings name files that do not exist (moved or renamed?):\n" + "\n".join(missing)

@@ -16,6 +16,10 @@ from rlhf_trainer.rollout import RolloutClient, RolloutError, Sample, prompt_see
 
 FACTS_NCCL = json.loads((Path(__file__).parents[1] / "protocol" / "vllm_facts.json").read_text())["nccl"]
 EOS = 1
+PAUSE_ROUTE_S = 60
+"""/pause and /resume on a CPU engine with nothing in flight: answered at once when quiet; a
+loaded 2-core machine can hold a request past httpx's 5 s default (and a resume lost in the
+timer thread would leave the request under test waiting until pytest's own timeout)."""
 # different lengths, so a mix-up of prompts would show
 PROMPTS = [[6, 10, 4, 7, 15], [3, 15], [12, 11, 10, 9, 8, 7, 6, 5, 15], [5, 13, 8, 15],
            [4, 4, 4, 4, 4, 4, 15], [9, 14, 3, 15], [7, 15], [8, 8, 13, 3, 3, 15]]
@@ -251,8 +255,8 @@ def test_a_paused_server_is_waited_out_and_one_pool_serves_the_run(engines):
         client.generate_sync([[4, 5]], n=1, max_tokens=2, temperature=1.0, seed=1)
         pool = client._http
         for url in engines:
-            assert httpx.post(f"{url}/pause", params={"mode": "wait"}).status_code == 200
-        threading.Timer(1.0, lambda: [httpx.post(f"{url}/resume") for url in engines]).start()
+            assert httpx.post(f"{url}/pause", params={"mode": "wait"}, timeout=PAUSE_ROUTE_S).status_code == 200
+        threading.Timer(1.0, lambda: [httpx.post(f"{url}/resume", timeout=PAUSE_ROUTE_S) for url in engines]).start()
         start = time.monotonic()
         [[sample]] = client.generate_sync([[4, 5]], n=1, max_tokens=2, temperature=1.0, seed=2)
         assert time.monotonic() - start >= 0.9 and len(sample.token_ids) >= 1  # waited for the resume

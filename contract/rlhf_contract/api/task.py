@@ -57,7 +57,22 @@ class ModelSpec(SpecModel):
         return check_path(value, "model")
 
 
-class DataSpec(SpecModel):
+class DatasetSource(SpecModel):
+    """The checks of a dataset's `path` and `config` (Hub subset), for every model that names
+    a dataset; each declares the two fields itself, `path` first (so `config`'s check sees it)."""
+
+    @field_validator("path", check_fields=False)
+    @classmethod
+    def _remote(cls, value: str) -> str:
+        return check_path(value, "dataset")
+
+    @field_validator("config", check_fields=False)
+    @classmethod
+    def _config_applies(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return check_config(value, info.data.get("path", ""))
+
+
+class DataSpec(DatasetSource):
     """Where prompts come from."""
 
     path: str = Field(min_length=1)
@@ -93,16 +108,6 @@ class DataSpec(SpecModel):
     """`method: rm` / `dpo`: column of the preferred response (text or an assistant message)."""
     rejected_key: str = "rejected"
     """`method: rm` / `dpo`: column of the dispreferred response."""
-
-    @field_validator("path")
-    @classmethod
-    def _remote(cls, value: str) -> str:
-        return check_path(value, "dataset")
-
-    @field_validator("config")
-    @classmethod
-    def _config_applies(cls, value: str | None, info: ValidationInfo) -> str | None:
-        return check_config(value, info.data.get("path", ""))  # `path` is validated first (declared first)
 
 
 class TeacherSpec(SpecModel):

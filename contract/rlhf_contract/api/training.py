@@ -5,13 +5,14 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from ..images import INFERENCE_IMAGE, TRAINER_IMAGE
 from .common import INT32_MAX, MAX_SECONDS, SEED_MAX, SecretKeyRef, SpecModel, Resources, RolePodSpec
 from .serving import ColocatedSpec, VllmSpec  # noqa: F401  (re-exported)
+from .task import DatasetSource
 from .tools import AgentSpec, ToolsSpec
-from .uris import CONFIG_NAME, ENV_SECRET, EndpointUrl, check_no_parent, check_config, check_path, parse_remote
+from .uris import CONFIG_NAME, ENV_SECRET, EndpointUrl, check_no_parent, parse_remote
 
 
 class RolloutSpec(SpecModel):
@@ -335,7 +336,7 @@ class RunPolicy(SpecModel):
     notice, GKE: 30 s)."""
 
 
-class EvalDatasetSpec(SpecModel):
+class EvalDatasetSpec(DatasetSource):
     """One held-out prompt set, read with `spec.data`'s keys."""
 
     name: str = Field(min_length=1, max_length=40, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -348,16 +349,6 @@ class EvalDatasetSpec(SpecModel):
     """Split of a dataset with several."""
     max_prompts: int | None = Field(default=None, ge=1)
     """Score only the first this-many prompts (null: all)."""
-
-    @field_validator("path")
-    @classmethod
-    def _remote(cls, value: str) -> str:
-        return check_path(value, "dataset")
-
-    @field_validator("config")
-    @classmethod
-    def _config_applies(cls, value: str | None, info: ValidationInfo) -> str | None:
-        return check_config(value, info.data.get("path", ""))  # `path` is validated first (declared first)
 
 
 class EvaluationSpec(SpecModel):

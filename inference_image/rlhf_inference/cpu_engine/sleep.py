@@ -4,8 +4,8 @@
   POST /wake_up?tags=weights&tags=kv_cache        {"status": "awake"|"sleeping", "tags": [...]|null}
   GET  /is_sleeping                               {"is_sleeping": bool}
 
-As vLLM (`entrypoints/serve/dev/sleep/api_router.py`, `v1/engine/core.py`,
-`v1/executor/abstract.py`): sleeping pauses the engine with `mode` first; level 0 only
+As vLLM (`vllm/entrypoints/serve/dev/sleep/api_router.py`, `vllm/v1/engine/core.py`,
+`vllm/v1/executor/abstract.py`): sleeping pauses the engine with `mode` first; level 0 only
 pauses; levels 1 and 2 put both tags ("weights", "kv_cache") to sleep. Level 1 keeps a copy
 of the weights in host memory and wakes with them; level 2 discards them and wakes with
 uninitialised memory of the same shapes (the buffers, e.g. rotary frequencies, are kept).

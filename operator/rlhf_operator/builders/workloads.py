@@ -2,7 +2,7 @@
 and trainer containers. The backends' own workloads (the trainer PyTorchJob, the JobSet,
 the TrainJob) are built in backends/.
 
-Both take their commands and environment from the pod contract (contract.py). Pods of
+Both take their commands and environment from the pod contract (rlhf_contract/pod.py). Pods of
 attempt N carry `rlhf.dev/attempt: N`; a restart deletes both workloads, waits until every
 pod of the job is gone, and builds them again with N + 1.
 

@@ -161,7 +161,7 @@ def run(layout: tuple[int, int, int], variant: str, temperature: float,
         assert critic.model.gradient_checkpointing and policy.model.gradient_checkpointing
     for m in (policy, ref):
         if m is not None:
-            attach_logprob_head(m, tensor_parallel=tp > 1)
+            attach_logprob_head(m)
     models = Models(Fsdp2Engine(policy, torch.optim.AdamW(policy.parameters(), lr=1e-2)), ref,
                     critic_engine=Fsdp2Engine(critic, torch.optim.AdamW(critic.parameters(), lr=1e-2))
                     if critic is not None else None, reward_model=reward_model)

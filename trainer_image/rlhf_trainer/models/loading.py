@@ -168,7 +168,7 @@ def load_models(config: TrainerConfig, info: DistInfo, *, trained: torch.nn.Modu
         if m is not None:
             if sharded:
                 fill_from_checkpoint(m, path, info.device, seed)
-            attach_logprob_head(m, tensor_parallel=p.tensor_parallel > 1)
+            attach_logprob_head(m)
     if reference is not None and not separate_ref:
         ref = AdaptersOff(model)
     return model, ref, layout

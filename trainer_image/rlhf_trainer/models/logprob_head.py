@@ -178,10 +178,10 @@ def _head_forward(self, hidden: torch.Tensor) -> torch.Tensor:
         _linear_chunk_stats, h, (weight, bias), t, temperature, entropy=entropy))
 
 
-def attach_logprob_head(model: torch.nn.Module, *, tensor_parallel: bool = False) -> torch.nn.Module:
+def attach_logprob_head(model: torch.nn.Module) -> torch.nn.Module:
     """Give `model.lm_head` the chunked log-prob forward (parameter names unchanged);
-    under tensor parallelism it is vocabulary-parallel (`tensor_parallel` is kept for
-    callers: the head's weight placement decides)."""
+    under tensor parallelism it is vocabulary-parallel (the head's weight placement, a
+    DTensor, decides)."""
     head = model.get_output_embeddings()
     if getattr(head, "_rlhf_plain_forward", None) is not None:
         return model

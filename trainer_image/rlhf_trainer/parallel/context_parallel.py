@@ -98,17 +98,6 @@ def all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, dim: int) -> 
     return _AllGatherSeq.apply(x, group, dim)
 
 
-def document_causal_mask(document_ids: torch.Tensor, q_start: int, q_len: int) -> torch.Tensor:
-    """Boolean mask [b, q_len, L] (True = attend) for queries `q_start..q_start+q_len` of a
-    row with `document_ids` [b, L]: key j is visible to query i iff j <= i and both are in
-    the same document. The dense REFERENCE of what the segments encode (tests); the
-    trainer never builds it."""
-    q_pos = torch.arange(q_start, q_start + q_len, device=document_ids.device)
-    k_pos = torch.arange(document_ids.shape[-1], device=document_ids.device)
-    same_doc = document_ids[:, q_pos, None] == document_ids[:, None, :]
-    return same_doc & (k_pos[None, None, :] <= q_pos[None, :, None])
-
-
 @dataclass(frozen=True)
 class AttentionSegments:
     """This rank's attention work on one packed row: for each document with queries here,

@@ -7,7 +7,7 @@ parameters and see different tokens, so for the weights they are data parallel.
 
 Loss and gradient convention: FSDP here SUMS gradients over `dp_shard_cp` (divide factor
 1), so each rank's loss must be its share of the global loss (the train step weights each
-token by aggregation coefficients computed on the whole mini-batch: train/step.py).
+token by aggregation coefficients computed on the whole mini-batch: rl/step.py).
 TP ranks of one (dp, cp) coordinate compute the same loss and are not summed.
 
 `parallelize_models` lays out the policy, the reference model and the critic together
@@ -201,7 +201,7 @@ def parallelize_models(policy: torch.nn.Module, *, ref: torch.nn.Module | None, 
 
 def zero_layout(policy: torch.nn.Module, *, ref: torch.nn.Module | None, critic: torch.nn.Module | None,
                 reward_model: torch.nn.Module | None, world_size: int, activation_checkpointing: bool) -> Layout:
-    """The layout under DeepSpeed (parallel/deepspeed_engine.py): data parallel over the
+    """The layout under DeepSpeed (engine/zero.py): data parallel over the
     whole world, packed per-document attention, the policy and the critic checkpointed
     when asked; ZeRO itself is applied when the engines are created."""
     for model in (policy, ref, critic, reward_model):

@@ -13,7 +13,7 @@ The attention modules of transformers 5 reshape with `view(*shape, -1, head_dim)
 The embedding is row-parallel over the vocabulary (output all-reduced) and the LM head
 column-parallel (each rank holds a slice of the vocabulary's rows). A plain call of the
 head gathers the logits to every rank (`Replicate`), so other callers see ordinary full
-logits; the trainer's log-prob head (train/micro_batches.py) instead works on the local
+logits; the trainer's log-prob head (models/logprob_head.py) instead works on the local
 rows and reduces three numbers per token (vocabulary-parallel log-probs and entropy).
 
 Simplifications: no sequence parallelism (norms and residuals are replicated, not

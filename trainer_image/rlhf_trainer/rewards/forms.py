@@ -65,7 +65,6 @@ from typing import Any, Callable, Mapping, Sequence
 
 from .calls import call, call_each, is_async
 from .custom import RewardError, RewardResult, normalize_result
-from .sample import Sample
 
 TRL_KEYWORDS = ("prompts", "completions", "completion_ids")
 TRL_CONTEXT = ("trainer_state", "log_metric", "log_extra")
@@ -217,7 +216,7 @@ def _accepts(sig: inspect.Signature) -> Callable[[str], bool]:
 
 
 class PythonReward:
-    """The batch scorer of a python reward: samples (`Sample`, rewards/__init__.py) -> one
+    """The batch scorer of a python reward: samples (`Sample`, rewards/sample.py) -> one
     (reward, score), or None ("does not apply"), per sample. `name` prefixes what the function
     logs with `log_metric` (`<name>/<metric>`, see `drain_metrics`); `kwargs` is
     `reward.kwargs`."""
@@ -328,18 +327,3 @@ def trl_results(values: Any, n: int, where: str) -> list[RewardResult | None]:
         raise RewardError(f"{where} returned {len(values)} rewards for {n} completions; return one per completion")
     return [_result(v, f"{where} (completion {i})") for i, v in enumerate(values)]
 
-
-def load_reward_function(path: str | None, name: str = "reward_fn"
-                         ) -> Callable[[str, str, dict], RewardResult]:
-    """`fn(response, answer, extra_info)` giving `(reward, score)` for the python reward
-    `name` in the file `path` (or the import path `name`), whatever its form (forms.py; a
-    TRL-style function scores a batch of one, None counts 0). Errors (here and at call time)
-    name the file and function."""
-    batch = python_reward(path, name)
-
-    def reward(response: str, answer: str, extra_info: dict) -> RewardResult:
-        [result] = batch([Sample(response, answer, extra_info)])
-        return result if result is not None else (0.0, 0.0)
-
-    reward.__name__ = name
-    return reward

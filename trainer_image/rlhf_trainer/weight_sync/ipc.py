@@ -4,7 +4,7 @@
 ("Duplicate GPU detected"), so nothing is broadcast: the servers map the trainer's packed
 buffers and copy out of them.
 
-vLLM 0.33's `ipc` engine (distributed/weight_transfer/ipc_engine.py, packed_tensor.py), over
+vLLM 0.33's `ipc` engine (vllm/distributed/weight_transfer/ipc_engine.py, packed_tensor.py), over
 its HTTP routes, in the same order as the NCCL rounds (sender.py):
 
 - `/init_weight_transfer_engine` with `init_info = {"packed": true}` (its

@@ -65,7 +65,6 @@ FUNCTIONS: dict[str, tuple[object, list[object]]] = {
     "ncclBroadcast": (_result, [_buffer, _buffer, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, _comm, _stream]),
     "ncclCommGetAsyncError": (_result, [_comm, ctypes.POINTER(_result)]),
     "ncclCommAbort": (_result, [_comm]),
-    "ncclCommDestroy": (_result, [_comm]),
 }
 
 NCCL_IN_PROGRESS = 7  # ncclInProgress: a non-blocking operation still running
@@ -170,9 +169,6 @@ class Nccl:
     def abort(self, comm: int) -> None:
         """Free a communicator without waiting for its peers or its operations."""
         self._check("ncclCommAbort", self.lib.ncclCommAbort(comm))
-
-    def destroy(self, comm: int) -> None:
-        self._check("ncclCommDestroy", self.lib.ncclCommDestroy(comm))
 
 
 class Communicator:
