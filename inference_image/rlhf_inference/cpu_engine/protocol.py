@@ -226,7 +226,7 @@ def completion_response(req: CompletionRequest, model_name: str, tokenizer,
 
 
 def weight_version_spans(labels: list[str | None]) -> list[dict] | None:
-    """vLLM's `_weight_version_spans` (v1/engine/output_processor.py): a span starts where a
+    """vLLM's `_weight_version_spans` (vllm/v1/engine/output_processor.py): a span starts where a
     token's label differs from the last span's; unlabelled tokens extend the span before
     them; None when no token is labelled."""
     starts: list[tuple[str, int]] = []
