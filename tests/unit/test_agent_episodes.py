@@ -1,7 +1,8 @@
 """Agent episodes (`rollout.agent`, rollout/agent_episodes.py and agent_endpoint.py): real agent
 processes (the example agents: examples/calculator_agent.py, urllib alone, and
-examples/calculator_agent_openai.py, the real `openai` client; and plain-HTTP agents that misbehave), the real endpoint, tokenizer and chat template of builtin://tiny-qwen2-tools,
-the real sampler, orchestrator and reward; a scripted policy stands in for the rollout server
+examples/calculator_agent_openai.py, the real `openai` client; and plain-HTTP agents that
+misbehave), the real endpoint, tokenizer and chat template of builtin://tiny-qwen2-tools, the
+real sampler, orchestrator and reward; a scripted policy stands in for the rollout server
 (helpers.ScriptedPolicy: it emits chosen token ids and log-probs, as the engine would), so what
 the trainer receives can be compared token by token with what the engine emitted."""
 
