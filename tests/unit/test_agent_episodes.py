@@ -1,7 +1,8 @@
 """Agent episodes (`rollout.agent`, rollout/agent_episodes.py and agent_endpoint.py): real agent
-processes (examples/calculator_agent.py with the real `openai` client, and plain-HTTP agents
-that misbehave), the real endpoint, tokenizer and chat template of builtin://tiny-qwen2-tools,
-the real sampler, orchestrator and reward; a scripted policy stands in for the rollout server
+processes (the example agents: examples/calculator_agent.py, urllib alone, and
+examples/calculator_agent_openai.py, the real `openai` client; and plain-HTTP agents that
+misbehave), the real endpoint, tokenizer and chat template of builtin://tiny-qwen2-tools, the
+real sampler, orchestrator and reward; a scripted policy stands in for the rollout server
 (helpers.ScriptedPolicy: it emits chosen token ids and log-probs, as the engine would), so what
 the trainer receives can be compared token by token with what the engine emitted."""
 
@@ -24,6 +25,7 @@ from rlhf_trainer.rollout.agent_episodes import AgentRollout
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE_AGENT = ROOT / "examples" / "calculator_agent.py"
+EXAMPLE_AGENTS = {"urllib": EXAMPLE_AGENT, "openai": ROOT / "examples" / "calculator_agent_openai.py"}
 # a plain-HTTP agent (no OpenAI library) whose behaviour depends on its prompt
 HOSTILE = r'''
 import json, os, sys, time, urllib.error, urllib.request
@@ -104,16 +106,18 @@ def call(expression: str) -> str:
     return CALL_OPEN + expression + CALL_CLOSE
 
 
-def test_the_trainer_gets_the_engines_tokens_of_an_openai_client_agent(tools_tokenizer, tmp_path):
-    """The example agent (the openai package) calls the endpoint three times (a call; two calls
-    at once; the answer): the trainer's row is exactly the engine's tokens with the template's
-    tool messages between them, mask 0 on exactly those, each model token with the engine's
-    log-prob; the reward gets the recorded conversation."""
-    pytest.importorskip("openai")
+@pytest.mark.parametrize("client", sorted(EXAMPLE_AGENTS))
+def test_the_trainer_gets_the_engines_tokens_of_an_openai_client_agent(tools_tokenizer, tmp_path, client):
+    """Each example agent (urllib alone; the openai package) calls the endpoint three times (a
+    call; two calls at once; the answer): the trainer's row is exactly the engine's tokens with
+    the template's tool messages between them, mask 0 on exactly those, each model token with
+    the engine's log-prob; the reward gets the recorded conversation."""
+    if client == "openai":
+        pytest.importorskip("openai")
     tok = tools_tokenizer
     reward_file = tmp_path / "conversation_reward.py"
     reward_file.write_text(CONVERSATION_REWARD)
-    cfg = config({"command": ["python", str(EXAMPLE_AGENT)]},
+    cfg = config({"command": ["python", str(EXAMPLE_AGENTS[client])]},
                  reward={"type": "python", "file": str(reward_file), "function": "reward"})
     policy = ScriptedPolicy(tok, {"7+5=": [call("7+5") + IM_END, call("1+2") + call("3") + IM_END, "2" + IM_END]})
     batch = collect(tok, cfg, policy, [("7+5=", "2")], tmp_path)
