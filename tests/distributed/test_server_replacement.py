@@ -90,6 +90,15 @@ def test_killed_server_leaves_the_group_and_rejoins_with_the_current_weights(tin
         assert not client.left_out and {client._pick() for _ in range(4)} == set(urls)
         assert replacement.count == 1  # the return is not another replacement
 
+        client.leave_out(urls[0])  # a dropped connection to a server that answers: re-joined, not counted
+        assert replacement.changed()
+        replacement.before_push()
+        assert sender.endpoints == urls and urls[0] in client.left_out
+        push(sender, v1, "3")
+        replacement.after_push()
+        assert not client.left_out and replacement.count == 1
+        assert checksums(urls[0]) == {n: sha256(t) for n, t in v1.items()} == checksums(urls[1])
+
         procs[0].kill()  # a second loss: past the budget of 1, the attempt ends (exit 75)
         procs[0].wait()
         with pytest.raises(WeightSyncError, match="maxServerReplacements=1"):

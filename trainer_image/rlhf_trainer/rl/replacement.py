@@ -14,9 +14,10 @@ Rank 0 only; the run loop asks it at each step boundary (`WeightSync.push` and
 - a round that fails (a server died during it) is `recover`ed: the group is formed again
   with the servers that answer and the round is sent again.
 
-Each server dropped from the group counts as one replacement (a server that died and
-came back between two boundaries too); a failed round in which no server was lost counts
-one. Past the budget, or with no server left, the failure is a `WeightSyncError`: the
+Each server dropped from the group (not answering /health at a boundary or after a failed
+round) counts as one replacement, and a failed round in which no server was lost counts one.
+A member the client left out that answers is re-joined (formed again, pushed to) without
+counting: it restarted between two boundaries, or a connection merely dropped. Past the budget, or with no server left, the failure is a `WeightSyncError`: the
 trainer exits 75 and the job restarts, as without replacement. `count` is the step row's
 `rollout_server_replacements`.
 """
@@ -40,7 +41,6 @@ class ServerReplacement:
     def __init__(self, sender, client, budget: int):
         self.sender, self.client, self.budget = sender, client, budget
         self.count = 0
-        self.missing: set[str] = set()  # configured servers out of the group
         self._admit: list[str] = []  # in the group again: routed to once the next push is over
 
     def _alive(self) -> list[str]:
@@ -65,13 +65,11 @@ class ServerReplacement:
             raise WeightSyncError("every rollout server is gone: the job restarts")
         members = self.sender.endpoints
         lost = [e for e in members if e not in alive]
-        restarted = [e for e in alive if e in members and e in self.client.left_out]
-        lost_count = len(lost) + len(restarted) or (1 if failed_round else 0)
+        lost_count = len(lost) or (1 if failed_round else 0)
         if lost_count:
-            self._spend(lost_count, f"rollout servers lost: {', '.join(lost + restarted) or 'a failed round'}")
+            self._spend(lost_count, f"rollout servers lost: {', '.join(lost) or 'none, a failed round'}")
         for endpoint in lost:
             self.client.leave_out(endpoint)
-        self.missing = set(self.sender.configured) - set(alive)
         self._admit = [e for e in alive if e in self.client.left_out]
         log.warning("weight-sync group formed again with %s", ", ".join(alive))
         try:
