@@ -179,6 +179,8 @@ class TrainerConfig(_Config):
     """How long a generation request may go unanswered (`rollout.requestTimeoutSeconds`)."""
     rollout_weight_sync_timeout_seconds: float = Field(default=600.0, gt=0)
     """How long a weight-sync round may take (`rollout.weightSyncTimeoutSeconds`)."""
+    rollout_max_server_replacements: int = Field(default=0, ge=0)
+    """Rollout servers that may be lost and re-joined per attempt (`rollout.maxServerReplacements`)."""
     tracking: TrackingSpec = Field(default_factory=TrackingSpec)
     """Experiment trackers (`spec.tracking`)."""
     termination_grace_period_seconds: int = Field(default=60, ge=1)
@@ -223,6 +225,7 @@ class TrainerConfig(_Config):
             rollout_startup_timeout_seconds=r.startup_timeout_seconds,
             rollout_request_timeout_seconds=r.request_timeout_seconds,
             rollout_weight_sync_timeout_seconds=r.weight_sync_timeout_seconds,
+            rollout_max_server_replacements=r.max_server_replacements,
             tracking=s.tracking, termination_grace_period_seconds=s.run_policy.termination_grace_period_seconds,
         )
 

@@ -7,8 +7,9 @@ environment as the pods (`rlhf_contract/pod.py`), on 127.0.0.1 ports. Shows prog
 as the operator's: any process failing stops all of them, and up to
 `runPolicy.maxRestarts` more attempts each resume from the newest complete checkpoint;
 a permanent exit code (`rlhf_contract.exit_codes`: 2, 126, 127) ends the run at once, showing the log
-tail. Attempts and restarts are shown and kept in `logs/attempts.log`. A finished run's curves are
-drawn to `<output>/plot.png` (`rlhfctl plot`).
+tail. A rollout server that exits is started again alone, up to `rollout.maxServerReplacements`
+times an attempt (the trainer re-joins it with the current weights). Attempts and restarts are
+kept in `logs/attempts.log`; a finished run's curves are drawn to `<output>/plot.png`.
 
 Simplification: local mode runs one trainer node; `trainer.numNodes` > 1 is refused.
 """
@@ -68,11 +69,13 @@ class _Child:
         if attempt > 1:
             self._log.write(f"==== attempt {attempt} ====\n".encode())
             self._log.flush()
-        env = {**os.environ, **proc.env, "PYTHONUNBUFFERED": "1"}
-        self.popen = subprocess.Popen(
-            proc.command, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
-        )
+        self.proc = proc
+        self.restart()
+
+    def restart(self) -> None:
+        env = {**os.environ, **self.proc.env, "PYTHONUNBUFFERED": "1"}
+        self.popen = subprocess.Popen(self.proc.command, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, start_new_session=True)
 
     def poll(self) -> int | None:
         return self.popen.poll()
@@ -183,8 +186,7 @@ def summarize(rows: list[dict]) -> str:
         text = f"loss: first 10 steps {mean(losses[:10]):.4f}, last 10 steps {mean(losses[-10:]):.4f}"
         evals = [r for r in rows if r.get(HELD_OUT + "accuracy") is not None or r.get(HELD_OUT + "loss") is not None]
         if evals:
-            name = "accuracy" if evals[-1].get(HELD_OUT + "accuracy") is not None else "loss"
-            key = HELD_OUT + name
+            key = HELD_OUT + (name := "accuracy" if evals[-1].get(HELD_OUT + "accuracy") is not None else "loss")
             text += f"; held-out {name}: start {evals[0][key]:.3f}, end {evals[-1][key]:.3f}"
         return text
     rewards = [r["reward_mean"] for r in rows]
@@ -196,8 +198,7 @@ def summarize(rows: list[dict]) -> str:
 
 
 def save_plot(out: Path, console) -> Path | None:
-    """Draw the run's curves to `out/plot.png` and print where; a failure only warns (the
-    run itself succeeded): None then."""
+    """Draw the run's curves to `out/plot.png` and print where; a failure only warns (None)."""
     try:
         path = plot_runs([out], out / "plot.png")
     except Exception as err:  # noqa: BLE001 - a picture must never fail a finished run
@@ -208,10 +209,8 @@ def save_plot(out: Path, console) -> Path | None:
 
 
 def _overlap_threads(spec) -> dict[str, int] | None:
-    """With rollout.maxStaleness >= 1 generation and training run at the same time on this
-    machine: split its cores between the rollout servers and the trainer processes, so that
-    neither side's thread pools spin against the other's (None: synchronous, each phase has
-    the machine to itself)."""
+    """With rollout.maxStaleness >= 1 generation and training overlap: the cores split between servers
+    and trainer, so neither's thread pools spin against the other's (None: synchronous)."""
     if spec.offline or not spec.rollout.max_staleness:
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
@@ -221,9 +220,8 @@ def _overlap_threads(spec) -> dict[str, int] | None:
 
 
 def run_local(job: RLHFJob, *, output: str | None = None, resume: bool = False, overwrite: bool = False) -> int:
-    """Run the job here; returns the exit code (0 done, `ExitCode.INTERRUPTED` Ctrl-C). A failed attempt stops
-    every process; `runPolicy.maxRestarts` more attempts each resume from the newest complete
-    checkpoint, as the operator's restarts do; a permanent exit code ends the run at once."""
+    """Run the job here; returns the exit code (0 done, `ExitCode.INTERRUPTED` Ctrl-C). A failed attempt stops every
+    process; `runPolicy.maxRestarts` more attempts resume from the newest complete checkpoint (module docstring)."""
     from rich.console import Console
 
     console = Console(stderr=True)
@@ -345,7 +343,7 @@ def _attempt(resolved: RLHFJob, out: Path, config_path: Path, console, *, resume
             if judge_urls:
                 trainer = dataclasses.replace(trainer, env={**trainer.env, ENV_JUDGE_ENDPOINTS: ",".join(judge_urls)})
             children.append(_Child("trainer", trainer, out / "logs" / "trainer.log", attempt))
-            return _watch(children, out / "metrics.jsonl", spec.schedule.total_steps, console)
+            return _watch(children, out, spec.schedule.total_steps, console, spec.rollout.max_server_replacements)
         except (KeyboardInterrupt, Terminated) as why:
             stack.close()  # the trainer saves the step it reached
             kept = complete_checkpoints(out)
@@ -367,8 +365,9 @@ def _start_judges(resolved: RLHFJob, out: Path, children: list["_Child"], attemp
     return urls
 
 
-def _watch(children: list[_Child], metrics_path: Path, total: int, console) -> _Failure | None:
-    """Show progress until the trainer (the last child) exits 0, or any child fails."""
+def _watch(children: list[_Child], out: Path, total: int, console, replacements: int) -> _Failure | None:
+    """Progress until the trainer (the last child) exits 0 or a child fails (a rollout server: restarted)."""
+    metrics_path = out / "metrics.jsonl"
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     trainer_child = children[-1]
@@ -388,6 +387,12 @@ def _watch(children: list[_Child], metrics_path: Path, total: int, console) -> _
                 code = child.poll()
                 if code is not None and (child is not trainer_child or code != 0):
                     code = 128 - code if code < 0 else code  # killed by a signal: as a shell reports it
+                    if child.name.startswith("rollout-") and replacements > 0 and not is_permanent(code):
+                        replacements -= 1
+                        _log_attempt(out, console, f"{child.name} exited with code {code}: started again alone "
+                                                   "(rollout.maxServerReplacements)")
+                        child.restart()
+                        continue
                     return _Failure(child.name, code, f"{child.name} exited with code {code}; last lines of "
                                                       f"{child.log_path}:\n{child.log_tail()}")
             if trainer_child.poll() == 0:

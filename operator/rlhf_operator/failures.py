@@ -126,6 +126,17 @@ def _failure_of(pod: dict[str, Any]) -> Failure | None:
     return None
 
 
+def left_to_kubelet(pod: dict[str, Any], replacements: int) -> bool:
+    """A rollout server's container that terminated or restarted, with `rollout.maxServerReplacements`
+    > 0: the StatefulSet's kubelet restarts it and the trainer re-joins it with the current weights
+    (its own budget: exit 75 past it); a permanent exit code, an eviction or a lost node stays the job's."""
+    if replacements <= 0 or labels(pod).get(LABEL_ROLE) != ROLE_ROLLOUT:
+        return False
+    failure = pod_failure(pod)
+    return (failure is not None and not failure.permanent and not failure.disrupted
+            and (pod.get("status") or {}).get("phase") not in ("Failed", "Succeeded"))
+
+
 def lost_pod(pod: dict[str, Any], nodes_not_ready: dict[str, datetime], now: datetime,
              after: timedelta = NODE_LOST_AFTER) -> Failure | None:
     """The pod's node has not been Ready for `after`: the pod is lost with it."""

@@ -79,7 +79,8 @@ def test_killed_server_and_killed_trainer_each_cost_one_restart_and_lose_no_rows
     out = tmp_path / "run"
     # 12 steps: the trainer is killed after attempt 2's first checkpoint, and a fast machine ran
     # two more steps and the next checkpoint in the moment it took to find and kill it
-    run = _start(out, "schedule.totalSteps=12", "schedule.saveEvery=2", "runPolicy.maxRestarts=2")
+    run = _start(out, "schedule.totalSteps=12", "schedule.saveEvery=2", "runPolicy.maxRestarts=2",
+                 "rollout.maxServerReplacements=0")  # a lost server restarts the job
     try:
         _wait(lambda: len(_steps(out)) >= 3, run)
         servers_1 = set(_pids(SERVER, out))
@@ -112,6 +113,35 @@ def test_killed_server_and_killed_trainer_each_cost_one_restart_and_lose_no_rows
     assert not set(_pids(SERVER, out)) & (servers_1 | servers_2)  # attempt 3 had servers of its own
 
 
+def test_a_killed_rollout_server_is_replaced_alone_and_the_run_goes_on_without_a_restart(tmp_path):
+    """rollout.maxServerReplacements: one of two servers SIGKILLed just after a step's row (its
+    next rollout starting): the step goes on with the other, the launcher starts the killed one
+    again, the trainer re-joins it with the current weights; no attempt is restarted."""
+    out = tmp_path / "run"
+    # 40 short steps: the killed server restarts (a few seconds) and re-joins well before the end
+    run = _start(out, "schedule.totalSteps=40", "schedule.saveEvery=20", "runPolicy.maxRestarts=1",
+                 "rollout.replicas=2", "rollout.maxServerReplacements=1")
+    try:
+        _wait(lambda: len(_steps(out)) >= 2, run)
+        servers = sorted(_pids(SERVER, out))
+        assert len(servers) == 2
+        os.kill(servers[0], signal.SIGKILL)
+        _, stderr = run.communicate(timeout=400)
+    finally:
+        _stop(run)
+    assert run.returncode == 0, stderr[-3000:]
+    assert _steps(out) == list(range(1, 41))
+    log = (out / "logs" / "attempts.log").read_text()
+    assert re.search(r"rollout-\d exited with code 137: started again alone", log), log
+    assert "restart" not in log and "attempt 1 failed" not in log, log
+    assert "==== attempt 2 ====" not in (out / "logs" / "trainer.log").read_text()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["rollout_server_replacements"] == 1 and rows[0]["rollout_server_replacements"] == 0
+    trainer_log = (out / "logs" / "trainer.log").read_text()
+    assert "holds the current weights: routed to again" in trainer_log  # the restarted one re-joined
+    assert not set(_pids(SERVER, out)) & set(servers)
+
+
 def test_a_permanent_exit_code_ends_the_run_without_a_restart(tmp_path):
     """Malformed rows past the preflight's sample (the first rows), found by the trainer's full
     read: a data error, exit code 2, which no restart can fix."""
@@ -139,7 +169,8 @@ def test_a_stopped_server_times_out_the_attempt_instead_of_hanging_it(tmp_path):
     out = tmp_path / "run"
     # 8 steps: after the stop at least five still need the server, however fast this machine is
     run = _start(out, "schedule.totalSteps=8", "schedule.saveEvery=2", "runPolicy.maxRestarts=1",
-                 "rollout.requestTimeoutSeconds=5", "rollout.weightSyncTimeoutSeconds=5")
+                 "rollout.requestTimeoutSeconds=5", "rollout.weightSyncTimeoutSeconds=5",
+                 "rollout.maxServerReplacements=0")
     try:
         _wait(lambda: (out / "checkpoints" / "step-2" / "COMPLETE").exists(), run)
         stopped = set(_pids(SERVER, out))

@@ -393,3 +393,31 @@ def test_multi_turn_groups_keep_their_turns_on_one_server(engines, tiny_model_di
         assert delta == want and sum(want.values()) > 9  # some trajectories took several turns
     finally:
         client.close()
+
+
+def test_with_replacement_a_dead_server_is_left_out_until_readmitted(engines):
+    """`replace_servers` (rollout.maxServerReplacements > 0): a server that refused a connection
+    is not probed again after `unhealthy_s` (restarted, it would serve the weights it started
+    from): nothing reaches it until the trainer re-admits it after a push."""
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    client = RolloutClient([dead, *engines], backoff_s=0.01, unhealthy_s=0.2, replace_servers=True)
+    try:
+        client.generate_sync([PROMPTS[1]], n=1, max_tokens=2, temperature=1.0, seed=0, trajectory_id="a")
+        assert client.requests_sent[dead] == 1 and dead in client.left_out
+        time.sleep(0.3)
+        for k in range(4):
+            client.generate_sync([PROMPTS[k]], n=1, max_tokens=2, temperature=1.0, seed=k, trajectory_id=f"b{k}")
+        assert client.requests_sent[dead] == 1  # past unhealthy_s, still left out
+        client.readmit(engines[0])  # not left out: a no-op
+        client.leave_out(engines[0])
+        client.leave_out(engines[1])
+        with pytest.raises(RolloutError, match="every rollout server is gone"):
+            client.generate_sync([PROMPTS[0]], n=1, max_tokens=2, temperature=1.0, seed=0)
+        client.readmit(dead)
+        assert client._pick() == dead
+    finally:
+        client.close()

@@ -12,12 +12,13 @@ UID = "uid-1"
 NOW = datetime(2025, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
 
 
-def body(status=None, suspend=False, max_restarts=2, deadline=None, ttl=None, created=NOW - timedelta(minutes=5)):
+def body(status=None, suspend=False, max_restarts=2, deadline=None, ttl=None, created=NOW - timedelta(minutes=5),
+         replacements=0):
     return {
         "apiVersion": "rlhf.dev/v1alpha1", "kind": "RLHFJob",
         "metadata": {"name": "demo", "namespace": "ns", "uid": UID, "generation": 3,
                      "creationTimestamp": created.strftime("%Y-%m-%dT%H:%M:%SZ")},
-        "spec": {"model": {"path": "/m"}, "data": {"path": "/d"}, "rollout": {"replicas": 2},
+        "spec": {"model": {"path": "/m"}, "data": {"path": "/d"}, "rollout": {"replicas": 2, "maxServerReplacements": replacements},
                  "trainer": {"numNodes": 1}, "suspend": suspend,
                  "runPolicy": {"maxRestarts": max_restarts, "activeDeadlineSeconds": deadline,
                                "ttlSecondsAfterFinished": ttl}},
@@ -123,6 +124,25 @@ def test_failed_rollout_server_restarts_too_any_exit_or_restart_counts():
     obs.pods[1] = pod("demo-rollout-1", "rollout", restarts=1)
     p = run(b, obs)
     assert p.status["phase"] == "Restarting" and "rollout pod demo-rollout-1" in cond(p, "Restarting")["message"]
+
+
+def test_with_server_replacements_a_restarted_rollout_container_is_left_to_the_kubelet():
+    """rollout.maxServerReplacements > 0: the trainer re-joins a restarted server (its own budget);
+    a permanent exit code, an eviction or a failed trainer still end the attempt."""
+    obs = running_children()
+    obs.pods[1] = pod("demo-rollout-1", "rollout", restarts=1)
+    p = run(body({"phase": "Running"}, replacements=3), obs)
+    assert p.status["phase"] == "Running" and p.delete == [] and p.status.get("restarts", 0) == 0
+    obs.pods[1] = pod("demo-rollout-1", "rollout", terminated=137, restarts=2)  # CrashLoopBackOff's last exit
+    assert run(body({"phase": "Running"}, replacements=3), obs).status["phase"] == "Running"
+    obs.pods[1] = pod("demo-rollout-1", "rollout", terminated=next(iter(PERMANENT)))
+    assert run(body({"phase": "Running"}, replacements=3), obs).status["phase"] == "Failed"
+    obs.pods[1] = evicted(pod("demo-rollout-1", "rollout", restarts=1))
+    assert run(body({"phase": "Running"}, replacements=3), obs).status["phase"] == "Restarting"
+    obs.pods[1] = pod("demo-rollout-1", "rollout", restarts=1)
+    obs.pods[2] = pod("demo-trainer-master-0", "trainer", phase="Failed", terminated=75)
+    p = run(body({"phase": "Running"}, replacements=3), obs)
+    assert p.status["phase"] == "Restarting" and "demo-trainer-master-0" in cond(p, "Restarting")["message"]
 
 
 def test_restart_budget_ends_in_failed_naming_pod_and_exit_code():

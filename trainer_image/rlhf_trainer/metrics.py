@@ -106,6 +106,8 @@ FAMILIES: dict[str, Family] = {
     "rlhf_dropped_group_ratio": _g("Fraction of sampled groups dropped by dynamic sampling (all rewards equal)."),
     "rlhf_dropped_prompts_total": Family("Prompts the data source skipped (longer than data.maxPromptLength, "
                                          "or empty).", "counter"),
+    "rlhf_rollout_server_replacements_total": Family("Rollout servers lost and re-joined with the current weights in "
+                                                     "this attempt (rollout.maxServerReplacements).", "counter"),
     "rlhf_skipped_rows_total": Family("Malformed dataset rows skipped (unreadable, or a missing or mistyped "
                                       "column; RL and offline).", "counter"),
     "rlhf_trainable_parameters": _g("Parameters the optimizer updates (with model.lora: the adapters only)."),
@@ -171,7 +173,8 @@ _RENAMED = {"truncated_fraction": "rlhf_truncated_ratio", "tool_failed_fraction"
             "padding_fraction": "rlhf_padding_ratio", "accuracy": "rlhf_accuracy_ratio", "mfu": "rlhf_mfu_ratio",
             "rollout_correction_masked_fraction": "rlhf_rollout_correction_masked_ratio",
             "stale_token_fraction": "rlhf_stale_token_ratio", "mixed_version_fraction": "rlhf_mixed_version_ratio",
-            "dropped_prompts": "rlhf_dropped_prompts_total", "skipped_rows": "rlhf_skipped_rows_total",
+            "dropped_prompts": "rlhf_dropped_prompts_total",
+            "rollout_server_replacements": "rlhf_rollout_server_replacements_total", "skipped_rows": "rlhf_skipped_rows_total",
             "skipped_steps": "rlhf_skipped_optimizer_steps_total", "num_examples": "rlhf_examples_total",
             "dropped_examples": "rlhf_dropped_examples_total", "num_tokens": "rlhf_tokens_total"}
 STEP_KEYS: dict[str, Key] = {

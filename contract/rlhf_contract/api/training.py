@@ -52,9 +52,9 @@ class RolloutSpec(SpecModel):
     """A generation request (one prompt's samples) unanswered this long fails the step: a
     server that hangs (stopped, deadlocked) ends the attempt and the job restarts."""
     weight_sync_timeout_seconds: float = Field(default=600.0, gt=0, le=MAX_SECONDS)
-    """A weight-sync round (every server loading the new weights) not over in this long fails
-    the step, and the attempt restarts; a trainer stuck in the transfer itself is ended a
-    minute later by the sync's watchdog (exit code 75, retried)."""
+    """A weight-sync round not over in this long fails the step (exit code 75, retried); a trainer stuck in it is ended a minute later."""
+    max_server_replacements: int = Field(default=3, ge=0, le=INT32_MAX)
+    """Rollout servers that may die and be replaced per attempt without a job restart (re-joined with the current weights); 0: any loss restarts the job."""
     vllm: VllmSpec = Field(default_factory=VllmSpec)
     """`vllm serve` settings (memory, batching, prefix caching, extra flags); engine vllm only."""
     max_staleness: int = Field(default=0, ge=0)

@@ -24,7 +24,7 @@ from ..builders.pods import PodSettings, pod_spec, template_metadata
 from ..builders.lws import build_rollout_lws, uses_lws
 from ..builders.storage import with_storage
 from ..builders.workloads import build_rollout_statefulset, rollout_endpoints, trainer_container, weight_sync_addr
-from ..failures import Failure, attempt_failure, lost_pod, parse_time, true_condition
+from ..failures import Failure, attempt_failure, left_to_kubelet, lost_pod, parse_time, true_condition
 from ..lws_status import ROLLOUT_KINDS, left_to_lws, rollout_kind
 from .base import (ROLLOUT_LWS, ROLLOUT_STATEFULSET, Backend, Context, Finish, Observed, Plan, deadline_message, deadline_passed,
                    decide_failure, pods_phase, workload_kind)
@@ -80,12 +80,15 @@ class WholeJobRestarts(Backend):
     def build_trainer(self, job: RLHFJob, attempt: int, settings: PodSettings) -> dict[str, Any]:
         raise NotImplementedError
 
-    def trainer_failure(self, observed: Observed, c: Context, now: datetime, node_lost_after: timedelta) -> Failure | None:
+    def trainer_failure(self, observed: Observed, c: Context, now: datetime, node_lost_after: timedelta,
+                        replacements: int = 0) -> Failure | None:
         """The first failure of the current attempt (a server's, once the trainer is done, does
         not count), or a Failed trainer workload whose failed pod has not been seen in time."""
         kind = self.name
-        # an LWS group's pod that failed is the LWS controller's to recreate (lws_status.left_to_lws)
-        failure = attempt_failure([p for p in c.ours if attempt_of(p) == c.restarts and not left_to_lws(p)],
+        # an LWS group's pod that failed is the LWS controller's to recreate (lws_status.left_to_lws), a
+        # StatefulSet's restarted container the kubelet's with rollout.maxServerReplacements (failures.left_to_kubelet)
+        failure = attempt_failure([p for p in c.ours if attempt_of(p) == c.restarts and not left_to_lws(p)
+                                   and not left_to_kubelet(p, replacements)],
                                   lambda pod: lost_pod(pod, observed.nodes_not_ready, now, node_lost_after))
         failed = true_condition(c.current.get(kind), "Failed")
         if failed and now < (parse_time(failed.get("lastTransitionTime")) or now) + EVIDENCE_GRACE:
@@ -105,7 +108,7 @@ class WholeJobRestarts(Backend):
         if true_condition(c.current.get(kind), self.done_condition):
             return finish("Succeeded", "TrainerSucceeded", "the trainer finished every step",
                           delete=[k for k in c.live if k in ROLLOUT_KINDS])
-        failure = self.trainer_failure(observed, c, now, node_lost_after)
+        failure = self.trainer_failure(observed, c, now, node_lost_after, job.spec.rollout.max_server_replacements)
         if failure is not None:
             # Keep a failed trainer's workload (its pods' logs); stop everything else.
             stop = [k for k in c.live if not (k == kind and failure.role == ROLE_TRAINER)]

@@ -84,7 +84,9 @@ class RunLoop(LoopBase):
             sender = WeightSyncSender(endpoints, host, int(port), timeout_s=config.rollout_weight_sync_timeout_seconds,
                                       pause_mode=config.sampling.weight_update_pause_mode)
         self.placement = placement_of(config, self.models.engines(), endpoints, info.is_main)
-        self.weights = WeightSync(self.models.engine, sender, self.placement)
+        self.weights = WeightSync(self.models.engine, sender, self.placement,
+                                  replacements=config.rollout_max_server_replacements,
+                                  client=self.orchestrator.sampler.client if self.orchestrator is not None else None)
 
     def parts(self) -> Parts:
         return self.models.parts()
@@ -177,7 +179,8 @@ class RunLoop(LoopBase):
                 log.warning("step %d: every optimizer step had a non-finite gradient norm; weights unchanged%s",
                             self.step, "" if self.placement.should_sync(False) else ", no weight sync")
             # after SIGTERM the servers are going away (a resumed run syncs them first: start)
-            sync = self.placement.should_sync(changed) and not stop.stop
+            # ... and when a lost rollout server leaves the group or a restarted one re-joins (rl/replacement.py)
+            sync = (self.placement.should_sync(changed) or self.weights.servers_changed()) and not stop.stop
             timings["weight_sync_seconds"] = self.sync_weights() if sync else 0.0
         self.train_seconds = timings["train_seconds"] + timings["weight_sync_seconds"]
         if not self.info.is_main:
@@ -213,4 +216,5 @@ class RunLoop(LoopBase):
         elif batch.staleness is not None:
             extra["staleness_mean"] = extra["staleness_max"] = batch.staleness
         return {"step": self.step, **stats, **train, **extra, "learning_rate": lr, **timings,
-                "tokens_per_second": num_tokens / timings["step_seconds"], "policy_version": self.policy_version}
+                "tokens_per_second": num_tokens / timings["step_seconds"], "policy_version": self.policy_version,
+                **self.weights.row()}

@@ -16,7 +16,8 @@ colocated memory plan reads: preflight/memory_colocated.py) and returns:
 
 `WeightSync` is the trainer's side of the weight sync: the sender on rank 0 (NCCL to
 separate servers, CUDA IPC to colocated vLLM: weight_sync/), the policy version the servers
-hold, and the placement's hook before each push.
+hold, and the placement's hook before each push; with `rollout.maxServerReplacements` > 0 and
+separate servers, rank 0's replacement of lost servers (rl/replacement.py) around each push.
 """
 
 from __future__ import annotations
@@ -108,10 +109,17 @@ class WeightSync:
     """The policy's weights to the rollout servers (see the module docstring). `sender` is
     rank 0's WeightSyncSender (None on the other ranks)."""
 
-    def __init__(self, engine, sender, placement: Separate):
+    def __init__(self, engine, sender, placement: Separate, *, replacements: int = 0, client=None):
         self.engine = engine
         self.sender = sender
         self.placement = placement
+        self.replacing = replacements > 0 and not placement.colocated  # the same on every rank
+        self.replacement = None  # rank 0's ServerReplacement
+        if self.replacing and sender is not None:
+            from .replacement import ServerReplacement
+
+            client.replace_servers = True
+            self.replacement = ServerReplacement(sender, client, replacements)
         self.ipc = None  # set in start(): the servers take weights by CUDA IPC
         self.served_version = 0  # what the servers hold (advanced after each completed push)
 
@@ -129,10 +137,35 @@ class WeightSync:
         from ..weight_sync import push_weights
 
         self.placement.before_sync()
-        seconds = push_weights(self.engine, self.sender, weight_version=str(version), ipc=self.ipc)
+        recover = None
+        if self.replacing and self.ipc is None:
+            if self.replacement is not None:
+                self.replacement.before_push()
+            recover = self.replacement.recover if self.replacement is not None else _never
+        seconds = push_weights(self.engine, self.sender, weight_version=str(version), ipc=self.ipc, recover=recover)
+        if self.replacement is not None:
+            self.replacement.after_push()
         self.served_version = version
         return seconds
+
+    def servers_changed(self) -> bool:
+        """Collective: whether a lost server must leave the group or a restarted one re-join
+        (rank 0 asks, every rank learns); a push then follows even if the weights did not change."""
+        if not self.replacing:
+            return False
+        from ..distributed import broadcast_object
+
+        return bool(broadcast_object(self.replacement.changed() if self.replacement is not None else None))
+
+    def row(self) -> dict:
+        """Rank 0: the step row's `rollout_server_replacements` (with replacement on)."""
+        return {"rollout_server_replacements": self.replacement.count} if self.replacement is not None else {}
 
     def close(self) -> None:
         if self.sender is not None:
             self.sender.close()
+
+
+def _never(error) -> bool:
+    """The other ranks' `recover`: only rank 0 decides (push_weights broadcasts it)."""
+    return False

@@ -16,7 +16,10 @@ an id, goes to the healthy endpoint with the fewest outstanding requests (ties: 
 A server that refuses connections or answers 502/504 is marked unhealthy for
 `unhealthy_s` (or by `mark_unhealthy`): its ids move to the others at their next request
 and stay there; once the time is up one request probes it again (a 503, paused for a
-weight sync, is not unhealthy). Connection errors are retried with exponential backoff, on
+weight sync, is not unhealthy). With `replace_servers` (`rollout.maxServerReplacements` > 0)
+such a server is instead left out (`leave_out`) until the trainer re-admits it (`readmit`),
+once it has re-joined the weight-sync group with the current weights (rl/replacement.py):
+a restarted server never serves the weights it started from. Connection errors are retried with exponential backoff, on
 any endpoint (`RolloutClient.retry_policy`); read timeouts are not (the server may still be
 working on the request); HTTP errors are not retried (except 502/503/504) and raise `RolloutError` with the
 endpoint and the server's body. A 503 from a server paused for a weight sync is sent again
@@ -98,7 +101,8 @@ class RolloutClient:
 
     def __init__(self, endpoints: list[str], *, timeout_s: float = 600.0,
                  max_concurrency: int = 256, max_retries: int = 5,
-                 backoff_s: float = 0.5, model: str | None = None, unhealthy_s: float = UNHEALTHY_S):
+                 backoff_s: float = 0.5, model: str | None = None, unhealthy_s: float = UNHEALTHY_S,
+                 replace_servers: bool = False):
         if not endpoints:
             raise ValueError("RolloutClient needs at least one endpoint")
         if max_concurrency < 1:
@@ -126,6 +130,9 @@ class RolloutClient:
         self.moves = 0
         """Trajectory ids moved off an unhealthy endpoint."""
         self._down_until: dict[str, float] = {}
+        self.replace_servers = replace_servers
+        self.left_out: set[str] = set()
+        """Endpoints never routed to until `readmit` (see the module docstring)."""
         self._loop: asyncio.AbstractEventLoop | None = None  # the run's event loop (a thread), see run()
         self._http: httpx.AsyncClient | None = None  # one connection pool for the run, on that loop
         self._loop_lock = threading.Lock()
@@ -169,6 +176,15 @@ class RolloutClient:
         other endpoints at their next request (while any is healthy)."""
         self._down_until[endpoint.rstrip("/")] = time.monotonic() + self.unhealthy_s
 
+    def leave_out(self, endpoint: str) -> None:
+        """Route nothing to `endpoint` until `readmit` (its ids move to the others)."""
+        self.left_out.add(endpoint.rstrip("/"))
+
+    def readmit(self, endpoint: str) -> None:
+        """Route to `endpoint` again: it holds the current weights."""
+        self.left_out.discard(endpoint.rstrip("/"))
+        self.mark_healthy(endpoint)
+
     def mark_healthy(self, endpoint: str) -> None:
         """Route to `endpoint` again (ids that moved off it stay where they are)."""
         self._down_until.pop(endpoint.rstrip("/"), None)
@@ -179,11 +195,14 @@ class RolloutClient:
         outstanding requests among the healthy ones not in `avoid` (or, when none is left,
         among all not in `avoid`, then all), ties round robin, which then serves the id."""
         if trajectory_id is not None and (held := self.routes.get(trajectory_id)) is not None:
-            if held not in avoid and self.healthy(held):
+            if held not in avoid and held not in self.left_out and self.healthy(held):
                 self.routes.move_to_end(trajectory_id)
                 return held
             self.moves += 1
-        allowed = [e for e in self.endpoints if e not in avoid] or self.endpoints
+        serving = [e for e in self.endpoints if e not in self.left_out]
+        if not serving:
+            raise RolloutError(f"every rollout server is gone ({', '.join(self.endpoints)}): none holds the current weights")
+        allowed = [e for e in serving if e not in avoid] or serving
         candidates = [e for e in allowed if self.healthy(e)] or allowed
         least = min(self.outstanding[e] for e in candidates)
         tied = [e for e in candidates if self.outstanding[e] == least]
@@ -257,6 +276,9 @@ class RolloutClient:
             except RETRY_ERRORS as exc:
                 failed.add(endpoint)
                 self.mark_unhealthy(endpoint)
+                if self.replace_servers and isinstance(exc, (httpx.ConnectError, httpx.RemoteProtocolError,
+                                                             httpx.ReadError)):
+                    self.leave_out(endpoint)  # gone: back only with the current weights
                 raise TryAgain(f"{endpoint}: {exc!r}") from exc
             except httpx.ReadTimeout:
                 raise RolloutError(f"{endpoint} did not answer a generation request within {self.timeout_s:g} s "

@@ -8,12 +8,13 @@ no LoRA support)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch.distributed as dist
 
 from ..engine import Engine
 from .ipc import IPC_BACKEND, IpcSync, push_ipc
-from .sender import WeightSyncSender
+from .sender import WeightSyncError, WeightSyncSender
 
 
 def ipc_sync(sender: WeightSyncSender | None) -> IpcSync | None:
@@ -28,20 +29,37 @@ def ipc_sync(sender: WeightSyncSender | None) -> IpcSync | None:
 
 
 def push_weights(engine: Engine, sender: WeightSyncSender | None, *, weight_version: str,
-                 ipc: IpcSync | None = None) -> float:
+                 ipc: IpcSync | None = None, recover: Callable[[WeightSyncError], bool] | None = None) -> float:
     """Collective over the trainer world: gather the full tensors of the `engine`'s model;
     the rank with a `sender` sends them (with `ipc`, every rank exports them: ipc.py).
-    Returns the seconds it took (barrier included)."""
+    With `recover` (given on every rank or none; rl/replacement.py), a failed round is
+    asked to it on rank 0: True (the group re-formed) and every rank gathers again for one
+    more round; False re-raises. Returns the seconds it took (barrier included)."""
     start = time.perf_counter()
     if ipc is not None:
         push_ipc(engine, sender, ipc, weight_version=weight_version)
         return time.perf_counter() - start
-    specs, full_tensors = engine.full_tensors()
-    if sender is not None:
-        sender.send(specs, full_tensors, weight_version=weight_version)
-    else:
-        for _ in full_tensors:
+    while True:
+        specs, full_tensors = engine.full_tensors()
+        failed = None
+        try:
+            if sender is not None:
+                sender.send(specs, full_tensors, weight_version=weight_version)
+        except WeightSyncError as exc:
+            if recover is None:
+                raise
+            failed = exc
+        for _ in full_tensors:  # the other ranks' gathers go on: this rank takes part to the end
             pass
+        if recover is None:
+            break
+        again = [failed is not None and recover(failed)]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(again, src=0)
+        if failed is not None and not again[0]:
+            raise failed
+        if not again[0]:
+            break
     if dist.is_initialized():
         dist.barrier()
     return time.perf_counter() - start

@@ -36,11 +36,8 @@ One round, `send()`, in the order vLLM requires:
      with the new weights when they resume (the CPU engine keeps its KV cache instead);
   6. POST /resume.
 Every parameter is sent every round under its Hugging Face name.
-
-Weights travel in the servers' dtype (vLLM's `model_config.dtype`, read at init): each
-tensor is cast as it is gathered, so a bf16 server receives bf16 (half the bytes of the
-fp32 master weights) and every bucket holds one dtype. The round's pack buffers are freed
-when it ends.
+Weights travel in the servers' dtype (`model_config.dtype`, read at init), each tensor cast as
+it is gathered (one dtype per bucket). The round's pack buffers are freed when it ends.
 
 Failure: a server answering an error, a broadcast failing (a peer gone: the transport
 polls NCCL's asynchronous error while the round waits, transport.py), or the round passing
@@ -48,17 +45,19 @@ polls NCCL's asynchronous error while the round waits, transport.py), or the rou
 `WeightSyncError`: the group is then dead (an NCCL peer may be stuck in a collective), so
 the sender aborts its communicator and calls /shutdown_weight_transfer_engine on every
 server (best effort, bounded, on threads of its own), and `group` becomes None. The
-trainer then exits with `ExitCode.WEIGHT_SYNC` (75), which the launcher passes on, so the
-job restarts with its servers (a server left half-reloaded still answers /health). A
+trainer then exits with `ExitCode.WEIGHT_SYNC` (75), so the job restarts with its servers
+(unless the trainer replaces the lost ones: `reform`). A
 watchdog, armed until the teardown is over, ends the process with that code if the round
 is still not over `watchdog_grace_s` after its timeout, e.g. because this thread is stuck
 in a collective. An NCCL error while the group forms is a `WeightSyncError` too (exit 75:
 retried with the servers, not exit 1).
 
-The HTTP calls run on threads. The tensors are consumed and packed on the calling thread
-(a trainer's generator may run collectives such as `full_tensor()`), and the buckets are
-broadcast from a helper thread one bucket behind, so a server that answers an error
-ends the round at once instead of leaving rank 0 blocked in a collective.
+`reform(endpoints)` (server replacement, rl/replacement.py) forms the group again with some of
+the configured servers: /shutdown_weight_transfer_engine and /init_weight_transfer_engine on
+each, a new rendezvous, full metadata in the next round (a restarted server has none).
+
+HTTP calls run on threads; tensors are packed on the calling thread (the generator may run
+collectives) and broadcast from a helper one bucket behind, so a server's error ends the round at once.
 """
 
 from __future__ import annotations
@@ -96,18 +95,14 @@ RESET_PREFIX_CACHE_FIRST_DELAY_S = 0.25
 """Pauses between attempts double: 0.25 + 0.5 + ... + 4 s, under 8 s in all."""
 
 
-
-
 def init_info(rendezvous: dict, *, world_size: int, rank_offset: int, bucket_bytes: int) -> dict:
-    """One server's `init_info` for /init_weight_transfer_engine: the rendezvous, the group's
-    size, the server's first rank, and the packed-transfer settings (read there by vLLM)."""
+    """One server's `init_info`: rendezvous, group size, first rank, packed settings (vLLM reads them there)."""
     return {**rendezvous, "world_size": world_size, "packed": True, "packed_buffer_size_bytes": bucket_bytes,
             "packed_num_buffers": DEFAULT_NUM_BUFFERS, "rank_offset": rank_offset}
 
 
 class WeightSyncSender(IpcRounds):
     """Pushes full weights from trainer rank 0 to rollout servers (vLLM or the CPU engine).
-
     `endpoints` are base URLs (http://host:port); `listen_host:listen_port` is where rank 0
     hosts the gloo group's TCPStore (the NCCL transport needs no address). `bucket_bytes`
     is the packed buffer size (sent to the servers in init_info). `backend` is "nccl" or
@@ -128,6 +123,7 @@ class WeightSyncSender(IpcRounds):
             raise ValueError(f"pause_mode must be one of {', '.join(PAUSE_MODES)}, got {pause_mode!r}")
         self.pause_mode = pause_mode
         self.endpoints = [e.rstrip("/") for e in endpoints]
+        self.configured = list(self.endpoints)  # every server of the job; `endpoints`: the group's members
         self.listen_host = listen_host
         self.listen_port = listen_port
         self.bucket_bytes = bucket_bytes
@@ -216,6 +212,18 @@ class WeightSyncSender(IpcRounds):
             raise
         self.group = group
         self._sent_metadata = None
+
+    def reform(self, endpoints: list[str]) -> None:
+        """Form the group again with `endpoints`, some of `configured` (module docstring)."""
+        members = [e.rstrip("/") for e in endpoints]
+        if not members or any(e not in self.configured for e in members):
+            raise ValueError(f"reform needs some of {self.configured}, got {members}")
+        if self.group is not None:
+            self.group.close()
+        self.group, self._sent_metadata = None, None
+        self.endpoints = [e for e in self.configured if e in members]
+        self._shutdown_servers()
+        self.init()
 
     # ---- one round -----------------------------------------------------------------
 
