@@ -35,6 +35,9 @@ from .types import RolloutBatch
 
 
 class Prefetcher:
+    whole_batches = True
+    """Each batch is one `collect`, started at one version (the gate keeps it within k)."""
+
     def __init__(self, orchestrator: Any, *, max_staleness: int, first_step: int, last_step: int,
                  served_version: Callable[[], int]):
         self.orchestrator, self.k, self.served_version = orchestrator, max_staleness, served_version
