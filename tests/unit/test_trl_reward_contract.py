@@ -105,7 +105,7 @@ class Client:
     async def generate(self, prompts, *, n, first_index, **_):
         await asyncio.sleep(self.delay_s)
         return [[SimpleNamespace(token_ids=[j % 4], prompt_token_ids=list(prompts[0]), logprobs=[-0.5],
-                                 finish_reason="stop") for j in range(n)]]
+                                 finish_reason="stop", versions=None) for j in range(n)]]
 
 
 class Data:
