@@ -18,7 +18,8 @@ each point where the placement matters: before and after the rollout, before a s
 whether to sync, and around evaluation. The loop itself never branches on the placement.
 
 A checkpoint holds, besides the models, the policy version and the orchestrator's data
-position (after the last batch the trainer took).
+position (after the last batch the trainer took; with partial rollouts also the prompts
+handed out and not yet trained, which a resume generates again).
 """
 
 from __future__ import annotations
