@@ -12,7 +12,9 @@ cluster:
   separate k=2   two steps ahead (rollout.maxStaleness = 2)
   ... in-flight  the same with rollout.inFlightUpdates: a weight push pauses the server with
                  mode "keep" (its requests go on with the new weights) instead of "wait"
-                 (the push waits for the requests in flight to finish)
+                 (the push waits for the requests in flight to finish), and a step takes the
+                 first groups to complete from a pool kept generating (partial rollouts,
+                 orchestrator/partial.py)
 
 `--long-tail` lets responses run to 64 tokens (`rollout.maxTokens`; the demo default is 8)
 at a learning rate that leaves the model as it is: the untrained model ends a response
@@ -140,7 +142,9 @@ def main() -> None:
         step = mean(rows, "step_seconds")
         lengths = (f"response length mean {mean(rows, 'response_length_mean'):.1f} "
                    f"max {max(r['response_length_max'] for r in rows)}")
-        mixed = f", mixed-version responses {mean(rows, 'mixed_version_fraction'):.2f}" if "mixed_version_fraction" in rows[0] else ""
+        mixed = (f", mixed-version responses {mean(rows, 'mixed_version_fraction'):.2f}, staleness mean "
+                 f"{mean(rows, 'staleness_mean'):.2f}, stale tokens masked {mean(rows, 'stale_token_fraction'):.3f}"
+                 if "mixed_version_fraction" in rows[0] else "")
         print(f"{name:22s} {step:.3f} s/step  x{step / base:.2f} of {base_name}  (rollout {mean(rows, 'rollout_seconds'):.3f}, "
               f"train {mean(rows, 'train_seconds'):.3f}, weight sync {mean(rows, 'weight_sync_seconds'):.3f}; "
               f"{lengths}{mixed})")

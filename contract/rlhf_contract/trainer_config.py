@@ -49,7 +49,8 @@ class SamplingConfig(_Config):
     """Policy versions a sample may lag behind the trainer (0: synchronous)."""
     in_flight_updates: bool = False
     """`rollout.inFlightUpdates`: weight updates pause the servers with mode keep (requests in
-    flight continue on the new weights); staleness is bounded and logged per token."""
+    flight continue on the new weights); staleness is bounded and logged per token; with the
+    plain sampler, partial rollouts (trainer orchestrator/partial.py)."""
     placement: Literal["separate", "colocated"] = "separate"
     """`rollout.placement`: `colocated` servers share the trainer's devices and sleep while it
     trains (read by the trainer in rl/placement.py only)."""

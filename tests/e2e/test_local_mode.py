@@ -455,6 +455,34 @@ def test_max_staleness_one_overlaps_and_resumes_with_the_same_prompts(tmp_path):
         assert prompts(part, step) == prompts(full, step)
 
 
+def test_partial_rollouts_resume_trains_exactly_the_prompts_left(tmp_path):
+    """rollout.inFlightUpdates: steps take the first groups to complete (orchestrator/partial.py).
+    Resumed from the step-2 checkpoint (later state removed, as by a crash), the run trains the
+    prompts handed out but not trained before it, then the next ones: across the four steps,
+    exactly the uninterrupted run's prompts, each once per sample."""
+    import shutil
+    from collections import Counter
+
+    common = ["rollout.replicas=1", "rollout.maxStaleness=1", "rollout.inFlightUpdates=true", "rollout.maxTokens=32",
+              "output.saveRollouts=true", "schedule.saveEvery=2", "schedule.totalSteps=4"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert rlhfctl("run", str(EXAMPLE), "--output", str(full), *sets(*common)).returncode == 0
+    shutil.copytree(full, part)
+    for gone in (part / "checkpoints" / "step-4", part / "final", part / "rollouts" / "step-3.jsonl",
+                 part / "rollouts" / "step-4.jsonl"):
+        shutil.rmtree(gone) if gone.is_dir() else gone.unlink()
+    res = rlhfctl("run", str(EXAMPLE), "--output", str(part), "--resume", *sets(*common))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [r["step"] for r in metrics(part)] == [1, 2, 3, 4]
+
+    def prompts(out):  # each sample's prompt, over the four steps
+        return Counter(str(json.loads(line)["prompt_ids"]) for step in range(1, 5)
+                       for line in (out / "rollouts" / f"step-{step}.jsonl").read_text().splitlines())
+
+    per_step = len((full / "rollouts" / "step-1.jsonl").read_text().splitlines())
+    assert prompts(part) == prompts(full) and sum(prompts(full).values()) == 4 * per_step
+
+
 def test_max_staleness_one_with_a_two_sided_masked_correction_still_learns(tmp_path):
     """Rollouts one version stale (the async mode) corrected by IcePop-style two-sided
     masking (algorithm.rolloutCorrection) instead of the default TIS: the demo's task is

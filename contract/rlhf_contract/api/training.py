@@ -62,8 +62,8 @@ class RolloutSpec(SpecModel):
     train). k >= 1: the next k steps' rollouts are generated while the trainer trains, stale
     samples corrected by `algorithm.rolloutCorrection` (truncated IS, cap 2.0, when unset)."""
     in_flight_updates: bool = False
-    """With `maxStaleness` >= 1: weight updates pause the servers keeping their requests (vLLM's `/pause?mode=keep`),
-    which go on with the new weights; each token records its policy version, staleness bounded per token."""
+    """With `maxStaleness` >= 1: a weight update keeps the requests in flight (vLLM's `/pause?mode=keep`; their later tokens
+    come from the new weights, staleness bounded per token), and a step trains the first prompts' groups to finish."""
     placement: Literal["separate", "colocated"] = "separate"
     """`separate`: the rollout servers have devices of their own. `colocated`: they share the
     trainer's devices and take turns with it: generate, sleep while the trainer trains, wake

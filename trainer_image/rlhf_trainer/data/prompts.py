@@ -13,7 +13,9 @@ of the index, and is counted in `num_dropped`. Exempt: `builtin://gem`, whose pr
 the environment's own opening observation (`rollout.maxTokens` bounds the trajectory).
 
 The source's position (`state_dict`) is saved in checkpoints so a resumed run sees the same
-prompts as an uninterrupted one.
+prompts as an uninterrupted one. With partial rollouts (orchestrator/partial.py) prompts are
+trained out of order: the position then also lists `pending`, the indices handed out before
+it but not trained, which a resumed source hands out again first (`next_prompt`).
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ class PromptSource:
         self.seed = seed
         self.spec = spec
         self.position = 0
+        self.pending: list[int] = []
+        """Indices below `position` handed out but not trained when the checkpoint was taken."""
         self.num_dropped = 0
         self.num_skipped = 0
         """Malformed rows skipped (files only)."""
@@ -126,15 +130,20 @@ class PromptSource:
         """Prompts in the dataset (0 for a built-in task, which has no end)."""
         return len(self._rows)
 
+    def next_prompt(self) -> tuple[int, PromptRecord]:
+        """The next prompt and its index: a pending one first, then the one at `position`."""
+        if self.pending:
+            index = self.pending.pop(0)
+        else:
+            index, self.position = self.position, self.position + 1
+        return index, self._example(index)
+
     def next_batch(self, n: int) -> list[PromptRecord]:
-        batch = []
-        for _ in range(n):
-            batch.append(self._example(self.position))
-            self.position += 1
-        return batch
+        return [self.next_prompt()[1] for _ in range(n)]
 
-    def state_dict(self) -> dict[str, int]:
-        return {"position": self.position}
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position, **({"pending": list(self.pending)} if self.pending else {})}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.position = int(state["position"])
+        self.pending = sorted(int(i) for i in state.get("pending", []))

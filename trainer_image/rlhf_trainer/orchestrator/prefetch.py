@@ -9,7 +9,8 @@ servers hold version j - 1, so a batch lags at most k versions: the tag is a low
 "wait" pause; requests after it see the new ones), so the staleness logged is never
 under-stated. With `rollout.inFlightUpdates` the sync pauses with mode "keep" instead: the
 requests in flight go on with the new weights, and `take` bounds and measures staleness
-per token (staleness.py).
+per token (staleness.py); with the plain sampler, in-flight updates use partial rollouts
+instead (partial.py: a step takes the first groups to complete).
 
 Exactly once: a batch is the rows of one `collect(step)`, whatever weight updates happened
 while its requests ran (a request paused by an update is resumed, never dropped or sent
@@ -35,6 +36,9 @@ from .types import RolloutBatch
 
 
 class Prefetcher:
+    whole_batches = True
+    """Each batch is one `collect`, started at one version (the gate keeps it within k)."""
+
     def __init__(self, orchestrator: Any, *, max_staleness: int, first_step: int, last_step: int,
                  served_version: Callable[[], int]):
         self.orchestrator, self.k, self.served_version = orchestrator, max_staleness, served_version

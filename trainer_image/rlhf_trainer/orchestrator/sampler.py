@@ -93,20 +93,32 @@ class Sampler:
         if self.tools is not None:
             return self._tool_groups(prompts, seed)
         groups, scored, columns = self._generate_scored(prompts, n=s.samples_per_prompt, seed=seed)
-        results = iter(r for group in scored for r in group)
-        buffer = self.config.algorithm.overlong_buffer
-        out = []
-        for samples, logged in zip(groups, columns):
-            rows = []
-            for j, x in enumerate(samples):
-                reward, score, *parts = next(results)  # CombinedReward: and each function's reward
-                if buffer:
-                    reward += float(overlong_penalty(torch.tensor([len(x.token_ids)]), s.max_tokens, buffer)[0])
-                rows.append(Row(list(x.prompt_token_ids), list(x.token_ids), list(x.logprobs), reward, score,
-                                x.finish_reason == "length", components=parts[0] if parts else None,
-                                extra={c: v[j] for c, v in logged.items()} or None, versions=x.versions))
-            out.append(rows)
-        return out
+        return [self._rows(*group) for group in zip(groups, scored, columns)]
+
+    async def group_rows(self, index: int, prompt: Any, *, seed: int, pool: Any) -> list[Row]:
+        """Prompt `index`'s group, generated and scored on its own (partial rollouts,
+        orchestrator/partial.py): seeded by (seed, index), so a regenerated prompt samples as before."""
+        s = self.config.sampling
+        [samples] = await self.client.generate([prompt.token_ids], n=s.samples_per_prompt, max_tokens=s.max_tokens,
+                                               seed=seed, first_index=index, **self.sampling)
+        shown = prompt.prompt if prompt.prompt is not None else prompt.text
+        items = [Sample(self.tokenizer.decode(x.token_ids, skip_special_tokens=True), prompt.answer,
+                        prompt.extra_info, shown, list(x.token_ids)) for x in samples]
+        columns: dict[str, list] = {}
+        scored = await asyncio.get_running_loop().run_in_executor(pool, self.reward.score_batch, items, columns)
+        return self._rows(samples, scored, columns)
+
+    def _rows(self, samples: list[Any], scored: list[Any], logged: dict[str, list]) -> list[Row]:
+        """One group's rows from its samples and their (reward, score, ...) results."""
+        s, buffer = self.config.sampling, self.config.algorithm.overlong_buffer
+        rows = []
+        for j, (x, (reward, score, *parts)) in enumerate(zip(samples, scored)):  # CombinedReward: and each function's
+            if buffer:
+                reward += float(overlong_penalty(torch.tensor([len(x.token_ids)]), s.max_tokens, buffer)[0])
+            rows.append(Row(list(x.prompt_token_ids), list(x.token_ids), list(x.logprobs), reward, score,
+                            x.finish_reason == "length", components=parts[0] if parts else None,
+                            extra={c: v[j] for c, v in logged.items()} or None, versions=x.versions))
+        return rows
 
     def _tool_groups(self, prompts: list[Any], seed: int) -> list[list[Row]]:
         """Tool-calling episodes, each scored by the reward on its last turn's content (an agent

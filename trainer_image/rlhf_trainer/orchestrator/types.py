@@ -63,3 +63,6 @@ class RolloutBatch:
     """Generated ahead: the per-token figures of orchestrator/staleness.py (`staleness_mean`,
     `staleness_max`, `stale_token_fraction`, `mixed_version_fraction`), set when the trainer
     takes it (prefetch.py)."""
+    prompt_indices: list[int] | None = None
+    """Partial rollouts (orchestrator/partial.py): the data source's index of each group's
+    prompt, in the batch's order (groups are taken as they complete, not in index order)."""

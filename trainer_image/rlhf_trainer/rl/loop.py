@@ -3,7 +3,9 @@ clean-up: loop.py). For each step:
 
   1. rollout   rank 0's orchestrator collects a `RolloutBatch` (or, with
                `rollout.maxStaleness` >= 1, takes the one generated ahead while the previous
-               steps trained: orchestrator/prefetch.py); it is broadcast to all ranks
+               steps trained: orchestrator/prefetch.py; with `rollout.inFlightUpdates`, the
+               first groups to complete in a pool kept generating: orchestrator/partial.py);
+               it is broadcast to all ranks
   2. train     `TrainStep.prepare` (old / reference log-probs, values, advantages) and the
                optimizer steps (rl/step.py)
   3. sync      every rank gathers full tensors, rank 0 streams them to the rollout servers
@@ -16,7 +18,8 @@ each point where the placement matters: before and after the rollout, before a s
 whether to sync, and around evaluation. The loop itself never branches on the placement.
 
 A checkpoint holds, besides the models, the policy version and the orchestrator's data
-position (after the last batch the trainer took).
+position (after the last batch the trainer took; with partial rollouts also the prompts
+handed out and not yet trained, which a resume generates again).
 """
 
 from __future__ import annotations
@@ -116,11 +119,14 @@ class RunLoop(LoopBase):
         self.weights.start(self.orchestrator.check_servers() if self.info.is_main else None)  # one handshake
         self.sync_weights()  # servers start from exactly the trainer's weights (also after a resume)
         if self.max_staleness and self.info.is_main:
+            from ..orchestrator.partial import PartialPrefetcher, supports_partial
             from ..orchestrator.prefetch import Prefetcher
 
-            self.prefetcher = Prefetcher(self.orchestrator, max_staleness=self.max_staleness, first_step=self.step + 1,
-                                         last_step=self.config.schedule.total_steps,
-                                         served_version=lambda: self.weights.served_version)
+            self.data_position = self.orchestrator.state_dict()["data"]  # before the producer hands anything out
+            kind = PartialPrefetcher if supports_partial(self.orchestrator) else Prefetcher
+            self.prefetcher = kind(self.orchestrator, max_staleness=self.max_staleness, first_step=self.step + 1,
+                                   last_step=self.config.schedule.total_steps,
+                                   served_version=lambda: self.weights.served_version)
 
     def evaluate(self, step: int) -> dict[str, Any]:
         has_datasets = self.config.evaluation is not None and bool(self.config.evaluation.datasets)
@@ -149,7 +155,7 @@ class RunLoop(LoopBase):
             return self.orchestrator.collect(self.step)
         batch = self.prefetcher.take(self.step)
         batch.staleness = self.weights.served_version - batch.policy_version
-        if batch.staleness > self.max_staleness:  # the producer's gate makes this impossible
+        if batch.staleness > self.max_staleness and self.prefetcher.whole_batches:  # impossible: the producer's gate
             raise RuntimeError(f"step {self.step}: a batch {batch.staleness} versions old exceeds "
                                f"rollout.maxStaleness={self.max_staleness}")
         self.data_position = batch.data_position
