@@ -212,3 +212,41 @@ def test_the_preflight_names_a_tool_that_cannot_load(tmp_path):
     assert any(p.startswith("spec.rollout.tools.functions[0]: ") and "defines no function 'add'" in p for p in problems)
     problems = check(config({"functions": [{"file": str(broken), "function": "calculator"}]}), 1)
     assert any(p.startswith("spec.rollout.tools.functions[0].file: ") and "line 1" in p for p in problems)
+
+
+def test_the_cold_start_shows_the_model_what_rl_renders_token_for_token(tok):
+    """examples/data/tool-call-format.jsonl (the cold-start SFT of examples/local-tools.yaml)
+    must be, token for token, what `rollout.tools` puts before each model turn in RL: the
+    prompt the template renders with the calculator's schema (its name is unknown to the tiny
+    vocabulary, so `<tools>` holds <unk> tokens in both) and, before the answer, the call the
+    SFT teaches (ended by the EOS the SFT appends), then the template's tool message of the
+    calculator's own result and the generation prompt. A cold start rendered otherwise would
+    leave the SFT model's calls out of distribution in RL."""
+    import importlib.util
+    import json
+    import re
+
+    from rlhf_contract.api.tools import ToolsSpec
+    from rlhf_trainer.rollout.tool_episodes import ChatFormat
+
+    module = importlib.util.spec_from_file_location("calculator_tool", CALCULATOR)
+    calculator = importlib.util.module_from_spec(module)
+    module.loader.exec_module(calculator)
+    fmt = ChatFormat(tok, load_tools(ToolsSpec.model_validate({"functions": [{"file": str(CALCULATOR),
+                                                                               "function": "calculator"}]})))
+    rows = [json.loads(line) for line in (ROOT / "examples" / "data" / "tool-call-format.jsonl").open()]
+    calls = answers = 0
+    for row in rows:
+        question = re.search(r"user\n(\d\+\d=)<\|im_end\|>", row["prompt"]).group(1)
+        rendered = fmt.prompt_ids(question)
+        if row["response"].startswith(CALL_OPEN):
+            assert row["response"] == call(question[:-1])
+            assert fmt.ids(row["prompt"]) == rendered, row
+            calls += 1
+            continue
+        generated = fmt.ids(call(question[:-1])) + [tok.eos_token_id]
+        result = calculator.calculator(question[:-1])
+        assert fmt.ids(row["prompt"]) == rendered + generated + fmt.tool_turn_ids([result], generated), row
+        assert row["response"] in [str(d) for d in range(10)]
+        answers += 1
+    assert calls == answers == len(rows) // 2
