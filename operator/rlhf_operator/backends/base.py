@@ -9,6 +9,7 @@ PURE: no API calls (a backend's `adopt` gets the caller's `Kube` to make its own
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Callable
@@ -187,7 +188,7 @@ def pods_phase(job: RLHFJob, ours: list[dict[str, Any]], attempt: int, workloads
     return finish("Initializing", "PodsStarting", f"{counts} running", support=True, create=True)
 
 
-class Backend:
+class Backend(ABC):
     """One value of `spec.backend`. A subclass names its CRD (`needs`), the kinds of child it
     reads (`kinds`: its own workload `workload` among them), the condition of `workload` that
     says the trainer finished, and implements `build` and `plan`."""
@@ -227,18 +228,18 @@ class Backend:
         """The rollout servers' base URLs when not the StatefulSet's (None: the StatefulSet's)."""
         return None
 
+    @abstractmethod
     def trainer_rank0(self, job: RLHFJob) -> dict[str, str]:
         """The label selector of trainer rank 0's pod (the weight-sync Service's)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def build(self, job: RLHFJob, attempt: int, settings: PodSettings) -> list[dict[str, Any]]:
         """The pods' owners of attempt `attempt`."""
-        raise NotImplementedError
 
+    @abstractmethod
     def plan(self, job: RLHFJob, observed: Observed, c: Context, now: datetime, node_lost_after: timedelta,
              finish: Finish) -> Plan:
         """The job's phase and the actions on its workloads (a non-terminal, valid job)."""
-        raise NotImplementedError
 
     def adopt(self, kube: Any, observed: Observed, namespace: str, name: str) -> Observed:
         """`observed` with pods of the job that its controller made without the job's labels

@@ -13,6 +13,7 @@ finished (its workload's done condition), a rollout server dying is no reason to
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -77,8 +78,9 @@ class WholeJobRestarts(Backend):
         build_rollout = build_rollout_lws if uses_lws(job) else build_rollout_statefulset  # rollout.nodesPerServer > 1
         return [build_rollout(job, attempt, settings), trainer]
 
+    @abstractmethod
     def build_trainer(self, job: RLHFJob, attempt: int, settings: PodSettings) -> dict[str, Any]:
-        raise NotImplementedError
+        """The trainer's workload of attempt `attempt` (the PyTorchJob, the TrainJob)."""
 
     def trainer_failure(self, observed: Observed, c: Context, now: datetime, node_lost_after: timedelta,
                         replacements: int = 0) -> Failure | None:
