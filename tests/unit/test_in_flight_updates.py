@@ -65,6 +65,29 @@ def wait_for_steps(url: str, after: int, more: int = 3) -> None:
         time.sleep(0.005)
 
 
+N = 100  # tokens per request: prompt and response within the tiny model's 128 positions
+
+
+def pause_mid_generation(url: str, body: dict, tries: int = 5):
+    """Start `body`, let it generate a few steps, then pause with mode "keep" and post one more
+    request. On a loaded machine the first request can finish before the pause lands: then
+    resume and try again, so the test always checks a pause that parked a request mid-way."""
+    for _ in range(tries):
+        before = httpx.get(url + "/stats").json()["num_forward_steps"]
+        worker, result = post_in_thread(url, body)
+        wait_for_steps(url, before)
+        httpx.post(url + "/pause", params={"mode": "keep"})
+        late, late_result = post_in_thread(url, {**body, "prompt": [PROMPT]})  # queued, not refused
+        time.sleep(0.3)
+        if not result:
+            assert not late_result  # both held while paused
+            return (worker, result), (late, late_result)
+        httpx.post(url + "/resume")  # it finished before the pause landed: again
+        worker.join(120)
+        late.join(120)
+    raise AssertionError(f"the request finished before the pause in each of {tries} tries")
+
+
 def test_a_keep_update_mid_generation_labels_tokens_and_drops_no_request(engine_url, models):
     old, new = models
     sender = WeightSyncSender([engine_url], "127.0.0.1", free_port(), bucket_bytes=1 << 16, timeout_s=60,
@@ -72,39 +95,34 @@ def test_a_keep_update_mid_generation_labels_tokens_and_drops_no_request(engine_
     try:
         sender.init()
         push(sender, old, "1")  # the served weights, labelled 1
-        before = httpx.get(engine_url + "/stats").json()["num_forward_steps"]
-        body = {"prompt": [PROMPT] * 4, "max_tokens": 60, "ignore_eos": True, "return_token_ids": True,
+        body = {"prompt": [PROMPT] * 4, "max_tokens": N, "ignore_eos": True, "return_token_ids": True,
                 "logprobs": 0, "temperature": 0.0}
-        worker, result = post_in_thread(engine_url, body)
-        wait_for_steps(engine_url, before)
-        httpx.post(engine_url + "/pause", params={"mode": "keep"})  # park it mid-generation, deterministically
-        late, late_result = post_in_thread(engine_url, {**body, "prompt": [PROMPT]})  # queued, not refused
-        time.sleep(0.3)
-        assert not result and not late_result  # both held while paused
+        (worker, result), (late, late_result) = pause_mid_generation(engine_url, body)
         push(sender, new, "2")  # pauses (keep), loads, resumes
         assert sender.calls[0] == "POST /pause" and sender.calls[-1] == "POST /resume"
         worker.join(120)
         late.join(120)
     finally:
         sender.close()
+        httpx.post(engine_url + "/resume")  # a failure above must not leave the engine paused for the next test
     choices = result["choices"]
     assert [c["finish_reason"] for c in choices] == ["length"] * 4  # none aborted, none dropped
     for choice in choices:
         spans = choice["weight_versions"]
         assert [s["version"] for s in spans] == ["1", "2"]
         cut = spans[0]["end"]
-        assert spans == [{"version": "1", "start": 0, "end": cut}, {"version": "2", "start": cut, "end": 60}]
-        assert 3 <= cut < 60
+        assert spans == [{"version": "1", "start": 0, "end": cut}, {"version": "2", "start": cut, "end": N}]
+        assert 3 <= cut < N
         tokens, got = choice["token_ids"], choice["logprobs"]["token_logprobs"]
-        assert len(tokens) == 60  # the tokens before the pause were kept
+        assert len(tokens) == N  # the tokens before the pause were kept
         # before the update: exactly the old model's numbers; after it: not the old model's
         want_old = full_forward_logprobs(old, PROMPT, tokens)
         assert got[:cut] == pytest.approx(want_old[:cut], abs=2e-3)
         assert max(abs(a - b) for a, b in zip(got[cut:], want_old[cut:])) > 0.1
-        assert token_versions(spans, len(tokens)) == [1] * cut + [2] * (60 - cut)
+        assert token_versions(spans, len(tokens)) == [1] * cut + [2] * (N - cut)
     # the request that arrived while paused ran wholly on the new weights
     late_choice = late_result["choices"][0]
-    assert late_choice["weight_versions"] == [{"version": "2", "start": 0, "end": 60}]
+    assert late_choice["weight_versions"] == [{"version": "2", "start": 0, "end": N}]
     assert late_choice["logprobs"]["token_logprobs"] == pytest.approx(
         full_forward_logprobs(new, PROMPT, late_choice["token_ids"]), abs=2e-3)
 
