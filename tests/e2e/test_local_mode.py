@@ -225,11 +225,15 @@ def tool_messages(results: list[str]) -> str:
             + "<|im_end|>\n<|im_start|>assistant\n")
 
 
-def test_tool_calling_episodes_keep_the_engines_tokens_and_mask_the_tool_messages(tmp_path):
-    """examples/local-tools.yaml with the real CPU engine: every stretch of mask-0 tokens is
-    exactly the chat template's tool messages for the calls of the model turn before it
-    (the calculator's results, or the error a malformed call gets), with log-prob 0; the
-    model's tokens keep the engine's (negative) log-probs; the tool metrics are logged."""
+def test_tool_calling_episodes_keep_the_engines_tokens_mask_the_tool_messages_and_learn_to_call(tmp_path):
+    """examples/local-tools-sft.yaml then examples/local-tools.yaml, as the example's comment
+    says, with the real CPU engine: every stretch of mask-0 tokens is exactly the chat
+    template's tool messages for the calls of the model turn before it (the calculator's
+    results, or the error a malformed call gets), with log-prob 0; the model's tokens keep the
+    engine's (negative) log-probs; the tool metrics are logged. And the job learns: the cold
+    start calls the calculator on few sums and guesses the rest; after the example's 100 steps
+    it calls on nearly every sum and the mean reward is at least 0.8 and 3 times its start
+    (issue 53's bar; measured 0.17 -> 0.95)."""
     import importlib.util
 
     from transformers import AutoTokenizer
@@ -239,13 +243,19 @@ def test_tool_calling_episodes_keep_the_engines_tokens_and_mask_the_tool_message
     spec = importlib.util.spec_from_file_location("calculator_tool", ROOT / "examples" / "calculator_tool.py")
     calculator = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(calculator)
-    out = tmp_path / "run"
-    res = rlhfctl("run", str(ROOT / "examples" / "local-tools.yaml"), "--output", str(out),
-                  *sets("schedule.totalSteps=2", "schedule.saveEvery=0"))
+    sft, out = tmp_path / "sft", tmp_path / "run"
+    res = rlhfctl("run", str(ROOT / "examples" / "local-tools-sft.yaml"), "--output", str(sft),
+                  *sets("schedule.saveEvery=0"))
     assert res.returncode == 0, res.stderr[-3000:]
-    tok = AutoTokenizer.from_pretrained(out / "builtin-model")
-    rows = [json.loads(line) for step in (1, 2) for line in (out / "rollouts" / f"step-{step}.jsonl").read_text().splitlines()]
-    assert len(rows) == 2 * 8 * 8
+    res = rlhfctl("run", str(ROOT / "examples" / "local-tools.yaml"), "--output", str(out),
+                  *sets(f"model.path={sft / 'final'}", "schedule.saveEvery=0"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    tok = AutoTokenizer.from_pretrained(sft / "final")
+    steps = metrics(out)
+    assert len(steps) == 100
+    rows = [json.loads(line) for step in (1, 2, 100)
+            for line in (out / "rollouts" / f"step-{step}.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 * 8 * 8
     tool_turns = 0
     for row in rows:
         ids, mask, logprobs = row["response_ids"], row["loss_mask"], row["logprobs"]
@@ -263,9 +273,16 @@ def test_tool_calling_episodes_keep_the_engines_tokens_and_mask_the_tool_message
             tool_turns += 1
         assert row["extra"]["turns"] == sum(m == 1 for m, _, _ in runs)
     assert tool_turns > 0, "no episode called the calculator"
-    for step in metrics(out):
+    for step in steps:
         assert {"tool_calls_mean", "tool_errors", "turns_mean", "tool_failed_fraction"} <= set(step)
         assert step["turns_mean"] >= 1.0
+
+    def mean(key, part):
+        return sum(s[key] for s in part) / len(part)
+
+    first, last = mean("reward_mean", steps[:10]), mean("reward_mean", steps[-10:])
+    assert last >= 0.8 and last >= 3 * first, (first, last)
+    assert mean("tool_calls_mean", steps[:10]) < 0.3 and mean("tool_calls_mean", steps[-10:]) >= 0.8
 
 
 def test_an_agent_program_of_ones_own_trains_on_what_the_endpoint_recorded(tmp_path):

@@ -221,32 +221,59 @@ def test_the_cold_start_shows_the_model_what_rl_renders_token_for_token(tok):
     vocabulary, so `<tools>` holds <unk> tokens in both) and, before the answer, the call the
     SFT teaches (ended by the EOS the SFT appends), then the template's tool message of the
     calculator's own result and the generation prompt. A cold start rendered otherwise would
-    leave the SFT model's calls out of distribution in RL."""
+    leave the SFT model's calls out of distribution in RL. Per sum: every digit once as an
+    answer without the tool (a guess), the call rarely (so RL has the call to learn), the
+    call's arguments once opened, and the result's last digit after the result; the file is
+    what examples/data/make_tools_cold_start.py writes."""
+    import contextlib
     import importlib.util
+    import io
     import json
     import re
+    from collections import Counter
 
     from rlhf_contract.api.tools import ToolsSpec
     from rlhf_trainer.rollout.tool_episodes import ChatFormat
 
-    module = importlib.util.spec_from_file_location("calculator_tool", CALCULATOR)
-    calculator = importlib.util.module_from_spec(module)
-    module.loader.exec_module(calculator)
+    def load(path, name):
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    calculator = load(CALCULATOR, "calculator_tool")
+    maker = load(ROOT / "examples" / "data" / "make_tools_cold_start.py", "make_tools_cold_start")
+    written = io.StringIO()
+    with contextlib.redirect_stdout(written):
+        maker.main()
+    path = ROOT / "examples" / "data" / "tool-call-format.jsonl"
+    assert written.getvalue() == path.read_text(), "regenerate it with examples/data/make_tools_cold_start.py"
     fmt = ChatFormat(tok, load_tools(ToolsSpec.model_validate({"functions": [{"file": str(CALCULATOR),
                                                                                "function": "calculator"}]})))
-    rows = [json.loads(line) for line in (ROOT / "examples" / "data" / "tool-call-format.jsonl").open()]
-    calls = answers = 0
+    rows = [json.loads(line) for line in path.open()]
+    kinds: Counter = Counter()
     for row in rows:
         question = re.search(r"user\n(\d\+\d=)<\|im_end\|>", row["prompt"]).group(1)
-        rendered = fmt.prompt_ids(question)
-        if row["response"].startswith(CALL_OPEN):
-            assert row["response"] == call(question[:-1])
-            assert fmt.ids(row["prompt"]) == rendered, row
-            calls += 1
-            continue
-        generated = fmt.ids(call(question[:-1])) + [tok.eos_token_id]
-        result = calculator.calculator(question[:-1])
-        assert fmt.ids(row["prompt"]) == rendered + generated + fmt.tool_turn_ids([result], generated), row
-        assert row["response"] in [str(d) for d in range(10)]
-        answers += 1
-    assert calls == answers == len(rows) // 2
+        expression, rendered = question[:-1], fmt.prompt_ids(question)
+        result = calculator.calculator(expression)
+        prompt = fmt.ids(row["prompt"])
+        if prompt == rendered and row["response"] == call(expression):
+            kind = "call"
+        elif prompt == rendered + fmt.ids(CALL_OPEN):
+            assert row["response"] == call(expression)[len(CALL_OPEN):], row
+            kind = "arguments"
+        elif prompt == rendered:
+            assert row["response"] in [str(d) for d in range(10)], row
+            kind = "guess " + row["response"]
+        else:
+            generated = fmt.ids(call(expression)) + [tok.eos_token_id]
+            assert prompt == rendered + generated + fmt.tool_turn_ids([result], generated), row
+            assert row["response"] == result[-1] == str(sum(map(int, expression.split("+"))) % 10)
+            kind = "read"
+        kinds[question, kind] += 1
+    for a in range(10):
+        for b in range(10):
+            q = f"{a}+{b}="
+            assert all(kinds[q, f"guess {d}"] == kinds[q, "guess 0"] for d in range(10))
+            assert 0 < kinds[q, "call"] <= kinds[q, "guess 0"] and kinds[q, "arguments"] > 0 and kinds[q, "read"] > 0
+    assert sum(kinds.values()) == len(rows)
