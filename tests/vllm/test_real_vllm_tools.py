@@ -47,20 +47,25 @@ def tools_model(tmp_path_factory) -> Path:
     from rlhf_trainer.models.builtin import build_tokenizer, tiny_qwen2_config
 
     directory = tmp_path_factory.mktemp("tools-hd32")
-    build_tokenizer("tiny-qwen2-tools").save_pretrained(directory)
-    tok = AutoTokenizer.from_pretrained(directory)  # as the trainer and vLLM load it (no <unk> for "calculator")
     config = tiny_qwen2_config("tiny-qwen2-tools")
     config.num_attention_heads, config.num_key_value_heads = 2, 1
+    config.save_pretrained(directory)  # before the tokenizer is loaded: see below
+    build_tokenizer("tiny-qwen2-tools").save_pretrained(directory)
+    # As the trainer and vLLM load it: with config.json beside it, transformers loads a Qwen2
+    # (byte-level) tokenizer, which drops the letters of "calculator" that the vocabulary lacks;
+    # loaded alone it would write 10 <unk> for them, and a model taught on those prompts saw
+    # other prompts in the test (why its episodes did not call before).
+    tok = AutoTokenizer.from_pretrained(directory)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
     batch = tok([_conversation(tok, a, b) for a, b in SUMS], add_special_tokens=False, return_tensors="pt",
                 padding=True)
     labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)  # 1e-2 diverged (loss 0.37 -> 0.76)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model: one thread is fastest, above all on a busy machine
     try:
-        for _ in range(200):  # the format (and the answers) of the fixed conversations: seconds
+        for _ in range(300):  # the format (and the answers) of the fixed conversations: seconds
             loss = model(**batch, labels=labels).loss
             optimizer.zero_grad()
             loss.backward()
@@ -159,6 +164,5 @@ def test_multi_turn_tool_episodes_keep_vllms_tokens_and_mask_the_tool_messages(t
                 assert math.isclose(a, b, abs_tol=2e-3), (a, b)
     assert not calls
     records = [{**e.record(), "text": tok.decode(e.response_ids)} for group in groups for e in group]
-    if multi_turn < 2:  # the checks above held on every episode; the multi-turn part went unchecked
-        pytest.xfail(f"NOT YET MULTI-TURN: the fixture's model calls under greedy decoding in transformers but "
-                     f"{multi_turn} of vLLM's episodes called (not understood yet): {json.dumps(records)}")
+    # the checks above held on every episode; they must have covered multi-turn ones
+    assert multi_turn >= 2, f"{multi_turn} of vLLM's episodes called the calculator: {json.dumps(records)}"
