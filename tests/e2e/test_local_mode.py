@@ -225,6 +225,7 @@ def tool_messages(results: list[str]) -> str:
             + "<|im_end|>\n<|im_start|>assistant\n")
 
 
+@pytest.mark.timeout(1200)  # about 150 s on a quiet machine (800 SFT steps, 100 RL steps); a loaded one is slower
 def test_tool_calling_episodes_keep_the_engines_tokens_mask_the_tool_messages_and_learn_to_call(tmp_path):
     """examples/local-tools-sft.yaml then examples/local-tools.yaml, as the example's comment
     says, with the real CPU engine: every stretch of mask-0 tokens is exactly the chat
@@ -248,7 +249,7 @@ def test_tool_calling_episodes_keep_the_engines_tokens_mask_the_tool_messages_an
                   *sets("schedule.saveEvery=0"))
     assert res.returncode == 0, res.stderr[-3000:]
     res = rlhfctl("run", str(ROOT / "examples" / "local-tools.yaml"), "--output", str(out),
-                  *sets(f"model.path={sft / 'final'}", "schedule.saveEvery=0"))
+                  *sets(f"model.path={sft / 'final'}", "schedule.saveEvery=0"), timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     tok = AutoTokenizer.from_pretrained(sft / "final")
     steps = metrics(out)
