@@ -35,7 +35,7 @@ from typing import Any
 from rlhf_contract.api.tools import ToolsSpec
 
 from .client import RolloutClient, prompt_seed
-from .tools import ToolRunner, load_tools, parse_tool_calls
+from .tools import ToolRunner, load_tool_set, parse_tool_calls
 
 _STAND_IN = [{"role": "user", "content": "\x00user\x00"}, {"role": "assistant", "content": "\x00assistant\x00"}]
 
@@ -198,13 +198,14 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
 
 
 class ToolRollout:
-    """A job's `rollout.tools`: the schemas, the chat format and the worker pool, for the run."""
+    """A job's `rollout.tools`: the schemas, the chat format and the worker pool (and MCP
+    servers' sessions), for the run."""
 
     def __init__(self, spec: ToolsSpec, tokenizer: Any):
         self.spec = spec
-        self.schemas = load_tools(spec)
+        self.schemas, servers = load_tool_set(spec)
         self.format = ChatFormat(tokenizer, self.schemas)
-        self.runner = ToolRunner(spec, self.schemas)
+        self.runner = ToolRunner(spec, self.schemas, servers)
 
     def collect(self, client: RolloutClient, prompts: list[Any], *, n: int, max_tokens: int,
                 sampling: dict[str, Any], seed: int) -> list[list[Episode]]:
