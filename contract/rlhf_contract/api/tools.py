@@ -48,7 +48,7 @@ class McpServerSpec(SpecModel):
     trainer starts and talks to over stdio (`command`), or a Streamable HTTP endpoint (`url`)."""
 
     name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-    """The server's name, for messages and metrics (its tools keep their own names)."""
+    """The server's name, for messages (its tools keep their own names)."""
     command: list[str] | None = Field(default=None, min_length=1, max_length=256)
     """A stdio server: its command, started by the trainer as a child process in the job's
     working directory (`python` first: the trainer's own interpreter), e.g. `[python,

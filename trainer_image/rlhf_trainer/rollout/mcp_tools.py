@@ -38,7 +38,7 @@ from typing import Any, AsyncIterator
 
 from rlhf_contract.api.tools import McpServerSpec, ToolsSpec
 
-from .tools import ToolConfigError, ToolOutcome
+from .tool_types import ToolConfigError, ToolOutcome
 
 CONNECT_TIMEOUT_S = 60.0
 """Most a server may take to start, initialize and list its tools (or the call timeout, if longer)."""

@@ -37,14 +37,10 @@ from typing import Any
 
 from rlhf_contract.api.tools import ToolsSpec
 
+from .tool_types import ENDING_KINDS, ToolConfigError, ToolOutcome  # noqa: F401  (the module's API)
+
 WORKER = Path(__file__).with_name("tool_worker.py")
-ENDING_KINDS = ("timeout", "raised", "output", "crashed")
-"""Failures that end the episode (`tool_<kind>` is its end reason)."""
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-
-
-class ToolConfigError(ValueError):
-    """A tool that cannot be loaded or described: the job's config, not a restart, must change."""
 
 
 def schema_name(schema: dict) -> str:
@@ -130,19 +126,6 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
         calls.append(ToolCall("", {}, "a <tool_call> was not closed with </tool_call>"))
     start = text.find("<tool_call>")
     return (text if start < 0 else text[:start]).strip(), calls
-
-
-@dataclass
-class ToolOutcome:
-    content: str | None = None
-    kind: str | None = None
-    """None: success; else `arguments`, `reported` (an MCP tool's `isError` result; both told
-    to the model), or one of ENDING_KINDS."""
-    error: str = ""
-
-    @property
-    def ends_episode(self) -> bool:
-        return self.kind in ENDING_KINDS
 
 
 class _Worker:
