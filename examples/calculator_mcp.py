@@ -1,6 +1,7 @@
 """The calculator of examples/calculator_tool.py as an MCP server (`rollout.tools.mcpServers`):
-the same tool name, schema and results, so episodes render and score exactly as with the
-Python tool.
+the same tool name, parameter and results (its schema is the SDK's, made from the same
+function), so builtin://tiny-qwen2-tools episodes render and score exactly as with the Python
+tool.
 
     rollout:
       tools:

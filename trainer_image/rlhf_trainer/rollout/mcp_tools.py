@@ -32,6 +32,7 @@ import concurrent.futures
 import json
 import os
 import string
+import subprocess
 import sys
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any, AsyncIterator
@@ -75,7 +76,7 @@ async def connect(spec: McpServerSpec, where: str, limits: ToolsSpec) -> AsyncIt
             command = server_command(spec.command)
             env = {**os.environ, **_expand(spec.env, f"{where}.env")}
             params = StdioServerParameters(command=command[0], args=command[1:], env=env, cwd=os.getcwd())
-            read, write = await stack.enter_async_context(stdio_client(params, errlog=sys.stderr))
+            read, write = await stack.enter_async_context(stdio_client(params, errlog=_stderr()))
         else:
             from mcp.client.streamable_http import streamable_http_client
             from mcp.shared._httpx_utils import create_mcp_http_client
@@ -87,6 +88,15 @@ async def connect(spec: McpServerSpec, where: str, limits: ToolsSpec) -> AsyncIt
         with anyio.fail_after(max(CONNECT_TIMEOUT_S, limits.timeout_seconds)):
             await session.initialize()
         yield session
+
+
+def _stderr() -> Any:
+    """Where a stdio server's stderr goes: the trainer's (its log), if it is a file."""
+    try:
+        sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        return subprocess.DEVNULL
+    return sys.stderr
 
 
 async def list_tools(session: Any) -> list[Any]:
@@ -182,11 +192,17 @@ class McpServer:
         """Sessions opened (a restart opens another)."""
 
     async def call(self, name: str, arguments: dict[str, Any]) -> ToolOutcome:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._serve(), name=f"mcp {self.spec.name}")
-        reply: asyncio.Future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        if self._task is None or self._task.done():  # the first call, or the owner task died
+            self._task = loop.create_task(self._serve(), name=f"mcp {self.spec.name}")
+        task, reply = self._task, loop.create_future()
         self._queue.put_nowait((name, arguments, reply))
-        return await reply
+        await asyncio.wait({reply, task}, return_when=asyncio.FIRST_COMPLETED)
+        if reply.done():
+            return reply.result()
+        error = None if task.cancelled() else task.exception()  # a bug: the owner ended without answering
+        return ToolOutcome(kind="crashed", error=f"{name}: the session with the MCP server {self.spec.name} ended "
+                           f"({_describe(error) if error else 'cancelled'})")
 
     def _break(self) -> None:
         """Stop using this session: no call is sent to it, and it ends once the calls in flight did."""

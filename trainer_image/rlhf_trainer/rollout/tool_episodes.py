@@ -17,8 +17,8 @@ or when a tool call fails in a way that is not the model's mistake (`tool_timeou
 `tool_raised`, `tool_output`, `tool_crashed`). An episode always ends on the model's own
 tokens (the reward sits on the last token); `spec.reward` scores the content of its last
 turn (what the model answered, text before any call). A call the model got wrong (unknown
-tool, bad JSON, arguments that do not fit) is answered with an error tool message and
-counted in `tool_errors`, and the episode goes on.
+tool, bad JSON, arguments that do not fit), or that an MCP tool answered with `isError`, is
+answered with an error tool message and counted in `tool_errors`, and the episode goes on.
 
 Simplifications: the parser knows the Hermes / Qwen format only; the template's delta is
 measured on a stand-in conversation, so a template whose tool-message text depends on
