@@ -142,6 +142,10 @@ def path_fields(job: RLHFJob) -> dict[str, tuple[tuple[Any, ...], str]]:
         # the agent's command: the words that name a file (a script), not its program or flags
         *((("rollout", "agent", "command", i), w) for i, w in enumerate(s.rollout.agent.command if s.rollout.agent else [])
           if i > 0 and not w.startswith("-") and (w.endswith(".py") or "/" in w)),
+        # an MCP stdio server's command: its script words, as the agent's
+        *((("rollout", "tools", "mcpServers", j, "command", i), w)
+          for j, m in enumerate(s.rollout.tools.mcp_servers if s.rollout.tools else [])
+          for i, w in enumerate(m.command or []) if i > 0 and not w.startswith("-") and (w.endswith(".py") or "/" in w)),
         *((("evaluation", "datasets", i, "path"), d.path)
           for i, d in enumerate(s.evaluation.datasets if s.evaluation else [])),
     ]

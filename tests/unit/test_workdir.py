@@ -309,6 +309,15 @@ def test_tool_files_are_sent_and_their_paths_rewritten(workdir: Path):
     assert validate_job(copy.deepcopy(packed.doc)).spec.rollout.tools.functions[0].file == f"{WORKDIR_MOUNT}/reward.py"
 
 
+def test_an_mcp_server_script_is_sent_and_its_path_rewritten(workdir: Path):
+    doc = job_doc(rollout={"tools": {"mcpServers": [{"name": "calc", "command": ["python", "-u", "wd/reward.py"]}]}})
+    packed = pack(copy.deepcopy(doc), validate_job(copy.deepcopy(doc)), Path("wd"), workdir.parent, "ns1")
+    assert {k: v for k, v in packed.moved.items() if "mcp" in k} == {
+        "spec.rollout.tools.mcpServers[0].command[2]": f"{WORKDIR_MOUNT}/reward.py"}
+    [server] = validate_job(copy.deepcopy(packed.doc)).spec.rollout.tools.mcp_servers
+    assert server.command == ["python", "-u", f"{WORKDIR_MOUNT}/reward.py"]
+
+
 def test_an_agent_script_is_sent_and_its_path_rewritten(workdir: Path):
     doc = job_doc(rollout={"agent": {"command": ["python", "-u", "wd/reward.py", "--turns", "3"]}})
     packed = pack(copy.deepcopy(doc), validate_job(copy.deepcopy(doc)), Path("wd"), workdir.parent, "ns1")

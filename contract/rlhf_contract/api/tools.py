@@ -1,5 +1,6 @@
 """Tools the policy may call during a rollout (`rollout.tools`): OpenAI function schemas
-implemented as Python functions, their limits, and the episode's budgets."""
+implemented as Python functions or served by MCP servers, their limits, and the episode's
+budgets."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Annotated
 from pydantic import Field, JsonValue, WithJsonSchema, field_validator, model_validator
 
 from .common import MAX_SECONDS, SpecModel
+from .uris import ENV_SECRET, EndpointUrl
 
 ToolSchema = Annotated[dict[str, JsonValue], WithJsonSchema(
     {"type": "object", "x-kubernetes-preserve-unknown-fields": True})]
@@ -41,14 +43,54 @@ class ToolFunctionSpec(SpecModel):
         return value
 
 
+class McpServerSpec(SpecModel):
+    """An MCP (Model Context Protocol) server whose tools the model may call: a program the
+    trainer starts and talks to over stdio (`command`), or a Streamable HTTP endpoint (`url`)."""
+
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    """The server's name, for messages (its tools keep their own names)."""
+    command: list[str] | None = Field(default=None, min_length=1, max_length=256)
+    """A stdio server: its command, started by the trainer as a child process in the job's
+    working directory (`python` first: the trainer's own interpreter), e.g. `[python,
+    calculator_mcp.py]`; restarted when a call times out or it dies."""
+    env: dict[str, str] = Field(default_factory=dict, max_length=256)
+    """A stdio server's environment, over the trainer's; `${NAME}` in a value is the trainer's
+    variable NAME (give a secret to the trainer with pod.env valueFrom a Secret)."""
+    url: EndpointUrl(f"headers with ${{NAME}}, NAME set from {ENV_SECRET}", pattern=r"^https?://") | None = None
+    """A Streamable HTTP server: its endpoint, e.g. `http://tools.default.svc:8000/mcp`."""
+    headers: dict[str, str] = Field(default_factory=dict, max_length=64)
+    """HTTP headers sent with each request to `url`; `${NAME}` in a value is the trainer's
+    environment variable NAME (e.g. `Authorization: Bearer ${TOOLS_TOKEN}`, the variable set
+    from a Secret with pod.env), so no secret is written into the job."""
+    tools: list[str] | None = Field(default=None, min_length=1, max_length=256)
+    """Expose only these of the server's tools (null: all it lists); a name it does not list
+    is an error at start."""
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> "McpServerSpec":
+        if (self.command is None) == (self.url is None):
+            raise ValueError("give either command (a stdio server the trainer starts) or url (a Streamable HTTP "
+                             "endpoint), not both or neither")
+        if self.command is not None and not self.command[0]:
+            raise ValueError("command: the first word (the program) must not be empty, e.g. [python, server.py]")
+        if self.url is not None and self.env:
+            raise ValueError("env is for a stdio server (command); an HTTP server takes headers")
+        if self.command is not None and self.headers:
+            raise ValueError("headers are for an HTTP server (url); a stdio server takes env")
+        return self
+
+
 class ToolsSpec(SpecModel):
     """Multi-turn rollouts with tools: the model's `<tool_call>` turns (Hermes / Qwen format) are
     executed and answered with tool messages rendered by the tokenizer's chat template, until it
     answers without a call, `maxTurns`, or `rollout.maxTokens` (the whole episode's tokens);
     `spec.reward` scores its final answer."""
 
-    functions: list[ToolFunctionSpec] = Field(min_length=1, max_length=64)
-    """The tools, each a Python function (its name unique among them)."""
+    functions: list[ToolFunctionSpec] = Field(default_factory=list, max_length=64)
+    """Tools that are Python functions (each name unique among all the tools)."""
+    mcp_servers: list[McpServerSpec] = Field(default_factory=list, max_length=16)
+    """MCP servers whose tools the model may call, beside `functions` (docs/methods.md,
+    "Tools"); their tools are listed at start, each name unique among all the tools."""
     max_turns: int = Field(default=4, ge=1, le=64)
     """Model turns per episode; an episode still calling tools at the last one is truncated."""
     timeout_seconds: float = Field(default=10.0, gt=0, le=MAX_SECONDS)
@@ -65,6 +107,12 @@ class ToolsSpec(SpecModel):
 
     @model_validator(mode="after")
     def _unique_names(self) -> "ToolsSpec":
+        if not self.functions and not self.mcp_servers:
+            raise ValueError("rollout.tools: give functions (Python functions) or mcpServers (MCP servers), or both")
+        servers = [s.name for s in self.mcp_servers]
+        if len(set(servers)) < len(servers):
+            raise ValueError(f"rollout.tools.mcpServers: names {sorted({n for n in servers if servers.count(n) > 1})} "
+                             "appear more than once; give each server its own name")
         names = [(f.schema_.get("function", f.schema_)["name"] if f.schema_ else f.function) for f in self.functions]
         repeated = sorted({n for n in names if names.count(n) > 1})
         if repeated:

@@ -61,7 +61,8 @@ def _readable_python(path: str | None, field: str) -> str | None:
 
 
 def _tool_problems(config: TrainerConfig) -> list[str]:
-    """`rollout.tools`: each file readable Python, each function there, each schema made."""
+    """`rollout.tools`: each file readable Python, each function there, each schema made, each
+    MCP server started and its tools listed."""
     from ..rollout.tools import ToolConfigError, load_tools
 
     unreadable = [problem for i, f in enumerate(config.tools.functions)

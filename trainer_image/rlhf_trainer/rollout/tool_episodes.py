@@ -17,8 +17,8 @@ or when a tool call fails in a way that is not the model's mistake (`tool_timeou
 `tool_raised`, `tool_output`, `tool_crashed`). An episode always ends on the model's own
 tokens (the reward sits on the last token); `spec.reward` scores the content of its last
 turn (what the model answered, text before any call). A call the model got wrong (unknown
-tool, bad JSON, arguments that do not fit) is answered with an error tool message and
-counted in `tool_errors`, and the episode goes on.
+tool, bad JSON, arguments that do not fit), or that an MCP tool answered with `isError`, is
+answered with an error tool message and counted in `tool_errors`, and the episode goes on.
 
 Simplifications: the parser knows the Hermes / Qwen format only; the template's delta is
 measured on a stand-in conversation, so a template whose tool-message text depends on
@@ -35,7 +35,7 @@ from typing import Any
 from rlhf_contract.api.tools import ToolsSpec
 
 from .client import RolloutClient, prompt_seed
-from .tools import ToolRunner, load_tools, parse_tool_calls
+from .tools import ToolRunner, load_tool_set, parse_tool_calls
 
 _STAND_IN = [{"role": "user", "content": "\x00user\x00"}, {"role": "assistant", "content": "\x00assistant\x00"}]
 
@@ -198,13 +198,14 @@ def episode_metrics(episodes: list[Episode]) -> dict[str, float]:
 
 
 class ToolRollout:
-    """A job's `rollout.tools`: the schemas, the chat format and the worker pool, for the run."""
+    """A job's `rollout.tools`: the schemas, the chat format and the worker pool (and MCP
+    servers' sessions), for the run."""
 
     def __init__(self, spec: ToolsSpec, tokenizer: Any):
         self.spec = spec
-        self.schemas = load_tools(spec)
+        self.schemas, servers = load_tool_set(spec)
         self.format = ChatFormat(tokenizer, self.schemas)
-        self.runner = ToolRunner(spec, self.schemas)
+        self.runner = ToolRunner(spec, self.schemas, servers)
 
     def collect(self, client: RolloutClient, prompts: list[Any], *, n: int, max_tokens: int,
                 sampling: dict[str, Any], seed: int) -> list[list[Episode]]:

@@ -1,5 +1,6 @@
 """Tools for tool-calling rollouts (`rollout.tools`): their OpenAI schemas, the parser of the
-model's calls, and `ToolRunner`, which executes calls in worker processes with limits.
+model's calls, and `ToolRunner`, which executes calls in worker processes with limits, or
+on MCP servers (mcp_tools.py, the same limits).
 
 - `load_tools(spec)`: imports each function in the trainer (as a `python` reward is loaded,
   rewards/forms.py) to check it exists and to make its schema when none is given
@@ -36,14 +37,10 @@ from typing import Any
 
 from rlhf_contract.api.tools import ToolsSpec
 
+from .tool_types import ENDING_KINDS, ToolConfigError, ToolOutcome  # noqa: F401  (the module's API)
+
 WORKER = Path(__file__).with_name("tool_worker.py")
-ENDING_KINDS = ("timeout", "raised", "output", "crashed")
-"""Failures that end the episode (`tool_<kind>` is its end reason)."""
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-
-
-class ToolConfigError(ValueError):
-    """A tool that cannot be loaded or described: the job's config, not a restart, must change."""
 
 
 def schema_name(schema: dict) -> str:
@@ -51,8 +48,27 @@ def schema_name(schema: dict) -> str:
 
 
 def load_tools(spec: ToolsSpec) -> list[dict]:
-    """The OpenAI schema of each tool of `spec` (`{type: function, function: {...}}`), checking
-    that each function exists; ToolConfigError naming `rollout.tools.functions[i]`."""
+    """The OpenAI schema of each tool of `spec` (`{type: function, function: {...}}`): the
+    functions', then each MCP server's (`mcp_tools.list_servers`)."""
+    return load_tool_set(spec)[0]
+
+
+def load_tool_set(spec: ToolsSpec) -> tuple[list[dict], dict[str, int]]:
+    """(the schemas, as `load_tools`; which MCP server serves each MCP tool: name -> index in
+    `mcpServers`), checking that each function exists and each server lists its tools;
+    ToolConfigError naming `rollout.tools.functions[i]` or `rollout.tools.mcpServers[i]`."""
+    from .mcp_tools import list_servers
+
+    schemas = _function_schemas(spec)
+    taken = {schema_name(s): f"rollout.tools.functions[{i}]" for i, s in enumerate(schemas)}
+    servers = {}
+    for index, listed in enumerate(list_servers(spec, taken)):
+        schemas += listed
+        servers.update({schema_name(s): index for s in listed})
+    return schemas, servers
+
+
+def _function_schemas(spec: ToolsSpec) -> list[dict]:
     from ..rewards.forms import RewardConfigError, load_function
 
     schemas = []
@@ -112,18 +128,6 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
     return (text if start < 0 else text[:start]).strip(), calls
 
 
-@dataclass
-class ToolOutcome:
-    content: str | None = None
-    kind: str | None = None
-    """None: success; else `arguments` or one of ENDING_KINDS."""
-    error: str = ""
-
-    @property
-    def ends_episode(self) -> bool:
-        return self.kind in ENDING_KINDS
-
-
 class _Worker:
     def __init__(self, proc: asyncio.subprocess.Process):
         self.proc = proc
@@ -140,11 +144,15 @@ class ToolRunner:
     """Runs tool calls in worker processes (module docstring). Used from one event loop at a
     time: a call from another loop first retires the workers of the previous one."""
 
-    def __init__(self, spec: ToolsSpec, schemas: list[dict]):
+    def __init__(self, spec: ToolsSpec, schemas: list[dict], servers: dict[str, int] | None = None):
         self.spec = spec
         self.setup = json.dumps({"max_output_bytes": spec.max_output_bytes, "tools": [
             {"name": schema_name(s), "file": str(Path(t.file).resolve()), "function": t.function}
             for t, s in zip(spec.functions, schemas)]}) + "\n"
+        self.names = sorted(schema_name(s) for s in schemas)
+        self.servers = dict(servers or {})
+        """MCP tool name -> its server's index in `spec.mcp_servers` (mcp_tools.py)."""
+        self._mcp: list = []
         self._idle: list[_Worker] = []
         self._all: set[_Worker] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -160,8 +168,12 @@ class ToolRunner:
     def _bind_loop(self) -> None:
         loop = asyncio.get_running_loop()
         if loop is not self._loop:
+            from .mcp_tools import McpServer
+
             self.close()
             self._loop, self._slots = loop, asyncio.Semaphore(self.spec.max_processes)
+            self._mcp = [McpServer(s, f"rollout.tools.mcpServers[{i}]", self.spec)
+                         for i, s in enumerate(self.spec.mcp_servers)]
 
     async def _start(self) -> _Worker:
         proc = await asyncio.create_subprocess_exec(
@@ -191,6 +203,10 @@ class ToolRunner:
 
     async def call(self, name: str, arguments: dict[str, Any]) -> ToolOutcome:
         self._bind_loop()
+        if name in self.servers:
+            return await self._mcp[self.servers[name]].call(name, arguments)
+        if name not in self.names:
+            return ToolOutcome(kind="arguments", error=f"no tool named {name!r}; the tools are {', '.join(self.names)}")
         async with self._slots:
             worker = self._idle.pop() if self._idle else await self._start()
             outcome = await self._ask(worker, name, arguments)
@@ -227,10 +243,13 @@ class ToolRunner:
         for worker in list(self._all):
             self._retire(worker)
         self._idle.clear()
-        self._loop = None
+        for server in self._mcp:
+            server.close()
+        self._mcp, self._loop = [], None
 
     async def aclose(self) -> None:
         """`close`, on the workers' loop, waiting for each process to end and its pipes to close."""
         for worker in list(self._all):
             await self._discard(worker)
+        await asyncio.gather(*(server.aclose() for server in self._mcp))
         self.close()
