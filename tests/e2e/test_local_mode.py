@@ -234,7 +234,8 @@ def test_tool_calling_episodes_keep_the_engines_tokens_mask_the_tool_messages_an
     engine's (negative) log-probs; the tool metrics are logged. And the job learns: the cold
     start calls the calculator on few sums and guesses the rest; after the example's 100 steps
     it calls on nearly every sum and the mean reward is at least 0.8 and 3 times its start
-    (issue 53's bar; measured 0.17 -> 0.95)."""
+    (issue 53's bar; measured 0.17 -> 0.95). examples/local-tools-mcp.yaml (the calculator as
+    an MCP stdio server) then gives its first steps the same episodes, token for token."""
     import importlib.util
 
     from transformers import AutoTokenizer
@@ -284,6 +285,17 @@ def test_tool_calling_episodes_keep_the_engines_tokens_mask_the_tool_messages_an
     first, last = mean("reward_mean", steps[:10]), mean("reward_mean", steps[-10:])
     assert last >= 0.8 and last >= 3 * first, (first, last)
     assert mean("tool_calls_mean", steps[:10]) < 0.3 and mean("tool_calls_mean", steps[-10:]) >= 0.8
+    # the same calculator from an MCP server (examples/local-tools-mcp.yaml, stdio): the same episodes
+    mcp = tmp_path / "mcp"
+    res = rlhfctl("run", str(ROOT / "examples" / "local-tools-mcp.yaml"), "--output", str(mcp),
+                  *sets(f"model.path={sft / 'final'}", "schedule.saveEvery=0", "schedule.totalSteps=3"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    for step in (1, 2, 3):
+        python_rows, mcp_rows = ([json.loads(line) for line in (d / "rollouts" / f"step-{step}.jsonl").read_text()
+                                  .splitlines()] for d in (out, mcp))
+        assert [(r["response_ids"], r["loss_mask"], r["reward"]) for r in mcp_rows] == [
+            (r["response_ids"], r["loss_mask"], r["reward"]) for r in python_rows]
+    assert sum(r["extra"]["tool_calls"] for r in mcp_rows) > 0
 
 
 def test_an_agent_program_of_ones_own_trains_on_what_the_endpoint_recorded(tmp_path):

@@ -421,3 +421,77 @@ def test_with_replacement_a_dead_server_is_left_out_until_readmitted(engines):
         assert client._pick() == dead
     finally:
         client.close()
+
+
+class DroppingProxy:
+    """A TCP proxy to `target` on a free port that closes the first `drops` connections (all of
+    them when None) as soon as a request arrives on them, without an answer, as a server does
+    that dies or closes an idle kept-alive connection while a request is sent on it."""
+
+    def __init__(self, target: str, drops: int | None):
+        import threading
+
+        self.host, self.port = target.removeprefix("http://").split(":")
+        self.drops, self.dropped = drops, 0
+        self.loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        async def start():
+            self.server = await asyncio.start_server(self.serve, "127.0.0.1", 0)
+            self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+            ready.set()
+
+        threading.Thread(target=lambda: (self.loop.run_until_complete(start()), self.loop.run_forever()),
+                         daemon=True).start()
+        ready.wait(10)
+
+    async def serve(self, reader, writer):
+        first = await reader.read(65536)
+        if self.drops is None or self.dropped < self.drops:
+            self.dropped += 1
+            writer.transport.abort()  # a reset, no answer
+            return
+        up_reader, up_writer = await asyncio.open_connection(self.host, int(self.port))
+        up_writer.write(first)
+
+        async def pipe(src, dst):
+            try:
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            except ConnectionError:
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.server.close)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def test_with_replacement_a_dropped_connection_to_a_live_server_is_retried_not_left_out(engines):
+    """A server that drops a connection but answers /health on a fresh one is alive (the same
+    process, the current weights): with replacement on, the request is sent again and the
+    server stays routed to; one sole server is not "gone". A server that drops every
+    connection (and so the probe too) is left out, and the request goes to another."""
+    flaky, dead = DroppingProxy(engines[0], drops=1), DroppingProxy(engines[0], drops=None)
+    try:
+        client = RolloutClient([flaky.url], backoff_s=0.01, replace_servers=True)
+        try:
+            [[sample]] = client.generate_sync([PROMPTS[0]], n=1, max_tokens=3, temperature=1.0, seed=0)
+            assert len(sample.token_ids) == 3 and flaky.dropped == 1
+            assert client.requests_sent[flaky.url] == 2 and not client.left_out and client.healthy(flaky.url)
+        finally:
+            client.close()
+        client = RolloutClient([dead.url, engines[1]], backoff_s=0.01, replace_servers=True)
+        try:
+            client.generate_sync([PROMPTS[1]], n=1, max_tokens=3, temperature=1.0, seed=0, trajectory_id="d")
+            assert client.requests_sent[dead.url] == 1 and dead.url in client.left_out
+            assert client.requests_sent[engines[1]] == 1
+        finally:
+            client.close()
+    finally:
+        flaky.close()
+        dead.close()

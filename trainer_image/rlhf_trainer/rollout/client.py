@@ -17,10 +17,11 @@ A server that refuses connections or answers 502/504 is marked unhealthy for
 `unhealthy_s` (or by `mark_unhealthy`): its ids move to the others at their next request
 and stay there; once the time is up one request probes it again (a 503, paused for a
 weight sync, is not unhealthy). With `replace_servers` (`rollout.maxServerReplacements` > 0)
-such a server is instead left out (`leave_out`) until the trainer re-admits it (`readmit`),
+such a server, or one that dropped a connection and does not answer /health on a fresh one
+(`DROPPED`), is instead left out (`leave_out`) until the trainer re-admits it (`readmit`),
 once it has re-joined the weight-sync group with the current weights (rl/replacement.py):
-a restarted server never serves the weights it started from. Connection errors are retried with exponential backoff, on
-any endpoint (`RolloutClient.retry_policy`); read timeouts are not (the server may still be
+a restarted server never serves the weights it started from. Connection errors are retried
+with exponential backoff, on any endpoint (`RolloutClient.retry_policy`); read timeouts are not (the server may still be
 working on the request); HTTP errors are not retried (except 502/503/504) and raise `RolloutError` with the
 endpoint and the server's body. A 503 from a server paused for a weight sync is sent again
 until the client timeout without using up the retries (`RolloutClient.paused_policy`).
@@ -51,6 +52,8 @@ from rlhf_trainer.retry import Retry, TryAgain
 log = logging.getLogger(__name__)
 
 RETRY_STATUS = (502, 503, 504)
+PROBE_TIMEOUT_S = 5.0
+"""How long a server that dropped a connection has to answer /health to count as alive."""
 UNHEALTHY_S = 30.0
 """How long a server that refused a connection (or answered 502/504) is left out of routing."""
 MAX_ROUTES = 65536
@@ -63,6 +66,10 @@ such retries last until the client timeout and do not count against `max_retries
 # A read timeout is not retried: the server may still be generating it.
 RETRY_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout,
                 httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+DROPPED = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+"""A broken connection: the server died, or closed an idle one as a request was sent on it."""
+KEEPALIVE_S = 2.0
+"""The client closes idle connections first: uvicorn's (and vLLM's) keep-alive limit is 5 s."""
 
 
 @dataclass
@@ -162,7 +169,8 @@ class RolloutClient:
 
     def _new_http(self) -> httpx.AsyncClient:
         timeout = httpx.Timeout(self.timeout_s, connect=min(30.0, self.timeout_s))
-        limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency)
+        limits = httpx.Limits(max_connections=self.max_concurrency, max_keepalive_connections=self.max_concurrency,
+                              keepalive_expiry=KEEPALIVE_S)
         return httpx.AsyncClient(timeout=timeout, limits=limits)
 
     # ---- endpoint choice ----------------------------------------------------------
@@ -265,6 +273,14 @@ class RolloutClient:
         finally:
             self.outstanding[endpoint] -= 1
 
+    async def _answers(self, endpoint: str) -> bool:
+        """Whether `endpoint` answers /health on a fresh connection (still there: a restarted one loads)."""
+        try:
+            async with httpx.AsyncClient(timeout=PROBE_TIMEOUT_S) as probe:
+                return (await probe.get(endpoint + "/health")).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     async def _post(self, http: httpx.AsyncClient, body: dict, trajectory_id: str | None = None) -> dict:
         failed: set[str] = set()  # a dead endpoint answers fastest: never let it win every retry
         paused_until = time.monotonic() + self.timeout_s
@@ -275,10 +291,13 @@ class RolloutClient:
                 response = await self._send(http, endpoint, body)
             except RETRY_ERRORS as exc:
                 failed.add(endpoint)
-                self.mark_unhealthy(endpoint)
-                if self.replace_servers and isinstance(exc, (httpx.ConnectError, httpx.RemoteProtocolError,
-                                                             httpx.ReadError)):
-                    self.leave_out(endpoint)  # gone: back only with the current weights
+                alive = self.replace_servers and isinstance(exc, DROPPED) and await self._answers(endpoint)
+                if not alive:
+                    self.mark_unhealthy(endpoint)
+                    if self.replace_servers and isinstance(exc, (httpx.ConnectError, *DROPPED)):
+                        log.warning("rollout server %s is gone (%r): routed nothing until it holds the current "
+                                    "weights", endpoint, exc)
+                        self.leave_out(endpoint)  # back only with the current weights
                 raise TryAgain(f"{endpoint}: {exc!r}") from exc
             except httpx.ReadTimeout:
                 raise RolloutError(f"{endpoint} did not answer a generation request within {self.timeout_s:g} s "
