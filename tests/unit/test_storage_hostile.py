@@ -234,3 +234,25 @@ def test_a_moved_hub_branch_is_not_followed_within_a_job(hub_server, tiny_model_
     reporter.report(1, reward_mean=0.5)
     reporter.close()
     assert sent[-1]["sources"] == {"hf://org/moving": first}
+
+
+def test_a_copy_installed_between_the_check_and_the_rename_is_moved_aside_not_an_error(tmp_path, monkeypatch):
+    """The race of the test above, made certain: another process renames its whole copy into
+    place after this one looked (nothing there) and before its own rename, which the kernel
+    refuses (ENOTEMPTY). This copy still ends in place and the other's is moved aside."""
+    import os
+
+    target, mine, other = tmp_path / "copy", tmp_path / "mine", tmp_path / "other"
+    for staging, text in ((mine, "mine"), (other, "other")):
+        (staging / "content").mkdir(parents=True)
+        (staging / "content" / "f").write_text(text)
+    rename = os.replace
+
+    def racing(src, dst):
+        if Path(src) == mine / "content" and (other / "content").exists():
+            rename(other / "content", target)  # the other process wins the first race
+        return rename(src, dst)
+
+    monkeypatch.setattr(os, "replace", racing)
+    fetch_module._install(target, mine)
+    assert (target / "f").read_text() == "mine" and (mine / "replaced-1" / "f").read_text() == "other"

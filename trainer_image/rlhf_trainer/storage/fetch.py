@@ -21,6 +21,8 @@ tries again)."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -188,14 +190,27 @@ def _download(fetch: Fetch, marker: Path, target: Path | None = None, partial: P
     return f"{fetch.field}: {fetch.uri} downloaded to {target} in {time.monotonic() - start:.1f} s"
 
 
+INSTALL_ATTEMPTS = 8
+"""Renames into place tried while other processes keep installing their copies there."""
+
+
 def _install(target: Path, staging: Path) -> None:
     """Rename the staged copy (or link) into place at `target`; one already there (partial, or
     another process's complete one, or a link) is first renamed aside into this staging
-    directory, then deleted with it (a link is removed, not followed)."""
+    directory, then deleted with it (a link is removed, not followed). Another process may
+    install its copy between the two renames (where the lock does not hold across nodes): its
+    copy is whole too, and is moved aside again (the rename refuses a non-empty directory)."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    if target.exists() or target.is_symlink():
-        os.replace(target, staging / "replaced")
-    os.replace(staging / "content", target)
+    for attempt in range(INSTALL_ATTEMPTS):
+        if target.exists() or target.is_symlink():
+            with contextlib.suppress(FileNotFoundError):  # another process moved it first
+                os.replace(target, staging / f"replaced-{attempt}")
+        try:
+            os.replace(staging / "content", target)
+            return
+        except OSError as err:
+            if err.errno not in (errno.ENOTEMPTY, errno.EEXIST) or attempt == INSTALL_ATTEMPTS - 1:
+                raise
 
 
 class _MissingRevision(Exception):
