@@ -1,5 +1,5 @@
-"""What never leaves a job in an artefact: the literal values of environment variables,
-the user info and query string of URLs, and values under keys that name a secret.
+"""What never leaves a job in an artefact: the literal values of environment variables and
+HTTP headers, the user info and query string of URLs, and values under keys that name a secret.
 
 `redact_spec` makes the copy of a resolved spec that goes where others read it (the job's
 ConfigMap `job.json`, TensorBoard, MLflow, W&B, the model card); `redact_text` cleans a
@@ -49,8 +49,16 @@ def redact_text(text: str) -> str:
     return _URL.sub(lambda m: redact_url(m.group(1)), text)
 
 
+_REFERENCE = re.compile(r"^\$\{[A-Za-z_][A-Za-z0-9_]*\}$")
+"""`${NAME}`: a value read from the trainer's environment (an MCP server's env or headers)."""
+
+
 def _env_list(value: Any) -> Any:
-    """Kubernetes EnvVar lists keep names and references (`valueFrom`); literal values go."""
+    """Kubernetes EnvVar lists keep names and references (`valueFrom`); literal values go. A
+    name -> value map (an MCP server's `env`, HTTP `headers`) keeps its names and `${NAME}`
+    references; its literal values go (an `Authorization` header names no secret)."""
+    if isinstance(value, dict):
+        return {k: v if isinstance(v, str) and _REFERENCE.match(v) else REDACTED for k, v in value.items()}
     if not isinstance(value, list):
         return redact_spec(value)
     out = []
@@ -67,7 +75,7 @@ def redact_spec(value: Any, key: str = "") -> Any:
     if isinstance(value, dict):
         out: dict[str, Any] = {}
         for k, v in value.items():
-            if k == "env":
+            if k in ("env", "headers"):
                 out[k] = _env_list(v)
             elif isinstance(v, (str, int, float)) and not isinstance(v, bool) and _SECRET_KEY.search(str(k)):
                 out[k] = REDACTED

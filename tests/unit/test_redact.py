@@ -75,6 +75,12 @@ def test_urls_lose_user_info_and_query_strings_and_secret_named_keys_their_value
     assert out["judge"]["apiKeySecret"] == "judge-key"  # a Secret's name is a reference, not a secret
     assert out["rollout"] == {"maxTokens": 64} and out["tracking"]["mlflow"]["trackingUri"] == f"http://{REDACTED}@mlflow:5000"
     assert spec["judge"]["apiKey"] == "sk-live"  # a copy: the caller's dict is untouched
+    servers = {"mcpServers": [{"name": "gh", "command": ["gh-mcp"], "env": {"GITHUB_PAT": "ghp_l1ve", "LOG": "${LOG}"}},
+                              {"name": "web", "url": "https://mcp.example.com/mcp",
+                               "headers": {"Authorization": "Bearer t0ken", "X-Key": "${MCP_KEY}"}}]}
+    out = redact_spec({"rollout": {"tools": servers}})["rollout"]["tools"]["mcpServers"]
+    assert out[0]["env"] == {"GITHUB_PAT": REDACTED, "LOG": "${LOG}"}  # names and references stay
+    assert out[1]["headers"] == {"Authorization": REDACTED, "X-Key": "${MCP_KEY}"}
 
 
 def test_the_termination_message_the_operator_copies_into_status_has_no_url_credentials(tmp_path, monkeypatch):
