@@ -80,9 +80,9 @@ def _agent_problems(config: TrainerConfig) -> list[str]:
     """`rollout.agent`: its program found (on PATH, or as a path), and a Python script it runs readable."""
     import shutil
 
-    from ..rollout.agent_episodes import agent_command
+    from ..rollout.tool_types import program_command
 
-    command = agent_command(config.agent.command)
+    command = program_command(config.agent.command)
     if shutil.which(command[0]) is None:
         return [f"spec.rollout.agent.command[0]: {command[0]} is not a program on PATH nor an executable file; "
                 "give the agent's program (e.g. [python, agent.py]) as the trainer sees it"]

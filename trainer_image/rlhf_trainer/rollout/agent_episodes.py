@@ -27,7 +27,6 @@ import asyncio
 import json
 import os
 import signal
-import sys
 from typing import Any
 
 from rlhf_contract.api.tools import AgentSpec
@@ -35,14 +34,10 @@ from rlhf_contract.api.tools import AgentSpec
 from .agent_endpoint import AgentEndpoint, AgentEpisode
 from .client import RolloutClient, prompt_seed
 from .tool_episodes import ChatFormat, episode_metrics
+from .tool_types import program_command
 
 STDERR_TAIL_BYTES = 2000
 """How much of a failing agent's stderr its record keeps."""
-
-
-def agent_command(command: list[str]) -> list[str]:
-    """The command as started: `python` / `python3` first means the trainer's interpreter."""
-    return [sys.executable, *command[1:]] if command[0] in ("python", "python3") else list(command)
 
 
 def _kill_group(proc: asyncio.subprocess.Process) -> None:
@@ -112,7 +107,7 @@ def collect(client: RolloutClient, spec: AgentSpec, tokenizer: Any, prompts: lis
             sampling: dict[str, Any], seed: int) -> list[list[AgentEpisode]]:
     """n agent episodes per prompt, at most `spec.maxConcurrentEpisodes` at once; one inner list
     per prompt."""
-    command = agent_command(spec.command)
+    command = program_command(spec.command)
     fmt = ChatFormat(tokenizer, None, field="rollout.agent")
 
     async def main() -> list[list[AgentEpisode]]:

@@ -39,16 +39,11 @@ from typing import Any, AsyncIterator
 
 from rlhf_contract.api.tools import McpServerSpec, ToolsSpec
 
-from .tool_types import ToolConfigError, ToolOutcome
+from .tool_types import ToolConfigError, ToolOutcome, program_command
 
 CONNECT_TIMEOUT_S = 60.0
 """Most a server may take to start, initialize and list its tools (or the call timeout, if longer)."""
 _CLOSE = object()
-
-
-def server_command(command: list[str]) -> list[str]:
-    """The command as started: `python` / `python3` first means the trainer's interpreter."""
-    return [sys.executable, *command[1:]] if command[0] in ("python", "python3") else list(command)
 
 
 def _expand(values: dict[str, str], where: str) -> dict[str, str]:
@@ -73,7 +68,7 @@ async def connect(spec: McpServerSpec, where: str, limits: ToolsSpec) -> AsyncIt
 
     async with AsyncExitStack() as stack:
         if spec.command is not None:
-            command = server_command(spec.command)
+            command = program_command(spec.command)
             env = {**os.environ, **_expand(spec.env, f"{where}.env")}
             params = StdioServerParameters(command=command[0], args=command[1:], env=env, cwd=os.getcwd())
             read, write = await stack.enter_async_context(stdio_client(params, errlog=_stderr()))
