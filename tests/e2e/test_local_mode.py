@@ -32,6 +32,22 @@ def sets(*items):
     return [a for item in items for a in ("--set", item)]
 
 
+def run_then_resume_from_step_2(tmp_path: Path, common: list[str]) -> tuple[Path, Path]:
+    """The 4-step example run in `full`, and its copy `part` cut back to the step-2 checkpoint
+    (what came later removed, as by a crash) and resumed."""
+    import shutil
+
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert rlhfctl("run", str(EXAMPLE), "--output", str(full), *sets(*common)).returncode == 0
+    shutil.copytree(full, part)
+    for gone in (part / "checkpoints" / "step-4", part / "final", part / "rollouts" / "step-3.jsonl",
+                 part / "rollouts" / "step-4.jsonl"):
+        shutil.rmtree(gone) if gone.is_dir() else gone.unlink()
+    res = rlhfctl("run", str(EXAMPLE), "--output", str(part), "--resume", *sets(*common))
+    assert res.returncode == 0, res.stderr[-3000:]
+    return full, part
+
+
 def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -463,18 +479,10 @@ def test_max_staleness_one_overlaps_and_resumes_with_the_same_prompts(tmp_path):
     3 was being generated ahead: resumed from it (the run's later checkpoint and rollouts
     removed, as by a crash), steps 3 and 4 are regenerated from the checkpoint's data
     position with the same prompts."""
-    import shutil
 
     common = ["rollout.replicas=1", "rollout.maxStaleness=1", "output.saveRollouts=true", "schedule.saveEvery=2",
               "schedule.totalSteps=4"]
-    full, part = tmp_path / "full", tmp_path / "part"
-    assert rlhfctl("run", str(EXAMPLE), "--output", str(full), *sets(*common)).returncode == 0
-    shutil.copytree(full, part)
-    for gone in (part / "checkpoints" / "step-4", part / "final", part / "rollouts" / "step-3.jsonl",
-                 part / "rollouts" / "step-4.jsonl"):
-        shutil.rmtree(gone) if gone.is_dir() else gone.unlink()
-    res = rlhfctl("run", str(EXAMPLE), "--output", str(part), "--resume", *sets(*common))
-    assert res.returncode == 0, res.stderr[-3000:]
+    full, part = run_then_resume_from_step_2(tmp_path, common)
     assert "checkpoints/step-2 (step 2)" in (part / "logs" / "trainer.log").read_text()
     rows = metrics(full)
     assert {r["staleness_max"] for r in rows} <= {0, 1} and max(r["staleness_max"] for r in rows) == 1
@@ -493,19 +501,11 @@ def test_partial_rollouts_resume_trains_exactly_the_prompts_left(tmp_path):
     Resumed from the step-2 checkpoint (later state removed, as by a crash), the run trains the
     prompts handed out but not trained before it, then the next ones: across the four steps,
     exactly the uninterrupted run's prompts, each once per sample."""
-    import shutil
     from collections import Counter
 
     common = ["rollout.replicas=1", "rollout.maxStaleness=1", "rollout.inFlightUpdates=true", "rollout.maxTokens=32",
               "output.saveRollouts=true", "schedule.saveEvery=2", "schedule.totalSteps=4"]
-    full, part = tmp_path / "full", tmp_path / "part"
-    assert rlhfctl("run", str(EXAMPLE), "--output", str(full), *sets(*common)).returncode == 0
-    shutil.copytree(full, part)
-    for gone in (part / "checkpoints" / "step-4", part / "final", part / "rollouts" / "step-3.jsonl",
-                 part / "rollouts" / "step-4.jsonl"):
-        shutil.rmtree(gone) if gone.is_dir() else gone.unlink()
-    res = rlhfctl("run", str(EXAMPLE), "--output", str(part), "--resume", *sets(*common))
-    assert res.returncode == 0, res.stderr[-3000:]
+    full, part = run_then_resume_from_step_2(tmp_path, common)
     assert [r["step"] for r in metrics(part)] == [1, 2, 3, 4]
 
     def prompts(out):  # each sample's prompt, over the four steps
