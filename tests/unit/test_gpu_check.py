@@ -62,3 +62,17 @@ def test_unknown_parts_are_refused_with_the_known_ones(capsys):
     with pytest.raises(SystemExit):
         gpu_check().main(["--parts", "nccl,mfu"])
     assert "--parts: unknown mfu (known: nccl, ipc, attention, memory, throughput, demo)" in capsys.readouterr().err
+
+
+def test_the_ipc_parts_checksum_reads_bytes_so_one_flipped_bit_of_a_bf16_tensor_shows():
+    sys.path.insert(0, str(SCRIPT.parent))
+    from gpu_check_ipc import tensor_sha256
+
+    t = torch.randn(64, 48).to(torch.bfloat16)
+    same = t.clone()
+    flipped = t.clone()
+    flipped.view(torch.int16)[3, 5] ^= 1  # the last mantissa bit of one element
+    assert tensor_sha256(t) == tensor_sha256(same) == tensor_sha256(t.t().contiguous().t())
+    assert tensor_sha256(flipped) != tensor_sha256(t)
+    zeros, negative_zeros = torch.zeros(4, dtype=torch.bfloat16), -torch.zeros(4, dtype=torch.bfloat16)
+    assert torch.equal(zeros, negative_zeros) and tensor_sha256(zeros) != tensor_sha256(negative_zeros)
