@@ -10,6 +10,13 @@ import sys
 import time
 from pathlib import Path
 
+# One CPU thread per process, in the xdist workers and in everything the suite starts
+# (rlhfctl runs, their rollout servers and trainers, torchrun workers). `make test` runs two
+# workers on two cores, and each local run starts three or more processes: with torch's
+# default of a thread per core, their OpenMP pools spun against each other and learners took
+# 3-5x their quiet time (the tool-calling test's SFT: 6x, until it set this itself).
+os.environ["OMP_NUM_THREADS"] = "1"
+
 import httpx
 import pytest
 from rlhf_launcher.local import free_port  # noqa: E402  (one definition)
