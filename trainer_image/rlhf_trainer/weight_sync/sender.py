@@ -75,11 +75,13 @@ import torch
 
 from rlhf_contract.pod import ENV_NCCL_SOCKET_IFNAME
 
+from ..preflight.network import socket_ifname_problem
 from ..rollout.servers import ServerInfo, read_servers
 from . import nccl
 from .buckets import DEFAULT_BUCKET_BYTES, BufferRing, TensorMeta, checked_bytes, dtype_name, pack_buckets
 from .ipc import IPC_BACKEND, IpcRounds, init_info as ipc_init_info
-from .threads import Watchdog, WeightSyncError, exit_process, put_watching, raise_failed, run_in_thread, wait_all
+from .threads import (GroupStuck, Watchdog, WeightSyncConfigError, WeightSyncError, exit_process, put_watching,
+                      raise_failed, run_in_thread, wait_all)
 from .transport import BACKENDS, Transport, make_transport, servers_config
 
 __all__ = ["WeightSyncError", "WeightSyncSender"]
@@ -93,6 +95,17 @@ SHUTDOWN_TIMEOUT_S = 10.0
 RESET_PREFIX_CACHE_ATTEMPTS = 6
 RESET_PREFIX_CACHE_FIRST_DELAY_S = 0.25
 """Pauses between attempts double: 0.25 + 0.5 + ... + 4 s, under 8 s in all."""
+
+
+def unique_id_hint() -> str:
+    """What to set when NCCL refuses to mint a unique id: its bootstrap found no interface
+    it may use, which only the spec changes (exit 2, no restart)."""
+    problem = socket_ifname_problem()
+    if problem:
+        return problem
+    return (f"NCCL found no network interface it may use ({ENV_NCCL_SOCKET_IFNAME}="
+            f"{os.environ.get(ENV_NCCL_SOCKET_IFNAME, '')!r}); set spec.pod.env {ENV_NCCL_SOCKET_IFNAME} to the "
+            "interface the trainer and the rollout servers share (e.g. =eth0)")
 
 
 def init_info(rendezvous: dict, *, world_size: int, rank_offset: int, bucket_bytes: int) -> dict:
@@ -196,9 +209,8 @@ class WeightSyncSender(IpcRounds):
             group = make_transport(self.backend, self.world_size, listen_host=self.listen_host,
                                    listen_port=self.listen_port, timeout_s=self.timeout_s)
         except nccl.NcclError as exc:  # ncclGetUniqueId: NCCL's bootstrap found no usable interface
-            ifname = os.environ.get(ENV_NCCL_SOCKET_IFNAME, "")
-            raise WeightSyncError(f"cannot start the weight-sync group: {exc} (NCCL_SOCKET_IFNAME={ifname!r} must "
-                                  "name an interface of the trainer's pod: set it in spec.pod.env)") from exc
+            raise WeightSyncConfigError.reported(f"cannot start the weight-sync group: {exc}; "
+                                                 + unique_id_hint()) from exc
         bodies = [{"init_info": init_info(group.rendezvous(), world_size=self.world_size, rank_offset=offset,
                                           bucket_bytes=self.bucket_bytes)} for offset in self.rank_offsets]
         replies = self._call_all("/init_weight_transfer_engine", bodies)
