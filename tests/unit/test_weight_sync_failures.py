@@ -120,7 +120,10 @@ def test_an_abort_waits_for_the_call_holding_the_handle_and_no_call_reaches_it_a
     comm.abort()  # idempotent
 
 
-def test_an_abort_goes_ahead_under_a_collective_that_never_returns():
+def test_no_abort_under_a_collective_that_never_returns():
+    """An abort that cannot get the handle in time does nothing: the communicator is not
+    freed under the thread inside NCCL (it would be a use after free), it is `stuck`; once
+    that call returns, an abort goes ahead."""
     comm = nccl.Communicator(nccl.load(), NULL)
     holding, stuck = threading.Event(), threading.Event()
 
@@ -129,12 +132,61 @@ def test_an_abort_goes_ahead_under_a_collective_that_never_returns():
             holding.set()
             stuck.wait(10)
 
-    threading.Thread(target=collective, daemon=True).start()
+    thread = threading.Thread(target=collective, daemon=True)
+    thread.start()
     holding.wait(5)
     start = time.monotonic()
-    comm.abort(lock_wait_s=0.2)
-    assert 0.2 <= time.monotonic() - start < 1.0 and comm.closed
+    assert comm.abort(lock_wait_s=0.2) is False
+    assert 0.2 <= time.monotonic() - start < 1.0
+    assert comm.stuck and not comm.closed  # the handle is still the one the collective holds
     stuck.set()
+    thread.join(5)
+    assert comm.abort(lock_wait_s=0.2) is True and comm.closed
+
+
+class StuckBroadcast(NcclTransport):
+    """Our NcclTransport on the CPU whose broadcast never returns from NCCL (it holds the
+    communicator as ncclBroadcast does, as a call blocked in the library would)."""
+
+    def broadcast(self, tensor):
+        with self._communicator().use("ncclBroadcast"):
+            self.release.wait(30)
+
+
+def test_a_round_that_leaves_a_thread_inside_nccl_ends_the_process_and_forms_no_group_again(server, monkeypatch):
+    """The round passes its deadline while its broadcast is inside NCCL: the communicator is
+    not aborted under it, the sender ends the process (on_watchdog: exit_process, 75) and
+    raises GroupStuck; no group forms again (reform refused, server replacement gives up)."""
+    from rlhf_trainer.rl.replacement import ServerReplacement
+    from rlhf_trainer.weight_sync.threads import GroupStuck
+
+    monkeypatch.setattr(nccl, "ABORT_LOCK_WAIT_S", 0.2)
+    transport = cpu_transport(NULL)
+    transport.__class__, transport.release = StuckBroadcast, threading.Event()
+    ended = []
+    sender = WeightSyncSender([server.url], "127.0.0.1", 0, timeout_s=1.0, on_watchdog=ended.append)
+    sender.group = transport
+    start = time.monotonic()
+    with pytest.raises(GroupStuck, match="still inside an NCCL call"):
+        sender.send([("w", [1000], torch.float32)], iter([torch.ones(1000)]))
+    assert time.monotonic() - start < 20  # the deadline, the abort's wait, the servers' release
+    assert len(ended) == 1 and "can neither be aborted nor formed again" in ended[0]
+    assert sender.stuck and transport.comm.stuck and not transport.comm.closed
+    assert "/shutdown_weight_transfer_engine" in server.calls
+    server.calls.clear()
+    with pytest.raises(GroupStuck):
+        sender.reform([server.url])
+    with pytest.raises(GroupStuck):
+        sender.init([ServerInfo(server.url, "0.33.0", "nccl", 1)])
+    assert server.calls == []  # no server was asked to join a new group
+
+    class Client:
+        left_out: list[str] = []
+
+    assert ServerReplacement(sender, Client(), budget=3).recover(GroupStuck("stuck")) is False
+    assert server.calls == []
+    transport.release.set()
+    sender.close()
 
 
 def test_a_round_whose_communicator_fails_ends_in_seconds_and_aborts_it(server):
@@ -212,6 +264,54 @@ def test_an_interface_name_matching_no_interface_exits_2_naming_spec_pod_env(ser
     assert "spec.pod.env NCCL_SOCKET_IFNAME: 'doesnotexist0' matches no network interface" in done.stderr
     assert termination.startswith("rank 0: WeightSyncConfigError: cannot start the weight-sync group")
     assert server.calls == []
+
+
+FORMATION_BLOCKED = TRAINER_CHILD.replace("from rlhf_trainer.main import", """
+import contextlib, ctypes
+from rlhf_trainer.weight_sync import nccl
+torch.cuda.device = lambda device: contextlib.nullcontext()
+libc = ctypes.CDLL(None)
+libc.sleep.argtypes = [ctypes.c_uint]
+# ncclCommInitRank waits in C for ranks that never join: a C call that does not return
+nccl.Nccl.comm_init_rank = lambda self, world, uid, rank: libc.sleep(3600)
+from rlhf_trainer.main import""")
+
+
+def test_a_formation_stuck_in_c_at_its_deadline_exits_75_without_hanging(server, tmp_path):
+    """ncclCommInitRank cannot be aborted: at the round's deadline the trainer exits 75
+    through main.py's handling (exit_process) while a thread is still inside the C call,
+    and the servers were asked to release the group."""
+    start = time.monotonic()
+    done, marker, termination = run_trainer_child(tmp_path, server.url, {}, timeout_s=2, code=FORMATION_BLOCKED,
+                                                  limit_s=60)
+    assert done.returncode == 75, done.stderr[-3000:]
+    assert time.monotonic() - start < 40  # imports, the 2 s deadline, the servers' release: not 3600 s
+    assert marker == "75" and "weight sync timed out" in termination
+    assert "FATAL: weight sync timed out" in done.stderr
+    assert sorted(server.calls) == ["/init_weight_transfer_engine", "/shutdown_weight_transfer_engine"]
+
+
+def test_a_formation_left_inside_nccl_at_its_deadline_forms_no_group_again(server, monkeypatch):
+    """In the process: the thread inside the formation call cannot be aborted, so the sender
+    is stuck and refuses to form another group beside it (server replacement's reform)."""
+    import contextlib
+    from rlhf_trainer.weight_sync.threads import GroupStuck
+
+    release = threading.Event()
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    transport = cpu_transport(None)
+    monkeypatch.setattr(transport.nccl.__class__, "comm_init_rank", lambda self, *a: release.wait(30))
+    monkeypatch.setattr(sender_module, "make_transport", lambda *a, **k: transport)
+    sender = WeightSyncSender([server.url], "127.0.0.1", 0, timeout_s=1, backend="nccl")
+    with pytest.raises(WeightSyncError, match="timed out"):
+        sender.init([ServerInfo(server.url, "0.33.0", "nccl", 1)])
+    assert sender.stuck and sender.group is None
+    server.calls.clear()
+    with pytest.raises(GroupStuck):
+        sender.reform([server.url])
+    assert server.calls == []
+    release.set()
+    sender.close()
 
 
 @pytest.mark.parametrize("value, selected", [
