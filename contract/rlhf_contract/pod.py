@@ -22,6 +22,8 @@ import json
 from dataclasses import dataclass, field
 
 from .api.models import RLHFJob, RLHFJobSpec
+from .api.rules_rollout import (  # noqa: F401  (re-exported: the builders, the trainer's preflight)
+    ENV_NCCL_IB_DISABLE, ENV_NCCL_NET, NCCL_NET_VALUES, weight_sync_network_env)
 from .api.serving import QUANTIZATION_FLAG
 from .redact import redact_spec
 from .sources import Fetch, plan_json

@@ -227,6 +227,41 @@ class TestEnvironment:
         pinned = containers(job_data(pod=pod, backend=backend, rollout={"replicas": 2, "engine": "vllm"}))
         assert all(ifnames(c) == ["net1"] for cs in pinned.values() for c in cs)
 
+    @pytest.mark.parametrize("network, wanted", [("socket", {"NCCL_NET": ["Socket"], "NCCL_IB_DISABLE": ["1"]}),
+                                                 ("ib", {"NCCL_NET": ["IB"], "NCCL_IB_DISABLE": []}),
+                                                 ("auto", {"NCCL_NET": [], "NCCL_IB_DISABLE": []})])
+    def test_the_weight_sync_network_is_pinned_in_the_trainer_and_the_server_pods(self, network, wanted):
+        """rollout.weightSyncNetwork pins NCCL's transport (not only its interface) on both
+        sides: NCCL_NET in every trainer and server container, once, and a pod.env entry
+        that agrees replaces ours (one entry of each name)."""
+        def env_of(data) -> list[tuple[str, dict[str, list[str]]]]:
+            """(container name, the values of NCCL_NET and NCCL_IB_DISABLE) of every container."""
+            pods = [c for c in build_children(validate_job(data), 0) if "sandbox" not in c["metadata"]["name"]]
+            return [(c["name"], {name: [e.get("value") for e in c["env"] if e["name"] == name]
+                                 for name in ("NCCL_NET", "NCCL_IB_DISABLE")})
+                    for child in pods for c in _containers(child)]
+
+        rollout = {"replicas": 2, "engine": "vllm", "weightSyncNetwork": network}
+        found = env_of(job_data(rollout=rollout))
+        assert {name for name, _ in found} == {"server", "pytorch"}
+        assert all(env == wanted for _, env in found), found
+        if network == "socket":
+            agreeing = {**POD, "env": [{"name": "NCCL_NET", "value": "socket"}]}
+            found = env_of(job_data(pod=agreeing, rollout=rollout))
+            assert all(env == {"NCCL_NET": ["socket"], "NCCL_IB_DISABLE": ["1"]} for _, env in found), found
+
+    @pytest.mark.parametrize("network, entry", [("socket", {"name": "NCCL_NET", "value": "IB"}),
+                                                ("ib", {"name": "NCCL_NET", "value": "Socket"}),
+                                                ("ib", {"name": "NCCL_IB_DISABLE", "value": "1"}),
+                                                ("socket", {"name": "NCCL_IB_DISABLE", "value": "0"})])
+    def test_a_pod_env_entry_contradicting_the_weight_sync_network_is_refused_naming_both(self, network, entry):
+        data = job_data(pod={**POD, "env": [entry]}, rollout={"replicas": 2, "engine": "vllm",
+                                                               "weightSyncNetwork": network})
+        with pytest.raises(JobError, match=rf"spec\.pod\.env\[0\]: {entry['name']}={entry['value']} contradicts "
+                                           rf"spec\.rollout\.weightSyncNetwork: {network}"):
+            validate_job(data)
+        validate_job(job_data(pod={**POD, "env": [entry]}, rollout={"replicas": 2, "engine": "vllm"}))  # auto: pod.env decides
+
     def test_env_names_the_operator_sets_are_refused(self):
         with pytest.raises(JobError, match=r"env\[0\]\.name: RLHF_OUTPUT_DIR is set by the operator"):
             validate_job(job_data(pod={**POD, "env": [{"name": "RLHF_OUTPUT_DIR", "value": "/x"}]}))
@@ -235,3 +270,12 @@ class TestEnvironment:
         data = job_data(reward={"type": "math", "components": [{"name": "tests", "type": "code", "weight": 0.5}]})
         names = {c["metadata"]["name"] for c in build_children(validate_job(data), 0)}
         assert "demo-sandbox" in names
+
+
+def _containers(node) -> list[dict]:
+    """Every container of a built object, however deep its pod template lies."""
+    if isinstance(node, dict):
+        return list(node.get("containers", [])) + [c for v in node.values() for c in _containers(v)]
+    if isinstance(node, list):
+        return [c for v in node for c in _containers(v)]
+    return []

@@ -15,6 +15,9 @@ rollout servers played by a plain HTTP server that answers as vLLM's routes do.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -22,6 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
+from rlhf_trainer.preflight import network
 from rlhf_trainer.rollout.servers import ServerInfo
 from rlhf_trainer.weight_sync import WeightSyncError, WeightSyncSender, nccl, sender as sender_module
 from rlhf_trainer.weight_sync.transport import NcclTransport
@@ -116,7 +120,10 @@ def test_an_abort_waits_for_the_call_holding_the_handle_and_no_call_reaches_it_a
     comm.abort()  # idempotent
 
 
-def test_an_abort_goes_ahead_under_a_collective_that_never_returns():
+def test_no_abort_under_a_collective_that_never_returns():
+    """An abort that cannot get the handle in time does nothing: the communicator is not
+    freed under the thread inside NCCL (it would be a use after free), it is `stuck`; once
+    that call returns, an abort goes ahead."""
     comm = nccl.Communicator(nccl.load(), NULL)
     holding, stuck = threading.Event(), threading.Event()
 
@@ -125,12 +132,61 @@ def test_an_abort_goes_ahead_under_a_collective_that_never_returns():
             holding.set()
             stuck.wait(10)
 
-    threading.Thread(target=collective, daemon=True).start()
+    thread = threading.Thread(target=collective, daemon=True)
+    thread.start()
     holding.wait(5)
     start = time.monotonic()
-    comm.abort(lock_wait_s=0.2)
-    assert 0.2 <= time.monotonic() - start < 1.0 and comm.closed
+    assert comm.abort(lock_wait_s=0.2) is False
+    assert 0.2 <= time.monotonic() - start < 1.0
+    assert comm.stuck and not comm.closed  # the handle is still the one the collective holds
     stuck.set()
+    thread.join(5)
+    assert comm.abort(lock_wait_s=0.2) is True and comm.closed
+
+
+class StuckBroadcast(NcclTransport):
+    """Our NcclTransport on the CPU whose broadcast never returns from NCCL (it holds the
+    communicator as ncclBroadcast does, as a call blocked in the library would)."""
+
+    def broadcast(self, tensor):
+        with self._communicator().use("ncclBroadcast"):
+            self.release.wait(30)
+
+
+def test_a_round_that_leaves_a_thread_inside_nccl_ends_the_process_and_forms_no_group_again(server, monkeypatch):
+    """The round passes its deadline while its broadcast is inside NCCL: the communicator is
+    not aborted under it, the sender ends the process (on_watchdog: exit_process, 75) and
+    raises GroupStuck; no group forms again (reform refused, server replacement gives up)."""
+    from rlhf_trainer.rl.replacement import ServerReplacement
+    from rlhf_trainer.weight_sync.threads import GroupStuck
+
+    monkeypatch.setattr(nccl, "ABORT_LOCK_WAIT_S", 0.2)
+    transport = cpu_transport(NULL)
+    transport.__class__, transport.release = StuckBroadcast, threading.Event()
+    ended = []
+    sender = WeightSyncSender([server.url], "127.0.0.1", 0, timeout_s=1.0, on_watchdog=ended.append)
+    sender.group = transport
+    start = time.monotonic()
+    with pytest.raises(GroupStuck, match="still inside an NCCL call"):
+        sender.send([("w", [1000], torch.float32)], iter([torch.ones(1000)]))
+    assert time.monotonic() - start < 20  # the deadline, the abort's wait, the servers' release
+    assert len(ended) == 1 and "can neither be aborted nor formed again" in ended[0]
+    assert sender.stuck and transport.comm.stuck and not transport.comm.closed
+    assert "/shutdown_weight_transfer_engine" in server.calls
+    server.calls.clear()
+    with pytest.raises(GroupStuck):
+        sender.reform([server.url])
+    with pytest.raises(GroupStuck):
+        sender.init([ServerInfo(server.url, "0.33.0", "nccl", 1)])
+    assert server.calls == []  # no server was asked to join a new group
+
+    class Client:
+        left_out: list[str] = []
+
+    assert ServerReplacement(sender, Client(), budget=3).recover(GroupStuck("stuck")) is False
+    assert server.calls == []
+    transport.release.set()
+    sender.close()
 
 
 def test_a_round_whose_communicator_fails_ends_in_seconds_and_aborts_it(server):
@@ -169,20 +225,139 @@ def test_an_nccl_error_while_the_group_forms_is_a_weight_sync_error(server, monk
     sender.close()
 
 
-def test_an_nccl_error_minting_the_unique_id_is_a_weight_sync_error_naming_the_interface(server, monkeypatch):
-    """ncclGetUniqueId fails when NCCL's bootstrap finds no interface of NCCL_SOCKET_IFNAME
-    (NCCL reads it once per process, so here the real call fails on a NULL out argument)."""
-    lib = nccl.load()
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # past the constructor's CUDA check
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(lib, "unique_id", lambda: lib._check("ncclGetUniqueId", lib.lib.ncclGetUniqueId(None)))
-    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "net1")
-    sender = WeightSyncSender([server.url], "127.0.0.1", 0, backend="nccl")
-    with pytest.raises(WeightSyncError, match=r"cannot start the weight-sync group: ncclGetUniqueId failed: NCCL "
-                                              r"error 4: .*NCCL_SOCKET_IFNAME='net1' must name an interface"):
+TRAINER_CHILD = """
+import sys, torch
+torch.cuda.is_available = lambda: True  # past NcclTransport's CUDA check: ncclGetUniqueId needs no GPU
+torch.cuda.current_device = lambda: 0
+from rlhf_trainer.main import documented_exits
+from rlhf_trainer.preflight import network
+from rlhf_trainer.rollout.servers import ServerInfo
+from rlhf_trainer.weight_sync import WeightSyncSender
+url = sys.argv[1]
+sender = WeightSyncSender([url], "127.0.0.1", 0, backend="nccl", timeout_s=float(sys.argv[2]))
+with documented_exits(0):
+    sender.init([ServerInfo(url, "0.33.0", "nccl", 1)])
+"""
+
+
+def run_trainer_child(tmp_path, url: str, env: dict, timeout_s: float = 600, code: str = TRAINER_CHILD,
+                      limit_s: float = 120) -> tuple[subprocess.CompletedProcess, str, str]:
+    """Run `code` (a sender's init under main.py's `documented_exits`) in a process of its
+    own (NCCL reads its environment once per process); returns it, the marker file the
+    launcher reads its exit code from, and the termination message."""
+    marker, termination = tmp_path / "exit-code", tmp_path / "termination-log"
+    termination.write_text("")
+    full = {**os.environ, "RLHF_CONFIG_ERROR_FILE": str(marker), "RLHF_TERMINATION_LOG": str(termination), **env}
+    done = subprocess.run([sys.executable, "-c", code, url, str(timeout_s)], env=full, capture_output=True,
+                          text=True, timeout=limit_s)
+    return done, marker.read_text() if marker.exists() else "", termination.read_text()
+
+
+def test_an_interface_name_matching_no_interface_exits_2_naming_spec_pod_env(server, tmp_path):
+    """The real libnccl refuses to mint a unique id when NCCL_SOCKET_IFNAME names no interface
+    of the pod (NCCL error 5, invalid usage): a config error, through main.py's own handling:
+    exit 2 (no restart spent), the launcher's marker says 2, and no server was asked to join."""
+    done, marker, termination = run_trainer_child(tmp_path, server.url, {"NCCL_SOCKET_IFNAME": "doesnotexist0"})
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert marker == "2"
+    assert "ncclGetUniqueId failed: NCCL error 5: invalid usage" in done.stderr
+    assert "spec.pod.env NCCL_SOCKET_IFNAME: 'doesnotexist0' matches no network interface" in done.stderr
+    assert termination.startswith("rank 0: WeightSyncConfigError: cannot start the weight-sync group")
+    assert server.calls == []
+
+
+FORMATION_BLOCKED = TRAINER_CHILD.replace("from rlhf_trainer.main import", """
+import contextlib, ctypes
+from rlhf_trainer.weight_sync import nccl
+torch.cuda.device = lambda device: contextlib.nullcontext()
+libc = ctypes.CDLL(None)
+libc.sleep.argtypes = [ctypes.c_uint]
+# ncclCommInitRank waits in C for ranks that never join: a C call that does not return
+nccl.Nccl.comm_init_rank = lambda self, world, uid, rank: libc.sleep(3600)
+from rlhf_trainer.main import""")
+
+
+def test_a_formation_stuck_in_c_at_its_deadline_exits_75_without_hanging(server, tmp_path):
+    """ncclCommInitRank cannot be aborted: at the round's deadline the trainer exits 75
+    through main.py's handling (exit_process) while a thread is still inside the C call,
+    and the servers were asked to release the group."""
+    start = time.monotonic()
+    done, marker, termination = run_trainer_child(tmp_path, server.url, {}, timeout_s=2, code=FORMATION_BLOCKED,
+                                                  limit_s=60)
+    assert done.returncode == 75, done.stderr[-3000:]
+    assert time.monotonic() - start < 40  # imports, the 2 s deadline, the servers' release: not 3600 s
+    assert marker == "75" and "weight sync timed out" in termination
+    assert "FATAL: weight sync timed out" in done.stderr
+    assert sorted(server.calls) == ["/init_weight_transfer_engine", "/shutdown_weight_transfer_engine"]
+
+
+def test_a_formation_left_inside_nccl_at_its_deadline_forms_no_group_again(server, monkeypatch):
+    """In the process: the thread inside the formation call cannot be aborted, so the sender
+    is stuck and refuses to form another group beside it (server replacement's reform)."""
+    import contextlib
+    from rlhf_trainer.weight_sync.threads import GroupStuck
+
+    release = threading.Event()
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    transport = cpu_transport(None)
+    monkeypatch.setattr(transport.nccl.__class__, "comm_init_rank", lambda self, *a: release.wait(30))
+    monkeypatch.setattr(sender_module, "make_transport", lambda *a, **k: transport)
+    sender = WeightSyncSender([server.url], "127.0.0.1", 0, timeout_s=1, backend="nccl")
+    with pytest.raises(WeightSyncError, match="timed out"):
         sender.init([ServerInfo(server.url, "0.33.0", "nccl", 1)])
-    assert server.calls == []  # refused before any server was asked to join
+    assert sender.stuck and sender.group is None
+    server.calls.clear()
+    with pytest.raises(GroupStuck):
+        sender.reform([server.url])
+    assert server.calls == []
+    release.set()
     sender.close()
+
+
+@pytest.mark.parametrize("value, selected", [
+    ("eth", ["eth0", "eth10"]), ("=eth0", ["eth0"]), ("=eth0,eth1", ["eth0"]), ("=eth", []),
+    ("^docker", ["lo", "eth0", "eth10", "ib0"]), ("^=docker0", ["lo", "eth0", "eth10", "ib0", "docker01"]),
+    ("^eth,lo", ["ib0", "docker0", "docker01"]), ("ib0:1024", ["ib0"]), ("net", []), ("^e,i,l,d", [])])
+def test_the_interface_check_reads_nccls_syntax(value, selected):
+    """NCCL's syntax: comma-separated prefixes, a leading ^ excludes, = makes every entry
+    exact, :port names no interface."""
+    names = ["lo", "eth0", "eth10", "ib0", "docker0", "docker01"]
+    assert sorted(network.ifname_matches(value, names)) == sorted(selected)
+
+
+def test_preflight_finds_a_bad_interface_name_and_a_missing_infiniband_device(tmp_path, monkeypatch):
+    """Against this machine's own interfaces (socket.if_nameindex) and a device directory."""
+    ours = network.interfaces()
+    assert "lo" in ours
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "doesnotexist0")
+    monkeypatch.setenv("NCCL_NET", "ib")
+    problems = network.network_problems()
+    assert len(problems) == 2 and all(p.startswith("spec.") for p in problems)
+    assert f"it has {', '.join(ours)}" in problems[0] and "spec.rollout.weightSyncNetwork: ib" in problems[1]
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "^doesnotexist0")  # everything but it: fine
+    assert network.socket_ifname_problem() is None
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "=" + ours[-1])
+    assert network.socket_ifname_problem() is None
+    assert network.infiniband_problem(device_dir=tmp_path / "missing") is not None
+    (tmp_path / "mlx5_0").mkdir()
+    assert network.infiniband_problem(device_dir=tmp_path) is None
+    assert network.infiniband_problem("Socket", device_dir=tmp_path / "missing") is None
+
+
+def test_the_launcher_exits_2_on_a_bad_interface_before_any_model_loads(tmp_path, monkeypatch, capsys):
+    from rlhf_contract.pod import ENV_TRAINER_CONFIG
+    from rlhf_trainer import launch
+    from test_memory_plan import QWEN_1_5B, grpo_config, write_model
+
+    config = grpo_config(f"model.path={write_model(tmp_path, QWEN_1_5B)}")
+    path = tmp_path / "trainer.json"
+    path.write_text(config.to_json())
+    monkeypatch.setenv(ENV_TRAINER_CONFIG, str(path))
+    monkeypatch.setenv("RLHF_TERMINATION_LOG", str(tmp_path / "termination-log"))
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "doesnotexist0")
+    monkeypatch.setattr("subprocess.Popen", lambda *a, **k: pytest.fail("the trainer started"))
+    assert launch.main(["--nnodes=1", "--nproc-per-node=1"]) == 2
+    assert "spec.pod.env NCCL_SOCKET_IFNAME: 'doesnotexist0' matches no network interface" in capsys.readouterr().err
 
 
 def test_a_refused_prefix_cache_reset_is_asked_again(server, monkeypatch):

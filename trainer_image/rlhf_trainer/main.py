@@ -4,9 +4,11 @@ termination message."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch.distributed as dist
@@ -36,19 +38,34 @@ def main() -> None:
     info = init_distributed(timeout_s=collective_timeout_s(config))
     output_dir = os.environ.get(ENV_OUTPUT_DIR) or config.output.dir or "/output"
     try:
-        config = with_checkpointing_decided(config, info.world_size, info.device)  # once, before any model loads
-        if not config.method.offline:
-            from .rl.loop import RunLoop
+        with documented_exits(info.rank):
+            config = with_checkpointing_decided(config, info.world_size, info.device)  # once, before any model loads
+            if not config.method.offline:
+                from .rl.loop import RunLoop
 
-            loop = RunLoop(config, info, endpoints=endpoints, weight_sync_addr=os.environ[ENV_WEIGHT_SYNC_ADDR],
-                           output_dir=output_dir)
-        else:  # sft, rm, dpo: from the data alone, no rollout servers
-            from .offline.loop import OfflineLoop
+                loop = RunLoop(config, info, endpoints=endpoints, weight_sync_addr=os.environ[ENV_WEIGHT_SYNC_ADDR],
+                               output_dir=output_dir)
+            else:  # sft, rm, dpo: from the data alone, no rollout servers
+                from .offline.loop import OfflineLoop
 
-            loop = OfflineLoop(config, info, output_dir=output_dir)
-        if os.environ.get(ENV_RESUME, "1") == "1":
-            loop.resume_if_possible()
-        loop.run()
+                loop = OfflineLoop(config, info, output_dir=output_dir)
+            if os.environ.get(ENV_RESUME, "1") == "1":
+                loop.resume_if_possible()
+            loop.run()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def documented_exits(rank: int) -> Iterator[None]:
+    """How a failure ends the trainer process (`rlhf_contract.exit_codes`): a stop from
+    outside exits 143 after its checkpoint; a config error (bad data, an upload refused, a
+    `SystemExit(2)` such as a rollout image or an NCCL interface only the spec can fix) is
+    marked for the launcher and exits 2; a failed weight sync exits 75 at once (exit_process);
+    anything else propagates (exit 1). The first line goes to the termination message."""
+    try:
+        yield
     except Preempted as stopped:
         mark_exit_code(ExitCode.TERMINATED)  # torchrun would turn it into 1: the launcher passes it on
         logging.getLogger("rlhf_trainer").warning("%s", stopped)
@@ -58,7 +75,7 @@ def main() -> None:
                 or (isinstance(err, StorageError) and err.permanent):  # an upload refused: only the spec can fix it
             mark_config_error()  # the launcher exits 2: fail the job at once, no restart
         if not isinstance(err, KeyboardInterrupt):
-            write_termination_message(f"rank {info.rank}: {type(err).__name__}: {err}".splitlines()[0])
+            write_termination_message(f"rank {rank}: {type(err).__name__}: {err}".splitlines()[0])
         if isinstance(err, WeightSyncError):
             # The weight-sync group is dead and the other ranks wait in a collective for this one:
             # no teardown (it could hang); exit at once with a code the launcher passes on, so the
@@ -67,9 +84,6 @@ def main() -> None:
             logging.shutdown()
             exit_process(str(err))
         raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

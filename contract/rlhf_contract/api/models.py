@@ -182,8 +182,14 @@ class RLHFJobSpec(SpecModel):
         from .presets import apply_preset
         from .rules import check_spec
 
+        from .rules import RuleViolations
+        from .rules_rollout import weight_sync_network_conflicts
+
         apply_preset(self)
         check_spec(self)
+        conflicts = weight_sync_network_conflicts(self)
+        if conflicts:
+            raise RuleViolations(conflicts)
         return self
 
 

@@ -4,6 +4,8 @@ mode runs these jobs)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from .common import Method
 from .rule import Rule
 
@@ -115,3 +117,48 @@ AGENT_RULES: tuple[Rule, ...] = (
 """Rules of `rollout.agent`: one episode driver at a time."""
 
 CLUSTER_RULES: tuple[Rule, ...] = (*_CLUSTER_RULES, *MULTINODE_RULES)
+
+
+ENV_NCCL_NET = "NCCL_NET"
+ENV_NCCL_IB_DISABLE = "NCCL_IB_DISABLE"
+NCCL_NET_VALUES = {"socket": "Socket", "ib": "IB"}
+"""`rollout.weightSyncNetwork` as NCCL_NET, NCCL's names of its internal networks (its
+environment-variable docs; NCCL compares them without case). Pinning the socket interface
+does not pin this choice: NCCL uses InfiniBand verbs whenever it finds a device."""
+
+
+def weight_sync_network_env(network: str) -> dict[str, str]:
+    """The NCCL variables `rollout.weightSyncNetwork` sets in the trainer's and the rollout
+    servers' pods: none for `auto`; for `socket` also NCCL_IB_DISABLE=1 (NCCL's documented
+    switch to IP sockets, for NCCL releases and plugins that read it rather than NCCL_NET)."""
+    if network == "auto":
+        return {}
+    env = {ENV_NCCL_NET: NCCL_NET_VALUES[network]}
+    if network == "socket":
+        env[ENV_NCCL_IB_DISABLE] = "1"
+    return env
+
+
+def weight_sync_network_conflicts(spec: Any) -> list[tuple[str, str]]:
+    """(field path under spec, message) of each `spec.pod.env` entry that contradicts
+    `rollout.weightSyncNetwork` (what NCCL would use is then unclear), naming both fields. An
+    entry with the same value agrees (the builders then leave theirs out: one name, one
+    entry). Checked in Python only (models.py): a CRD rule over pod.env's free-form entries
+    would cost the API server too much to estimate."""
+    network = spec.rollout.weight_sync_network
+    wanted = weight_sync_network_env(network)
+    problems = []
+    for i, entry in enumerate(spec.pod.env if network != "auto" else ()):
+        name, value = entry.get("name"), entry.get("value")
+        if name == ENV_NCCL_NET:
+            agrees = isinstance(value, str) and value.lower() == wanted[name].lower()
+        elif name == ENV_NCCL_IB_DISABLE:  # socket sets it to 1; with ib, 1 would turn InfiniBand off
+            agrees = isinstance(value, str) and (value == "1") == (network == "socket")
+        else:
+            continue
+        if not agrees:
+            problems.append((f"pod.env[{i}]", f"{name}={value if isinstance(value, str) else '(valueFrom)'} "
+                             f"contradicts spec.rollout.weightSyncNetwork: {network}, which sets "
+                             f"{', '.join(f'{k}={v}' for k, v in wanted.items())}; remove the pod.env entry, or set "
+                             "weightSyncNetwork: auto to choose with pod.env alone"))
+    return problems

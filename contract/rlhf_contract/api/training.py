@@ -53,6 +53,9 @@ class RolloutSpec(SpecModel):
     server that hangs (stopped, deadlocked) ends the attempt and the job restarts."""
     weight_sync_timeout_seconds: float = Field(default=600.0, gt=0, le=MAX_SECONDS)
     """A weight-sync round not over in this long fails the step (exit code 75, retried); a trainer stuck in it is ended a minute later."""
+    weight_sync_network: Literal["auto", "socket", "ib"] = "auto"
+    """NCCL's network for the weight sync, set in the trainer's and the servers' pods: `auto` lets NCCL choose, `socket` TCP
+    (NCCL_NET=Socket, NCCL_IB_DISABLE=1), `ib` InfiniBand verbs (NCCL_NET=IB; the trainer refuses to start without a device)."""
     max_server_replacements: int = Field(default=3, ge=0, le=INT32_MAX)
     """Rollout servers that may die and be replaced per attempt without a job restart (re-joined with the current weights); 0: any loss restarts the job."""
     vllm: VllmSpec = Field(default_factory=VllmSpec)

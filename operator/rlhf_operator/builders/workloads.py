@@ -91,12 +91,16 @@ def rollout_container(job: RLHFJob, settings: PodSettings) -> dict[str, Any]:
 
 
 def nccl_network_env(job: RLHFJob) -> dict[str, str]:
-    """NCCL's bootstrap interface, the same in the trainer's and the rollout servers' pods
-    (`contract.NCCL_SOCKET_IFNAME`, why there), unless `spec.pod.env` sets it: then the
-    user's entry is the only one (a duplicate name would fail server-side apply)."""
-    if any(e.get("name") == contract.ENV_NCCL_SOCKET_IFNAME for e in job.spec.pod.env):
-        return {}
-    return {contract.ENV_NCCL_SOCKET_IFNAME: contract.NCCL_SOCKET_IFNAME}
+    """NCCL's network settings, the same in the trainer's and the rollout servers' pods:
+    the bootstrap interface (`contract.NCCL_SOCKET_IFNAME`, why there) and the transport
+    `rollout.weightSyncNetwork` pins (`contract.weight_sync_network_env`: NCCL_NET, and
+    NCCL_IB_DISABLE for socket), each unless `spec.pod.env` sets that name: then the user's
+    entry is the only one (a duplicate name would fail server-side apply; a contradicting
+    one is refused by the spec's validation)."""
+    env = {contract.ENV_NCCL_SOCKET_IFNAME: contract.NCCL_SOCKET_IFNAME,
+           **contract.weight_sync_network_env(job.spec.rollout.weight_sync_network)}
+    user = {e.get("name") for e in job.spec.pod.env}
+    return {name: value for name, value in env.items() if name not in user}
 
 
 def rollout_service_account(job: RLHFJob, settings: PodSettings) -> str | None:

@@ -11,7 +11,8 @@ and exits with code 2 (`ExitCode.CONFIG_ERROR`, the operator's "bad config: fail
 instead of starting torchrun, so such a job fails in seconds rather than after every
 allowed restart. When a GPU's memory is known (`trainer.gpuMemoryGiB`, else `nvidia-smi`)
 it also refuses a job whose memory plan (memory_plan.py) does not fit, naming the fields
-to change. It exits nothing itself and loads no model.
+to change, and NCCL network settings that can never form a group (network.py). It exits
+nothing itself and loads no model.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from rlhf_contract.trainer_config import TrainerConfig
 
 from ..data.examples import BUILTIN_OFFLINE
 from .data import check_data, load_tokenizer
+from .network import network_problems
 from .rewards import reward_problems
 from .memory_plan import detect_gpu_bytes, gib, read_model_config
 
@@ -197,6 +199,7 @@ def check(config: TrainerConfig, world_size: int) -> list[str]:
     data = config.data.path
     problems += _data_problems(config, model_ok=error is None)
     problems += tracking_problems(config) + output_problems(config)
+    problems += network_problems()  # NCCL's interface and transport in this pod (network.py)
     problems += memory_problems(config, world_size, model)
     problems += config.rule_problems(world_size)  # the contract's cross-field rules, on the real world size
     if config.method.offline:

@@ -20,6 +20,8 @@ A member the client left out that answers is re-joined (formed again, pushed to)
 counting: it restarted between two boundaries, or a connection merely dropped. Past the budget, or with no server left, the failure is a `WeightSyncError`: the
 trainer exits 75 and the job restarts, as without replacement. `count` is the step row's
 `rollout_server_replacements`.
+A group left `stuck` (a thread still inside NCCL on it: weight_sync/nccl.py) is never
+formed again: `recover` answers False and the trainer exits 75.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import logging
 import httpx
 
 from ..weight_sync import WeightSyncError
+from ..weight_sync.threads import GroupStuck
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +104,9 @@ class ServerReplacement:
         """A round failed: form the group again with the servers that answer (True), or
         False when the budget is spent or none is left (the error then ends the attempt)."""
         log.warning("weight sync failed: %s", error)
+        if isinstance(error, GroupStuck) or getattr(self.sender, "stuck", False):
+            log.error("a thread is still inside NCCL on the failed group: no group forms again in this process")
+            return False
         try:
             self._reform(self._alive(), failed_round=True)
         except WeightSyncError as exc:

@@ -19,10 +19,19 @@ answers an error, raised as `NcclError` with NCCL's own message.
 
 `Communicator` holds one communicator handle for several threads: the one issuing its
 collectives, the one polling `ncclCommGetAsyncError` while it waits (`wait_polling`), and
-the one aborting it when a round fails. NCCL allows `ncclCommAbort` from another thread
-while a collective is blocked (that is what it is for, and what torch's own watchdog
-does), but no call may reach the handle once the abort has freed it: every call takes the
-handle under one lock, and the abort empties it under that lock.
+the one aborting it when a round fails. No call may reach the handle once the abort has
+freed it, and the abort never frees it under a call in progress: every call takes the
+handle under one lock, and the abort empties it under that lock. An abort that cannot get
+the lock in time (a thread inside a broadcast that never returns) does nothing: the
+communicator is `stuck`, the group cannot be formed again in this process, and the sender
+ends the process with exit code 75.
+
+Forming a group (ncclCommInitRank) blocks until every rank joins and cannot be aborted:
+a thread left inside it at the round's deadline stays there, and the process exits 75
+without waiting for it (sender.py). NCCL's non-blocking mode (ncclCommInitRankConfig with
+`blocking = 0`, polled with ncclCommGetAsyncError, aborted at the deadline) would end the
+formation itself, but then every later call may answer ncclInProgress and must be polled
+too, and none of that runs without CUDA: not done until it can be tested on a GPU.
 """
 
 from __future__ import annotations
@@ -72,8 +81,9 @@ POLL_S = 0.05
 """How often a wait polls the communicator's asynchronous error: a broken peer ends the
 round this long after NCCL notices it, not at the round's deadline."""
 ABORT_LOCK_WAIT_S = 2.0
-"""How long an abort waits for a thread holding the handle (inside a collective that may
-never return) before aborting under it, as NCCL allows."""
+"""How long an abort waits for a thread holding the handle (inside an NCCL call that may
+never return). It never aborts under such a thread: freeing a communicator while another
+thread is inside a call on it is a use after free, whatever the call then does."""
 
 
 class NcclError(RuntimeError):
@@ -180,6 +190,7 @@ class Communicator:
         self.nccl = nccl
         self._handle = handle
         self._lock = threading.Lock()
+        self.stuck = False  # an abort found a thread inside NCCL and could not go ahead
 
     @property
     def closed(self) -> bool:
@@ -201,18 +212,23 @@ class Communicator:
         if code not in (0, NCCL_IN_PROGRESS):
             raise NcclError(call, code, self.nccl.lib.ncclGetErrorString(code).decode(errors="replace"))
 
-    def abort(self, lock_wait_s: float = ABORT_LOCK_WAIT_S) -> None:
+    def abort(self, lock_wait_s: float | None = None) -> bool:
         """Free the communicator without waiting for its peers or operations (idempotent).
-        A thread blocked inside a collective holds the handle: after `lock_wait_s` the abort
-        goes ahead under it (NCCL then ends that collective with an error)."""
-        acquired = self._lock.acquire(timeout=lock_wait_s)
+        Never while another thread is inside an NCCL call on it: the abort waits up to
+        `lock_wait_s` (default ABORT_LOCK_WAIT_S) for that call to return. Returns True once
+        the communicator is freed (now or before); False when a call still held it: the
+        communicator is then left alone and `stuck`, and only the process's exit ends it
+        (the sender exits 75)."""
+        if not self._lock.acquire(timeout=ABORT_LOCK_WAIT_S if lock_wait_s is None else lock_wait_s):
+            self.stuck = True
+            return False
         try:
             handle, self._handle = self._handle, None
             if handle is not None:
                 self.nccl.abort(handle)
         finally:
-            if acquired:
-                self._lock.release()
+            self._lock.release()
+        return True
 
 
 def wait_polling(done: Callable[[], bool], comm: Communicator, call: str, poll_s: float = POLL_S) -> None:

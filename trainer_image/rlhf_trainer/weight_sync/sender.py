@@ -50,36 +50,43 @@ trainer then exits with `ExitCode.WEIGHT_SYNC` (75), so the job restarts with it
 watchdog, armed until the teardown is over, ends the process with that code if the round
 is still not over `watchdog_grace_s` after its timeout, e.g. because this thread is stuck
 in a collective. An NCCL error while the group forms is a `WeightSyncError` too (exit 75:
-retried with the servers, not exit 1).
+retried with the servers, not exit 1); NCCL refusing to mint the unique id (no interface it
+may use: NCCL_SOCKET_IFNAME) is a `WeightSyncConfigError` (exit 2, naming spec.pod.env).
+The communicator is never aborted while a thread is inside an NCCL call on it (nccl.py): a
+failed round that leaves one there, or a formation whose thread is still inside
+ncclCommInitRank at the deadline (which nothing can abort), makes the sender `stuck`: no
+group forms again in this process (no `reform`), the round calls `on_watchdog`
+(exit_process: 75) and raises `GroupStuck`.
 
 `reform(endpoints)` (server replacement, rl/replacement.py) forms the group again with some of
 the configured servers: /shutdown_weight_transfer_engine and /init_weight_transfer_engine on
 each, a new rendezvous, full metadata in the next round (a restarted server has none).
 
 HTTP calls run on threads; tensors are packed on the calling thread (the generator may run
-collectives) and broadcast from a helper one bucket behind, so a server's error ends the round at once.
+collectives) and broadcast from a helper one bucket behind (broadcast.py), so a server's error
+ends the round at once.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
 import logging
 import os
-import queue
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import torch
 
 from rlhf_contract.pod import ENV_NCCL_SOCKET_IFNAME
 
+from ..preflight.network import socket_ifname_problem
 from ..rollout.servers import ServerInfo, read_servers
 from . import nccl
-from .buckets import DEFAULT_BUCKET_BYTES, BufferRing, TensorMeta, checked_bytes, dtype_name, pack_buckets
+from .broadcast import broadcast_buckets
+from .buckets import DEFAULT_BUCKET_BYTES, TensorMeta, dtype_name
 from .ipc import IPC_BACKEND, IpcRounds, init_info as ipc_init_info
-from .threads import Watchdog, WeightSyncError, exit_process, put_watching, raise_failed, run_in_thread, wait_all
+from .threads import GroupStuck, Watchdog, WeightSyncConfigError, WeightSyncError, exit_process, run_in_thread, wait_all
 from .transport import BACKENDS, Transport, make_transport, servers_config
 
 __all__ = ["WeightSyncError", "WeightSyncSender"]
@@ -93,6 +100,17 @@ SHUTDOWN_TIMEOUT_S = 10.0
 RESET_PREFIX_CACHE_ATTEMPTS = 6
 RESET_PREFIX_CACHE_FIRST_DELAY_S = 0.25
 """Pauses between attempts double: 0.25 + 0.5 + ... + 4 s, under 8 s in all."""
+
+
+def unique_id_hint() -> str:
+    """What to set when NCCL refuses to mint a unique id: its bootstrap found no interface
+    it may use, which only the spec changes (exit 2, no restart)."""
+    problem = socket_ifname_problem()
+    if problem:
+        return problem
+    return (f"NCCL found no network interface it may use ({ENV_NCCL_SOCKET_IFNAME}="
+            f"{os.environ.get(ENV_NCCL_SOCKET_IFNAME, '')!r}); set spec.pod.env {ENV_NCCL_SOCKET_IFNAME} to the "
+            "interface the trainer and the rollout servers share (e.g. =eth0)")
 
 
 def init_info(rendezvous: dict, *, world_size: int, rank_offset: int, bucket_bytes: int) -> dict:
@@ -130,7 +148,8 @@ class WeightSyncSender(IpcRounds):
         self.timeout_s = timeout_s
         self.backend = backend
         self.watchdog_grace_s = watchdog_grace_s
-        self.on_watchdog = on_watchdog or exit_process
+        self.on_watchdog = on_watchdog or exit_process  # also ends the process when the group is stuck
+        self.stuck = False  # a thread is inside NCCL on a failed group: no group forms again here
         self.group: Transport | None = None
         self.world_size: int | None = None
         self.rank_offsets: list[int] = []
@@ -177,6 +196,9 @@ class WeightSyncSender(IpcRounds):
         """Form the broadcast group with every server (blocks until all have joined), from
         the handshake's `servers` (one per endpoint, in order; read now when None)."""
         self.calls = []
+        if self.stuck:
+            raise GroupStuck("the weight-sync group cannot be formed again in this process: a thread is still inside "
+                             "NCCL (a failed round or formation); the job restarts")
         deadline = time.monotonic() + self.timeout_s
         servers = servers if servers is not None else read_servers(self.endpoints, request_timeout_s=self.timeout_s)
         if [s.endpoint for s in servers] != self.endpoints:
@@ -196,16 +218,19 @@ class WeightSyncSender(IpcRounds):
             group = make_transport(self.backend, self.world_size, listen_host=self.listen_host,
                                    listen_port=self.listen_port, timeout_s=self.timeout_s)
         except nccl.NcclError as exc:  # ncclGetUniqueId: NCCL's bootstrap found no usable interface
-            ifname = os.environ.get(ENV_NCCL_SOCKET_IFNAME, "")
-            raise WeightSyncError(f"cannot start the weight-sync group: {exc} (NCCL_SOCKET_IFNAME={ifname!r} must "
-                                  "name an interface of the trainer's pod: set it in spec.pod.env)") from exc
+            raise WeightSyncConfigError.reported(f"cannot start the weight-sync group: {exc}; "
+                                                 + unique_id_hint()) from exc
         bodies = [{"init_info": init_info(group.rendezvous(), world_size=self.world_size, rank_offset=offset,
                                           bucket_bytes=self.bucket_bytes)} for offset in self.rank_offsets]
         replies = self._call_all("/init_weight_transfer_engine", bodies)
+        connect = run_in_thread(group.connect)
         try:
-            wait_all([*replies, run_in_thread(group.connect)], deadline)
+            wait_all([*replies, connect], deadline)
         except BaseException as exc:
             group.close()
+            # ncclCommInitRank cannot be aborted: a thread still inside it stays there, and no
+            # group may form beside it (the trainer exits 75 without waiting for it: main.py)
+            self.stuck = self.stuck or not connect.done() or group.stuck
             self._shutdown_servers()
             if isinstance(exc, nccl.NcclError):  # retryable, as a failed round is: exit 75, not 1
                 raise WeightSyncError(f"forming the weight-sync group failed: {exc}") from exc
@@ -220,6 +245,10 @@ class WeightSyncSender(IpcRounds):
             raise ValueError(f"reform needs some of {self.configured}, got {members}")
         if self.group is not None:
             self.group.close()
+            self.stuck = self.stuck or self.group.stuck
+        if self.stuck:
+            raise GroupStuck("the weight-sync group cannot be formed again in this process: a thread is still inside "
+                             "NCCL on the old one; the job restarts")
         self.group, self._sent_metadata = None, None
         self.endpoints = [e for e in self.configured if e in members]
         self._shutdown_servers()
@@ -260,8 +289,8 @@ class WeightSyncSender(IpcRounds):
                                "shapes": [shape for _, shape, _ in metadata]}
             update_start = time.perf_counter()
             replies = self._call_all("/update_weights", [{"update_info": update_info}] * len(self.endpoints))
-            broadcast = self._broadcast(self.group, source, metadata, tensors, stats, watch=replies,
-                                        deadline=deadline)
+            broadcast = broadcast_buckets(self.group, source, metadata, tensors, stats, self.bucket_bytes,
+                                          watch=replies, deadline=deadline)
             wait_all([*replies, broadcast], deadline)
             self.phase_seconds["/update_weights"] = time.perf_counter() - update_start
             self._sent_metadata = metadata
@@ -271,7 +300,11 @@ class WeightSyncSender(IpcRounds):
             self._reset_prefix_caches(deadline)
             self._all("/resume", deadline=deadline)
         except BaseException as exc:
-            self._abandon_group()
+            if self._abandon_group():  # a thread inside NCCL: not aborted, not recoverable here
+                message = (f"weight sync failed ({exc}) and a thread is still inside an NCCL call on the group "
+                           "after the abort's wait: the group can neither be aborted nor formed again here")
+                self.on_watchdog(message)  # exit_process: exit code 75, the job restarts with its servers
+                raise GroupStuck(message) from exc
             if isinstance(exc, WeightSyncError):
                 raise
             raise WeightSyncError(f"weight sync failed: {exc!r}") from exc
@@ -317,58 +350,16 @@ class WeightSyncSender(IpcRounds):
             return self.serving_dtype
         return dtype
 
-    def _broadcast(self, group: Transport, source: list[TensorMeta], metadata: list[TensorMeta],
-                   tensors: Iterable[torch.Tensor], stats: dict, watch: list[cf.Future], deadline: float) -> cf.Future:
-        """Pack on this thread (the generator may run collectives of its own) and
-        broadcast on a helper thread one bucket behind, so packing overlaps sending and
-        a failed server reply is noticed while a broadcast is blocked. Returns the
-        helper's future (done once every bucket is sent and completed)."""
-        ready: queue.Queue[torch.Tensor | None] = queue.Queue(maxsize=1)
-        if group.device.type == "cuda":
-            group.use_stream(torch.cuda.current_stream(group.device))  # the stream buckets are packed on
-
-        def send_buckets() -> None:
-            while True:
-                try:
-                    bucket = ready.get(timeout=nccl.POLL_S)
-                except queue.Empty:
-                    group.check()  # a peer gone while the next bucket is packed ends the round now
-                    continue
-                if bucket is None:
-                    break
-                group.broadcast(bucket)
-                stats["bytes"] += bucket.numel()
-                stats["buckets"] += 1
-            group.synchronize()
-
-        helper = run_in_thread(send_buckets)
-        # 3 buffers: one being broadcast, one in the queue, one being filled; this round's
-        # only (freed when it ends: between rounds the memory belongs to training)
-        ring = BufferRing(group.device, count=3)
-
-        def watched(flats: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
-            for flat in flats:  # a failure ends the round before the bucket fills (1 GiB of gathers)
-                raise_failed([*watch, helper])
-                yield flat
-
-        try:
-            for bucket in pack_buckets(watched(checked_bytes(source, tensors, group.device, metadata)),
-                                       self.bucket_bytes, ring):
-                put_watching(ready, bucket, [*watch, helper], deadline)
-        except BaseException:
-            with contextlib.suppress(queue.Full):
-                ready.put(None, timeout=1.0)  # let the helper thread end if it can
-            raise
-        put_watching(ready, None, [helper], deadline)
-        return helper
-
-    def _abandon_group(self) -> None:
-        """After a failed round: the group is unusable; release it on every server."""
+    def _abandon_group(self) -> bool:
+        """After a failed round: the group is unusable; release it on every server. Returns
+        whether it is stuck (a thread still inside NCCL: not aborted, see nccl.py)."""
         if self.group is not None:
             self.group.close()
+            self.stuck = self.stuck or self.group.stuck
         self.group = None
         self._sent_metadata = None
         self._shutdown_servers()
+        return self.stuck
 
     def _shutdown_servers(self) -> None:
         """Best effort, bounded, on threads of its own (the round's HTTP threads may still be

@@ -21,6 +21,30 @@ class WeightSyncError(RuntimeError):
     round passed its time limit."""
 
 
+class GroupStuck(WeightSyncError):
+    """A failed round left a thread inside an NCCL call, so the communicator could not be
+    aborted (nccl.py `Communicator.abort`): no group can form again in this process (no
+    server replacement); the process exits 75 and the job restarts with its servers."""
+
+
+class WeightSyncConfigError(SystemExit):
+    """A weight-sync failure that only the spec can fix (an NCCL_SOCKET_IFNAME naming no
+    interface of the pod): exit code 2, the job fails at once; `str()` says what to set."""
+
+    def __init__(self, message: str):
+        super().__init__(ExitCode.CONFIG_ERROR)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+    @classmethod
+    def reported(cls, message: str) -> WeightSyncConfigError:
+        """The error, its message printed first (an exit with code 2 prints nothing)."""
+        print(f"ERROR: {message}", file=sys.stderr, flush=True)
+        return cls(message)
+
+
 class Watchdog:
     """Calls `on_expire(message)` from a daemon thread unless disarmed within `seconds`."""
 

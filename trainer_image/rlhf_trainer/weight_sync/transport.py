@@ -14,6 +14,7 @@ workers}, with the trainer as rank 0. Two transports behind one interface; the s
   on the trainer's GPU, root = rank 0, on the caller's CUDA stream. No TCP rendezvous
   address is involved: NCCL's bootstrap connects to the trainer pod's own IP, so the
   weight-sync Service name is not used. After a failed round the communicator is aborted
+  (never under a thread still inside NCCL: it is then `stuck`, and the sender exits 75)
   and the process must still end (a peer may be stuck mid-collective; the servers are
   restarted with the trainer: the sender raises, its watchdog ends a hung process). A
   failed peer is noticed by polling `ncclCommGetAsyncError` while the round waits.
@@ -68,13 +69,20 @@ class Transport(Protocol):
         """Block until every broadcast issued so far has completed; raise if the group fails
         meanwhile."""
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Release the group (an NCCL communicator: abort it, unless a thread is still inside
+        an NCCL call on it: then `stuck` is true and nothing is released)."""
+
+    @property
+    def stuck(self) -> bool:
+        """A failed group that could not be released in this process (the process must exit)."""
 
 
 class GlooTransport:
     """Rank 0 of a gloo group formed over a TCPStore that this process hosts."""
 
     backend = "gloo"
+    stuck = False  # gloo's calls end at their timeout
 
     def __init__(self, world_size: int, *, listen_host: str, listen_port: int, timeout_s: float):
         self.world_size = world_size
@@ -174,12 +182,18 @@ class NcclTransport:
             raise nccl.CommunicatorClosed("the weight-sync communicator (not connected)")
         return self.comm
 
+    @property
+    def stuck(self) -> bool:
+        return self.comm is not None and self.comm.stuck
+
     def close(self) -> None:
-        """Abort the communicator: frees it without waiting for peers that may be gone (a
-        thread stuck in one of its collectives returns with an error)."""
+        """Abort the communicator: frees it without waiting for peers that may be gone; not
+        while a thread is inside an NCCL call on it (then `stuck`: nccl.Communicator.abort)."""
         if self.comm is not None:
             try:
-                self.comm.abort()
+                if not self.comm.abort():
+                    log.error("a thread is still inside an NCCL call on the weight-sync communicator after %.0f s: "
+                              "not aborting it under that call (the process must exit)", nccl.ABORT_LOCK_WAIT_S)
             except nccl.NcclError as exc:
                 log.warning("aborting the weight-sync communicator: %s", exc)
 
