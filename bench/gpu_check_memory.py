@@ -141,6 +141,10 @@ def _measure_case(case: MemoryCase, checkpointing: bool, deadline: float) -> dic
             gc.collect()
             torch.cuda.empty_cache()
             return {"oom": str(exc)[:120]}
+        except Exception as exc:  # noqa: BLE001  (this case's row says it; the next cases still run)
+            gc.collect()
+            torch.cuda.empty_cache()
+            return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
     from gpu_check_parity import spawn_ranks
 
     with tempfile.TemporaryDirectory(prefix="gpu-check-memory-") as tmp:

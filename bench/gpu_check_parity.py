@@ -64,8 +64,9 @@ def spawn_ranks(argv: list[str], world: int, timeout_s: float) -> list[dict]:
     """Run `python argv` as `world` ranks; each one's exit code and output tail. A rank that
     outlives `timeout_s` is killed (with the others) and reported with exit code None."""
     port = _free_port()
+    # in the part's process group: the driver's kill at the end of the part's box ends them too
     procs = [subprocess.Popen([sys.executable, *argv], env=rank_env(r, world, port), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, start_new_session=True) for r in range(world)]
+                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
     deadline = time.monotonic() + timeout_s
     out = []
     for proc in procs:
@@ -122,7 +123,8 @@ def part_parity() -> dict:
         if not results:  # NCCL refused two ranks on one GPU, or a rank failed: say which, plainly
             refusal = next((r["log_tail"] for r in ranks if r["exit_code"] != 0), "")
             notes.append(f"{precision}: no result (exit codes {[r['exit_code'] for r in ranks]}): {refusal[-600:]}")
-        tables[f"two ranks on one GPU, {precision}"] = rows
+        tables["two ranks on one GPU, fp32 (judged)" if precision == "fp32" else
+               f"two ranks on one GPU, {precision} (figures only, not judged)"] = rows
         if precision == "fp32":
             judged = rows
     ok = bool(judged) and all(r["holds"] for r in judged)

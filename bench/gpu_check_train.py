@@ -63,9 +63,9 @@ def engine_verdict(losses: list[float], skipped: list[float]) -> str:
     return "holds"
 
 
-def _engine_case(sets: tuple[str, ...], model_dir: str) -> dict:
+def _engine_case(sets: tuple[str, ...], model_dir: str, device: torch.device, vocab: int) -> dict:
     """The trainer's own model loading and engine (rl/models.py build_models) for `sets`, then
-    ENGINE_STEPS steps of TrainStep on the same rows: losses, skipped steps, peaks."""
+    ENGINE_STEPS steps of TrainStep on the same rows: losses, skipped steps, peaks (CUDA)."""
     import train_throughput as tt
 
     from rlhf_trainer.distributed import DistInfo
@@ -73,54 +73,66 @@ def _engine_case(sets: tuple[str, ...], model_dir: str) -> dict:
     from rlhf_trainer.rl.models import build_models
     from rlhf_trainer.rl.step import TrainStep
 
+    cuda = device.type == "cuda"
     gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     config = _config(4096, False, ("trainer.learningRate=0.00001", *sets)).model_copy(update={"model_path": model_dir})
-    models, layout = build_models(config, DistInfo(0, 1, 0, torch.device("cuda")), 0)
+    models, layout = build_models(config, DistInfo(0, 1, 0, device), 0)
     step = TrainStep(config.algorithm, models, layout, max_tokens_per_micro_batch=4096, max_grad_norm=1.0,
-                     temperature=1.0, device=torch.device("cuda"))
-    rows = tt.make_rows(16, QWEN2_SHAPES["0.5b"]["vocab_size"], 128, 256)
+                     temperature=1.0, device=device)
+    rows = tt.make_rows(16, vocab, 128 if cuda else 8, 256 if cuda else 16)
     batch = RolloutBatch(rows, 8, RolloutStats(*[0.0] * 5, 0.0, 0, 0, 0.0, 0.0, 0.0, num_tokens=0))
     losses, skipped, start = [], [], time.perf_counter()
     for _ in range(ENGINE_STEPS):
         metrics = step(batch, step.prepare(batch))
         losses.append(float(metrics["loss"]))
         skipped.append(float(metrics.get("skipped_steps", 0)))
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     out = {"losses": [round(x, 6) for x in losses], "skipped": skipped, "verdict": engine_verdict(losses, skipped),
            "s/step": round((time.perf_counter() - start) / ENGINE_STEPS, 3),
-           "max allocated GiB": gib(torch.cuda.max_memory_allocated()),
-           "max reserved GiB": gib(torch.cuda.max_memory_reserved()),
-           "trainable parameters": models.engine.total_parameters()}
+           "max allocated GiB": gib(torch.cuda.max_memory_allocated()) if cuda else None,
+           "max reserved GiB": gib(torch.cuda.max_memory_reserved()) if cuda else None,
+           "trainable parameters": sum(p.numel() for p in models.engine.model.parameters() if p.requires_grad)}
     del models, layout, step
     return out
+
+
+def run_engines(model_dir: str, device: torch.device, vocab: int) -> list[dict]:
+    """One row per ENGINE_CASES entry, for the model saved in `model_dir`; the DeepSpeed
+    rows say so when deepspeed cannot be imported here. Needs a process group of one."""
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):  # DeepSpeed reads them
+        os.environ.setdefault(key, value)
+    ds_error = deepspeed_import_error()
+    rows = []
+    for name, sets in ENGINE_CASES.items():
+        if ds_error and "trainer.engine=deepspeed" in sets:
+            rows.append({"engine": name, "verdict": f"skipped: deepspeed cannot import here ({ds_error})"})
+            continue
+        try:
+            rows.append({"engine": name, **_engine_case(sets, model_dir, device, vocab)})
+        except Exception as exc:  # noqa: BLE001  (one engine's failure is its row, not the part's end)
+            rows.append({"engine": name, "verdict": f"failed: {type(exc).__name__}: {str(exc)[:300]}"})
+    return rows
 
 
 def part_engines() -> dict:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     init_world()
-    ds_error = deepspeed_import_error()
-    rows = []
     with tempfile.TemporaryDirectory(prefix="gpu-check-engines-") as model_dir:
         torch.manual_seed(0)
         fields = {k: v for k, v in QWEN2_SHAPES["0.5b"].items() if k != "model_type"}
         Qwen2ForCausalLM(Qwen2Config(**fields)).to(torch.bfloat16).save_pretrained(model_dir)
-        for name, sets in ENGINE_CASES.items():
-            if ds_error and "trainer.engine=deepspeed" in sets:
-                rows.append({"engine": name, "verdict": f"skipped: deepspeed cannot import here ({ds_error})"})
-                continue
-            try:
-                rows.append({"engine": name, **_engine_case(sets, model_dir)})
-            except Exception as exc:  # noqa: BLE001  (one engine's failure is its row, not the part's end)
-                rows.append({"engine": name, "verdict": f"failed: {type(exc).__name__}: {str(exc)[:300]}"})
+        rows = run_engines(model_dir, torch.device("cuda"), fields["vocab_size"])
     ran = [r for r in rows if not r["verdict"].startswith("skipped")]
     ok = bool(ran) and all(r["verdict"] == "holds" for r in ran)
     return {"status": "ok" if ok else "failed", "tables": {"engines, world 1, Qwen2 0.5B shape": rows},
-            "deepspeed": ds_error or "imports",
+            "deepspeed": deepspeed_import_error() or "imports",
             "summary": "; ".join(f"{r['engine']}: {r['verdict']}" + (f", peak {r['max reserved GiB']} GiB reserved"
-                                                                     if "max reserved GiB" in r else "")
+                                                                     if r.get("max reserved GiB") else "")
                                  for r in rows)}
 
 

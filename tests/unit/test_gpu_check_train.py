@@ -7,6 +7,8 @@ its padding-free Hugging Face peer; the engines' verdict; the junit summary."""
 from __future__ import annotations
 
 import copy
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -162,6 +164,42 @@ def test_plain_hf_packs_documents_without_padding_or_attention_across_them():
 
 
 # ---- engines and the gpu-marked tests ----------------------------------------------------
+
+ENGINES_ON_CPU = """
+import json, os, sys, tempfile
+import torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+dist.init_process_group("gloo", rank=0, world_size=1)
+import gpu_check_train as gt
+from rlhf_trainer.models.builtin import build_tiny_qwen2
+model_dir = tempfile.mkdtemp()
+model = build_tiny_qwen2(0)
+model.save_pretrained(model_dir)
+print("ROWS " + json.dumps(gt.run_engines(model_dir, torch.device("cpu"), model.config.vocab_size)))
+"""
+
+
+def test_the_engines_part_trains_zero2_zero3_and_lora_through_the_trainers_own_loading():
+    """The part's own code on CPU (gloo, the tiny model): a process launched without torchrun
+    (as gpu-check's part is) still gives DeepSpeed the environment it asserts on."""
+    from helpers import free_port
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    res = subprocess.run([sys.executable, "-c", ENGINES_ON_CPU, str(ROOT / "bench"), str(free_port())],
+                         capture_output=True, text=True, timeout=300, env={**env, "OMP_NUM_THREADS": "1"})
+    line = next((x for x in res.stdout.splitlines() if x.startswith("ROWS ")), None)
+    assert line, res.stderr[-3000:]
+    rows = {r["engine"]: r for r in json.loads(line[5:])}
+    assert list(rows) == list(gt.ENGINE_CASES)
+    for name, row in rows.items():
+        assert row["verdict"] == "holds", row
+        assert len(row["losses"]) == gt.ENGINE_STEPS
+    # the same rows, on-policy: the same loss under every engine; LoRA trains adapters only
+    assert rows["ZeRO-2"]["losses"][0] == pytest.approx(rows["ZeRO-3"]["losses"][0], rel=1e-4)
+    assert rows["ZeRO-2"]["losses"][0] == pytest.approx(rows["LoRA (FSDP2)"]["losses"][0], rel=1e-4)
+    assert rows["LoRA (FSDP2)"]["trainable parameters"] < rows["ZeRO-2"]["trainable parameters"] / 2
+
 
 def test_an_engine_case_passes_on_finite_unskipped_steps_only():
     assert gt.engine_verdict([0.1, 0.0, -0.2], [0, 0, 0]) == "holds"

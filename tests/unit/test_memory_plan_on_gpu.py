@@ -37,13 +37,13 @@ def _gpu_bytes(report: dict) -> int:
     return int(report["machine"]["gpu_memory"].split()[0]) * 1024 ** 2
 
 
-def _plan(shape: str, tokens: int, checkpointing: bool, world: int = 1, report: dict = REPORT):
+def _plan(shape: str, tokens: int, checkpointing: bool, world: int = 1, gpu_bytes: int | None = None):
     from gpu_check_parts import QWEN2_SHAPES
     from gpu_check_train import _config
 
     from rlhf_trainer.preflight import memory_plan as mp
 
-    return mp, mp.plan(_config(tokens, checkpointing), QWEN2_SHAPES[shape], world, _gpu_bytes(report))
+    return mp, mp.plan(_config(tokens, checkpointing), QWEN2_SHAPES[shape], world, gpu_bytes or _gpu_bytes(REPORT))
 
 
 @pytest.mark.parametrize("row", _measured(), ids=lambda r: f"{r['shape']}-{r['tokens/micro-batch']}")
@@ -75,7 +75,8 @@ def _fixed_rule_rows() -> list:
 def test_the_plan_holds_the_new_cases_under_the_rule_fixed_before_they_ran(report, row):
     from gpu_check_memory import plan_verdict
 
-    _, plan = _plan(row["shape"], row["tokens"], row["checkpointing"], row["world"], report)
+    _, plan = _plan(row["shape"], row["tokens"], row["checkpointing"], row["world"],
+                    row.get("gpu_bytes") or _gpu_bytes(report))
     assert plan_verdict(plan.total - plan.fixed, row["reserved_bytes"], plan.fixed, row["outside_bytes"]) == "holds", row
 
 
