@@ -183,6 +183,24 @@ def junit_summary(path: str) -> dict:
     return {**counts, "failed": failed}
 
 
+def run_cut(command: list[str], cwd: str, timeout_s: float) -> tuple[str, int | None, bool]:
+    """Run `command`; past `timeout_s`, Ctrl-C (pytest then ends its session and writes its
+    reports), and 15 s later a kill. (output, exit code, whether it was cut)."""
+    proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=timeout_s)
+        return log, proc.returncode, False
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        try:
+            log, _ = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            log, _ = proc.communicate()
+        return log or "", proc.returncode, True
+
+
 def part_gpu_tests() -> dict:
     """`pytest -m gpu tests` with --junitxml into $OUT (else runs/gpu-check/), interrupted
     (SIGINT: pytest still writes its report) before the part's box ends. A module that cannot
@@ -194,22 +212,10 @@ def part_gpu_tests() -> dict:
     deadline = float(os.environ.get("GPU_CHECK_DEADLINE", time.time() + 120))
     command = [sys.executable, "-m", "pytest", "-m", "gpu", "-k", GPU_TESTS_DESELECT, "tests", "-q",
                "-p", "no:cacheprovider", "--continue-on-collection-errors", f"--junitxml={junit}"]
-    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=max(10.0, deadline - time.time() - 20))
-        cut = False
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGINT)
-        try:
-            log, _ = proc.communicate(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            log, _ = proc.communicate()
-        cut = True
+    log, code, cut = run_cut(command, str(ROOT), max(10.0, deadline - time.time() - 20))
     summary = junit_summary(junit) if os.path.exists(junit) else None
     ok = summary is not None and not summary["failures"] and not summary["errors"] and not cut
-    return {"status": "ok" if ok else "failed", "junit": junit, "exit_code": proc.returncode, "cut": cut,
+    return {"status": "ok" if ok else "failed", "junit": junit, "exit_code": code, "cut": cut,
             "counts": summary, "log_tail": (log or "")[-2000:],
             "summary": (f"{summary['tests']} tests: {summary['failures']} failed, {summary['errors']} errors, "
                         f"{summary['skipped']} skipped" + (f" ({', '.join(summary['failed'][:5])})" if summary['failed'] else "")

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -220,3 +221,15 @@ def test_the_junit_summary_counts_and_names_failures(tmp_path):
     assert {k: summary[k] for k in ("tests", "failures", "errors", "skipped")} == \
         {"tests": 3, "failures": 1, "errors": 0, "skipped": 1}
     assert summary["failed"] == ["test_x::test_bad"]
+
+
+def test_a_pytest_run_cut_at_its_box_still_leaves_its_junit_report(tmp_path):
+    (tmp_path / "test_y.py").write_text("import time\n\ndef test_quick():\n    pass\n\n"
+                                        "def test_slow():\n    time.sleep(60)\n")
+    junit = tmp_path / "j.xml"
+    start = time.monotonic()
+    log, code, cut = gt.run_cut([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+                                 f"--junitxml={junit}", "test_y.py"], str(tmp_path), 4)
+    assert cut and code != 0 and time.monotonic() - start < 30
+    summary = gt.junit_summary(str(junit))
+    assert summary["tests"] >= 1 and summary["failures"] == 0, (summary, log[-2000:])
