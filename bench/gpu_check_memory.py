@@ -171,7 +171,8 @@ def part_memory() -> dict:
             continue
         plan = mp.plan(_config(case.tokens, case.checkpointing), QWEN2_SHAPES[case.shape], case.world, total)
         row = {"case": case.name, **asdict(case), "checkpointing": plan.activation_checkpointing,
-               "gpu_bytes": total, "plan total GiB": gib(plan.total), "plan in allocator GiB": gib(plan.total - plan.fixed),
+               "gpu_bytes": total, "plan total GiB": gib(plan.total),
+               "plan in allocator GiB": gib(plan.total - plan.fixed),
                "plan fixed GiB": gib(plan.fixed)}
         m = _measure_case(case, plan.activation_checkpointing, deadline)
         if "oom" in m or "error" in m:  # the plan said it fits, or a rank failed

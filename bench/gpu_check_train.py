@@ -20,6 +20,7 @@ from gpu_check_parts import GIB, QWEN2_SHAPES, ROOT, gib, init_world
 
 DEMO_TIMEOUT_S = 120
 
+
 def _config(tokens: int, checkpointing: bool | None, sets: tuple[str, ...] = ()):
     from rlhf_contract.api import load_job
     from rlhf_contract.trainer_config import TrainerConfig
@@ -161,7 +162,8 @@ def part_throughput() -> dict:
             "tokens_per_step": sum(lengths), "ratios": {("checkpointing" if k else "no checkpointing"): v
                                                         for k, v in ratios.items()},
             "summary": f"{sum(lengths)} real tokens/step, counted on both sides: "
-                       + "; ".join(f"{r['side']} {r['tokens/s']} tokens/s MFU {r['MFU']} ({r['layout']})" for r in table)
+                       + "; ".join(f"{r['side']} {r['tokens/s']} tokens/s MFU {r['MFU']} ({r['layout']})"
+                                   for r in table)
                        + "; ours / plain HF " + ", ".join(f"{'checkpointing' if k else 'no checkpointing'} "
                                                           + (f"{v:.2f}" if v else "n/a") for k, v in ratios.items())}
 
@@ -218,7 +220,8 @@ def part_gpu_tests() -> dict:
     return {"status": "ok" if ok else "failed", "junit": junit, "exit_code": code, "cut": cut,
             "counts": summary, "log_tail": (log or "")[-2000:],
             "summary": (f"{summary['tests']} tests: {summary['failures']} failed, {summary['errors']} errors, "
-                        f"{summary['skipped']} skipped" + (f" ({', '.join(summary['failed'][:5])})" if summary['failed'] else "")
+                        f"{summary['skipped']} skipped"
+                        + (f" ({', '.join(summary['failed'][:5])})" if summary['failed'] else "")
                         if summary else "no junit report") + (" (cut at the time box)" if cut else "")
                        + f"; -k '{GPU_TESTS_DESELECT}'"}
 

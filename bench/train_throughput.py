@@ -164,7 +164,8 @@ def ours(shape: str, rows, budget: int, device: torch.device, steps: int, checkp
     model = build(shape, device)
     a = AlgorithmSpec(**{**PRESETS["grpo"], "kl_coef": 0.0})
     layout = parallelize_models(model, ref=None, critic=None, world_size=1, tp=1, cp=1,
-                                activation_checkpointing=device.type == "cuda" if checkpointing is None else checkpointing,
+                                activation_checkpointing=(device.type == "cuda" if checkpointing is None
+                                                          else checkpointing),
                                 device_type=device.type)
     attach_logprob_head(model)
     step = TrainStep(a, Models(Fsdp2Engine(model, adamw(model, OptimConfig(learning_rate=1e-6)))), layout,

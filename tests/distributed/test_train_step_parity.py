@@ -52,7 +52,8 @@ def test_train_step_matches_one_process(results, case):
             assert got[key] == pytest.approx(want[key], **METRIC_TOLERANCE), key
     assert r["param_rel_err"] < PARAM_REL_ERR, r["worst"]  # why this bound: the worker's PARAM_REL_ERR
     # the one rule `make gpu-check`'s parity part applies (bench/gpu_check_parity.py) agrees
-    assert mismatches(r, KEYS + [k for k in ("value_loss", "critic_grad_norm", "explained_variance") if k in want]) == []
+    extra = [k for k in ("value_loss", "critic_grad_norm", "explained_variance") if k in want]
+    assert mismatches(r, KEYS + extra) == []
     assert r["moved"] > 1e-4  # the step changed the weights
     assert want["grad_norm"] > 0.3  # clipping (max 0.3) was active
 

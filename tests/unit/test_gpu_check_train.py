@@ -117,7 +117,8 @@ def test_the_cases_are_the_issues_and_none_is_a_tuned_row():
     assert longest <= varying.tokens  # every document fits a micro-batch
     for case in cases.values():
         if not case.varying:  # about two micro-batches per rank, as the 2026-11-26 cases had
-            per_rank = sum(len(r.prompt_ids) + len(r.response_ids) for r in gm.case_batches(case, vocab)[0]) / case.world
+            rows = gm.case_batches(case, vocab)[0]
+            per_rank = sum(len(r.prompt_ids) + len(r.response_ids) for r in rows) / case.world
             assert case.tokens < per_rank <= 2.5 * case.tokens, (case, per_rank)
 
 
@@ -138,7 +139,8 @@ def test_every_case_is_planned_to_fit_an_h200_with_checkpointing_as_asked():
 
 def test_each_pair_differs_only_in_the_side():
     pairs = tt.pairings([False, True])
-    assert [(side, ckpt) for _, side, ckpt in pairs] == [("ours", False), ("peer", False), ("ours", True), ("peer", True)]
+    assert [(side, ckpt) for _, side, ckpt in pairs] == [("ours", False), ("peer", False),
+                                                         ("ours", True), ("peer", True)]
     assert len({label for label, _, _ in pairs}) == 4
     results = [{"side": s, "checkpointing": c, "seconds": t} for (_, s, c), t in zip(pairs, [1.0, 2.0, 4.0, None])]
     assert tt.ratios(results) == {False: 2.0, True: None}  # ours twice as fast; a side out of memory: no ratio

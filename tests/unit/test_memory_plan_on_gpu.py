@@ -77,7 +77,8 @@ def test_the_plan_holds_the_new_cases_under_the_rule_fixed_before_they_ran(repor
 
     _, plan = _plan(row["shape"], row["tokens"], row["checkpointing"], row["world"],
                     row.get("gpu_bytes") or _gpu_bytes(report))
-    assert plan_verdict(plan.total - plan.fixed, row["reserved_bytes"], plan.fixed, row["outside_bytes"]) == "holds", row
+    verdict = plan_verdict(plan.total - plan.fixed, row["reserved_bytes"], plan.fixed, row["outside_bytes"])
+    assert verdict == "holds", row
 
 
 def test_the_memory_outside_the_allocator_is_planned():
