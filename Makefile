@@ -103,11 +103,18 @@ gpu-check:
 	$(GPU_CHECK_PYTHON) bench/gpu_check.py
 
 # The wheels the GPU machine needs (docs/testing.md): prepare.sh's set, plus what it leaves out
-# (huggingface_hub 2's httpx2 and its dependencies; pytest for the gpu-marked tests).
+# (huggingface_hub 2's httpx2 and its dependencies; pytest for the gpu-marked tests, with xdist, whose hook
+# tests/conftest.py defines and which pytest refuses as unknown without it; deepspeed's
+# dependencies for gpu-check's engines part). deepspeed itself has no wheel on PyPI (an sdist
+# only, which prepare.sh's binary-only download skips): its pure-Python wheel is built here from
+# the sdist of .venv's version, no ops compiled (DS_BUILD_OPS=0; DeepSpeed builds them at use).
 GPU_EXTRA_WHEELS ?= httpx2 httpcore2 truststore h11 anyio idna click hf-xet typer shellingham markdown-it-py mdurl \
-  xxhash pytest iniconfig pluggy packaging pygments pytest-timeout
+  xxhash pytest iniconfig pluggy packaging pygments pytest-timeout pytest-xdist execnet hjson msgpack ninja py-cpuinfo einops
 gpu-wheels: $(STAMP)
 	EXTRA_WHEELS="$(GPU_EXTRA_WHEELS)" bash ../shared/gpu/prepare.sh
+	DS_BUILD_OPS=0 $(BIN)/python -m pip wheel -q --no-deps --no-build-isolation -w .gpu/whl \
+	  "deepspeed==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("deepspeed"))')" \
+	  || echo "gpu-wheels: no deepspeed wheel (gpu-check's engines part will say deepspeed cannot import)"
 
 crd: $(STAMP)
 	$(BIN)/rlhfctl crd > crds/rlhfjobs.yaml

@@ -4,18 +4,27 @@ report (docs/testing.md gives the exact device call).
     python bench/gpu_check.py                 # report into $OUT if set, else runs/gpu-check/
     python bench/gpu_check.py --parts nccl,attention
 
-Six parts (bench/gpu_check_parts.py), each in a process of its own with a time box, so a
-part that fails, hangs or crashes the CUDA context loses only its own result:
+Nine parts (bench/gpu_check_parts.py and the files it names), each in a process of its own
+with a time box, so a part that fails, hangs or crashes the CUDA context loses only its own
+result:
   nccl        our libnccl binding and NcclTransport on CUDA, a world-size-1 communicator:
               connect, bf16 buckets, synchronize, a whole sender round, close, the abort path;
   ipc         CUDA IPC weight transfer to a second process on the GPU, as colocated vLLM
               servers take weights (weight_sync/ipc.py): bit for bit, GB/s;
   attention   packed attention (varlen_attn where this torch has it, feature-detected)
               in bf16 against fp32 SDPA with GQA, forward and backward;
-  memory      the memory plan against the allocator's peak (max_memory_allocated and
-              reserved) for the Qwen2 0.5B and 1.5B shapes at several micro-batch sizes;
+  parity      the CPU parity tests' worker on two ranks of the one GPU (each with its own
+              NCCL_HOSTID), FSDP2 2x1x1 and context parallel 1x1x2 GRPO against one process,
+              judged by the CPU tests' tolerances (gpu_check_parity.py);
+  memory      the memory plan against the allocator's peaks under a rule fixed before the
+              run: checkpointing at 16k and 32k tokens, ten steps of varying lengths, two
+              ranks (gpu_check_memory.py);
+  engines     DeepSpeed ZeRO-2 and ZeRO-3 and LoRA, a few steps each, world 1: the step
+              completes with a finite loss, the peak memory (deepspeed feature-detected);
   throughput  tokens/s and MFU of our train step at the 1.5B shape against plain Hugging
-              Face training of the same shape, in the same run (bench/train_throughput.py);
+              Face training of the same shape, like for like: both unpadded, both with and
+              without activation checkpointing (bench/train_throughput.py);
+  gpu-tests   pytest's junit report of the gpu-marked tests, into $OUT;
   demo        the demo job (examples/local-grpo.yaml) with its trainer on CUDA.
 Without CUDA every part is reported as skipped ("no GPU") and nothing else runs.
 
@@ -40,7 +49,8 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 TOTAL_S = 420
 """The whole check's budget; each part gets min(its box, what is left)."""
-PARTS: dict[str, int] = {"nccl": 90, "ipc": 45, "attention": 90, "memory": 120, "throughput": 120, "demo": 140}
+PARTS: dict[str, int] = {"nccl": 90, "ipc": 45, "attention": 90, "parity": 90, "memory": 150, "engines": 90,
+                         "throughput": 150, "gpu-tests": 120, "demo": 140}
 """Each part's time box in seconds, in the order they run."""
 DEADLINE_ENV = "GPU_CHECK_DEADLINE"
 """Given to each part: the epoch second its box ends (the demo stops its job before it)."""

@@ -29,7 +29,6 @@ QWEN2_SHAPES = {
 }
 KEYWORDS = frozenset({"is_causal", "window_size", "scale", "enable_gqa"})
 """The varlen_attn keywords packed attention feature-detects."""
-MEMORY_CASES = [("0.5b", 4096), ("0.5b", 8192), ("0.5b", 16384), ("1.5b", 4096), ("1.5b", 16384)]
 
 
 def gib(n: float) -> float:
@@ -239,10 +238,13 @@ def _time_ms(fn, repeat: int = 5) -> float:
 def run_child(name: str, result: Path) -> int:
     """One part in this process; its result (or its error) as JSON in `result`."""
     from gpu_check_ipc import part_ipc
-    from gpu_check_train import part_demo, part_memory, part_throughput
+    from gpu_check_memory import part_memory
+    from gpu_check_parity import part_parity
+    from gpu_check_train import part_demo, part_engines, part_gpu_tests, part_throughput
 
-    parts = {"nccl": part_nccl, "ipc": part_ipc, "attention": part_attention, "memory": part_memory,
-             "throughput": part_throughput, "demo": part_demo}
+    parts = {"nccl": part_nccl, "ipc": part_ipc, "attention": part_attention, "parity": part_parity,
+             "memory": part_memory, "engines": part_engines, "throughput": part_throughput,
+             "gpu-tests": part_gpu_tests, "demo": part_demo}
     try:
         data = parts[name]()
         data.setdefault("status", "ok")

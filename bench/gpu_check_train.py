@@ -1,5 +1,7 @@
-"""The training parts of `make gpu-check` (bench/gpu_check.py): the memory plan against the
-allocator, tokens/s and MFU against plain Hugging Face training, and the demo job on CUDA."""
+"""The training parts of `make gpu-check` (bench/gpu_check.py): DeepSpeed ZeRO-2/3 and LoRA
+on CUDA, tokens/s and MFU like for like against plain Hugging Face training, the gpu-marked
+tests' junit report, and the demo job on CUDA. (Two-rank parity: gpu_check_parity.py; the
+memory plan against the allocator: gpu_check_memory.py.)"""
 
 from __future__ import annotations
 
@@ -14,103 +16,128 @@ import time
 
 import torch
 
-from gpu_check_parts import GIB, MEMORY_CASES, QWEN2_SHAPES, ROOT, device_used, gib, init_world
+from gpu_check_parts import GIB, QWEN2_SHAPES, ROOT, gib, init_world
 
 DEMO_TIMEOUT_S = 120
 
 
-def _config(tokens: int, checkpointing: bool | None):
+def _config(tokens: int, checkpointing: bool | None, sets: tuple[str, ...] = ()):
     from rlhf_contract.api import load_job
     from rlhf_contract.trainer_config import TrainerConfig
 
-    sets = ["algorithm.klCoef=0", f"trainer.maxTokensPerMicroBatch={tokens}"]
+    sets = ["algorithm.klCoef=0", f"trainer.maxTokensPerMicroBatch={tokens}", *sets]
     if checkpointing is not None:
         sets.append(f"trainer.parallelism.activationCheckpointing={str(checkpointing).lower()}")
     return TrainerConfig.from_job(load_job(ROOT / "examples/local-grpo.yaml", sets))
 
 
-def _train_steps(shape: dict, tokens: int, checkpointing: bool, steps: int = 2) -> dict:
-    """Our TrainStep (FSDP2 over a mesh of one, bf16 compute, fused AdamW) on a randomly
-    initialised Qwen2 of `shape`, two micro-batches of up to `tokens`: peaks and timing."""
-    import train_throughput as tt
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+# ---- 6. DeepSpeed ZeRO-2 and ZeRO-3, LoRA ------------------------------------------------
 
-    from rlhf_contract.api.models import AlgorithmSpec
-    from rlhf_contract.api.presets import PRESETS
-    from rlhf_contract.trainer_config import OptimConfig
-    from rlhf_trainer.engine import Fsdp2Engine
-    from rlhf_trainer.models.logprob_head import attach_logprob_head
-    from rlhf_trainer.optim import adamw
+ENGINE_CASES = {
+    "ZeRO-2": ("trainer.engine=deepspeed", "trainer.deepspeed.zeroStage=2"),
+    "ZeRO-3": ("trainer.engine=deepspeed", "trainer.deepspeed.zeroStage=3"),
+    "LoRA (FSDP2)": ("model.lora.rank=16",),
+}
+"""--set overrides of the demo job for each engine case (world 1, the 0.5B shape)."""
+ENGINE_STEPS = 4
+
+
+def deepspeed_import_error() -> str | None:
+    """Why deepspeed cannot be imported on this machine (its torch), or None."""
+    try:
+        import deepspeed  # noqa: F401
+    except Exception as exc:  # noqa: BLE001  (an ImportError, or its op builders failing on this torch)
+        return f"{type(exc).__name__}: {exc}"[:300]
+    return None
+
+
+def engine_verdict(losses: list[float], skipped: list[float]) -> str:
+    """A case passes when every step completed with a finite loss and none was skipped."""
+    import math
+
+    if not losses:
+        return "no step completed"
+    if not all(math.isfinite(x) for x in losses):
+        return f"non-finite loss {losses}"
+    if any(skipped):
+        return f"skipped steps {skipped}"
+    return "holds"
+
+
+def _engine_case(sets: tuple[str, ...], model_dir: str, device: torch.device, vocab: int) -> dict:
+    """The trainer's own model loading and engine (rl/models.py build_models) for `sets`, then
+    ENGINE_STEPS steps of TrainStep on the same rows: losses, skipped steps, peaks (CUDA)."""
+    import train_throughput as tt
+
+    from rlhf_trainer.distributed import DistInfo
     from rlhf_trainer.orchestrator.types import RolloutBatch, RolloutStats
-    from rlhf_trainer.parallel.parallelize import parallelize_models
-    from rlhf_trainer.rl.models import Models
+    from rlhf_trainer.rl.models import build_models
     from rlhf_trainer.rl.step import TrainStep
 
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    torch.manual_seed(0)
-    fields = {k: v for k, v in shape.items() if k != "model_type"}
-    with torch.device("cuda"):
-        model = Qwen2ForCausalLM(Qwen2Config(**fields))
-    layout = parallelize_models(model, ref=None, critic=None, world_size=1, tp=1, cp=1,
-                                activation_checkpointing=checkpointing, device_type="cuda")
-    attach_logprob_head(model)
-    step = TrainStep(AlgorithmSpec(**{**PRESETS["grpo"], "kl_coef": 0.0}),
-                     Models(Fsdp2Engine(model, adamw(model, OptimConfig(learning_rate=1e-6)))), layout,
-                     max_tokens_per_micro_batch=tokens, max_grad_norm=1.0, temperature=1.0,
-                     device=torch.device("cuda"))
-    rows = tt.make_rows(8 * -(-2 * tokens // (832 * 8)), shape["vocab_size"], 256, 1024)  # ~2 micro-batches
-    stats = RolloutStats(*[0.0] * 5, 0.0, 0, 0, 0.0, 0.0, 0.0,
-                         num_tokens=sum(len(r.prompt_ids) + len(r.response_ids) for r in rows))
-    batch = RolloutBatch(rows, 8, stats)
-    seconds = []
-    for _ in range(steps):
-        tensors = step.prepare(batch)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        step(batch, tensors)
-        torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - start)
-    out = {"allocated": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved(),
-           "outside_allocator": device_used() - torch.cuda.memory_reserved(), "tokens": stats.num_tokens,
-           "seconds": seconds[-1]}
-    del step, model, layout, tensors, batch
+    cuda = device.type == "cuda"
     gc.collect()
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    config = _config(4096, False, ("trainer.learningRate=0.00001", *sets)).model_copy(update={"model_path": model_dir})
+    models, layout = build_models(config, DistInfo(0, 1, 0, device), 0)
+    step = TrainStep(config.algorithm, models, layout, max_tokens_per_micro_batch=4096, max_grad_norm=1.0,
+                     temperature=1.0, device=device)
+    rows = tt.make_rows(16, vocab, 128 if cuda else 8, 256 if cuda else 16)
+    batch = RolloutBatch(rows, 8, RolloutStats(*[0.0] * 5, 0.0, 0, 0, 0.0, 0.0, 0.0, num_tokens=0))
+    losses, skipped, start = [], [], time.perf_counter()
+    for _ in range(ENGINE_STEPS):
+        metrics = step(batch, step.prepare(batch))
+        losses.append(float(metrics["loss"]))
+        skipped.append(float(metrics.get("skipped_steps", 0)))
+    if cuda:
+        torch.cuda.synchronize()
+    out = {"losses": [round(x, 6) for x in losses], "skipped": skipped, "verdict": engine_verdict(losses, skipped),
+           "s/step": round((time.perf_counter() - start) / ENGINE_STEPS, 3),
+           "max allocated GiB": gib(torch.cuda.max_memory_allocated()) if cuda else None,
+           "max reserved GiB": gib(torch.cuda.max_memory_reserved()) if cuda else None,
+           "trainable parameters": sum(p.numel() for p in models.engine.model.parameters() if p.requires_grad)}
+    del models, layout, step
     return out
 
 
-def part_memory() -> dict:
-    from rlhf_trainer.preflight import memory_plan as mp
+def run_engines(model_dir: str, device: torch.device, vocab: int) -> list[dict]:
+    """One row per ENGINE_CASES entry, for the model saved in `model_dir`; the DeepSpeed
+    rows say so when deepspeed cannot be imported here. Needs a process group of one."""
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):  # DeepSpeed reads them
+        os.environ.setdefault(key, value)
+    ds_error = deepspeed_import_error()
+    rows = []
+    for name, sets in ENGINE_CASES.items():
+        if ds_error and "trainer.engine=deepspeed" in sets:
+            rows.append({"engine": name, "verdict": f"skipped: deepspeed cannot import here ({ds_error})"})
+            continue
+        try:
+            rows.append({"engine": name, **_engine_case(sets, model_dir, device, vocab)})
+        except Exception as exc:  # noqa: BLE001  (one engine's failure is its row, not the part's end)
+            rows.append({"engine": name, "verdict": f"failed: {type(exc).__name__}: {str(exc)[:300]}"})
+    return rows
+
+
+def part_engines() -> dict:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     init_world()
-    total = torch.cuda.get_device_properties(0).total_memory
-    rows, worst = [], 0.0
-    for name, tokens in MEMORY_CASES:
-        decided = mp.plan(_config(tokens, None), QWEN2_SHAPES[name], 1, total)
-        plan = mp.plan(_config(tokens, decided.activation_checkpointing), QWEN2_SHAPES[name], 1, total)
-        row = {"shape": name, "tokens/micro-batch": tokens, "checkpointing": plan.activation_checkpointing,
-               "plan total GiB": gib(plan.total), "plan in allocator GiB": gib(plan.total - plan.fixed),
-               "plan fixed GiB": gib(plan.fixed)}
-        try:
-            m = _train_steps(QWEN2_SHAPES[name], tokens, plan.activation_checkpointing)
-        except torch.cuda.OutOfMemoryError as exc:
-            m = {"oom": str(exc)[:120]}
-        if "oom" in m:  # the plan said it fits (the frames that held the memory are gone now)
-            gc.collect()
-            torch.cuda.empty_cache()
-            rows.append({**row, "measured": f"OOM: {m['oom']}"})
-            continue
-        error = (plan.total - plan.fixed - m["reserved"]) / m["reserved"]
-        worst = max(worst, abs(error))
-        rows.append({**row, "max allocated GiB": gib(m["allocated"]), "max reserved GiB": gib(m["reserved"]),
-                     "plan - reserved": f"{error:+.1%}", "outside allocator GiB (context + NCCL)":
-                     gib(m["outside_allocator"]), "holds": m["reserved"] <= plan.total - plan.fixed})
-    held = all(r.get("holds", False) for r in rows)
-    return {"status": "ok" if held else "failed", "tables": {"plan against the allocator's peak": rows},
-            "summary": f"{len(rows)} cases; the plan {'holds every' if held else 'MISSES a'} measured peak "
-                       f"(reserved); largest error {worst:.0%}"}
+    with tempfile.TemporaryDirectory(prefix="gpu-check-engines-") as model_dir:
+        torch.manual_seed(0)
+        fields = {k: v for k, v in QWEN2_SHAPES["0.5b"].items() if k != "model_type"}
+        Qwen2ForCausalLM(Qwen2Config(**fields)).to(torch.bfloat16).save_pretrained(model_dir)
+        rows = run_engines(model_dir, torch.device("cuda"), fields["vocab_size"])
+    ran = [r for r in rows if not r["verdict"].startswith("skipped")]
+    ok = bool(ran) and all(r["verdict"] == "holds" for r in ran)
+    return {"status": "ok" if ok else "failed", "tables": {"engines, world 1, Qwen2 0.5B shape": rows},
+            "deepspeed": deepspeed_import_error() or "imports",
+            "summary": "; ".join(f"{r['engine']}: {r['verdict']}" + (f", peak {r['max reserved GiB']} GiB reserved"
+                                                                     if r.get("max reserved GiB") else "")
+                                 for r in rows)}
 
+
+# ---- 7. throughput like for like, and the gpu-marked tests --------------------------------
 
 def part_throughput() -> dict:
     import train_throughput as tt
@@ -123,21 +150,80 @@ def part_throughput() -> dict:
     lengths = [len(r.prompt_ids) + len(r.response_ids) for r in rows]
     with torch.device("meta"):
         flops, _ = tt.flops_per_step(tt.build("1.5b", torch.device("meta")), lengths)
-    micro_rows = max(1, int(16384 // (sum(lengths) / len(rows)) // 2))
     peak = peak_flops(torch.cuda.get_device_name(0))
-    table, seconds = [], {}
-    for name, side in (("rlhf_trainer", lambda: tt.ours("1.5b", rows, 16384, device, 3)),
-                       ("plain HF", lambda: tt.peer("1.5b", rows, micro_rows, device, 3))):
-        t, memory = tt.measure(side, device)
-        seconds[name] = t
-        table.append({"side": name, "tokens/s": "OOM" if t is None else f"{sum(lengths) / t:,.0f}",
-                      "s/step": None if t is None else round(t, 3),
-                      "MFU": None if t is None or not peak else f"{flops / t / peak:.1%}", "peak GiB": round(memory, 2)})
-    ratio = (seconds["plain HF"] / seconds["rlhf_trainer"]) if all(seconds.values()) else None
-    return {"status": "ok", "tables": {"1.5B shape, 64 sequences": table}, "tokens_per_step": sum(lengths),
-            "summary": f"{sum(lengths)} tokens/step: " + "; ".join(f"{r['side']} {r['tokens/s']} tokens/s MFU {r['MFU']}"
-                                                                     for r in table)
-                       + (f"; ours / plain HF {ratio:.2f}" if ratio else "")}
+    results = tt.run_pairs("1.5b", rows, 16384, device, 2, [False, True])
+    table = [{"side": r["label"], "layout": r["layout"], "tokens computed": r["computed_tokens"],
+              "tokens/s": "OOM" if r["seconds"] is None else f"{sum(lengths) / r['seconds']:,.0f}",
+              "s/step": None if r["seconds"] is None else round(r["seconds"], 3),
+              "MFU": None if r["seconds"] is None or not peak else f"{flops / r['seconds'] / peak:.1%}",
+              "peak GiB": round(r["peak_gib"], 2)} for r in results]
+    ratios = tt.ratios(results)
+    return {"status": "ok", "tables": {"1.5B shape, 64 sequences, 16384-token micro-batches": table},
+            "tokens_per_step": sum(lengths), "ratios": {("checkpointing" if k else "no checkpointing"): v
+                                                        for k, v in ratios.items()},
+            "summary": f"{sum(lengths)} real tokens/step, counted on both sides: "
+                       + "; ".join(f"{r['side']} {r['tokens/s']} tokens/s MFU {r['MFU']} ({r['layout']})"
+                                   for r in table)
+                       + "; ours / plain HF " + ", ".join(f"{'checkpointing' if k else 'no checkpointing'} "
+                                                          + (f"{v:.2f}" if v else "n/a") for k, v in ratios.items())}
+
+
+GPU_TESTS_DESELECT = "not learns_the_demo_task"
+"""The gpu-marked tests left out of the part: the demo's 250-step learning runs (up to 30
+minutes each); the demo part runs that job, cut to its box."""
+
+
+def junit_summary(path: str) -> dict:
+    """Counts and the failing tests of a pytest junit XML file."""
+    import xml.etree.ElementTree as ET
+
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    counts = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    failed = [f"{c.get('classname')}::{c.get('name')}" for s in suites for c in s.iter("testcase")
+              if c.find("failure") is not None or c.find("error") is not None]
+    return {**counts, "failed": failed}
+
+
+def run_cut(command: list[str], cwd: str, timeout_s: float) -> tuple[str, int | None, bool]:
+    """Run `command`; past `timeout_s`, Ctrl-C (pytest then ends its session and writes its
+    reports), and 15 s later a kill. (output, exit code, whether it was cut)."""
+    proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=timeout_s)
+        return log, proc.returncode, False
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        try:
+            log, _ = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            log, _ = proc.communicate()
+        return log or "", proc.returncode, True
+
+
+def part_gpu_tests() -> dict:
+    """`pytest -m gpu tests` with --junitxml into $OUT (else runs/gpu-check/), interrupted
+    (SIGINT: pytest still writes its report) before the part's box ends. A module that cannot
+    be collected on that machine (a package it lacks) is an error in the report, and the
+    gpu-marked tests of the other modules still run."""
+    out_dir = os.environ.get("OUT") or str(ROOT / "runs" / "gpu-check")
+    os.makedirs(out_dir, exist_ok=True)
+    junit = os.path.join(out_dir, "gpu-tests.junit.xml")
+    deadline = float(os.environ.get("GPU_CHECK_DEADLINE", time.time() + 120))
+    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-k", GPU_TESTS_DESELECT, "tests", "-q",
+               "-p", "no:cacheprovider", "--continue-on-collection-errors", f"--junitxml={junit}"]
+    log, code, cut = run_cut(command, str(ROOT), max(10.0, deadline - time.time() - 20))
+    summary = junit_summary(junit) if os.path.exists(junit) else None
+    ok = summary is not None and not summary["failures"] and not summary["errors"] and not cut
+    return {"status": "ok" if ok else "failed", "junit": junit, "exit_code": code, "cut": cut,
+            "counts": summary, "log_tail": (log or "")[-2000:],
+            "summary": (f"{summary['tests']} tests: {summary['failures']} failed, {summary['errors']} errors, "
+                        f"{summary['skipped']} skipped"
+                        + (f" ({', '.join(summary['failed'][:5])})" if summary['failed'] else "")
+                        if summary else "no junit report") + (" (cut at the time box)" if cut else "")
+                       + f"; -k '{GPU_TESTS_DESELECT}'"}
 
 
 def part_demo() -> dict:
@@ -175,3 +261,4 @@ def part_demo() -> dict:
             "summary": f"{len(rows)} steps ({'done' if finished else f'cut at {timeout:.0f} s'}), "
                        f"reward {first:.2f} -> {last:.2f}, "
                        f"trainer on CUDA: {gpu > 0}"}
+

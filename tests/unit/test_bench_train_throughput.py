@@ -33,15 +33,16 @@ def test_tiny_shape_runs_both_sides_on_cpu():
     res = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120, env=env)
     assert res.returncode == 0, res.stderr[-4000:]
     out = res.stdout
-    for side in ("rlhf_trainer", "plain HF"):
-        m = re.search(rf"^\s*{side}: ([\d,]+) tokens/s, ([\d.]+) s/step, MFU n/a on CPU, memory ([\d.]+) GiB", out, re.M)
-        assert m, out
-        assert int(m[1].replace(",", "")) > 0 and float(m[3]) > 0
-    m = re.search(r"^shape tiny \(([\d,]+) parameters without the input embedding\), 8 sequences, (\d+) tokens per step, "
-                  r"(\S+) model FLOPs per step$", out, re.M)
+    m = re.search(r"^shape tiny \(([\d,]+) parameters without the input embedding\), 8 sequences, (\d+) tokens per step "
+                  r"\(real, counted on both sides\), (\S+) model FLOPs per step$", out, re.M)
     assert m, out
     assert math.isfinite(float(m[3])) and float(m[3]) > 6 * int(m[1].replace(",", "")) * int(m[2])
-    ratio = re.search(r"^ratio rlhf_trainer / plain HF tokens/s: ([\d.]+)$", out, re.M)
+    for side in ("rlhf_trainer", "plain HF"):  # both unpadded: they computed the real tokens only
+        s = re.search(rf"^{side} \(no checkpointing\): ([\d,]+) tokens/s, ([\d.]+) s/step, MFU n/a on CPU, "
+                      rf"memory ([\d.]+) GiB \(process max RSS\), packed \((\d+) tokens computed\)$", out, re.M)
+        assert s, out
+        assert int(s[1].replace(",", "")) > 0 and float(s[3]) > 0 and s[4] == m[2]
+    ratio = re.search(r"^ratio rlhf_trainer / plain HF tokens/s \(no checkpointing\): ([\d.]+)$", out, re.M)
     assert ratio and float(ratio[1]) > 0, out
 
 

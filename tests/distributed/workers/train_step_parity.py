@@ -47,6 +47,30 @@ GROUP = 4
 # the same on every rank: ratios far enough from 1 that the clip binds for some sequences / tokens
 OFF_POLICY = {"gspo": 0.05, "cispo-tis": 0.3}
 
+# What "equal to one process" means, shared by the CPU parity tests and `make gpu-check`'s parity part
+METRIC_KEYS = ["loss", "clip_fraction", "approx_kl", "entropy", "kl", "grad_norm", "advantage_mean", "skipped_steps"]
+METRIC_TOLERANCE = {"rel": 2e-4, "abs": 1e-6}
+"""A step metric of a parallel layout against one process's: pytest.approx's `rel` and `abs`."""
+PARAM_REL_ERR = 1e-3
+"""The updated weights' largest relative error (norm of the difference over the norm). Adam
+divides by sqrt(v): for parameters whose true gradient is ~0 (the key bias: softmax ignores a
+shift shared by all keys) float noise becomes an lr-sized update, hence 1e-3."""
+
+
+def mismatches(result: dict, keys: list[str] = METRIC_KEYS) -> list[str]:
+    """What of one case's result (this worker's JSON) is not equal to one process: the
+    metrics beyond METRIC_TOLERANCE, the weights beyond PARAM_REL_ERR; [] when it matches."""
+    got, want, out = result["metrics"], result["ref_metrics"], []
+    for key in keys:
+        if want.get(key) is None or got.get(key) is None:
+            if (want.get(key) is None) != (got.get(key) is None):
+                out.append(f"{key}: {got.get(key)} vs {want.get(key)}")
+        elif abs(got[key] - want[key]) > max(METRIC_TOLERANCE["rel"] * abs(want[key]), METRIC_TOLERANCE["abs"]):
+            out.append(f"{key}: {got[key]} vs {want[key]}")
+    if not result["param_rel_err"] < PARAM_REL_ERR:
+        out.append(f"weights: relative error {result['param_rel_err']:.2e} at {result['worst']}")
+    return out
+
 
 def resolved(variant: str) -> AlgorithmSpec:
     from rlhf_contract.api.presets import PRESETS
