@@ -4,10 +4,16 @@ report (docs/testing.md gives the exact device call).
     python bench/gpu_check.py                 # report into $OUT if set, else runs/gpu-check/
     python bench/gpu_check.py --parts nccl,attention
 
-Six parts (bench/gpu_check_parts.py), each in a process of its own with a time box, so a
-part that fails, hangs or crashes the CUDA context loses only its own result:
+Eight parts (bench/gpu_check_parts.py, gpu_check_pair.py, ...), each in a process of its own
+with a time box, so a part that fails, hangs or crashes the CUDA context loses only its own result:
   nccl        our libnccl binding and NcclTransport on CUDA, a world-size-1 communicator:
               connect, bf16 buckets, synchronize, a whole sender round, close, the abort path;
+  pair        the real sender (launcher, trainer main, WeightSyncSender) to one and then two
+              receiving processes on the same GPU (each its own NCCL_HOSTID: NCCL's network
+              transport on loopback), a 1.5B-shaped bf16 set: sha256 of every tensor on both
+              sides, GB/s labelled by the network NCCL chose ("Using network ...");
+  failures    on that pair: a receiver killed and one stopped mid-transfer, one that never
+              joins (exit 75 each), a bad NCCL_SOCKET_IFNAME (exit 2), each within its deadline;
   ipc         CUDA IPC weight transfer to a second process on the GPU, as colocated vLLM
               servers take weights (weight_sync/ipc.py): bit for bit, GB/s;
   attention   packed attention (varlen_attn where this torch has it, feature-detected)
@@ -40,7 +46,7 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 TOTAL_S = 420
 """The whole check's budget; each part gets min(its box, what is left)."""
-PARTS: dict[str, int] = {"nccl": 90, "ipc": 45, "attention": 90, "memory": 120, "throughput": 120, "demo": 140}
+PARTS: dict[str, int] = {"nccl": 90, "pair": 120, "failures": 120, "ipc": 45, "attention": 90, "memory": 120, "throughput": 120, "demo": 140}
 """Each part's time box in seconds, in the order they run."""
 DEADLINE_ENV = "GPU_CHECK_DEADLINE"
 """Given to each part: the epoch second its box ends (the demo stops its job before it)."""

@@ -241,9 +241,10 @@ def _time_ms(fn, repeat: int = 5) -> float:
 def run_child(name: str, result: Path) -> int:
     """One part in this process; its result (or its error) as JSON in `result`."""
     from gpu_check_ipc import part_ipc
+    from gpu_check_pair import part_failures, part_pair
     from gpu_check_train import part_demo, part_memory, part_throughput
 
-    parts = {"nccl": part_nccl, "ipc": part_ipc, "attention": part_attention, "memory": part_memory,
+    parts = {"nccl": part_nccl, "pair": part_pair, "failures": part_failures, "ipc": part_ipc, "attention": part_attention, "memory": part_memory,
              "throughput": part_throughput, "demo": part_demo}
     try:
         data = parts[name]()

@@ -27,7 +27,7 @@ def test_without_a_gpu_every_part_is_skipped_in_one_report(tmp_path, monkeypatch
     monkeypatch.setenv("OUT", str(tmp_path))
     assert gpu_check().main([]) == 0
     report = json.loads((tmp_path / "gpu-check.json").read_text())
-    assert list(report["parts"]) == ["nccl", "ipc", "attention", "memory", "throughput", "demo"]
+    assert list(report["parts"]) == ["nccl", "pair", "failures", "ipc", "attention", "memory", "throughput", "demo"]
     assert all(p == {"status": "skipped", "reason": "no GPU: torch.cuda.is_available() is False"}
                for p in report["parts"].values())
     assert report["machine"]["torch"] == torch.__version__ and report["machine"]["gpus"] == 0
@@ -61,4 +61,4 @@ def test_a_part_that_crashes_hangs_or_fails_loses_only_its_own_result(tmp_path, 
 def test_unknown_parts_are_refused_with_the_known_ones(capsys):
     with pytest.raises(SystemExit):
         gpu_check().main(["--parts", "nccl,mfu"])
-    assert "--parts: unknown mfu (known: nccl, ipc, attention, memory, throughput, demo)" in capsys.readouterr().err
+    assert "--parts: unknown mfu (known: nccl, pair, failures, ipc, attention, memory, throughput, demo)" in capsys.readouterr().err
