@@ -6,7 +6,7 @@ not vLLM; it follows vLLM's receiver code path:
 
 - GET /version, /server_info, /get_world_size answer the trainer's start-up handshake
   (rollout/servers.py): vLLM 0.33.0, `weight_transfer_config.backend` ("nccl" or "gloo"),
-  `model_config.dtype` bfloat16, one worker, and on NCCL the trainer's own NCCL release;
+  `model_config.dtype` bfloat16 (`--serving-dtype`), one worker, and on NCCL the trainer's own NCCL release;
 - POST /init_weight_transfer_engine joins the group from `init_info` at `rank_offset`: on
   NCCL from `nccl_unique_id_b64` (ncclCommInitRank, then the one-element float32 sum
   all_reduce of vLLM's PyNcclCommunicator warm-up), through vLLM's own PyNcclCommunicator
@@ -125,9 +125,9 @@ class GlooJoin:
 
 
 class Receiver:
-    def __init__(self, backend: str, device: torch.device, *, hold_after: int | None, never_join: bool,
-                 timeout_s: float):
-        self.backend, self.device, self.timeout_s = backend, device, timeout_s
+    def __init__(self, backend: str, device: torch.device, *, hold_after: int | None = None, never_join: bool = False,
+                 timeout_s: float = 600.0, serving_dtype: str = "torch.bfloat16"):
+        self.backend, self.device, self.timeout_s, self.serving_dtype = backend, device, timeout_s, serving_dtype
         self.hold_after, self.never_join = hold_after, never_join
         self.join = self.init_info = self.meta = None
         self.tensors: dict[str, torch.Tensor] = {}
@@ -136,8 +136,9 @@ class Receiver:
         self.shutdown = threading.Event()
 
     def server_info(self) -> dict:
-        info: dict = {"vllm_config": {"weight_transfer_config": {"backend": self.backend},
-                                      "model_config": {"dtype": "torch.bfloat16"}}}
+        info: dict = {"vllm_config": {"weight_transfer_config": {"backend": self.backend}}}
+        if self.serving_dtype:  # the sender casts every floating-point tensor to it
+            info["vllm_config"]["model_config"] = {"dtype": self.serving_dtype}
         if self.backend == "nccl":  # the trainer compares its NCCL release with the server's pip list
             info["system_env"] = {"pip_packages": "nvidia-nccl-cu13==" + ".".join(map(str, nccl.load().version()))}
         return info
@@ -249,12 +250,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hold-after", type=int, default=None, help="stop taking buckets after the N-th")
     parser.add_argument("--never-join", action="store_true", help="take the init call, never join the group")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="the gloo group's timeout")
+    parser.add_argument("--serving-dtype", default="torch.bfloat16",
+                        help="model_config.dtype in /server_info ('' for none: tensors travel in their own dtypes)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     receiver = Receiver(args.backend, device, hold_after=args.hold_after, never_join=args.never_join,
-                        timeout_s=args.timeout_s)
+                        timeout_s=args.timeout_s, serving_dtype=args.serving_dtype)
     server = http.server.ThreadingHTTPServer(("127.0.0.1", args.port), handler(receiver))
     server.daemon_threads = True
     server.serve_forever()
