@@ -41,8 +41,6 @@ import time
 import types
 from pathlib import Path
 
-import torch
-
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 RECEIVER = BENCH / "gpu_check_receiver.py"
@@ -81,14 +79,18 @@ def qwen2_tensors(c: dict) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-def make_weights(shape: str, device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
+def make_weights(shape: str, device, seed: int = 0) -> dict:
     """Deterministic random bf16 values for every tensor of `SHAPES[shape]`."""
+    import torch
+
     gen = torch.Generator(device=device).manual_seed(seed)
     return {name: torch.randn(dims, device=device, generator=gen).to(torch.bfloat16)
             for name, dims in qwen2_tensors(SHAPES[shape])}
 
 
-def sha256(tensor: torch.Tensor) -> str:
+def sha256(tensor) -> str:
+    import torch
+
     return hashlib.sha256(tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
@@ -162,6 +164,8 @@ class PairLoop:
             return self.sender.init()
         # On a machine without CUDA only: past NcclTransport's CUDA check (as the unit tests do), so
         # the real ncclGetUniqueId runs with this process's NCCL_SOCKET_IFNAME
+        import torch
+
         saved = torch.cuda.is_available, torch.cuda.current_device
         torch.cuda.is_available, torch.cuda.current_device = (lambda: True), (lambda: 0)
         try:
@@ -278,7 +282,7 @@ def run_case(workdir: Path, *, backend: str, device: str, shape: str, receivers:
     from rlhf_trainer.launch import ENV_CHECKED_CONFIG, config_digest
 
     spec = {"shape": shape, "rounds": rounds, "result": str(result), "bucket_bytes": bucket_bytes,
-            "cpu_nccl": fault == "bad interface" and not torch.cuda.is_available()}
+            "cpu_nccl": fault == "bad interface" and not device.startswith("cuda")}
     env = {**os.environ, **nccl_env(workdir, "trainer"), SPEC_ENV: json.dumps(spec),
            ENV_TRAINER_CONFIG: str(config), ENV_CHECKED_CONFIG: config_digest(config),
            ENV_ROLLOUT_ENDPOINTS: ",".join(urls), ENV_WEIGHT_SYNC_ADDR: f"127.0.0.1:{free_port()}",
@@ -417,7 +421,22 @@ def part_failures() -> dict:
                                  f"{c.get('seconds')} s of {c['deadline_s']}" for c in cases)}
 
 
+def die_with_parent() -> None:
+    """SIGKILL this process when its parent ends (Linux): the trainer runs in a session of its
+    own (so a missed deadline ends it and its launcher at once), and a part that the check's
+    time box kills must not leave it behind on the GPU."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent ended before the call
+        os._exit(1)
+
+
 if __name__ == "__main__":
+    die_with_parent()
     if sys.argv[1:] == ["--launcher"]:
         sys.exit(launcher_process())
     if sys.argv[1:] == ["--trainer"]:
