@@ -104,21 +104,25 @@ def sha256(tensor) -> str:
 USING_NETWORK = re.compile(r"NCCL INFO Using network (.+?)\s*$")
 CHANNEL = re.compile(r"NCCL INFO Channel \d+/\d+ : \d+\[\d+\] -> \d+\[\d+\] (?:\[(send|receive)\] )?via (\S+)")
 VERSION = re.compile(r"NCCL version (\S+)")
+WARN = re.compile(r"NCCL WARN (.*?)\s*$")  # "[%d] %s:%d NCCL WARN " (src/debug.cc) then the call site's
 
 
 def parse_nccl_log(text: str) -> dict:
     """What NCCL's INFO log says of its transport: the network it loaded (`network`), the
-    distinct transports its channels were set up over (`via`, e.g. "NET/Socket/0"), and its
-    version line."""
-    networks, via, version = [], [], None
+    distinct transports its channels were set up over (`via`, e.g. "NET/Socket/0"), its
+    version line, and its first WARN lines (why a communicator was refused)."""
+    networks, via, version, warnings = [], [], None, []
     for line in text.splitlines():
-        if m := USING_NETWORK.search(line):
+        if m := WARN.search(line):
+            warnings.append(m.group(1))
+        elif m := USING_NETWORK.search(line):
             networks.append(m.group(1)) if m.group(1) not in networks else None
         elif m := CHANNEL.search(line):
             via.append(m.group(2)) if m.group(2) not in via else None
         elif version is None and (m := VERSION.search(line)):
             version = m.group(1)
-    return {"network": networks[0] if len(networks) == 1 else (networks or None), "via": via, "version": version}
+    return {"network": networks[0] if len(networks) == 1 else (networks or None), "via": via, "version": version,
+            "warnings": warnings[:10]}
 
 
 def network_label(parsed: dict) -> str:
@@ -398,21 +402,34 @@ def run_failures(workdir: Path, *, backend: str, device: str, shape: str, timeou
 
 def part_pair() -> dict:
     with tempfile.TemporaryDirectory(prefix="gpu-check-pair-") as tmp:
-        cases = run_pair(Path(tmp), backend="nccl", device="cuda:0", shape="1.5b")
-    for case in cases:
-        case.pop("_checksums", None)
-    rows = [{"receivers": c["receivers"], "network": c.get("network"), "GiB": c.get("gib"),
-             "buckets": c.get("buckets"), "GB/s per round": c.get("gb_per_s"), "exit": c.get("exit_code"),
-             "sha256 equal": c.get("checksums_match")} for c in cases]
-    ok = all(c["ok"] for c in cases)
-    return {"status": "ok" if ok else "failed", "cases": cases, "tables": {"sender to receivers": rows},
-            "summary": "; ".join(f"{c['receivers']} receiver(s) over {c.get('network')}: {c.get('gb_per_s')} GB/s, "
-                                 f"sha256 {'equal' if c.get('checksums_match') else 'NOT equal'}" for c in cases)}
+        return pair_report(run_pair(Path(tmp), backend="nccl", device="cuda:0", shape="1.5b"))
 
 
 def part_failures() -> dict:
     with tempfile.TemporaryDirectory(prefix="gpu-check-failures-") as tmp:
-        cases = run_failures(Path(tmp), backend="nccl", device="cuda:0", shape="1.5b", timeout_s=12, start_s=20)
+        return failures_report(run_failures(Path(tmp), backend="nccl", device="cuda:0", shape="1.5b", timeout_s=12,
+                                            start_s=20))
+
+
+def pair_report(cases: list[dict]) -> dict:
+    """The pair part's result from its cases (the checksums themselves left out)."""
+    cases = [{k: v for k, v in c.items() if k != "_checksums"} for c in cases]
+    rows = [{"receivers": c["receivers"], "network": c.get("network"), "GiB": c.get("gib"),
+             "buckets": c.get("buckets"), "GB/s per round": c.get("gb_per_s"), "exit": c.get("exit_code"),
+             "sha256 equal": c.get("checksums_match")} for c in cases]
+    return {"status": "ok" if all(c["ok"] for c in cases) else "failed", "cases": cases,
+            "tables": {"sender to receivers": rows}, "summary": "; ".join(_pair_summary(c) for c in cases)}
+
+
+def _pair_summary(c: dict) -> str:
+    if c.get("exit_code") != 0:  # e.g. NCCL refusing two ranks on one GPU: its own words
+        return (f"{c['receivers']} receiver(s): trainer exit {c.get('exit_code')}: {c.get('termination_message') or ''}"
+                f" {c.get('error') or ''} NCCL: {(c.get('nccl') or {}).get('warnings')}")
+    return (f"{c['receivers']} receiver(s) over {c.get('network', c['backend'])}: {c.get('gb_per_s')} GB/s per round, "
+            f"sha256 of {c.get('tensors')} tensors {'equal' if c.get('checksums_match') else 'NOT equal'}")
+
+
+def failures_report(cases: list[dict]) -> dict:
     rows = [{"case": c["case"], "exit": c.get("exit_code"), "expected": c["expected"], "seconds": c.get("seconds"),
              "deadline s": c["deadline_s"], "ok": c["ok"]} for c in cases]
     return {"status": "ok" if all(c["ok"] for c in cases) else "failed", "cases": cases,

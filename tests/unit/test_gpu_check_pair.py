@@ -82,7 +82,7 @@ def test_the_nccl_log_parser_reads_ncclss_own_lines():
         PREFIX + NET_SEND % (1, 0, 0, 0, 1, 0, "Socket", 0, "", "", ""),
         "[2026-11-28 23:40:01] " + PREFIX + "comm 0x5 rank 0 nranks 3 cudaDev 0 - Init COMPLETE"])
     assert pair.parse_nccl_log(socket_log) == {"network": "Socket", "via": ["NET/Socket/0"],
-                                               "version": "2.28.9+cuda13.0"}
+                                               "version": "2.28.9+cuda13.0", "warnings": []}
     assert pair.network_label(pair.parse_nccl_log(socket_log)) == "Socket (NET/Socket/0)"
     ib_log = "\n".join(["[2026-11-28 23:40:01] " + PREFIX + "Using network %s" % "IB",
                         PREFIX + NET_SEND % (0, 1, 0, 0, 1, 0, "IB", 3, "/GDRDMA", "", "/Shared"),
@@ -91,6 +91,10 @@ def test_the_nccl_log_parser_reads_ncclss_own_lines():
     parsed = pair.parse_nccl_log(ib_log)
     assert parsed["network"] == "IB" and parsed["via"] == ["NET/IB/3/GDRDMA/Shared", "P2P/IPC"]
     assert pair.network_label(pair.parse_nccl_log("")) == "no NCCL log"
+    refused = ("\n[2026-11-28 23:40:01] " + "%s:%d:%d " % ("gpu-host", 4242, 4250) + "[%d] %s:%d NCCL WARN " % (
+        0, "init.cc", 904) + "Duplicate GPU detected : rank %d and rank %d both on CUDA device %lx" % (1, 0, 0x1b000))
+    assert pair.parse_nccl_log(refused)["warnings"] == [
+        "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1b000"]
 
 
 def test_the_real_sender_reaches_every_receiver_bit_for_bit(cases):
@@ -123,3 +127,14 @@ def test_a_bad_interface_name_ends_the_trainer_with_exit_2(cases):
     assert "ncclGetUniqueId" in case["termination_message"]
     assert case["exit_code"] == 2, case["termination_message"]
     assert case["seconds"] <= case["deadline_s"]
+
+
+def test_the_parts_report_their_cases(cases):
+    report = pair.pair_report([cases["2 receivers"]])
+    assert report["status"] == "ok" and "_checksums" not in report["cases"][0]
+    assert report["tables"]["sender to receivers"][0]["sha256 equal"] is True
+    assert "sha256 of 27 tensors equal" in report["summary"]
+    failures = pair.failures_report([cases[name] for name in pair.EXPECTED])
+    assert [row["expected"] for row in failures["tables"]["failures injected"]] == [75, 75, 75, 2]
+    assert "killed: exit 75 (expected 75)" in failures["summary"]
+    assert failures["status"] == ("ok" if cases["bad interface"]["exit_code"] == 2 else "failed")
