@@ -233,10 +233,10 @@ def start_receivers(workdir: Path, n: int, *, backend: str, device: str, faults:
     for i in range(n):
         port = free_port()
         env = {**os.environ, **nccl_env(workdir, f"receiver{i}")}
-        log = open(workdir / f"receiver{i}.log", "w")
-        procs.append(subprocess.Popen([sys.executable, str(RECEIVER), "--port", str(port), "--backend", backend,
-                                       "--device", device, "--timeout-s", str(timeout_s), *faults.get(i, [])],
-                                      env=env, stdout=log, stderr=subprocess.STDOUT))
+        with open(workdir / f"receiver{i}.log", "w") as log:  # the child keeps its own descriptor
+            procs.append(subprocess.Popen([sys.executable, str(RECEIVER), "--port", str(port), "--backend", backend,
+                                           "--device", device, "--timeout-s", str(timeout_s),
+                                           *faults.get(i, [])], env=env, stdout=log, stderr=subprocess.STDOUT))
         urls.append(f"http://127.0.0.1:{port}")
     deadline = time.monotonic() + 60
     for proc, url in zip(procs, urls):
@@ -246,6 +246,9 @@ def start_receivers(workdir: Path, n: int, *, backend: str, device: str, faults:
                 break
             except Exception:  # noqa: BLE001  (not up yet)
                 if proc.poll() is not None or time.monotonic() > deadline:
+                    for other in procs:
+                        other.kill()
+                        other.wait()
                     raise RuntimeError(f"the receiver at {url} did not start: {tail(workdir / 'receiver0.log')}")
                 time.sleep(0.1)
     return procs, urls
@@ -295,10 +298,10 @@ def run_case(workdir: Path, *, backend: str, device: str, shape: str, receivers:
         env["NCCL_SOCKET_IFNAME"] = BAD_INTERFACE
     out: dict = {"case": fault or f"{receivers} receiver(s)", "backend": backend, "shape": shape,
                  "receivers": receivers}
-    log = open(workdir / "trainer.log", "w")
     start = time.monotonic()
-    trainer = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--launcher"], env=env, stdout=log,
-                               stderr=subprocess.STDOUT, start_new_session=True)
+    with open(workdir / "trainer.log", "w") as log:
+        trainer = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--launcher"], env=env, stdout=log,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
     try:
         if fault in ("killed", "stopped"):
             while not _holding(urls[0]):  # mid-transfer: the receiver has taken `hold_after` buckets
@@ -348,7 +351,16 @@ def run_case(workdir: Path, *, backend: str, device: str, shape: str, receivers:
         out["ok"] = out.get("exit_code") == 0 and out.get("checksums_match") is True
     if not out["ok"]:
         out["trainer_log_tail"] = tail(workdir / "trainer.log")
+        out["receiver_log_tail"] = tail(workdir / "receiver0.log", 1500)
     return out
+
+
+def guarded(case: str, expected: int | None, deadline_s: float, run) -> dict:
+    """`run()`, or the case failed with the harness's own error (the other cases still run)."""
+    try:
+        return run()
+    except Exception as exc:  # noqa: BLE001  (the report carries it)
+        return {"case": case, "ok": False, "error": repr(exc)[:3000], "expected": expected, "deadline_s": deadline_s}
 
 
 def _holding(url: str) -> bool:
@@ -375,9 +387,9 @@ def failure_deadlines(timeout_s: float, start_s: float) -> dict[str, float]:
 
 def run_pair(workdir: Path, *, backend: str, device: str, shape: str, rounds: int = 2,
              bucket_bytes: int | None = None, timeout_s: float = 120.0) -> list[dict]:
-    return [run_case(workdir / f"receivers-{n}", backend=backend, device=device, shape=shape, receivers=n,
-                     rounds=rounds, bucket_bytes=bucket_bytes, timeout_s=timeout_s, deadline_s=timeout_s * 2)
-            for n in (1, 2)]
+    return [guarded(f"{n} receiver(s)", None, timeout_s * 2, lambda n=n: run_case(
+        workdir / f"receivers-{n}", backend=backend, device=device, shape=shape, receivers=n, rounds=rounds,
+        bucket_bytes=bucket_bytes, timeout_s=timeout_s, deadline_s=timeout_s * 2)) | {"receivers": n} for n in (1, 2)]
 
 
 def run_failures(workdir: Path, *, backend: str, device: str, shape: str, timeout_s: float, start_s: float,
@@ -389,8 +401,9 @@ def run_failures(workdir: Path, *, backend: str, device: str, shape: str, timeou
     deadlines = failure_deadlines(timeout_s, start_s)
 
     def one(case: str) -> dict:
-        return run_case(workdir / case.replace(" ", "-"), backend=backend, device=device, shape=shape, fault=case,
-                        timeout_s=timeout_s, deadline_s=deadlines[case], bucket_bytes=bucket_bytes)
+        return guarded(case, EXPECTED[case], deadlines[case], lambda: run_case(
+            workdir / case.replace(" ", "-"), backend=backend, device=device, shape=shape, fault=case,
+            timeout_s=timeout_s, deadline_s=deadlines[case], bucket_bytes=bucket_bytes))
 
     if not parallel:
         return [one(case) for case in cases]

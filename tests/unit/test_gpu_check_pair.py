@@ -138,3 +138,16 @@ def test_the_parts_report_their_cases(cases):
     assert [row["expected"] for row in failures["tables"]["failures injected"]] == [75, 75, 75, 2]
     assert "killed: exit 75 (expected 75)" in failures["summary"]
     assert failures["status"] == ("ok" if cases["bad interface"]["exit_code"] == 2 else "failed")
+
+
+def test_a_case_the_harness_cannot_run_fails_alone_with_its_reason():
+    def refused():
+        raise RuntimeError("the receiver at http://127.0.0.1:1 did not start")
+
+    case = pair.guarded("killed", 75, 17.0, refused)
+    assert case == {"case": "killed", "ok": False, "expected": 75, "deadline_s": 17.0,
+                    "error": "RuntimeError('the receiver at http://127.0.0.1:1 did not start')"}
+    report = pair.failures_report([case])
+    assert report["status"] == "failed" and report["tables"]["failures injected"][0]["exit"] is None
+    broken = pair.pair_report([pair.guarded("1 receiver(s)", None, 240, refused) | {"receivers": 1}])
+    assert broken["status"] == "failed" and "did not start" in broken["summary"]
