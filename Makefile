@@ -95,7 +95,7 @@ test-fast: $(STAMP) sandbox-bin s3server-bin olah
 	RLHF_OLAH_PYTHON=$(OLAH_DIR)/bin/python $(BIN)/python -m pytest tests/unit tests/protocol tests/chart
 
 # The one command a lent GPU machine runs (bench/gpu_check.py; the device call is in
-# docs/testing.md): five time-boxed parts, one report (gpu-check.json and .md) in $$OUT or
+# docs/testing.md): eleven time-boxed parts, one report (gpu-check.json and .md) in $$OUT or
 # runs/gpu-check/. Without CUDA (here) every part is reported as skipped. No venv needed:
 # on the GPU machine it runs on that machine's torch (.gpu/run.sh sets the path).
 GPU_CHECK_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)

@@ -239,12 +239,13 @@ def run_child(name: str, result: Path) -> int:
     """One part in this process; its result (or its error) as JSON in `result`."""
     from gpu_check_ipc import part_ipc
     from gpu_check_memory import part_memory
+    from gpu_check_pair import part_failures, part_pair
     from gpu_check_parity import part_parity
     from gpu_check_train import part_demo, part_engines, part_gpu_tests, part_throughput
 
-    parts = {"nccl": part_nccl, "ipc": part_ipc, "attention": part_attention, "parity": part_parity,
+    parts = {"pair": part_pair, "failures": part_failures, "ipc": part_ipc, "parity": part_parity,
              "memory": part_memory, "engines": part_engines, "throughput": part_throughput,
-             "gpu-tests": part_gpu_tests, "demo": part_demo}
+             "gpu-tests": part_gpu_tests, "nccl": part_nccl, "attention": part_attention, "demo": part_demo}
     try:
         data = parts[name]()
         data.setdefault("status", "ok")

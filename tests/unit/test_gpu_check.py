@@ -27,8 +27,7 @@ def test_without_a_gpu_every_part_is_skipped_in_one_report(tmp_path, monkeypatch
     monkeypatch.setenv("OUT", str(tmp_path))
     assert gpu_check().main([]) == 0
     report = json.loads((tmp_path / "gpu-check.json").read_text())
-    assert list(report["parts"]) == ["nccl", "ipc", "attention", "parity", "memory", "engines", "throughput",
-                                    "gpu-tests", "demo"]
+    assert list(report["parts"]) == ['pair', 'failures', 'ipc', 'parity', 'memory', 'engines', 'throughput', 'gpu-tests', 'nccl', 'attention', 'demo']
     assert all(p == {"status": "skipped", "reason": "no GPU: torch.cuda.is_available() is False"}
                for p in report["parts"].values())
     assert report["machine"]["torch"] == torch.__version__ and report["machine"]["gpus"] == 0
@@ -62,7 +61,7 @@ def test_a_part_that_crashes_hangs_or_fails_loses_only_its_own_result(tmp_path, 
 def test_unknown_parts_are_refused_with_the_known_ones(capsys):
     with pytest.raises(SystemExit):
         gpu_check().main(["--parts", "nccl,mfu"])
-    assert "--parts: unknown mfu (known: nccl, ipc, attention, parity, memory, engines, throughput, gpu-tests, demo)" in capsys.readouterr().err
+    assert "--parts: unknown mfu (known: pair, failures, ipc, parity, memory, engines, throughput, gpu-tests, nccl, attention, demo)" in capsys.readouterr().err
 
 
 def test_the_ipc_parts_checksum_reads_bytes_so_one_flipped_bit_of_a_bf16_tensor_shows():
@@ -77,3 +76,29 @@ def test_the_ipc_parts_checksum_reads_bytes_so_one_flipped_bit_of_a_bf16_tensor_
     assert tensor_sha256(flipped) != tensor_sha256(t)
     zeros, negative_zeros = torch.zeros(4, dtype=torch.bfloat16), -torch.zeros(4, dtype=torch.bfloat16)
     assert torch.equal(zeros, negative_zeros) and tensor_sha256(zeros) != tensor_sha256(negative_zeros)
+
+
+def test_the_report_is_written_after_every_part_so_a_cut_run_keeps_what_ran(tmp_path, monkeypatch):
+    module = gpu_check()
+    monkeypatch.setattr(module, "machine", lambda: {"gpus": 1, "gpu": "stand-in"})
+    seen = []
+
+    def command(name, result):
+        if name == "memory":  # by the time the second part runs, the first one's result is on disk
+            seen.append(json.loads((tmp_path / "gpu-check.json").read_text())["parts"])
+        return [sys.executable, "-c", "import json, sys; open(sys.argv[1], 'w').write(json.dumps({'status': 'ok'}))",
+                str(result)]
+
+    report = module.run_all(["pair", "memory"], tmp_path, command=command, boxes={"pair": 20, "memory": 20})
+    assert list(seen[0]) == ["pair"] and seen[0]["pair"]["status"] == "ok"
+    assert list(report["parts"]) == ["pair", "memory"]
+    assert list(json.loads((tmp_path / "gpu-check.json").read_text())["parts"]) == ["pair", "memory"]
+
+
+def test_a_part_the_budget_leaves_out_is_reported_as_skipped_with_why(tmp_path, monkeypatch):
+    module = gpu_check()
+    monkeypatch.setattr(module, "machine", lambda: {"gpus": 1, "gpu": "stand-in"})
+    report = module.run_all(["pair", "failures"], tmp_path, total_s=12, boxes={"pair": 20, "failures": 20},
+                            command=lambda name, result: [sys.executable, "-c", "import time; time.sleep(30)"])
+    assert report["parts"]["pair"]["status"] == "timed out" and 11 < report["parts"]["pair"]["timeout_s"] <= 12
+    assert report["parts"]["failures"] == {"status": "skipped", "reason": "the check's 12 s budget is spent"}
