@@ -3,11 +3,10 @@ to a second process on the same GPU, as colocated vLLM servers take weights: the
 looks up its GPU's UUID in each bucket's handles, sets the device index, maps the buffer
 (`rebuild_cuda_tensor`), cuts it by `tensor_sizes` and clones each tensor, as vLLM's packed
 IPC consumer does; bucket after bucket from one reused buffer. Bit-exactness (the sha256 of
-every tensor's bytes, on both sides: `tensor_sha256`) and GB/s."""
+every tensor's bytes, on both sides: tensor_digest.py) and GB/s."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import subprocess
 import sys
@@ -16,22 +15,17 @@ import time
 from pathlib import Path
 
 import torch
+from tensor_digest import sha256 as tensor_sha256
 
 BENCH = Path(__file__).resolve().parent
 
-
-def tensor_sha256(t: torch.Tensor) -> str:
-    """The sha256 of a tensor's bytes as they lie in memory (any dtype, bf16 included: read as
-    bytes, not as numbers, so -0.0 and 0.0, or two NaNs, differ)."""
-    raw = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
-    return hashlib.sha256(raw.numpy().tobytes()).hexdigest()
 
 
 RECEIVER = textwrap.dedent("""
     import base64, json, pickle, sys, torch
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
     sys.path.insert(0, sys.argv[1])
-    from gpu_check_ipc import tensor_sha256
+    from tensor_digest import sha256 as tensor_sha256
     uuid = str(torch.cuda.get_device_properties(0).uuid)
     torch.zeros(1, device="cuda")
     print("ready", flush=True)

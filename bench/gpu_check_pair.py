@@ -28,7 +28,6 @@ receivers joining as the CPU engine does) and tiny shapes: tests/unit/test_gpu_c
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -40,6 +39,8 @@ import tempfile
 import time
 import types
 from pathlib import Path
+
+from tensor_digest import sha256
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
@@ -87,11 +88,6 @@ def make_weights(shape: str, device, seed: int = 0) -> dict:
     return {name: torch.randn(dims, device=device, generator=gen).to(torch.bfloat16)
             for name, dims in qwen2_tensors(SHAPES[shape])}
 
-
-def sha256(tensor) -> str:
-    import torch
-
-    return hashlib.sha256(tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 # ---- NCCL's log ----------------------------------------------------------------------------

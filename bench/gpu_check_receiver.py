@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import base64
 import datetime
-import hashlib
 import http.server
 import json
 import math
@@ -45,6 +44,7 @@ import threading
 import time
 
 import torch
+from tensor_digest import sha256  # the same on the sender's side
 
 
 def _weight_sync_modules():
@@ -72,10 +72,6 @@ bucket_ranges = _buckets.bucket_ranges
 VLLM_VERSION = "0.33.0"
 
 
-def sha256(tensor: torch.Tensor) -> str:
-    """The sha256 of a tensor's bytes (the same on the sender's side)."""
-    data = tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
-    return hashlib.sha256(data).hexdigest()
 
 
 class NcclJoin:

@@ -66,7 +66,7 @@ def test_unknown_parts_are_refused_with_the_known_ones(capsys):
 
 def test_the_ipc_parts_checksum_reads_bytes_so_one_flipped_bit_of_a_bf16_tensor_shows():
     sys.path.insert(0, str(SCRIPT.parent))
-    from gpu_check_ipc import tensor_sha256
+    from tensor_digest import sha256 as tensor_sha256
 
     t = torch.randn(64, 48).to(torch.bfloat16)
     same = t.clone()
