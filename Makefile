@@ -109,12 +109,17 @@ gpu-check:
 # only, which prepare.sh's binary-only download skips): its pure-Python wheel is built here from
 # the sdist of .venv's version, no ops compiled (DS_BUILD_OPS=0; DeepSpeed builds them at use).
 GPU_EXTRA_WHEELS ?= httpx2 httpcore2 truststore h11 anyio idna click hf-xet typer shellingham markdown-it-py mdurl \
-  xxhash pytest iniconfig pluggy packaging pygments pytest-timeout pytest-xdist execnet hjson msgpack ninja py-cpuinfo einops
+  xxhash pytest iniconfig pluggy packaging pygments pytest-timeout pytest-xdist execnet hjson msgpack ninja py-cpuinfo einops \
+  psutil urllib3 filelock
+GPU_PYZMQ_VERSION = 27.1.0
 gpu-wheels: $(STAMP)
 	EXTRA_WHEELS="$(GPU_EXTRA_WHEELS)" bash ../shared/gpu/prepare.sh
 	DS_BUILD_OPS=0 $(BIN)/python -m pip wheel -q --no-deps --no-build-isolation -w .gpu/whl \
 	  "deepspeed==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("deepspeed"))')" \
 	  || echo "gpu-wheels: no deepspeed wheel (gpu-check's engines part will say deepspeed cannot import)"
+	$(BIN)/python hack/gpu_vllm_source.py .gpu  # vLLM's own receiver for the pair and failures parts
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 -d .gpu/whl pyzmq==$(GPU_PYZMQ_VERSION)  # vLLM's communicator imports zmq
 
 crd: $(STAMP)
 	$(BIN)/rlhfctl crd > crds/rlhfjobs.yaml

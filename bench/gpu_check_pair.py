@@ -319,7 +319,10 @@ def run_case(workdir: Path, *, backend: str, device: str, shape: str, receivers:
         out["termination_message"] = termination.read_text()[:500]
         if fault is None and code == 0:
             sent = json.loads(result.read_text())
-            got = [_get(url + "/checksums", 120)["checksums"] for url in urls]
+            answers = [_get(url + "/checksums", 120) for url in urls]
+            got = [a["checksums"] for a in answers]
+            out["receiver"] = sorted({a.get("receiver") or "?" for a in answers})
+            out["receiver_errors"] = sorted({a["receiver_error"] for a in answers if a.get("receiver_error")})
             out.update(world_size=sent["world_size"], backend=sent["backend"], tensors=len(sent["checksums"]),
                        gib=round(sent["rounds"][-1]["bytes"] / 2**30, 3), buckets=sent["rounds"][-1]["buckets"],
                        mismatched=[[n for n in sent["checksums"] if g.get(n) != sent["checksums"][n]] + sorted(
@@ -409,12 +412,24 @@ def run_failures(workdir: Path, *, backend: str, device: str, shape: str, timeou
 
 # ---- the parts -------------------------------------------------------------------------------
 
+def use_vllm_source() -> None:
+    """Receive with the pinned vLLM's own PyNcclCommunicator where `make gpu-wheels` shipped its
+    Python code (.gpu/vllm-<version>-py.zip), unless RLHF_VLLM_SOURCE already names one."""
+    from rlhf_contract.images import VLLM_VERSION
+
+    shipped = ROOT / ".gpu" / f"vllm-{VLLM_VERSION}-py.zip"
+    if shipped.exists():
+        os.environ.setdefault("RLHF_VLLM_SOURCE", str(shipped))
+
+
 def part_pair() -> dict:
+    use_vllm_source()
     with tempfile.TemporaryDirectory(prefix="gpu-check-pair-") as tmp:
         return pair_report(run_pair(Path(tmp), backend="nccl", device="cuda:0", shape="1.5b"))
 
 
 def part_failures() -> dict:
+    use_vllm_source()
     with tempfile.TemporaryDirectory(prefix="gpu-check-failures-") as tmp:
         return failures_report(run_failures(Path(tmp), backend="nccl", device="cuda:0", shape="1.5b", timeout_s=12,
                                             start_s=20))
@@ -423,7 +438,8 @@ def part_failures() -> dict:
 def pair_report(cases: list[dict]) -> dict:
     """The pair part's result from its cases (the checksums themselves left out)."""
     cases = [{k: v for k, v in c.items() if k != "_checksums"} for c in cases]
-    rows = [{"receivers": c["receivers"], "network": c.get("network"), "GiB": c.get("gib"),
+    rows = [{"receivers": c["receivers"], "receiver": ", ".join(c.get("receiver") or []),
+             "network": c.get("network"), "GiB": c.get("gib"),
              "buckets": c.get("buckets"), "GB/s per round": c.get("gb_per_s"), "exit": c.get("exit_code"),
              "sha256 equal": c.get("checksums_match")} for c in cases]
     return {"status": "ok" if all(c["ok"] for c in cases) else "failed", "cases": cases,
@@ -434,7 +450,9 @@ def _pair_summary(c: dict) -> str:
     if c.get("exit_code") != 0:  # e.g. NCCL refusing two ranks on one GPU: its own words
         return (f"{c['receivers']} receiver(s): trainer exit {c.get('exit_code')}: {c.get('termination_message') or ''}"
                 f" {c.get('error') or ''} NCCL: {(c.get('nccl') or {}).get('warnings')}")
-    return (f"{c['receivers']} receiver(s) over {c.get('network', c['backend'])}: {c.get('gb_per_s')} GB/s per round, "
+    return (f"{c['receivers']} receiver(s) ({', '.join(c.get('receiver') or [])}"
+            + (f"; {'; '.join(c['receiver_errors'])}" if c.get("receiver_errors") else "") + ") "
+            f"over {c.get('network', c['backend'])}: {c.get('gb_per_s')} GB/s per round, "
             f"sha256 of {c.get('tensors')} tensors {'equal' if c.get('checksums_match') else 'NOT equal'}")
 
 

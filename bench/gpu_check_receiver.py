@@ -10,7 +10,7 @@ not vLLM; it follows vLLM's receiver code path:
 - POST /init_weight_transfer_engine joins the group from `init_info` at `rank_offset`: on
   NCCL from `nccl_unique_id_b64` (ncclCommInitRank, then the one-element float32 sum
   all_reduce of vLLM's PyNcclCommunicator warm-up), through vLLM's own PyNcclCommunicator
-  when `RLHF_VLLM_SOURCE` names its source, else through our libnccl binding
+  when `RLHF_VLLM_SOURCE` names its source (`vllm_communicator`), else through our libnccl binding
   (rlhf_trainer.weight_sync.nccl); on gloo over the TCPStore at master_address:master_port,
   as the CPU engine does (inference_image cpu_engine/weights.py);
 - POST /update_weights cuts the packed buckets from the round's metadata (names,
@@ -19,7 +19,8 @@ not vLLM; it follows vLLM's receiver code path:
   checks against vLLM's consumer), receives each by a broadcast from rank 0 and keeps the
   tensors; /pause, /resume, /start_weight_update, /finish_weight_update,
   /reset_prefix_cache ({"success": true}), /shutdown_weight_transfer_engine as vLLM;
-- GET /checksums: the sha256 of every tensor received (its bytes), and the calls seen;
+- GET /checksums: the sha256 of every tensor received (its bytes), the calls seen, and which
+  communicator received (vLLM's, or ours and why);
   GET /progress: buckets received, and whether the receiver holds (below).
 
 Faults, for the failure cases: `--hold-after N` stops taking buckets after the N-th of a
@@ -77,6 +78,8 @@ VLLM_VERSION = "0.33.0"
 class NcclJoin:
     """Rank `rank` of the trainer's NCCL group on `device`, through our libnccl binding."""
 
+    kind = "our libnccl binding"
+
     def __init__(self, uid: bytes, rank: int, world_size: int, device: torch.device):
         self.device, self.lib = device, nccl.load()
         with torch.cuda.device(device):
@@ -99,15 +102,43 @@ class NcclJoin:
         self.comm.abort()
 
 
+VLLM_SOURCE_ENV = "RLHF_VLLM_SOURCE"
+"""A directory or zip holding the pinned vLLM's Python package (`make gpu-wheels` puts
+`vllm-<version>-py.zip`, the .py files of its wheel, in .gpu/): its PyNcclCommunicator then
+receives, not our binding."""
+COMPILED_OPS = ("vllm._C_stable_libtorch",)
+"""The compiled extensions vLLM's CUDA platform imports at its top (platforms/cuda.py: custom
+ops that register themselves). The receiver uses none of them, and a zip of .py files has
+none: each is stood in by an empty module so the platform, and the communicator, import."""
+
+
+def vllm_communicator(source: str | None = None):
+    """vLLM's own PyNcclCommunicator, from `source` (or the vLLM this Python has), and vLLM's
+    version. Raises ImportError with vLLM's own message when its code cannot be imported."""
+    import importlib
+    import types
+
+    if source and source not in sys.path:
+        sys.path.insert(0, source)
+    for name in COMPILED_OPS:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            sys.modules[name] = types.ModuleType(name)  # not loadable here: an empty stand-in
+    import vllm
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+
+    return PyNcclCommunicator, getattr(vllm, "__version__", "unknown")
+
+
 class VllmJoin:
-    """The same through vLLM's own PyNcclCommunicator (its source in RLHF_VLLM_SOURCE)."""
+    """The same through vLLM's own PyNcclCommunicator (`vllm_communicator`)."""
 
     def __init__(self, uid: bytes, rank: int, world_size: int, device: torch.device):
-        sys.path.insert(0, os.environ["RLHF_VLLM_SOURCE"])
-        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-
-        self.device = device  # its constructor runs the warm-up all_reduce
-        self.comm = PyNcclCommunicator.from_unique_id_bytes(uid, rank, world_size, device)
+        cls, version = vllm_communicator(os.environ.get(VLLM_SOURCE_ENV))
+        self.kind = f"vLLM {version} PyNcclCommunicator"
+        self.device = device  # from_unique_id_bytes runs the warm-up all_reduce, as vLLM's workers do
+        self.comm = cls.from_unique_id_bytes(uid, rank, world_size, device)
         torch.cuda.synchronize(device)
 
     def broadcast(self, buf: torch.Tensor) -> None:
@@ -145,7 +176,7 @@ class Receiver:
                  timeout_s: float = 600.0, serving_dtype: str = "torch.bfloat16"):
         self.backend, self.device, self.timeout_s, self.serving_dtype = backend, device, timeout_s, serving_dtype
         self.hold_after, self.never_join = hold_after, never_join
-        self.join = self.init_info = self.meta = None
+        self.join = self.init_info = self.meta = self.join_error = None
         self.tensors: dict[str, torch.Tensor] = {}
         self.active, self.holding, self.buckets = False, False, 0
         self.calls: list[str] = []
@@ -169,8 +200,14 @@ class Receiver:
         if self.backend == "nccl":
             uid = base64.b64decode(info["nccl_unique_id_b64"], validate=True)
             assert len(uid) == 128 and "master_address" not in info
-            kind = VllmJoin if os.environ.get("RLHF_VLLM_SOURCE") else NcclJoin
-            self.join = kind(uid, rank, world, self.device)
+            self.join = None
+            if os.environ.get(VLLM_SOURCE_ENV):
+                try:
+                    self.join = VllmJoin(uid, rank, world, self.device)
+                except ImportError as exc:  # vLLM's code did not import here: said in the report
+                    self.join_error = f"vLLM's PyNcclCommunicator did not import: {exc!r}"[:500]
+            if self.join is None:
+                self.join = NcclJoin(uid, rank, world, self.device)
         else:
             self.join = GlooJoin(info["master_address"], info["master_port"], rank, world, self.timeout_s)
 
@@ -219,7 +256,9 @@ def handler(receiver: Receiver) -> type[http.server.BaseHTTPRequestHandler]:
             path = self.path.split("?")[0]
             answers = {"/health": lambda: {}, "/version": lambda: {"version": VLLM_VERSION},
                        "/get_world_size": lambda: {"world_size": 1}, "/server_info": receiver.server_info,
-                       "/checksums": lambda: {"checksums": receiver.checksums(), "calls": receiver.calls},
+                       "/checksums": lambda: {"checksums": receiver.checksums(), "calls": receiver.calls,
+                                              "receiver": getattr(receiver.join, "kind", "gloo"),
+                                              "receiver_error": receiver.join_error},
                        "/progress": lambda: {"buckets": receiver.buckets, "holding": receiver.holding}}
             if path not in answers:
                 return self.reply({}, 404)
