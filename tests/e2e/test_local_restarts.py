@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_contract.exit_codes import meaning
+from rlhf_contract.exit_codes import ExitCode, meaning
 from rlhf_contract.outputs import checkpoint_step, complete_checkpoints
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,27 +118,30 @@ def test_a_killed_rollout_server_is_replaced_alone_and_the_run_goes_on_without_a
     next rollout starting): the step goes on with the other, the launcher starts the killed one
     again, the trainer re-joins it with the current weights; no attempt is restarted."""
     out = tmp_path / "run"
-    # 40 short steps: the killed server restarts (a few seconds) and re-joins well before the end
-    run = _start(out, "schedule.totalSteps=40", "schedule.saveEvery=20", "runPolicy.maxRestarts=1",
+    # the restarted server takes seconds to start, which may be 5 steps on a quiet machine or 40
+    # on a loaded one: the run is long enough for either, and stopped once the server re-joined
+    run = _start(out, "schedule.totalSteps=2000", "schedule.saveEvery=20", "runPolicy.maxRestarts=1",
                  "rollout.replicas=2", "rollout.maxServerReplacements=1")
+    rejoined = "holds the current weights: routed to again"
     try:
         _wait(lambda: len(_steps(out)) >= 2, run)
         servers = sorted(_pids(SERVER, out))
         assert len(servers) == 2
         os.kill(servers[0], signal.SIGKILL)
-        _, stderr = run.communicate(timeout=400)
+        _wait(lambda: rejoined in (out / "logs" / "trainer.log").read_text(), run)  # the restarted one re-joined
+        after = len(_steps(out))
+        _wait(lambda: len(_steps(out)) >= after + 3, run)  # and steps go on with both
     finally:
         _stop(run)
-    assert run.returncode == 0, stderr[-3000:]
-    assert _steps(out) == list(range(1, 41))
+    assert run.returncode == ExitCode.INTERRUPTED, run.communicate()[1][-3000:]
+    steps = _steps(out)
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 5
     log = (out / "logs" / "attempts.log").read_text()
     assert re.search(r"rollout-\d exited with code 137: started again alone", log), log
     assert "restart" not in log and "attempt 1 failed" not in log, log
     assert "==== attempt 2 ====" not in (out / "logs" / "trainer.log").read_text()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["rollout_server_replacements"] == 1 and rows[0]["rollout_server_replacements"] == 0
-    trainer_log = (out / "logs" / "trainer.log").read_text()
-    assert "holds the current weights: routed to again" in trainer_log  # the restarted one re-joined
     assert not set(_pids(SERVER, out)) & set(servers)
 
 
