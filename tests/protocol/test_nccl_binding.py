@@ -24,7 +24,7 @@ from rlhf_trainer.weight_sync import nccl
 from rlhf_trainer.weight_sync.transport import NcclTransport
 
 FACTS = json.loads(Path(__file__).with_name("vllm_facts.json").read_text())["nccl"]
-NOT_IN_VLLM = {"ncclCommGetAsyncError"}  # declared by nccl.h; vLLM's wrapper does not use it
+NOT_IN_VLLM = {"ncclCommGetAsyncError", "ncclCommInitRankConfig"}  # in nccl.h; vLLM's wrapper does not use them (checked against nccl.h below)
 
 
 def _pin(requirement: str) -> tuple[str, str]:

@@ -79,6 +79,7 @@ def cpu_transport(handle: int | None) -> NcclTransport:
     transport.world_size, transport.device, transport.stream = 2, torch.device("cpu"), None
     transport.nccl = nccl.load()
     transport.unique_id = transport.nccl.unique_id()
+    transport.init_state()
     transport.comm = None if handle is None else nccl.Communicator(transport.nccl, handle)
     return transport
 

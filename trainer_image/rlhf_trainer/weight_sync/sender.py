@@ -228,6 +228,8 @@ class WeightSyncSender(IpcRounds):
             wait_all([*replies, connect], deadline)
         except BaseException as exc:
             group.close()
+            if getattr(group, "formation_abortable", False):  # the abort ends the formation: let it leave
+                cf.wait([connect], timeout=nccl.ABORT_LOCK_WAIT_S)
             # ncclCommInitRank cannot be aborted: a thread still inside it stays there, and no
             # group may form beside it (the trainer exits 75 without waiting for it: main.py)
             self.stuck = self.stuck or not connect.done() or group.stuck
