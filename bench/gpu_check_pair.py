@@ -448,8 +448,44 @@ def part_pair() -> dict:
 def part_failures() -> dict:
     use_vllm_source()
     with tempfile.TemporaryDirectory(prefix="gpu-check-failures-") as tmp:
-        return failures_report(run_failures(Path(tmp), backend="nccl", device="cuda:0", shape="1.5b", timeout_s=12,
-                                            start_s=20, cases=(*EXPECTED, *NCCL_ONLY)))
+        report = failures_report(run_failures(Path(tmp), backend="nccl", device="cuda:0", shape="1.5b",
+                                              timeout_s=12, start_s=20, cases=(*EXPECTED, *NCCL_ONLY)))
+    report["nonblocking config"] = config_probe()  # reported, not required (NCCL_ONLY)
+    return report
+
+
+CONFIG_PROBE = """
+import json, torch
+from rlhf_trainer.weight_sync import nccl
+lib, result = nccl.Nccl(), {}
+if torch.cuda.is_available():
+    torch.cuda.set_device(0)
+for kind in ("ours", "wrong magic"):
+    config = nccl.nonblocking_config()
+    if kind == "wrong magic":
+        config.magic ^= 0xFFFF
+    try:
+        comm = nccl.Communicator(lib, lib.comm_init_rank_nonblocking(1, lib.unique_id(), 0, config))
+        comm.wait_formed()
+        result[kind] = "formed"
+        comm.abort()
+    except nccl.NcclError as exc:
+        result[kind] = f"code {exc.code}: {exc}"
+result["read"] = result["ours"] == "formed" and result["wrong magic"].startswith("code 4")
+print(json.dumps(result))
+"""
+
+
+def config_probe() -> dict:
+    """Whether NCCL reads our ncclConfig_t (nccl.NcclConfig): a one-rank non-blocking
+    communicator forms with ours, and the same with a wrong magic is refused (invalid
+    argument, 4). Only where CUDA is: without it NCCL stops at cudaGetDevice before reading
+    the config (tests/protocol/test_nccl_binding.py)."""
+    out = subprocess.run([sys.executable, "-c", CONFIG_PROBE], capture_output=True, text=True, timeout=120)
+    try:
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"read": False, "error": (out.stdout + out.stderr)[-1500:]}
 
 
 def pair_report(cases: list[dict]) -> dict:
