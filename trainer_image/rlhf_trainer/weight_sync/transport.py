@@ -7,8 +7,10 @@ workers}, with the trainer as rank 0. Two transports behind one interface; the s
   `torch.cuda.nccl`, whose `init_rank` fails on Python <= 3.12). Rank 0 mints an
   `ncclUniqueId`, every server gets it as
   `init_info.nccl_unique_id_b64` (standard base64 of the 128 bytes), and all ranks call
-  `ncclCommInitRank` at the same time (there is no store barrier: the sender makes the
-  `/init_weight_transfer_engine` calls while `connect()` blocks). Right after init every
+  `ncclCommInitRank` (with RLHF_NCCL_NONBLOCKING_INIT=1 the non-blocking
+  `ncclCommInitRankConfig`, aborted at the deadline: nccl.py) at the same time (there is
+  no store barrier: the sender makes the `/init_weight_transfer_engine` calls while
+  `connect()` blocks). Right after init every
   vLLM worker issues a one-element float32 sum `all_reduce` (PyNcclCommunicator's
   warm-up), so `connect()` issues the matching one before anything else. Broadcasts run
   on the trainer's GPU, root = rank 0, on the caller's CUDA stream. No TCP rendezvous
