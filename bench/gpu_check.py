@@ -56,7 +56,7 @@ BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 TOTAL_S = 510
 """The whole check's budget; each part gets min(its box, what is left)."""
-PARTS: dict[str, int] = {"pair": 120, "failures": 120, "ipc": 45, "parity": 90, "memory": 150, "engines": 90,
+PARTS: dict[str, int] = {"pair": 120, "failures": 150, "ipc": 45, "parity": 90, "memory": 150, "engines": 90,
                          "throughput": 150, "gpu-tests": 120, "nccl": 60, "attention": 60, "demo": 140}
 """Each part's time box in seconds, in the order they run."""
 DEADLINE_ENV = "GPU_CHECK_DEADLINE"

@@ -20,7 +20,8 @@ random values). A failed sync so ends the way it ends in a job: main's WeightSyn
               on both sides, GB/s of /update_weights labelled by the network NCCL chose;
     failures  receiver killed (SIGKILL) and stopped (SIGSTOP) mid-transfer, a receiver that
               never joins (all: exit 75), a bad NCCL_SOCKET_IFNAME in the trainer (exit 2),
-              each within its deadline.
+              each within its deadline; on the GPU also "never joins" with the formation in
+              NCCL's non-blocking mode (NCCL_ONLY: exit 75, formation aborted or not).
 
 The same harness runs on the CPU with backend "gloo" (the sender's GlooTransport, the
 receivers joining as the CPU engine does) and tiny shapes: tests/unit/test_gpu_check_pair.py.
@@ -54,6 +55,15 @@ SHAPES = {"1.5b": QWEN2_1_5B, "tiny": TINY}
 SPEC_ENV = "GPU_CHECK_PAIR_SPEC"
 EXPECTED = {"killed": 75, "stopped": 75, "never joins": 75, "bad interface": 2}
 """ExitCode.WEIGHT_SYNC for a lost peer, ExitCode.CONFIG_ERROR for a wrong interface name."""
+NONBLOCKING = "never joins (non-blocking formation)"
+NCCL_ONLY = {NONBLOCKING: 75}
+"""Cases of the `failures` part on the GPU only: "never joins" with the trainer forming the
+group in NCCL's non-blocking mode (RLHF_NCCL_NONBLOCKING_INIT=1): exit 75 within the same
+deadline, and the report says whether the trainer's log shows the formation aborted. Not on
+the CPU: the gloo harness has no NCCL formation to abort (GlooTransport ignores the variable),
+so the case would only repeat "never joins"."""
+FORMATION_ABORTED = "aborting the non-blocking formation"
+"""What the trainer logs when it aborts a formation that did not finish (transport.py)."""
 BAD_INTERFACE = "doesnotexist0"
 REACH_S = 180.0
 """How long the trainer may take to reach the receiver's held bucket (start-up, init, packing)."""
@@ -273,7 +283,7 @@ def run_case(workdir: Path, *, backend: str, device: str, shape: str, receivers:
     joins" and "bad interface") to its exit, and for a clean round the checksums compared."""
     workdir.mkdir(parents=True, exist_ok=True)
     faults = {"killed": {0: ["--hold-after", str(hold_after)]}, "stopped": {0: ["--hold-after", str(hold_after)]},
-              "never joins": {0: ["--never-join"]}}.get(fault, {})
+              "never joins": {0: ["--never-join"]}, NONBLOCKING: {0: ["--never-join"]}}.get(fault, {})
     announced = "nccl" if fault == "bad interface" else backend  # the interface matters to NCCL only
     procs, urls = start_receivers(workdir, receivers, backend=announced, device=device, faults=faults,
                                   timeout_s=timeout_s)
@@ -292,6 +302,11 @@ def run_case(workdir: Path, *, backend: str, device: str, shape: str, receivers:
            ENV_OUTPUT_DIR: str(workdir / "output"), ENV_RESUME: "0", "RLHF_TERMINATION_LOG": str(termination)}
     if fault == "bad interface":
         env["NCCL_SOCKET_IFNAME"] = BAD_INTERFACE
+    from rlhf_trainer.weight_sync.nccl import NONBLOCKING_INIT_ENV
+
+    env.pop(NONBLOCKING_INIT_ENV, None)
+    if fault == NONBLOCKING:
+        env[NONBLOCKING_INIT_ENV] = "1"
     out: dict = {"case": fault or f"{receivers} receiver(s)", "backend": backend, "shape": shape,
                  "receivers": receivers}
     start = time.monotonic()
@@ -343,9 +358,11 @@ def run_case(workdir: Path, *, backend: str, device: str, shape: str, receivers:
                 proc.send_signal(signal.SIGCONT)
                 proc.kill()
             proc.wait()
+    if fault == NONBLOCKING:  # reported, not required: what the GPU measures before it becomes the default
+        out["formation_aborted"] = FORMATION_ABORTED in tail(workdir / "trainer.log", 10**6)
     if fault is not None:
-        out["expected"] = EXPECTED[fault]
-        out["ok"] = out.get("exit_code") == EXPECTED[fault] and out["seconds"] <= deadline_s
+        out["expected"] = {**EXPECTED, **NCCL_ONLY}[fault]
+        out["ok"] = out.get("exit_code") == out["expected"] and out["seconds"] <= deadline_s
     else:
         out["ok"] = out.get("exit_code") == 0 and out.get("checksums_match") is True
     if not out["ok"]:
@@ -381,7 +398,7 @@ def failure_deadlines(timeout_s: float, start_s: float) -> dict[str, float]:
 
     teardown = ABORT_LOCK_WAIT_S + SHUTDOWN_TIMEOUT_S + 5
     return {"killed": teardown, "stopped": timeout_s + teardown + 5, "never joins": start_s + timeout_s + teardown,
-            "bad interface": start_s + 10}
+            "bad interface": start_s + 10, NONBLOCKING: start_s + timeout_s + teardown}
 
 
 def run_pair(workdir: Path, *, backend: str, device: str, shape: str, rounds: int = 2,
@@ -400,7 +417,7 @@ def run_failures(workdir: Path, *, backend: str, device: str, shape: str, timeou
     deadlines = failure_deadlines(timeout_s, start_s)
 
     def one(case: str) -> dict:
-        return guarded(case, EXPECTED[case], deadlines[case], lambda: run_case(
+        return guarded(case, {**EXPECTED, **NCCL_ONLY}[case], deadlines[case], lambda: run_case(
             workdir / case.replace(" ", "-"), backend=backend, device=device, shape=shape, fault=case,
             timeout_s=timeout_s, deadline_s=deadlines[case], bucket_bytes=bucket_bytes))
 
@@ -431,8 +448,44 @@ def part_pair() -> dict:
 def part_failures() -> dict:
     use_vllm_source()
     with tempfile.TemporaryDirectory(prefix="gpu-check-failures-") as tmp:
-        return failures_report(run_failures(Path(tmp), backend="nccl", device="cuda:0", shape="1.5b", timeout_s=12,
-                                            start_s=20))
+        report = failures_report(run_failures(Path(tmp), backend="nccl", device="cuda:0", shape="1.5b",
+                                              timeout_s=12, start_s=20, cases=(*EXPECTED, *NCCL_ONLY)))
+    report["nonblocking config"] = config_probe()  # reported, not required (NCCL_ONLY)
+    return report
+
+
+CONFIG_PROBE = """
+import json, torch
+from rlhf_trainer.weight_sync import nccl
+lib, result = nccl.Nccl(), {}
+if torch.cuda.is_available():
+    torch.cuda.set_device(0)
+for kind in ("ours", "wrong magic"):
+    config = nccl.nonblocking_config()
+    if kind == "wrong magic":
+        config.magic ^= 0xFFFF
+    try:
+        comm = nccl.Communicator(lib, lib.comm_init_rank_nonblocking(1, lib.unique_id(), 0, config))
+        comm.wait_formed()
+        result[kind] = "formed"
+        comm.abort()
+    except nccl.NcclError as exc:
+        result[kind] = f"code {exc.code}: {exc}"
+result["read"] = result["ours"] == "formed" and result["wrong magic"].startswith("code 4")
+print(json.dumps(result))
+"""
+
+
+def config_probe() -> dict:
+    """Whether NCCL reads our ncclConfig_t (nccl.NcclConfig): a one-rank non-blocking
+    communicator forms with ours, and the same with a wrong magic is refused (invalid
+    argument, 4). Only where CUDA is: without it NCCL stops at cudaGetDevice before reading
+    the config (tests/protocol/test_nccl_binding.py)."""
+    out = subprocess.run([sys.executable, "-c", CONFIG_PROBE], capture_output=True, text=True, timeout=120)
+    try:
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"read": False, "error": (out.stdout + out.stderr)[-1500:]}
 
 
 def pair_report(cases: list[dict]) -> dict:
@@ -458,11 +511,14 @@ def _pair_summary(c: dict) -> str:
 
 def failures_report(cases: list[dict]) -> dict:
     rows = [{"case": c["case"], "exit": c.get("exit_code"), "expected": c["expected"], "seconds": c.get("seconds"),
-             "deadline s": c["deadline_s"], "ok": c["ok"]} for c in cases]
+             "deadline s": c["deadline_s"], "ok": c["ok"]}
+            | ({"formation aborted": c["formation_aborted"]} if "formation_aborted" in c else {}) for c in cases]
     return {"status": "ok" if all(c["ok"] for c in cases) else "failed", "cases": cases,
             "tables": {"failures injected": rows},
             "summary": "; ".join(f"{c['case']}: exit {c.get('exit_code')} (expected {c['expected']}) in "
-                                 f"{c.get('seconds')} s of {c['deadline_s']}" for c in cases)}
+                                 f"{c.get('seconds')} s of {c['deadline_s']}"
+                                 + (f", formation aborted: {c['formation_aborted']}" if "formation_aborted" in c else "")
+                                 for c in cases)}
 
 
 def die_with_parent() -> None:

@@ -151,3 +151,29 @@ def test_a_case_the_harness_cannot_run_fails_alone_with_its_reason():
     assert report["status"] == "failed" and report["tables"]["failures injected"][0]["exit"] is None
     broken = pair.pair_report([pair.guarded("1 receiver(s)", None, 240, refused) | {"receivers": 1}])
     assert broken["status"] == "failed" and "did not start" in broken["summary"]
+
+
+def test_the_nonblocking_case_is_nccl_only_and_reported_with_its_abort():
+    """"never joins (non-blocking formation)" runs on the GPU only: the gloo harness has no
+    NCCL formation to abort (GlooTransport ignores RLHF_NCCL_NONBLOCKING_INIT), so on the CPU it
+    would repeat "never joins". Here: its expectations and how the report shows it."""
+    assert pair.NONBLOCKING not in pair.EXPECTED and pair.NCCL_ONLY == {pair.NONBLOCKING: 75}
+    deadlines = pair.failure_deadlines(TIMEOUT_S, START_S)
+    assert deadlines[pair.NONBLOCKING] == deadlines["never joins"]
+    case = {"case": pair.NONBLOCKING, "exit_code": 75, "expected": 75, "seconds": 14.2, "deadline_s": 49.0,
+            "ok": True, "formation_aborted": False}
+    report = pair.failures_report([case])
+    assert report["tables"]["failures injected"][0]["formation aborted"] is False
+    assert report["summary"].endswith("in 14.2 s of 49.0, formation aborted: False")
+    from rlhf_trainer.weight_sync import transport
+
+    assert pair.FORMATION_ABORTED in Path(transport.__file__).read_text()  # the line the report looks for
+
+
+def test_the_config_probe_reports_that_the_cpu_cannot_show_the_config_read():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    probe = pair.config_probe()
+    assert probe["read"] is False, probe
+    assert probe["ours"].startswith("code 1: ncclCommInitRankConfig failed: NCCL error 1: unhandled cuda error")
+    assert probe["wrong magic"] == probe["ours"]  # NCCL stops at cudaGetDevice before the config

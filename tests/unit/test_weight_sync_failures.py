@@ -79,6 +79,7 @@ def cpu_transport(handle: int | None) -> NcclTransport:
     transport.world_size, transport.device, transport.stream = 2, torch.device("cpu"), None
     transport.nccl = nccl.load()
     transport.unique_id = transport.nccl.unique_id()
+    transport.init_state()
     transport.comm = None if handle is None else nccl.Communicator(transport.nccl, handle)
     return transport
 
@@ -375,3 +376,122 @@ def test_a_refused_prefix_cache_reset_is_asked_again(server, monkeypatch):
     assert server.calls == ["/reset_prefix_cache"] * sender_module.RESET_PREFIX_CACHE_ATTEMPTS
     assert time.monotonic() - start < 2
     sender.close()
+
+
+# ---- the opt-in non-blocking formation (RLHF_NCCL_NONBLOCKING_INIT=1) --------------------------
+# No CUDA here, so NCCL cannot form a communicator: these tests stand in for the library's
+# answers (a handle that stays ncclInProgress, ncclCommAbort ending it) and run our binding's
+# polling, the transport and the real sender around them. bench/gpu_check_pair.py's
+# "never joins (non-blocking formation)" runs the real thing on a GPU.
+
+FORMING = 0xF0  # a stand-in handle: never given to the real library below
+
+
+class FormingLibrary:
+    """ncclCommInitRankConfig / ncclCommGetAsyncError / ncclCommAbort as NCCL answers them for
+    a formation whose peer never joins: in progress until aborted (or `fail_with`)."""
+
+    def __init__(self, fail_with: int | None = None):
+        self.aborted, self.polls, self.fail_with = [], 0, fail_with
+
+    def install(self, monkeypatch, lib: nccl.Nccl) -> None:
+        monkeypatch.setattr(lib.__class__, "comm_init_rank_nonblocking", lambda _, *a: FORMING)
+        monkeypatch.setattr(lib.__class__, "async_error", lambda _, handle: self.async_error(handle))
+        monkeypatch.setattr(lib.__class__, "abort", lambda _, handle: self.aborted.append(handle))
+
+    def async_error(self, handle: int) -> int:
+        assert handle == FORMING and not self.aborted  # never polled after the abort
+        self.polls += 1
+        return self.fail_with if self.fail_with is not None and self.polls > 2 else nccl.NCCL_IN_PROGRESS
+
+
+def _nonblocking_sender(server, monkeypatch, library: FormingLibrary) -> tuple[WeightSyncSender, NcclTransport]:
+    import contextlib
+
+    monkeypatch.setenv(nccl.NONBLOCKING_INIT_ENV, "1")
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    transport = cpu_transport(None)
+    library.install(monkeypatch, transport.nccl)
+    monkeypatch.setattr(sender_module, "make_transport", lambda *a, **k: transport)
+    return WeightSyncSender([server.url], "127.0.0.1", 0, timeout_s=1, backend="nccl"), transport
+
+
+def _formation_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "weight-sync-group" and t.is_alive()]
+
+
+def test_a_nonblocking_formation_is_aborted_at_its_deadline_and_leaves_no_thread(server, monkeypatch, caplog):
+    """The opt-in path: at init's deadline the formation is aborted (once, on the handle that
+    was forming), the thread polling it leaves, the sender is not stuck and may form again."""
+    library = FormingLibrary()
+    sender, transport = _nonblocking_sender(server, monkeypatch, library)
+    before = _formation_threads()
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError, match="timed out"):
+        sender.init([ServerInfo(server.url, "0.33.0", "nccl", 1)])
+    assert time.monotonic() - start < 1 + nccl.ABORT_LOCK_WAIT_S + 1
+    assert library.aborted == [FORMING] and library.polls > 2  # polled while forming, then aborted
+    assert not sender.stuck and not transport.stuck and transport.comm.closed and not transport.formed
+    assert _formation_threads() == before  # no thread left inside the formation
+    assert "aborting the non-blocking formation" in caplog.text
+    assert sorted(server.calls) == ["/init_weight_transfer_engine", "/shutdown_weight_transfer_engine"]
+    server.calls.clear()
+    transport.init_state()  # a fresh transport for the second attempt (make_transport makes one per init)
+    library.aborted, library.polls = [], 0
+    with pytest.raises(WeightSyncError, match="timed out") as again:  # forms again: not GroupStuck
+        sender.init([ServerInfo(server.url, "0.33.0", "nccl", 1)])
+    assert type(again.value) is WeightSyncError and "/init_weight_transfer_engine" in server.calls
+    assert library.aborted == [FORMING] and _formation_threads() == before
+    sender.close()
+
+
+def test_without_the_variable_the_formation_is_blocking_as_before(server, monkeypatch):
+    monkeypatch.delenv(nccl.NONBLOCKING_INIT_ENV, raising=False)
+    transport = cpu_transport(None)
+    assert not transport.nonblocking and not transport.formation_abortable
+    monkeypatch.setenv(nccl.NONBLOCKING_INIT_ENV, "0")
+    transport.init_state()
+    assert not transport.formation_abortable
+    monkeypatch.setenv(nccl.NONBLOCKING_INIT_ENV, "1")
+    transport.init_state()
+    assert transport.formation_abortable
+
+
+def test_a_nonblocking_formation_nccl_gives_up_on_is_a_weight_sync_error_at_once(server, monkeypatch):
+    library = FormingLibrary(fail_with=2)  # ncclSystemError while forming (a bootstrap failure)
+    sender, transport = _nonblocking_sender(server, monkeypatch, library)
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError, match="forming the weight-sync group failed: ncclCommInitRankConfig "
+                                              "failed: NCCL error 2"):
+        sender.init([ServerInfo(server.url, "0.33.0", "nccl", 1)])
+    assert time.monotonic() - start < 1  # NCCL's answer, not the deadline
+    assert library.aborted == [FORMING] and not sender.stuck
+    sender.close()
+
+
+def test_a_call_answering_in_progress_waits_until_the_communicator_settles(monkeypatch):
+    """Non-blocking mode: ncclBroadcast / ncclAllReduce may answer ncclInProgress; the binding
+    polls ncclCommGetAsyncError until it is not, and raises what it then says."""
+    lib = nccl.Nccl()
+    answers = iter([nccl.NCCL_IN_PROGRESS, nccl.NCCL_IN_PROGRESS, 0])
+    monkeypatch.setattr(lib, "async_error", lambda handle: next(answers))
+    lib.lib.ncclBroadcast = lambda *args: nccl.NCCL_IN_PROGRESS
+    lib.broadcast(0, 1, "float32", 0, FORMING, 0)
+    assert next(answers, "drained") == "drained"  # polled until it settled, not once more
+    answers = iter([nccl.NCCL_IN_PROGRESS, 6])
+    lib.lib.ncclAllReduce = lambda *args: nccl.NCCL_IN_PROGRESS
+    lib.lib.ncclGetLastError = lambda comm: b"a peer went away"
+    with pytest.raises(nccl.NcclError, match="ncclAllReduce failed: NCCL error 6: remote process exited"):
+        lib.all_reduce_sum(0, 1, "float32", FORMING, 0)
+
+
+def test_an_abort_answering_in_progress_is_not_polled(monkeypatch):
+    """NCCL frees an aborted communicator on its own thread (commReclaim): an abort that
+    answers ncclInProgress has started, and the handle is not touched again."""
+    lib = nccl.Nccl()
+    monkeypatch.setattr(lib, "async_error", lambda handle: pytest.fail("polled an aborted communicator"))
+    lib.lib.ncclCommAbort = lambda comm: nccl.NCCL_IN_PROGRESS
+    lib.abort(FORMING)
+    lib.lib.ncclCommAbort = lambda comm: 3
+    with pytest.raises(nccl.NcclError, match="ncclCommAbort failed: NCCL error 3"):
+        lib.abort(FORMING)

@@ -28,10 +28,18 @@ ends the process with exit code 75.
 
 Forming a group (ncclCommInitRank) blocks until every rank joins and cannot be aborted:
 a thread left inside it at the round's deadline stays there, and the process exits 75
-without waiting for it (sender.py). NCCL's non-blocking mode (ncclCommInitRankConfig with
-`blocking = 0`, polled with ncclCommGetAsyncError, aborted at the deadline) would end the
-formation itself, but then every later call may answer ncclInProgress and must be polled
-too, and none of that runs without CUDA: not done until it can be tested on a GPU.
+without waiting for it (sender.py). Opt-in, `RLHF_NCCL_NONBLOCKING_INIT=1` (read by
+NcclTransport.connect), forms it with NCCL's non-blocking mode instead: ncclCommInitRankConfig
+with a config of `blocking = 0` returns at once (ncclInProgress), `Communicator.wait_formed`
+polls ncclCommGetAsyncError (taking the lock only for each poll), and an abort at the
+deadline ends the formation: NCCL's ncclCommAbort sets the communicator's abort flag and
+then joins the init thread (src/init.cc: "init thread must be joined before we destroy the
+comm, and we should ignore the init error here"), so no thread is left inside NCCL, the
+group is not stuck, and the round fails as any failed round does. In that mode any later
+call may answer ncclInProgress; `Nccl` polls ncclCommGetAsyncError until it is not before
+returning, so callers see the same blocking calls. Not the default until measured on a GPU
+(bench/gpu_check_pair.py, `failures`). `NcclConfig` says why the config struct declares
+only its first four fields.
 """
 
 from __future__ import annotations
@@ -53,6 +61,43 @@ class NcclUniqueId(ctypes.Structure):
     _fields_ = [("internal", ctypes.c_byte * UNIQUE_ID_BYTES)]
 
 
+NONBLOCKING_INIT_ENV = "RLHF_NCCL_NONBLOCKING_INIT"
+"""`1`: form the weight-sync group in NCCL's non-blocking mode, abortable at the round's
+deadline (module docstring); anything else: ncclCommInitRank, as before."""
+NCCL_API_MAGIC = 0xCAFEBEEF  # nccl.h NCCL_API_MAGIC
+NCCL_VERSION_2_14 = 21400  # nccl.h NCCL_VERSION(2, 14, 0): the release that added `blocking`
+
+
+class NcclConfig(ctypes.Structure):
+    """The head of nccl.h's ncclConfig_t: `size`, `magic`, `version`, `blocking`, the only
+    fields we set, declared alone so one struct fits every release we load (2.30.x here,
+    2.28.9 on the GPU machine, whose ncclConfig_t are longer and differ in their tails).
+
+    Why NCCL accepts it (src/init.cc `parseCommConfig`, the same in v2.14.3, v2.28.9 and
+    v2.30.7): it starts from its own NCCL_CONFIG_INITIALIZER (every attribute "undefined"),
+    reads our first `size_t` as the struct's size, copies min(size, sizeof(its
+    ncclConfig_t)) bytes over it, refuses anything whose `magic` is not NCCL_API_MAGIC
+    ("ncclConfig_t argument not initialized via NCCL_CONFIG_INITIALIZER", invalid
+    argument), and resets to its defaults every attribute added after our `version`
+    (`if (version < NCCL_VERSION(2, 17, 0)) cgaClusterSize = default ...`). So `size` is
+    the end of `blocking` (20 bytes, not the padded sizeof 24: the 4 padding bytes would
+    land on cgaClusterSize), and `version` is 2.14.0, the release that added `blocking`:
+    an older library reads a shorter struct the same way, a newer one keeps its defaults
+    for everything we do not declare. tests/protocol/test_nccl_binding.py checks the
+    offsets and types against the installed nccl.h."""
+
+    _fields_ = [("size", ctypes.c_size_t), ("magic", ctypes.c_uint), ("version", ctypes.c_uint),
+                ("blocking", ctypes.c_int)]
+
+
+CONFIG_BYTES = NcclConfig.blocking.offset + ctypes.sizeof(ctypes.c_int)
+
+
+def nonblocking_config() -> NcclConfig:
+    """A config asking for a non-blocking communicator (NcclConfig)."""
+    return NcclConfig(size=CONFIG_BYTES, magic=NCCL_API_MAGIC, version=NCCL_VERSION_2_14, blocking=0)
+
+
 _result = ctypes.c_int  # ncclResult_t
 _comm = ctypes.c_void_p  # ncclComm_t
 _stream = ctypes.c_void_p  # cudaStream_t
@@ -70,6 +115,8 @@ FUNCTIONS: dict[str, tuple[object, list[object]]] = {
     "ncclGetVersion": (_result, [ctypes.POINTER(ctypes.c_int)]),
     "ncclGetUniqueId": (_result, [ctypes.POINTER(NcclUniqueId)]),
     "ncclCommInitRank": (_result, [ctypes.POINTER(_comm), ctypes.c_int, NcclUniqueId, ctypes.c_int]),
+    "ncclCommInitRankConfig": (_result, [ctypes.POINTER(_comm), ctypes.c_int, NcclUniqueId, ctypes.c_int,
+                                         ctypes.POINTER(NcclConfig)]),
     "ncclAllReduce": (_result, [_buffer, _buffer, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, _comm, _stream]),
     "ncclBroadcast": (_result, [_buffer, _buffer, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, _comm, _stream]),
     "ncclCommGetAsyncError": (_result, [_comm, ctypes.POINTER(_result)]),
@@ -78,6 +125,8 @@ FUNCTIONS: dict[str, tuple[object, list[object]]] = {
 
 NCCL_IN_PROGRESS = 7  # ncclInProgress: a non-blocking operation still running
 POLL_S = 0.05
+SETTLE_POLL_S = 0.001
+"""How often a call that answered ncclInProgress (non-blocking mode) polls until it settles."""
 """How often a wait polls the communicator's asynchronous error: a broken peer ends the
 round this long after NCCL notices it, not at the round's deadline."""
 ABORT_LOCK_WAIT_S = 2.0
@@ -100,6 +149,14 @@ class CommunicatorClosed(NcclError):
     def __init__(self, call: str):
         RuntimeError.__init__(self, f"{call}: the communicator was aborted")
         self.code = -1
+
+
+def _unique_id(unique_id: bytes) -> NcclUniqueId:
+    if len(unique_id) != UNIQUE_ID_BYTES:
+        raise ValueError(f"an NCCL unique id is {UNIQUE_ID_BYTES} bytes, got {len(unique_id)}")
+    uid = NcclUniqueId()
+    ctypes.memmove(ctypes.byref(uid), unique_id, UNIQUE_ID_BYTES)
+    return uid
 
 
 def library_path() -> str:
@@ -154,21 +211,43 @@ class Nccl:
     def comm_init_rank(self, world_size: int, unique_id: bytes, rank: int) -> int:
         """A communicator on the calling thread's current CUDA device (blocks until every
         rank has joined)."""
-        if len(unique_id) != UNIQUE_ID_BYTES:
-            raise ValueError(f"an NCCL unique id is {UNIQUE_ID_BYTES} bytes, got {len(unique_id)}")
-        uid = NcclUniqueId()
-        ctypes.memmove(ctypes.byref(uid), unique_id, UNIQUE_ID_BYTES)
+        uid = _unique_id(unique_id)
         comm = _comm()
         self._check("ncclCommInitRank", self.lib.ncclCommInitRank(ctypes.byref(comm), world_size, uid, rank))
         return comm.value
 
+    def comm_init_rank_nonblocking(self, world_size: int, unique_id: bytes, rank: int,
+                                   config: NcclConfig | None = None) -> int:
+        """Start forming a non-blocking communicator on the current CUDA device; returns its
+        handle at once, still forming (ncclInProgress): `Communicator.wait_formed` polls it,
+        `Communicator.abort` ends it. `config` defaults to `nonblocking_config()`."""
+        uid = _unique_id(unique_id)
+        comm = _comm()
+        config = config if config is not None else nonblocking_config()
+        code = self.lib.ncclCommInitRankConfig(ctypes.byref(comm), world_size, uid, rank, ctypes.byref(config))
+        if code not in (0, NCCL_IN_PROGRESS):
+            if comm.value:  # NCCL may leave a half-made communicator: free it, never leak a thread
+                with contextlib.suppress(NcclError):
+                    self.abort(comm.value)
+            self._check("ncclCommInitRankConfig", code)
+        return comm.value
+
+    def _settle(self, call: str, code: int, comm: int) -> None:
+        """A non-blocking communicator answers ncclInProgress while the call still runs, and
+        the next call on it must wait until its asynchronous error is no longer in progress:
+        wait here, so every call returns as it does in blocking mode (never in blocking mode)."""
+        while code == NCCL_IN_PROGRESS:
+            time.sleep(SETTLE_POLL_S)
+            code = self.async_error(comm)
+        self._check(call, code, comm)
+
     def all_reduce_sum(self, ptr: int, count: int, datatype: str, comm: int, stream: int) -> None:
-        self._check("ncclAllReduce", self.lib.ncclAllReduce(ptr, ptr, count, DATATYPES[datatype], SUM, comm,
-                                                            stream), comm)
+        self._settle("ncclAllReduce", self.lib.ncclAllReduce(ptr, ptr, count, DATATYPES[datatype], SUM, comm,
+                                                             stream), comm)
 
     def broadcast(self, ptr: int, count: int, datatype: str, root: int, comm: int, stream: int) -> None:
-        self._check("ncclBroadcast", self.lib.ncclBroadcast(ptr, ptr, count, DATATYPES[datatype], root, comm,
-                                                            stream), comm)
+        self._settle("ncclBroadcast", self.lib.ncclBroadcast(ptr, ptr, count, DATATYPES[datatype], root, comm,
+                                                             stream), comm)
 
     def async_error(self, comm: int) -> int:
         """The communicator's asynchronous error code (0: none; NCCL_IN_PROGRESS: busy)."""
@@ -177,8 +256,15 @@ class Nccl:
         return code.value
 
     def abort(self, comm: int) -> None:
-        """Free a communicator without waiting for its peers or its operations."""
-        self._check("ncclCommAbort", self.lib.ncclCommAbort(comm))
+        """Free a communicator without waiting for its peers or its operations. A non-blocking
+        communicator may answer ncclInProgress: the abort then goes on on NCCL's own thread,
+        and the handle is NOT polled: NCCL's abort job (src/init.cc `commReclaim`, launched
+        with destroyFlag, so src/group.cc never sets its asynchronous error again) frees the
+        communicator itself, and a poll could read it after that. No call reaches the
+        handle after an abort (Communicator.abort empties it)."""
+        code = self.lib.ncclCommAbort(comm)
+        if code != NCCL_IN_PROGRESS:
+            self._check("ncclCommAbort", code)
 
 
 class Communicator:
@@ -211,6 +297,21 @@ class Communicator:
             code = self.nccl.async_error(handle)
         if code not in (0, NCCL_IN_PROGRESS):
             raise NcclError(call, code, self.nccl.lib.ncclGetErrorString(code).decode(errors="replace"))
+
+    def wait_formed(self, poll_s: float = POLL_S) -> None:
+        """Wait until a non-blocking communicator has formed (its asynchronous error is no
+        longer ncclInProgress), taking the lock only for each poll, so an abort from another
+        thread (the round's deadline) gets in: the wait then raises `CommunicatorClosed`, and
+        a formation NCCL gave up on raises `NcclError`."""
+        while True:
+            with self.use("ncclCommInitRankConfig") as handle:
+                code = self.nccl.async_error(handle)
+            if code == 0:
+                return
+            if code != NCCL_IN_PROGRESS:
+                raise NcclError("ncclCommInitRankConfig", code,
+                                self.nccl.lib.ncclGetErrorString(code).decode(errors="replace"))
+            time.sleep(poll_s)
 
     def abort(self, lock_wait_s: float | None = None) -> bool:
         """Free the communicator without waiting for its peers or operations (idempotent).

@@ -54,7 +54,9 @@ retried with the servers, not exit 1); NCCL refusing to mint the unique id (no i
 may use: NCCL_SOCKET_IFNAME) is a `WeightSyncConfigError` (exit 2, naming spec.pod.env).
 The communicator is never aborted while a thread is inside an NCCL call on it (nccl.py): a
 failed round that leaves one there, or a formation whose thread is still inside
-ncclCommInitRank at the deadline (which nothing can abort), makes the sender `stuck`: no
+ncclCommInitRank at the deadline (which nothing can abort; with RLHF_NCCL_NONBLOCKING_INIT=1
+the formation is non-blocking, the deadline's abort ends it and the sender waits up to
+ABORT_LOCK_WAIT_S for its thread to leave: not stuck, nccl.py), makes the sender `stuck`: no
 group forms again in this process (no `reform`), the round calls `on_watchdog`
 (exit_process: 75) and raises `GroupStuck`.
 
@@ -228,8 +230,10 @@ class WeightSyncSender(IpcRounds):
             wait_all([*replies, connect], deadline)
         except BaseException as exc:
             group.close()
-            # ncclCommInitRank cannot be aborted: a thread still inside it stays there, and no
-            # group may form beside it (the trainer exits 75 without waiting for it: main.py)
+            if getattr(group, "formation_abortable", False):  # the abort ends the formation: let it leave
+                cf.wait([connect], timeout=nccl.ABORT_LOCK_WAIT_S)
+            # ncclCommInitRank cannot be aborted (the non-blocking formation can, above): a thread
+            # still inside it stays there, and no group may form beside it (exit 75: main.py)
             self.stuck = self.stuck or not connect.done() or group.stuck
             self._shutdown_servers()
             if isinstance(exc, nccl.NcclError):  # retryable, as a failed round is: exit 75, not 1

@@ -7,8 +7,10 @@ workers}, with the trainer as rank 0. Two transports behind one interface; the s
   `torch.cuda.nccl`, whose `init_rank` fails on Python <= 3.12). Rank 0 mints an
   `ncclUniqueId`, every server gets it as
   `init_info.nccl_unique_id_b64` (standard base64 of the 128 bytes), and all ranks call
-  `ncclCommInitRank` at the same time (there is no store barrier: the sender makes the
-  `/init_weight_transfer_engine` calls while `connect()` blocks). Right after init every
+  `ncclCommInitRank` (with RLHF_NCCL_NONBLOCKING_INIT=1 the non-blocking
+  `ncclCommInitRankConfig`, aborted at the deadline: nccl.py) at the same time (there is
+  no store barrier: the sender makes the `/init_weight_transfer_engine` calls while
+  `connect()` blocks). Right after init every
   vLLM worker issues a one-element float32 sum `all_reduce` (PyNcclCommunicator's
   warm-up), so `connect()` issues the matching one before anything else. Broadcasts run
   on the trainer's GPU, root = rank 0, on the caller's CUDA stream. No TCP rendezvous
@@ -31,6 +33,8 @@ from __future__ import annotations
 import base64
 import datetime
 import logging
+import os
+import threading
 from typing import Protocol
 
 import torch
@@ -83,6 +87,7 @@ class GlooTransport:
 
     backend = "gloo"
     stuck = False  # gloo's calls end at their timeout
+    formation_abortable = False
 
     def __init__(self, world_size: int, *, listen_host: str, listen_port: int, timeout_s: float):
         self.world_size = world_size
@@ -139,22 +144,56 @@ class NcclTransport:
         self.device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
         self.nccl = library or nccl.load()
         self.unique_id: bytes = self.nccl.unique_id()
-        self.comm: nccl.Communicator | None = None
         self.stream: torch.cuda.Stream | None = None
+        self.init_state()
+
+    def init_state(self) -> None:
+        """No communicator yet (also for tests that build the transport without CUDA)."""
+        self.comm: nccl.Communicator | None = None
+        self.nonblocking = os.environ.get(nccl.NONBLOCKING_INIT_ENV) == "1"
+        self.formed = False
+        self._closed = False
+        self._state = threading.Lock()  # connect's thread vs close's: who sees the handle first
+
+    @property
+    def formation_abortable(self) -> bool:
+        """Whether close() ends a formation still in progress (the non-blocking mode), so the
+        thread in connect() leaves it (the sender waits for that thread, not stuck)."""
+        return self.nonblocking
 
     def rendezvous(self) -> dict:
         return nccl_rendezvous(self.unique_id)
 
     def connect(self) -> None:
-        log.info("joining the weight-transfer NCCL group as rank 0 of %d on %s (NCCL %s from %s)",
-                 self.world_size, self.device, ".".join(map(str, self.nccl.version())), self.nccl.path)
+        self.nonblocking = os.environ.get(nccl.NONBLOCKING_INIT_ENV) == "1"
+        log.info("joining the weight-transfer NCCL group as rank 0 of %d on %s (NCCL %s from %s, %s formation)",
+                 self.world_size, self.device, ".".join(map(str, self.nccl.version())), self.nccl.path,
+                 "non-blocking" if self.nonblocking else "blocking")
         with torch.cuda.device(self.device):  # ncclCommInitRank binds the current device
-            self.comm = nccl.Communicator(self.nccl, self.nccl.comm_init_rank(self.world_size, self.unique_id, 0))
+            if self.nonblocking:
+                self._form_nonblocking()
+            else:
+                self.comm = nccl.Communicator(self.nccl,
+                                              self.nccl.comm_init_rank(self.world_size, self.unique_id, 0))
+            self.formed = True
             warmup = torch.zeros(1, dtype=torch.float32, device=self.device)
             stream = torch.cuda.current_stream(self.device)
             with self.comm.use("ncclAllReduce") as handle:  # vLLM's warm-up
                 self.nccl.all_reduce_sum(warmup.data_ptr(), 1, "float32", handle, stream.cuda_stream)
             self._wait(stream, "the weight-sync warm-up all_reduce")
+
+    def _form_nonblocking(self) -> None:
+        """ncclCommInitRankConfig (blocking = 0), then poll until formed; a close() from the
+        sender at the round's deadline aborts it and the wait raises CommunicatorClosed."""
+        handle = self.nccl.comm_init_rank_nonblocking(self.world_size, self.unique_id, 0)
+        with self._state:
+            comm = nccl.Communicator(self.nccl, handle)
+            if not self._closed:
+                self.comm = comm
+        if self.comm is not comm:  # closed while NCCL started: end it here
+            comm.abort()
+            raise nccl.CommunicatorClosed("ncclCommInitRankConfig")
+        comm.wait_formed()
 
     def use_stream(self, stream: torch.cuda.Stream) -> None:
         """Issue the broadcasts on `stream` (the stream the buckets are packed on)."""
@@ -188,8 +227,14 @@ class NcclTransport:
 
     def close(self) -> None:
         """Abort the communicator: frees it without waiting for peers that may be gone; not
-        while a thread is inside an NCCL call on it (then `stuck`: nccl.Communicator.abort)."""
+        while a thread is inside an NCCL call on it (then `stuck`: nccl.Communicator.abort).
+        In the non-blocking mode this also ends a formation still in progress."""
+        with self._state:
+            self._closed = True
         if self.comm is not None:
+            if not self.formed and self.nonblocking:
+                log.error("the weight-sync NCCL group did not form: aborting the non-blocking formation "
+                          "(ncclCommAbort); no thread is left inside NCCL")
             try:
                 if not self.comm.abort():
                     log.error("a thread is still inside an NCCL call on the weight-sync communicator after %.0f s: "
