@@ -185,11 +185,19 @@ def junit_summary(path: str) -> dict:
     return {**counts, "failed": failed}
 
 
+def sigint_default() -> None:
+    """In a child, before exec: SIGINT at its default. A command started in the background by a
+    shell (as a device call or CI may start us) inherits SIGINT ignored, and then the Ctrl-C
+    that should end a cut run (pytest writing its report, local mode stopping its processes)
+    does nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_cut(command: list[str], cwd: str, timeout_s: float) -> tuple[str, int | None, bool]:
     """Run `command`; past `timeout_s`, Ctrl-C (pytest then ends its session and writes its
     reports), and 15 s later a kill. (output, exit code, whether it was cut)."""
     proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=sigint_default)
     try:
         log, _ = proc.communicate(timeout=timeout_s)
         return log, proc.returncode, False
@@ -235,7 +243,7 @@ def part_demo() -> dict:
     box_end = float(os.environ.get("GPU_CHECK_DEADLINE", time.time() + DEMO_TIMEOUT_S + 20))
     timeout = max(10.0, min(DEMO_TIMEOUT_S, box_end - time.time() - 30))
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=sigint_default)
     try:
         log, _ = proc.communicate(timeout=timeout)
         finished = True

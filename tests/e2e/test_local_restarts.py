@@ -28,12 +28,16 @@ pytestmark = pytest.mark.slow
 
 def _start(out: Path, *overrides: str) -> subprocess.Popen:
     args = [a for item in (*SMALL, *overrides) for a in ("--set", item)]
+    # SIGINT at its default, so _stop's Ctrl-C reaches it: a shell's background job (as CI may run
+    # us) starts with SIGINT ignored, which every child inherits (test_local_mode.py does the same)
     return subprocess.Popen([sys.executable, "-m", "rlhf_launcher.cli", "run", str(EXAMPLE), "--output", str(out),
-                             *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _stop(run: subprocess.Popen) -> None:
-    """Ctrl-C the run (it stops its processes, each in its own session), then kill it."""
+    """Ctrl-C the run (it stops its processes, each in its own session), then kill it, and
+    then whatever it left running (a killed launcher cannot stop its children)."""
     if run.poll() is None:
         run.send_signal(signal.SIGINT)
         try:
@@ -41,6 +45,11 @@ def _stop(run: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             run.kill()
             run.wait()
+    for pid in _pids("", Path(run.args[run.args.index("--output") + 1])):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 def _steps(out: Path) -> list[int]:
