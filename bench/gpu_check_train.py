@@ -193,9 +193,11 @@ def sigint_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def run_cut(command: list[str], cwd: str, timeout_s: float) -> tuple[str, int | None, bool]:
+def run_cut(command: list[str], cwd: str | None, timeout_s: float,
+            grace_s: float = 15) -> tuple[str, int | None, bool]:
     """Run `command`; past `timeout_s`, Ctrl-C (pytest then ends its session and writes its
-    reports), and 15 s later a kill. (output, exit code, whether it was cut)."""
+    reports; local mode stops its servers and trainer), and `grace_s` later a kill of its
+    process group. (output, exit code, whether it was cut)."""
     proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, preexec_fn=sigint_default)
     try:
@@ -204,7 +206,7 @@ def run_cut(command: list[str], cwd: str, timeout_s: float) -> tuple[str, int | 
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGINT)
         try:
-            log, _ = proc.communicate(timeout=15)
+            log, _ = proc.communicate(timeout=grace_s)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             log, _ = proc.communicate()
@@ -242,29 +244,18 @@ def part_demo() -> dict:
                "--output", out, "--overwrite"]
     box_end = float(os.environ.get("GPU_CHECK_DEADLINE", time.time() + DEMO_TIMEOUT_S + 20))
     timeout = max(10.0, min(DEMO_TIMEOUT_S, box_end - time.time() - 30))
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, preexec_fn=sigint_default)
-    try:
-        log, _ = proc.communicate(timeout=timeout)
-        finished = True
-    except subprocess.TimeoutExpired:  # Ctrl-C: local mode stops its servers and trainer (their own sessions)
-        proc.send_signal(signal.SIGINT)
-        try:
-            log, _ = proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            log, _ = proc.communicate()
-        finished = False
+    log, code, cut = run_cut(command, None, timeout, grace_s=20)
+    finished = not cut
     path = os.path.join(out, "metrics.jsonl")
     rows = [json.loads(line) for line in open(path).read().splitlines()] if os.path.exists(path) else []
     first = sum(r["reward_mean"] for r in rows[:10]) / max(len(rows[:10]), 1)
     last = sum(r["reward_mean"] for r in rows[-10:]) / max(len(rows[-10:]), 1)
     gpu = max((r.get("peak_gpu_memory_bytes") or 0 for r in rows), default=0)
-    table = [{"steps": len(rows), "finished": finished, "exit code": proc.returncode,
+    table = [{"steps": len(rows), "finished": finished, "exit code": code,
               "reward first 10": round(first, 3), "reward last 10": round(last, 3),
               "step seconds (mean)": round(sum(r["step_seconds"] for r in rows) / max(len(rows), 1), 3),
               "peak GPU GiB": round(gpu / GIB, 3)}]
-    ok = bool(rows) and gpu > 0 and (proc.returncode == 0 or not finished)
+    ok = bool(rows) and gpu > 0 and (code == 0 or not finished)
     return {"status": "ok" if ok else "failed", "tables": {"demo job": table}, "log_tail": (log or "")[-2000:],
             "summary": f"{len(rows)} steps ({'done' if finished else f'cut at {timeout:.0f} s'}), "
                        f"reward {first:.2f} -> {last:.2f}, "

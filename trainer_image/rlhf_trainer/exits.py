@@ -9,7 +9,9 @@ It decides no code itself: the numbers and what they mean live in the contract."
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from pathlib import Path
 
 from rlhf_contract.exit_codes import ExitCode
@@ -53,3 +55,23 @@ def write_termination_message(message: str) -> None:
                 f.write(redact_text(message)[:4000])
     except OSError:
         pass
+
+
+class ConfigErrorExit(SystemExit):
+    """A failure only the spec can fix, found while running: exit code 2 (the job fails at
+    once, no restart); `str()` says why and what to set."""
+
+    def __init__(self, message: str):
+        super().__init__(ExitCode.CONFIG_ERROR)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+    @classmethod
+    def reported(cls, message: str):
+        """The error, its message logged and printed first (the process then exits with code 2,
+        which prints nothing: this line is what reaches the pod's log)."""
+        logging.getLogger(cls.__module__).error("%s", message)
+        print(f"ERROR: {message}", file=sys.stderr, flush=True)
+        return cls(message)

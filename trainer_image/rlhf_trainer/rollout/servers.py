@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import logging
 import re
-import sys
 from dataclasses import dataclass
 
 import httpx
 
-from rlhf_contract.exit_codes import ExitCode
 
+from ..exits import ConfigErrorExit
 from .client import RolloutClient, RolloutError
 
 log = logging.getLogger(__name__)
@@ -45,23 +44,8 @@ class ServerInfo:
     nccl: tuple[int, int, int] | None = None  # the NCCL wheel in the server's `pip list`; None: not listed
 
 
-class RolloutImageError(SystemExit):
+class RolloutImageError(ConfigErrorExit):
     """A rollout server cannot take part in weight transfer: exit code 2, `str()` says why."""
-
-    def __init__(self, message: str):
-        super().__init__(ExitCode.CONFIG_ERROR)
-        self.message = message
-
-    def __str__(self) -> str:
-        return self.message
-
-    @classmethod
-    def reported(cls, message: str) -> RolloutImageError:
-        """The error, its message logged and printed first (the process then exits with code 2,
-        which prints nothing: this line is what reaches the pod's log)."""
-        log.error("%s", message)
-        print(f"ERROR: {message}", file=sys.stderr, flush=True)
-        return cls(message)
 
 
 def handshake(endpoints: list[str], *, startup_timeout_s: float, request_timeout_s: float = 60.0) -> list[ServerInfo]:

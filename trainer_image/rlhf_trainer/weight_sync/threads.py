@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from rlhf_contract.exit_codes import ExitCode
 
-from ..exits import mark_exit_code
+from ..exits import ConfigErrorExit, mark_exit_code
 
 
 class WeightSyncError(RuntimeError):
@@ -27,22 +27,9 @@ class GroupStuck(WeightSyncError):
     server replacement); the process exits 75 and the job restarts with its servers."""
 
 
-class WeightSyncConfigError(SystemExit):
+class WeightSyncConfigError(ConfigErrorExit):
     """A weight-sync failure that only the spec can fix (an NCCL_SOCKET_IFNAME naming no
     interface of the pod): exit code 2, the job fails at once; `str()` says what to set."""
-
-    def __init__(self, message: str):
-        super().__init__(ExitCode.CONFIG_ERROR)
-        self.message = message
-
-    def __str__(self) -> str:
-        return self.message
-
-    @classmethod
-    def reported(cls, message: str) -> WeightSyncConfigError:
-        """The error, its message printed first (an exit with code 2 prints nothing)."""
-        print(f"ERROR: {message}", file=sys.stderr, flush=True)
-        return cls(message)
 
 
 class Watchdog:
